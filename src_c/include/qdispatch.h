@@ -1,0 +1,145 @@
+/* qdispatch.h: the public C interface of the qdispatch kernels.
+ *
+ * C99, no Python or CUDA headers.  Every entry point validates its arguments
+ * and returns a qd_status; none aborts on bad input.  All arrays are
+ * row-major and C-contiguous.  The only global state is the ISA choice and
+ * the thread count.
+ */
+#ifndef QDISPATCH_H
+#define QDISPATCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- backends ---- */
+typedef enum qd_backend { QD_BACKEND_REFERENCE = 0, QD_BACKEND_CPU = 1, QD_BACKEND_CUDA = 2, QD_BACKEND_COUNT = 3 } qd_backend;
+
+/* ---- status ---- */
+typedef enum qd_status {
+    QD_OK = 0,
+    QD_ERR_NULL = 1,              /* a required pointer is NULL */
+    QD_ERR_SHAPE = 2,             /* a dimension is <= 0, or a block does not divide its dim */
+    QD_ERR_ARGUMENT = 3,          /* an enum or size argument is out of range */
+    QD_ERR_SCHEME = 4,            /* unknown value kind / scale dtype / bit width */
+    QD_ERR_ISA_NOT_BUILT = 5,     /* the ISA's kernels are not compiled into this library */
+    QD_ERR_ISA_NOT_SUPPORTED = 6, /* this CPU (or OS) does not support the ISA */
+    QD_ERR_NO_MEMORY = 7,
+    QD_ERR_K_TOO_LARGE = 8,       /* K > QD_INT_MATMUL_MAX_K: int32 could overflow */
+    QD_ERR_NOT_FINITE = 9,        /* NaN or Inf in an input that is quantized */
+    QD_ERR_SCALE_OVERFLOW = 10,   /* a scale does not fit its scale dtype */
+    QD_ERR_CUDA_UNAVAILABLE = 11, /* CUDA not built, or no device */
+    QD_ERR_CUDA = 12              /* a CUDA runtime call failed */
+} qd_status;
+
+/* A short English sentence for a status; never NULL. */
+const char *qd_status_string(qd_status status);
+
+/* Largest K for which an int8 x int8 dot product is exact in int32:
+ * 131071 * 128 * 128 < 2^31 <= 131072 * 128 * 128. */
+#define QD_INT_MATMUL_MAX_K 131071
+
+/* ---- instruction sets ---- */
+typedef enum qd_isa {
+    QD_ISA_SCALAR = 0,
+    QD_ISA_AVX2 = 1,
+    QD_ISA_AVXVNNI = 2,
+    QD_ISA_AVX512VNNI = 3,
+    QD_ISA_NEON_DOTPROD = 4,
+    QD_ISA_COUNT = 5
+} qd_isa;
+
+/* "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod"; "?" if out of range. */
+const char *qd_isa_name(qd_isa isa);
+/* Parses a name as returned by qd_isa_name (case-insensitive). */
+qd_status qd_isa_from_name(const char *name, qd_isa *out);
+/* 1 if the ISA's kernels are compiled into this library. */
+int qd_isa_built(qd_isa isa);
+/* 1 if this CPU and OS can run the ISA (cpuid + xgetbv, detected once). */
+int qd_isa_supported(qd_isa isa);
+/* The ISA in use: the override if one is set, else the best built and supported. */
+qd_isa qd_isa_active(void);
+/* Forces an ISA; fails unless built and supported. */
+qd_status qd_isa_set(qd_isa isa);
+/* Drops the override: back to the best built and supported ISA. */
+void qd_isa_reset(void);
+
+/* ---- threads ---- */
+/* n <= 0 restores the default (the number of processors). */
+void qd_set_num_threads(int n);
+int qd_get_num_threads(void);
+
+/* ---- quantization ---- */
+typedef enum qd_value { QD_Q8S = 0, QD_Q8F = 1, QD_Q4S = 2, QD_Q4F = 3, QD_Q2S = 4, QD_Q2F = 5 } qd_value;
+typedef enum qd_scale_dtype { QD_SCALE_F32 = 0, QD_SCALE_F16 = 1, QD_SCALE_BF16 = 2 } qd_scale_dtype;
+
+/* Quantizes x [rows, cols] in blocks of [block_rows, block_cols]:
+ *   scale = (2*amax)/(b - a) in float32, stored in scale_dtype rounded up
+ *   (1.0 for an all-zero block); q = clamp(rint(x / scale), a, b) with an
+ *   IEEE float32 division and round half to even.
+ * scales: [rows/block_rows, cols/block_cols] float32 (the stored values).
+ * bad_index (optional): on QD_ERR_NOT_FINITE, the flat index of the first
+ * NaN/Inf; on QD_ERR_SCALE_OVERFLOW, the flat index of the offending scale. */
+qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                          int64_t block_rows, int64_t block_cols, int scale_dtype,
+                          float *scales, int8_t *q, int64_t *bad_index);
+
+/* ---- packed weights ---- */
+typedef struct qd_packed_weights qd_packed_weights;
+
+/* w: [N, K] int8 (nn.Linear layout), values in range for `bits` (8, 4 or 2);
+ * scales: [N/block_n, K/block_k] float32 (may be NULL: all ones). */
+qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
+                          const float *scales, int64_t block_n, int64_t block_k,
+                          qd_packed_weights **out);
+void qd_packed_weights_free(qd_packed_weights *pw);
+/* Bytes held by the packed weights (panels + scales). 0 for NULL. */
+size_t qd_packed_weights_nbytes(const qd_packed_weights *pw);
+/* Shape and format of packed weights; any out pointer may be NULL. */
+qd_status qd_packed_weights_info(const qd_packed_weights *pw, int64_t *N, int64_t *K, int *bits,
+                                 int64_t *block_n, int64_t *block_k);
+/* Writes back the exact inputs: w_out [N, K], scales_out [N/block_n, K/block_k]
+ * (either may be NULL to skip it). */
+qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *scales_out);
+
+/* ---- integer matmul (exact) ---- */
+/* c[M, N] = a[M, K] @ b[K, N] in int32; K <= QD_INT_MATMUL_MAX_K. */
+qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *b, int64_t N,
+                           int32_t *c);
+/* c[m, n] = sum_k a[m, k] * w[n, k] against packed weights (scales ignored). */
+qd_status qd_int_matmul_packed(const int8_t *a, int64_t M, int64_t K,
+                               const qd_packed_weights *w, int32_t *c);
+
+/* ---- quantized matmuls (float32 out) ---- */
+/* out[m, n] = sum over K-groups g of (a_scale(m, g) * w_scale(n, g)) * exact int32 dot
+ * of the group; groups are gcd(a_block_k, w_block_k) long (split further if needed
+ * to keep int32 exact). a_scales: [M/a_block_m, K/a_block_k]. */
+qd_status qd_qq_matmul(const int8_t *a, int64_t M, int64_t K, const float *a_scales,
+                       int64_t a_block_m, int64_t a_block_k, const qd_packed_weights *w,
+                       float *out);
+/* Weight-only: out[M, N] = x[M, K] @ dequantize(w).T with float32 accumulation. */
+qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed_weights *w,
+                           float *out);
+/* W8A8: quantizes x in blocks of [1, act_block_k] (float32 scales, same math as
+ * qd_quantize_f32), then runs the qq kernel. */
+qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value_kind,
+                             int64_t act_block_k, const qd_packed_weights *w, float *out);
+
+/* ---- half-precision conversions (uint16 bit patterns, round to nearest even) ---- */
+qd_status qd_convert_f16_to_f32(const uint16_t *src, int64_t n, float *dst);
+qd_status qd_convert_bf16_to_f32(const uint16_t *src, int64_t n, float *dst);
+qd_status qd_convert_f32_to_f16(const float *src, int64_t n, uint16_t *dst);
+qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst);
+
+/* ---- CUDA entry points (see qd_cuda_available) ---- */
+/* Filled in by the CUDA backend. */
+/* ---- end CUDA ---- */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* QDISPATCH_H */
