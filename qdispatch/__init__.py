@@ -1,0 +1,33 @@
+"""qdispatch: quantized tensors that know which backend they live on.
+
+    >>> import numpy as np, qdispatch as qd
+    >>> w = qd.quantize(np.random.randn(64, 32).astype(np.float32), qd.QuantScheme("q8s", axis=0))
+    >>> y = qd.linear(np.random.randn(4, 32).astype(np.float32), w)
+    >>> y.shape
+    (4, 64)
+"""
+from ._version import __version__
+from ._core import BackendKind, Device, QTensor, Tensor, int_matmul, linear, q_matmul
+from .errors import (BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
+                     KernelError, NonFiniteError, QDispatchError, QuantSchemeError,
+                     ScaleOverflowError, ShapeError, WrongBackendError)
+from .scheme import QuantScheme
+from .backends import reference as _reference  # noqa: F401  (registers the backend)
+from .backends import cpu as _cpu_backend  # noqa: F401
+from .backends import cuda as _cuda_backend  # noqa: F401
+from .policy import default_device, set_default_backend, transfer_policy
+from .tensor_api import dequantize, from_dlpack, quantize, qtensor_from_parts, tensor
+from .info import available_backends, get_include, get_library_dir, info, set_isa, \
+    set_num_threads, get_num_threads
+
+__all__ = [
+    "__version__", "BackendKind", "Device", "QTensor", "Tensor", "QuantScheme",
+    "quantize", "dequantize", "tensor", "from_dlpack", "qtensor_from_parts",
+    "q_matmul", "int_matmul", "linear",
+    "transfer_policy", "set_default_backend", "default_device",
+    "info", "available_backends", "get_include", "get_library_dir",
+    "set_isa", "set_num_threads", "get_num_threads",
+    "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
+    "QuantSchemeError", "ShapeError", "NonFiniteError", "ScaleOverflowError",
+    "BackendUnavailableError", "KernelError",
+]

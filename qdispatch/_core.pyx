@@ -1,0 +1,315 @@
+# cython: language_level=3
+"""Backend kinds, devices, the tensor types and the dispatch table.
+
+The backend kind is the C enum `qd_backend` of qdispatch.h (defined there and
+nowhere else).  Every tensor stores it in a C field, and the dispatcher checks
+that two operands share a device with two C integer compares before it looks
+the backend up in a C-indexed table."""
+from enum import IntEnum
+
+from .errors import (BackendMismatchError, BackendUnavailableError,
+                     DeviceMismatchError, QDispatchError)
+
+cdef extern from "qdispatch.h":
+    cpdef enum qd_backend:
+        QD_BACKEND_REFERENCE
+        QD_BACKEND_CPU
+        QD_BACKEND_CUDA
+        QD_BACKEND_COUNT
+
+
+class BackendKind(IntEnum):
+    """The backend kinds, with the values of the C enum `qd_backend`."""
+    REFERENCE = QD_BACKEND_REFERENCE
+    CPU = QD_BACKEND_CPU
+    CUDA = QD_BACKEND_CUDA
+
+
+KIND_NAMES = {int(k): k.name.lower() for k in BackendKind}
+_KIND_BY_NAME = {v: k for k, v in KIND_NAMES.items()}
+# Transfers under transfer="auto" move data towards the faster backend.
+_SPEED_RANK = {QD_BACKEND_REFERENCE: 0, QD_BACKEND_CPU: 1, QD_BACKEND_CUDA: 2}
+
+# The dispatch table: one backend object per kind, registered by each backend's
+# module; the dispatcher never changes when a backend is added.
+cdef list _table = [None] * QD_BACKEND_COUNT
+
+
+def register_backend(backend):
+    """Install `backend` (an object with `kind`, `name` and the kernel methods)."""
+    _table[int(backend.kind)] = backend
+
+
+cdef object backend_of(int kind):
+    return _table[kind]
+
+
+def get_backend(kind):
+    """The registered backend object for a kind (an int, BackendKind or name)."""
+    if isinstance(kind, str):
+        if kind not in _KIND_BY_NAME:
+            raise ValueError(f"Unknown backend {kind!r}: expected one of {', '.join(_KIND_BY_NAME)}")
+        kind = _KIND_BY_NAME[kind]
+    backend = _table[int(kind)]
+    if backend is None:
+        raise BackendUnavailableError(f"The {KIND_NAMES[int(kind)]} backend is not registered")
+    return backend
+
+
+cdef bint same_device(TensorBase a, TensorBase b) noexcept:
+    return a.kind == b.kind and a.index == b.index
+
+
+cdef class Device:
+    """A (backend kind, index) pair: 'cpu', 'reference', 'cuda', 'cuda:1'."""
+
+    def __cinit__(self, int kind, int index=0):
+        if not 0 <= kind < QD_BACKEND_COUNT:
+            raise ValueError(f"Unknown backend kind {kind}")
+        if index < 0:
+            raise ValueError(f"Device index must be >= 0, got {index}")
+        self.kind = kind
+        self.index = index
+
+    @staticmethod
+    def parse(spec):
+        """Accept a Device, 'cpu', 'reference', 'cuda', 'cuda:N' or a BackendKind."""
+        if isinstance(spec, Device):
+            return spec
+        if isinstance(spec, int):
+            return Device(int(spec), 0)
+        if not isinstance(spec, str):
+            raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got {spec!r}")
+        name, _, idx = spec.strip().lower().partition(":")
+        if name not in _KIND_BY_NAME:
+            raise ValueError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'")
+        if idx and not idx.isdigit():
+            raise ValueError(f"Bad device index in {spec!r}: expected e.g. 'cuda:0'")
+        return Device(_KIND_BY_NAME[name], int(idx) if idx else 0)
+
+    @property
+    def backend(self):
+        return KIND_NAMES[self.kind]
+
+    @property
+    def is_host(self):
+        return self.kind != QD_BACKEND_CUDA
+
+    def __str__(self):
+        if self.kind == QD_BACKEND_CUDA:
+            return f"cuda:{self.index}"
+        return KIND_NAMES[self.kind] if self.index == 0 else f"{KIND_NAMES[self.kind]}:{self.index}"
+
+    def __repr__(self):
+        return f"Device({str(self)!r})"
+
+    def __eq__(self, other):
+        if isinstance(other, str):
+            try:
+                other = Device.parse(other)
+            except (TypeError, ValueError):
+                return False
+        if not isinstance(other, Device):
+            return NotImplemented
+        return self.kind == (<Device>other).kind and self.index == (<Device>other).index
+
+    def __hash__(self):
+        return hash((self.kind, self.index))
+
+
+cdef class TensorBase:
+    """What every tensor has: a device (kind + index, as C ints) and a shape."""
+
+    @property
+    def device(self):
+        return Device(self.kind, self.index)
+
+    @property
+    def backend(self):
+        return KIND_NAMES[self.kind]
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def __matmul__(self, other):
+        return q_matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return q_matmul(other, self)
+
+
+cdef class Tensor(TensorBase):
+    """A dense tensor (float32/float16/bfloat16, or int8/int32) on a device.
+
+    On host devices the payload is a numpy array and `np.asarray(t)` shares its
+    memory; on CUDA it is device memory.  Both speak DLPack."""
+
+    def __cinit__(self, payload, str dtype, tuple shape, int kind, int index=0):
+        self.payload = payload
+        self.dtype = dtype
+        self.shape = shape
+        self.kind = kind
+        self.index = index
+
+    def __array__(self, dtype=None, copy=None):
+        from . import tensor_api
+        return tensor_api.tensor_array(self, dtype, copy)
+
+    def numpy(self):
+        """A host numpy array of the values (a copy from device memory on CUDA)."""
+        from . import tensor_api
+        return tensor_api.tensor_numpy(self)
+
+    def to(self, device):
+        from . import tensor_api
+        return tensor_api.tensor_to(self, device)
+
+    def __dlpack__(self, *args, **kwargs):
+        return backend_of(self.kind).dlpack(self, *args, **kwargs)
+
+    def __dlpack_device__(self):
+        return backend_of(self.kind).dlpack_device(self)
+
+    @property
+    def T(self):
+        from . import tensor_api
+        return tensor_api.tensor_transpose(self)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, device='{self.device}')"
+
+
+cdef class QTensor(TensorBase):
+    """Quantized values + scales + logical shape + scheme + device.
+
+    Storage belongs to the backend (it may keep pre-packed weight panels);
+    `.values` and `.scales` always give the logical values as numpy arrays."""
+
+    def __cinit__(self, storage, layout, bint transposed, int kind, int index=0):
+        self.storage = storage
+        self.layout = layout
+        self.transposed = transposed
+        self.kind = kind
+        self.index = index
+        self.shape = tuple(layout.logical_shape(transposed))
+
+    @property
+    def scheme(self):
+        return self.layout.logical_scheme(self.transposed)
+
+    @property
+    def values(self):
+        from . import tensor_api
+        return tensor_api.qtensor_values(self)
+
+    @property
+    def scales(self):
+        from . import tensor_api
+        return tensor_api.qtensor_scales(self)
+
+    @property
+    def nbytes(self):
+        from . import tensor_api
+        return tensor_api.qtensor_nbytes(self)
+
+    def dequantize(self, dtype="float32"):
+        from . import tensor_api
+        return tensor_api.dequantize(self, dtype)
+
+    def to(self, device):
+        from . import tensor_api
+        return tensor_api.qtensor_to(self, device)
+
+    @property
+    def T(self):
+        """A free transpose of the last two dims (block dims swap with them)."""
+        if len(self.shape) < 2:
+            return self
+        return QTensor(self.storage, self.layout, not self.transposed, self.kind, self.index)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __repr__(self):
+        return (f"QTensor(shape={self.shape}, scheme={self.scheme!r}, "
+                f"device='{self.device}', nbytes={self.nbytes})")
+
+
+# ---- dispatch -----------------------------------------------------------------
+
+def _operand(x, TensorBase other):
+    """Tensors pass through; numpy arrays (or anything array-like) become host
+    data on the other operand's device when that is a host device."""
+    if isinstance(x, TensorBase):
+        return x
+    from . import tensor_api
+    return tensor_api.as_host_operand(x, other)
+
+
+cdef tuple _reconcile(str op, TensorBase lhs, TensorBase rhs, transfer):
+    """Called only when the devices differ: apply the transfer policy or raise."""
+    from . import policy
+    mode = policy.resolve(transfer)
+    if mode == "error":
+        ld, rd = str(lhs.device), str(rhs.device)
+        if lhs.kind != rhs.kind:
+            raise BackendMismatchError(
+                f"{op} inputs are on different backends: lhs is on {ld!r}, rhs is on {rd!r}. "
+                f"Move one operand first (rhs.to({ld!r}) or lhs.to({rd!r})), or pass transfer='auto'.")
+        raise DeviceMismatchError(
+            f"{op} inputs are on different devices of the {lhs.backend} backend: lhs is on {ld!r}, "
+            f"rhs is on {rd!r}. Move one operand first (rhs.to({ld!r}) or lhs.to({rd!r})), "
+            f"or pass transfer='to_lhs'.")
+    if mode == "auto":
+        mode = "to_rhs" if _SPEED_RANK[rhs.kind] > _SPEED_RANK[lhs.kind] else "to_lhs"
+    if mode == "to_lhs":
+        return lhs, rhs.to(lhs.device)
+    return lhs.to(rhs.device), rhs
+
+
+def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
+             activation_scheme=None):
+    """`lhs @ rhs` where at least one side is a QTensor; both must be on one device.
+
+    Mixed devices raise BackendMismatchError / DeviceMismatchError unless a
+    transfer policy (argument or `transfer_policy()` context) says what to move."""
+    cdef TensorBase l, r
+    if not isinstance(lhs, TensorBase) and not isinstance(rhs, TensorBase):
+        raise TypeError("q_matmul needs at least one QTensor operand; for two float arrays use numpy's matmul")
+    l = _operand(lhs, rhs if isinstance(rhs, TensorBase) else None)
+    r = _operand(rhs, l)
+    if l.kind != r.kind or l.index != r.index:
+        l, r = _reconcile("q_matmul", l, r, transfer)
+    backend = <object>_table[l.kind]
+    from . import ops
+    return ops.q_matmul(backend, l, r, out_dtype, requantize, activation_scheme)
+
+
+def int_matmul(a, b, *, transfer=None):
+    """Exact int8 x int8 -> int32 matrix product, any shape (M = 1 included)."""
+    cdef TensorBase l, r
+    if not isinstance(a, TensorBase) and not isinstance(b, TensorBase):
+        from . import tensor_api
+        l = tensor_api.as_host_operand(a, None)
+    else:
+        l = _operand(a, b if isinstance(b, TensorBase) else None)
+    r = _operand(b, l)
+    if l.kind != r.kind or l.index != r.index:
+        l, r = _reconcile("int_matmul", l, r, transfer)
+    backend = <object>_table[l.kind]
+    from . import ops
+    return ops.int_matmul(backend, l, r)
+
+
+def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_scheme=None):
+    """`x @ w.T + bias` for a weight stored [out_features, in_features]."""
+    if not isinstance(w, QTensor):
+        raise TypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
+    out = q_matmul(x, (<QTensor>w).T, out_dtype="float32", transfer=transfer,
+                   activation_scheme=activation_scheme)
+    from . import ops
+    return ops.add_bias(out, bias, out_dtype)

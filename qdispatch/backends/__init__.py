@@ -1,0 +1,1 @@
+"""Backends register their kernels into the dispatch table of `qdispatch._core`."""

@@ -1,0 +1,61 @@
+"""The contract every backend fulfils.
+
+The dispatcher has already checked that operands share a device, validated
+shapes, dtypes and schemes, and reduced batched calls to 2-D ones; a backend
+only moves data and runs kernels.  Payloads (dense data) and storages
+(quantized data) are the backend's own objects."""
+import math
+
+
+class Backend:
+    kind: int          # a qdispatch._core.BackendKind value
+    name: str          # 'reference', 'cpu', 'cuda'
+
+    # ---- availability ----
+    def unavailable_reason(self, index=0):
+        """None when device `index` of this backend can run; else why not."""
+        raise NotImplementedError
+
+    # ---- dense data ----
+    def from_host(self, array, index):
+        """A payload holding `array` (numpy; bfloat16 as uint16 bit patterns)."""
+        raise NotImplementedError
+
+    def to_host(self, payload):
+        raise NotImplementedError
+
+    # ---- quantized data ----
+    def qstorage_from_host(self, values, scales, layout, index):
+        """Storage for int8 `values` (storage orientation) and a float32 scale grid."""
+        raise NotImplementedError
+
+    def qstorage_to_host(self, storage, layout):
+        """(int8 values, float32 scale grid) exactly as they were stored."""
+        raise NotImplementedError
+
+    def quantize(self, payload, layout, index):
+        raise NotImplementedError
+
+    def dequantize(self, q):
+        """float32 payload of the QTensor's logical values times scales."""
+        raise NotImplementedError
+
+    # ---- kernels on 2-D logical operands ----
+    def int_matmul(self, a, b):
+        raise NotImplementedError
+
+    def qq_matmul(self, lhs, rhs):
+        raise NotImplementedError
+
+    def fq_matmul(self, x, w):
+        """float32 x [M, K] payload times QTensor w [K, N] (weight-only)."""
+        raise NotImplementedError
+
+
+def k_group(lhs_block_k, rhs_block_k):
+    """Integer dot products accumulate exactly within groups of this many K
+    indices: each group lies inside one scale block of either operand."""
+    return math.gcd(int(lhs_block_k), int(rhs_block_k))
+
+
+INT32_EXACT_K = 131071  # 131072 * (-128)**2 == 2**31 would overflow int32

@@ -1,0 +1,141 @@
+"""The cpu backend: the C SIMD kernels of `qdispatch._cpu`, threaded, GIL released.
+
+Weights are packed into the kernels' panel layout once, when a QTensor is
+created on or moved to cpu; a weight used in the other orientation is packed
+on first use and kept."""
+import os
+
+import numpy as np
+
+from .._core import BackendKind, register_backend
+from ..errors import BackendUnavailableError
+from .host import HostBackend
+
+try:
+    from .. import _cpu
+    _IMPORT_ERROR = None
+except ImportError as exc:
+    _cpu = None
+    _IMPORT_ERROR = exc
+
+
+def _as_2d_block(shape, block):
+    """(rows, cols, block_rows, block_cols) when an N-d blocking is a 2-D
+    blocking of the tensor viewed as [prod(shape[:-1]), shape[-1]], else None."""
+    if len(shape) == 1:
+        return 1, shape[0], 1, block[0]
+    lead, lead_block = shape[:-1], block[:-1]
+    # Leading block dims must be 1...1, then one partial dim, then full dims.
+    j = 0
+    while j < len(lead) and lead_block[j] == 1:
+        j += 1
+    if any(lead_block[i] != lead[i] for i in range(j + 1, len(lead))):
+        return None
+    block_rows = int(np.prod(lead_block[j:])) if j < len(lead) else 1
+    return int(np.prod(lead)), shape[-1], block_rows, block[-1]
+
+
+class CpuBackend(HostBackend):
+    kind = BackendKind.CPU
+    name = "cpu"
+
+    def __init__(self):
+        if _cpu is None:
+            return
+        isa = os.environ.get("QDISPATCH_ISA")
+        if isa:
+            self.set_isa(isa)
+        threads = os.environ.get("QDISPATCH_NUM_THREADS")
+        if threads:
+            self.set_num_threads(int(threads))
+
+    def unavailable_reason(self, index=0):
+        if _cpu is None:
+            return (f"The cpu backend's compiled kernels failed to import ({_IMPORT_ERROR}): "
+                    f"reinstall qdispatch with `pip install .`")
+        return super().unavailable_reason(index)
+
+    # ---- ISA and threads ----
+    def set_isa(self, name):
+        try:
+            _cpu.set_isa(name)
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"Can't use ISA {name!r}: {exc}. Built and supported here: "
+                f"{', '.join(sorted(set(_cpu.isa_info()['built']) & set(_cpu.isa_info()['supported'])))}"
+                f" (or 'auto')") from None
+
+    def set_num_threads(self, n):
+        _cpu.set_num_threads(int(n))
+
+    def get_num_threads(self):
+        return _cpu.get_num_threads()
+
+    def describe(self):
+        if _cpu is None:
+            return {}
+        d = dict(_cpu.isa_info())
+        d["isa"] = d.pop("active")
+        d["threads"] = _cpu.get_num_threads()
+        return d
+
+    # ---- quantized storage ----
+    def qstorage_from_host(self, values, scales, layout, index):
+        storage = super().qstorage_from_host(values, scales, layout, index)
+        if len(layout.shape) == 2:  # a weight: pack its [N, K] panels now, once
+            self._panels(storage, layout, transposed_pack=False, values=values)
+        return storage
+
+    def quantize(self, payload, layout, index):
+        x = np.ascontiguousarray(payload, dtype=np.float32)
+        flat = _as_2d_block(layout.shape, layout.block)
+        if flat is None:  # an N-d blocking C does not take: the numpy spec, same bits
+            return super().quantize(payload, layout, index)
+        rows, cols, br, bc = flat
+        q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc,
+                                  layout.scheme.scale_dtype)
+        return self.qstorage_from_host(q.reshape(layout.shape), scales.reshape(layout.grid),
+                                       layout, index)
+
+    def _panels(self, storage, layout, transposed_pack, values=None):
+        """Weight panels for using storage [R, C] as [N, K]: K = C normally,
+        K = R when `transposed_pack`."""
+        key = ("panels", transposed_pack)
+        panels = storage.cache.get(key)
+        if panels is None:
+            if values is None:
+                values, _ = self.qstorage_to_host(storage, layout)
+            scales, block = storage.scales, layout.block
+            if transposed_pack:
+                values, scales, block = values.T, scales.T, block[::-1]
+            panels = _cpu.PackedWeights(np.ascontiguousarray(values, dtype=np.int8),
+                                        np.ascontiguousarray(scales, dtype=np.float32),
+                                        int(block[0]), int(block[1]), layout.bits)
+            storage.cache[key] = panels
+        return panels
+
+    def weight_panels(self, w):
+        """Panels of a logical [K, N] QTensor as [N, K] rows (K contiguous)."""
+        return self._panels(w.storage, w.layout, transposed_pack=not w.transposed)
+
+    # ---- kernels ----
+    def int_matmul(self, a, b):
+        return _cpu.int_matmul(np.ascontiguousarray(a, dtype=np.int8),
+                               np.ascontiguousarray(b, dtype=np.int8))
+
+    def qq_matmul(self, lhs, rhs):
+        a, sa = self.logical(lhs)
+        bm, bk = lhs.layout.logical_block(lhs.transposed)
+        return _cpu.qq_matmul(np.ascontiguousarray(a), np.ascontiguousarray(sa, dtype=np.float32),
+                              int(bm), int(bk), self.weight_panels(rhs))
+
+    def fq_matmul(self, x, w):
+        return _cpu.fq_matmul(np.ascontiguousarray(x, dtype=np.float32), self.weight_panels(w))
+
+    def w8a8_matmul(self, x, w, value, block_k):
+        """Quantize x per row (or per block of K) in C, then the int8 kernel."""
+        return _cpu.w8a8_matmul(np.ascontiguousarray(x, dtype=np.float32), value, int(block_k),
+                                self.weight_panels(w))
+
+
+register_backend(CpuBackend())

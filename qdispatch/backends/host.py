@@ -1,0 +1,100 @@
+"""What the two host backends (reference and cpu) share: numpy payloads and
+quantized storage in the scheme's own store (int8, or packed uint32)."""
+import numpy as np
+
+from .. import quantmath
+from .._core import QTensor
+from .base import Backend
+
+
+class HostQStorage:
+    """Values in the scheme's store plus a float32 scale grid.  `cache` holds
+    backend-specific derived forms (the cpu backend's weight panels)."""
+    __slots__ = ("values", "scales", "cache")
+
+    def __init__(self, values, scales):
+        self.values = values
+        self.scales = scales
+        self.cache = {}
+
+
+class HostBackend(Backend):
+    def unavailable_reason(self, index=0):
+        if index != 0:
+            return f"The {self.name} backend has one device, '{self.name}'; there is no {self.name}:{index}"
+        return None
+
+    def from_host(self, array, index):
+        return array
+
+    def to_host(self, payload):
+        return payload
+
+    def qstorage_from_host(self, values, scales, layout, index):
+        values = np.ascontiguousarray(values, dtype=np.int8)
+        if layout.scheme.store == "packed_u32":
+            values = quantmath.pack_u32(values, layout.bits)
+        return HostQStorage(values, np.ascontiguousarray(scales, dtype=np.float32))
+
+    def qstorage_to_host(self, storage, layout):
+        values = storage.values
+        if layout.scheme.store == "packed_u32":
+            values = quantmath.unpack_u32(values, layout.bits, layout.shape[-1])
+        return values, storage.scales
+
+    def quantize(self, payload, layout, index):
+        values, scales, _ = quantmath.quantize_array(payload, layout.scheme)
+        return self.qstorage_from_host(values, scales, layout, index)
+
+    def logical(self, q):
+        """int8 values and float32 scale grid of QTensor q, logical orientation."""
+        values, scales = self.qstorage_to_host(q.storage, q.layout)
+        if q.transposed:
+            values, scales = np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
+        return values, scales
+
+    def dequantize(self, q):
+        values, scales = self.logical(q)
+        return quantmath.dequantize_array(values, scales, q.layout.logical_block(q.transposed))
+
+    def qtensor_batch(self, q, index):
+        """The 2-D QTensor at batch `index` (a tuple over q's leading dims)."""
+        values, scales = self.qstorage_to_host(q.storage, q.layout)
+        block = q.layout.block
+        scale_index = tuple(i // b for i, b in zip(index, block))
+        from ..layout import QLayout
+        # A slice's granularity is a 2-D block, whatever the parent's was.
+        layout = QLayout(q.layout.scheme.with_(block=block[len(index):], axis=None),
+                         q.layout.shape[len(index):], block[len(index):])
+        storage = self.qstorage_from_host(values[index], scales[scale_index], layout, 0)
+        return QTensor(storage, layout, q.transposed, q.kind, q.index)
+
+    # ---- dense helpers the dispatcher uses ----
+    def cast(self, payload, src, dst):
+        if src == dst:
+            return payload
+        f32 = quantmath.bf16_bits_to_f32(payload) if src == "bfloat16" else np.asarray(payload, np.float32)
+        if dst == "bfloat16":
+            return quantmath.f32_to_bf16_bits(f32)
+        return f32.astype(np.float16 if dst == "float16" else np.float32)
+
+    def reshape(self, payload, shape):
+        return np.reshape(payload, shape)
+
+    def transpose2(self, payload):
+        return np.swapaxes(payload, -1, -2)
+
+    def index(self, payload, idx):
+        return payload[idx]
+
+    def stack(self, payloads, shape):
+        return np.stack(payloads).reshape(shape)
+
+    def add(self, payload, bias):
+        return payload + bias
+
+    def dlpack(self, t, *args, **kwargs):
+        return np.asarray(t.payload).__dlpack__(*args, **kwargs)
+
+    def dlpack_device(self, t):
+        return (1, 0)  # kDLCPU

@@ -1,0 +1,42 @@
+"""The exception tree.  Every error is a `QDispatchError` and also the builtin
+exception a Python user would reach for, so `except ValueError` keeps working."""
+
+
+class QDispatchError(Exception):
+    """Base class of every error qdispatch raises on purpose."""
+
+
+class BackendMismatchError(QDispatchError, TypeError):
+    """Two operands live on different backends (for example 'cpu' and 'cuda:0')."""
+
+
+class DeviceMismatchError(QDispatchError, ValueError):
+    """Two operands share a backend kind but not a device index (cuda:0 vs cuda:1)."""
+
+
+class WrongBackendError(QDispatchError, TypeError):
+    """A tensor is on another backend than the operation requires."""
+
+
+class QuantSchemeError(QDispatchError, ValueError):
+    """A quantization scheme is invalid, or does not fit the tensor it is used with."""
+
+
+class ShapeError(QDispatchError, ValueError):
+    """Operand shapes do not fit the operation."""
+
+
+class NonFiniteError(QDispatchError, ValueError):
+    """The input to quantize holds NaN or Inf."""
+
+
+class ScaleOverflowError(QuantSchemeError):
+    """A scale does not fit in the scheme's scale dtype."""
+
+
+class BackendUnavailableError(QDispatchError, RuntimeError):
+    """A backend was not built into this copy of qdispatch, or has no device."""
+
+
+class KernelError(QDispatchError, RuntimeError):
+    """A C or CUDA kernel reported a failure; the message carries its status text."""

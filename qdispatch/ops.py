@@ -1,0 +1,160 @@
+"""The arms of q_matmul (qq, fq, qf), int_matmul and linear's bias.
+
+Runs after the dispatcher has checked that the operands share a device: here
+shapes, dtypes and schemes are validated (before any kernel runs), batch dims
+are broadcast, and each 2-D product goes to the backend's kernel."""
+import itertools
+
+import numpy as np
+
+from ._core import QTensor, Tensor
+from .backends.base import INT32_EXACT_K
+from .errors import ShapeError
+from .scheme import QuantScheme, as_scheme
+from .tensor_api import FLOAT_DTYPES, check_dtype, quantize
+
+
+def _check_float(t, side):
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q_matmul's float {side} must be float32/float16/bfloat16, got {t.dtype}: "
+                        f"quantize integer data first")
+
+
+def _shapes(lhs, rhs, op):
+    ls, rs = tuple(lhs.shape), tuple(rhs.shape)
+    if len(ls) < 2 or len(rs) < 2:
+        raise ShapeError(f"{op} needs operands with at least 2 dims, got shapes {ls} and {rs}")
+    if ls[-1] != rs[-2]:
+        raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: lhs has K={ls[-1]} columns but "
+                         f"rhs has K={rs[-2]} rows")
+    try:
+        batch = np.broadcast_shapes(ls[:-2], rs[:-2])
+    except ValueError:
+        raise ShapeError(f"{op} batch dims {ls[:-2]} and {rs[:-2]} don't broadcast") from None
+    return ls, rs, tuple(batch)
+
+
+def activation_scheme_for(spec, x_shape):
+    """`activation_scheme=` as given: a QuantScheme, or a value name meaning one
+    scale per row (per token), the usual dynamic-quantization choice."""
+    if isinstance(spec, str):
+        return QuantScheme(spec, axis=-2) if as_scheme(spec).bits == 8 else \
+            QuantScheme(spec, axis=-2, store="packed_u32")
+    return as_scheme(spec)
+
+
+def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
+    check_dtype(out_dtype)
+    lq, rq = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
+    if not lq and not rq:
+        raise TypeError("q_matmul needs at least one QTensor operand; quantize one side first")
+    if not lq:
+        _check_float(lhs, "lhs")
+    if not rq:
+        _check_float(rhs, "rhs")
+    squeeze = False
+    if not lq and len(lhs.shape) == 1:  # a vector x[K] is a 1-row matrix
+        lhs = Tensor(backend.reshape(lhs.payload, (1,) + lhs.shape), lhs.dtype, (1,) + lhs.shape,
+                     lhs.kind, lhs.index)
+        squeeze = True
+    ls, rs, batch = _shapes(lhs, rhs, "q_matmul")
+    if activation_scheme is not None:
+        if not lq:
+            lhs = quantize(lhs, activation_scheme_for(activation_scheme, ls))
+        if not rq:
+            rhs = quantize(rhs, activation_scheme_for(activation_scheme, rs))
+        lq = rq = True
+    if lq and rq:
+        kernel = backend.qq_matmul
+    elif rq:
+        kernel = lambda x, w: backend.fq_matmul(_as_f32(backend, x), w)
+    else:  # qf: w @ x == (x.T @ w.T).T
+        kernel = lambda w, x: backend.transpose2(
+            backend.fq_matmul(_as_f32(backend, x, transpose=True), w.T))
+    out_shape = batch + (ls[-2], rs[-1])
+    payload = _batched(backend, kernel, lhs, rhs, batch, out_shape)
+    if squeeze:  # drop the 1-row dim a vector lhs was given
+        out_shape = out_shape[:-2] + out_shape[-1:]
+        payload = backend.reshape(payload, out_shape)
+    out = Tensor(payload, "float32", out_shape, lhs.kind, lhs.index)
+    if requantize is not None:
+        return quantize(out, requantize)
+    if out_dtype != "float32":
+        out = Tensor(backend.cast(out.payload, "float32", out_dtype), out_dtype, out.shape,
+                     out.kind, out.index)
+    return out
+
+
+def _as_f32(backend, t, transpose=False):
+    payload = t.payload if t.dtype == "float32" else backend.cast(t.payload, t.dtype, "float32")
+    return backend.transpose2(payload) if transpose else payload
+
+
+def _batched(backend, kernel, lhs, rhs, batch, out_shape):
+    """Run a 2-D kernel over broadcast batch dims.  A float lhs against a 2-D
+    rhs folds its batch dims into M: one kernel call, one weight pass."""
+    if not batch:
+        return kernel(lhs, rhs)
+    if not isinstance(lhs, QTensor) and len(rhs.shape) == 2:
+        M, K = lhs.shape[-2], lhs.shape[-1]
+        rows = int(np.prod(lhs.shape[:-1]))
+        flat = Tensor(backend.reshape(lhs.payload, (rows, K)), lhs.dtype, (rows, K), lhs.kind, lhs.index)
+        return backend.reshape(kernel(flat, rhs), out_shape)
+    results = [kernel(_batch_item(backend, lhs, idx), _batch_item(backend, rhs, idx))
+               for idx in itertools.product(*(range(n) for n in batch))]
+    return backend.stack(results, out_shape)
+
+
+def _batch_item(backend, t, idx):
+    lead = t.shape[:-2]
+    idx = idx[len(idx) - len(lead):]
+    own = tuple(i if n > 1 else 0 for i, n in zip(idx, lead))
+    if isinstance(t, QTensor):
+        if not lead:
+            return t
+        return backend.qtensor_batch(t, own)
+    if not lead:
+        return t
+    return Tensor(backend.index(t.payload, own), t.dtype, t.shape[len(lead):], t.kind, t.index)
+
+
+def int_matmul(backend, a, b):
+    for side, t in (("a", a), ("b", b)):
+        if not isinstance(t, Tensor) or t.dtype != "int8":
+            got = "a QTensor" if isinstance(t, QTensor) else getattr(t, "dtype", type(t).__name__)
+            raise TypeError(f"int_matmul's {side} must be int8 data, got {got}: use q_matmul for QTensors")
+    squeeze = len(a.shape) == 1
+    if squeeze:
+        a = Tensor(backend.reshape(a.payload, (1,) + a.shape), a.dtype, (1,) + a.shape, a.kind, a.index)
+    ls, rs, batch = _shapes(a, b, "int_matmul")
+    if ls[-1] > INT32_EXACT_K:
+        raise ShapeError(
+            f"int_matmul with K={ls[-1]} could overflow int32 (exact up to K={INT32_EXACT_K}): "
+            f"split K into chunks and add the int32 results in int64")
+    out_shape = batch + (ls[-2], rs[-1])
+    payload = _batched(backend, lambda x, y: backend.int_matmul(x.payload, y.payload), a, b,
+                       batch, out_shape)
+    if squeeze and not batch:
+        out_shape = out_shape[1:]
+        payload = backend.reshape(payload, out_shape)
+    return Tensor(payload, "int32", out_shape, a.kind, a.index)
+
+
+def add_bias(out, bias, out_dtype):
+    check_dtype(out_dtype)
+    from .tensor_api import get_backend, tensor
+    backend = get_backend(out.kind)
+    payload = out.payload
+    if bias is not None:
+        b = bias if isinstance(bias, Tensor) else tensor(bias, device=out.device)
+        if b.device != out.device:
+            from .errors import BackendMismatchError
+            raise BackendMismatchError(
+                f"linear's bias is on {str(b.device)!r} but the output is on {str(out.device)!r}: "
+                f"move it with bias.to({str(out.device)!r})")
+        if tuple(b.shape) != (out.shape[-1],):
+            raise ShapeError(f"linear's bias must have shape ({out.shape[-1]},), got {tuple(b.shape)}")
+        payload = backend.add(payload, _as_f32(backend, b))
+    if out_dtype != "float32":
+        payload = backend.cast(payload, "float32", out_dtype)
+    return Tensor(payload, out_dtype, out.shape, out.kind, out.index)

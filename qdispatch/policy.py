@@ -1,0 +1,62 @@
+"""Process-wide choices: the transfer policy and the default backend."""
+import contextlib
+import contextvars
+import os
+
+from ._core import Device, get_backend
+from .errors import BackendUnavailableError
+
+TRANSFER_MODES = ("error", "to_lhs", "to_rhs", "auto")
+_transfer = contextvars.ContextVar("qdispatch_transfer", default="error")
+_default_device = None
+
+
+def _check_mode(mode):
+    if mode not in TRANSFER_MODES:
+        raise ValueError(f"Unknown transfer policy {mode!r}: expected one of {', '.join(TRANSFER_MODES)}")
+    return mode
+
+
+def resolve(transfer):
+    """The mode in force: the call's `transfer=` argument, else the context's."""
+    return _check_mode(transfer) if transfer is not None else _transfer.get()
+
+
+@contextlib.contextmanager
+def transfer_policy(mode):
+    """Within the block, operands on different devices are moved as `mode` says
+    ('error', 'to_lhs', 'to_rhs' or 'auto') instead of raising."""
+    token = _transfer.set(_check_mode(mode))
+    try:
+        yield
+    finally:
+        _transfer.reset(token)
+
+
+def set_default_backend(device):
+    """Where `quantize` and `tensor` put host data when no device is given."""
+    global _default_device
+    dev = Device.parse(device)
+    reason = get_backend(dev.kind).unavailable_reason(dev.index)
+    if reason:
+        raise BackendUnavailableError(reason)
+    _default_device = dev
+
+
+def default_device():
+    global _default_device
+    if _default_device is None:
+        env = os.environ.get("QDISPATCH_BACKEND")
+        if env:
+            set_default_backend(env)
+        else:
+            cpu = get_backend("cpu") if _has("cpu") else None
+            _default_device = Device.parse("cpu" if cpu is not None else "reference")
+    return _default_device
+
+
+def _has(name):
+    try:
+        return get_backend(name).unavailable_reason(0) is None
+    except BackendUnavailableError:
+        return False

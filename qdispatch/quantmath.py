@@ -1,0 +1,143 @@
+"""The quantization arithmetic in numpy: the executable specification that every
+backend's kernels must match bit for bit.
+
+Pinned arithmetic: the scale is computed in float32 as 2*amax/(hi-lo), stored in
+its scale dtype rounded up (never down), and values are quantized with a true
+float32 division by the stored scale, rounded half to even, then clamped."""
+import numpy as np
+
+from .errors import NonFiniteError, ScaleOverflowError, ShapeError
+from .scheme import QuantScheme
+
+F16_MAX = float(np.finfo(np.float16).max)
+
+
+# ---- half-precision helpers (bf16 travels as uint16 bit patterns) ----------
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even, the conversion every framework uses; NaN stays NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+def round_up_to_dtype(scale: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """The smallest value of `scale_dtype` that is >= each float32 scale (as float32)."""
+    scale = np.asarray(scale, dtype=np.float32)
+    if scale_dtype == "f32":
+        stored = scale
+    elif scale_dtype == "f16":
+        with np.errstate(over="ignore"):
+            half = scale.astype(np.float16)
+        low = half.astype(np.float32) < scale
+        half = np.where(low, np.nextafter(half, np.float16(np.inf)), half)
+        stored = half.astype(np.float32)
+    elif scale_dtype == "bf16":
+        bits = scale.view(np.uint32)
+        truncated = bits & np.uint32(0xFFFF0000)
+        up = truncated != bits
+        stored = np.where(up, truncated + np.uint32(0x10000), truncated).astype(np.uint32).view(np.float32)
+    else:  # validated by QuantScheme already
+        raise ValueError(scale_dtype)
+    if not np.all(np.isfinite(stored)):
+        worst = float(scale.max())
+        raise ScaleOverflowError(
+            f"A scale of {worst:g} overflows scale_dtype={scale_dtype!r}: "
+            f"use scale_dtype='f32' or rescale the input")
+    return stored
+
+
+# ---- blocks ------------------------------------------------------------------
+
+def grid_shape(shape, block):
+    return tuple(n // b for n, b in zip(shape, block))
+
+
+def _blocked(x: np.ndarray, block):
+    """View x as (g0, b0, g1, b1, ...) so each block is a set of odd axes."""
+    split = []
+    for n, b in zip(x.shape, block):
+        split += [n // b, b]
+    return x.reshape(split)
+
+
+def expand_scales(scales: np.ndarray, shape, block) -> np.ndarray:
+    """Scales broadcast to the full tensor shape."""
+    out = scales
+    for axis, b in enumerate(block):
+        out = np.repeat(out, b, axis=axis)
+    return out.reshape(shape)
+
+
+def check_finite(x: np.ndarray):
+    if not np.all(np.isfinite(x)):
+        flat = int(np.flatnonzero(~np.isfinite(x.reshape(-1)))[0])
+        position = tuple(int(i) for i in np.unravel_index(flat, x.shape))
+        raise NonFiniteError(
+            f"Can't quantize a tensor holding {x.reshape(-1)[flat]!r} at position {position}: "
+            f"remove NaN/Inf first (for example np.nan_to_num)")
+
+
+def compute_scales(x: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:
+    lo, hi = scheme.qrange
+    blocked = _blocked(np.abs(x), block)
+    amax = blocked.max(axis=tuple(range(1, blocked.ndim, 2))).astype(np.float32)
+    with np.errstate(over="ignore"):
+        scale = (np.float32(2.0) * amax) / np.float32(hi - lo)
+    scale = np.where(amax == 0, np.float32(1.0), scale).astype(np.float32)
+    return round_up_to_dtype(scale, scheme.scale_dtype)
+
+
+def quantize_values(x: np.ndarray, scales: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:
+    lo, hi = scheme.qrange
+    blocked = _blocked(x, block)
+    s = scales.reshape([d for g in scales.shape for d in (g, 1)])
+    q = np.rint(blocked / s)  # float32 / float32: a true IEEE division
+    return np.clip(q, lo, hi).astype(np.int8).reshape(x.shape)
+
+
+def quantize_array(x, scheme: QuantScheme):
+    """Quantize a float array: returns (int8 values, float32 scale grid, full block)."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    if x.ndim == 0 or x.size == 0:
+        raise ShapeError(f"Can't quantize a tensor of shape {x.shape}: it needs at least one dim and one value")
+    block = scheme.block_shape(x.shape)
+    check_finite(x)
+    scales = compute_scales(x, scheme, block)
+    return quantize_values(x, scales, scheme, block), scales, block
+
+
+def dequantize_array(values: np.ndarray, scales: np.ndarray, block) -> np.ndarray:
+    return values.astype(np.float32) * expand_scales(scales, values.shape, block)
+
+
+# ---- packed_u32 store --------------------------------------------------------
+
+def pack_u32(values: np.ndarray, bits: int) -> np.ndarray:
+    """Pack int8 values along the last dim, 32/bits per uint32, lowest bits first,
+    two's complement masked to `bits`.  A ragged last word is zero-padded."""
+    per_word = 32 // bits
+    n = values.shape[-1]
+    words = -(-n // per_word)
+    padded = np.zeros(values.shape[:-1] + (words * per_word,), dtype=np.uint32)
+    padded[..., :n] = values.astype(np.int32).astype(np.uint32) & np.uint32((1 << bits) - 1)
+    lanes = padded.reshape(values.shape[:-1] + (words, per_word))
+    shifts = (np.arange(per_word, dtype=np.uint32) * np.uint32(bits))
+    return np.bitwise_or.reduce(lanes << shifts, axis=-1).astype(np.uint32)
+
+
+def unpack_u32(words: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """Inverse of pack_u32 for a last dim of n values."""
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
+    fields = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    fields = fields.reshape(words.shape[:-1] + (-1,))[..., :n].astype(np.int32)
+    sign = 1 << (bits - 1)
+    return ((fields ^ sign) - sign).astype(np.int8)

@@ -1,0 +1,142 @@
+"""`QuantScheme`: what a quantized tensor's values and scales mean.
+
+A scheme is validated when it is built, so a bad combination fails at the line
+that wrote it rather than deep inside a kernel."""
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+from .errors import QuantSchemeError
+
+# value -> (lowest, highest, bits)
+VALUE_RANGES = {
+    "q8s": (-127, 127, 8),
+    "q8f": (-128, 127, 8),
+    "q4s": (-7, 7, 4),
+    "q4f": (-8, 7, 4),
+    "q2s": (-1, 1, 2),
+    "q2f": (-2, 1, 2),
+}
+STORES = ("native", "packed_u32")
+SCALE_DTYPES = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a tensor is quantized.
+
+    value: one of q8s, q8f, q4s, q4f, q2s, q2f (symmetric, no zero point).
+    block: None (per tensor or per axis), an int (that many along the last dim),
+        or a tuple of block sizes over the trailing dims.
+    axis: one scale per index along this dim (per channel); excludes `block`.
+    store: "native" (one int8 per value) or "packed_u32" (32/bits values per
+        uint32 along the last dim, lowest bits first).
+    scale_dtype: "f32", "f16" or "bf16"; scales are rounded up into it.
+    """
+    value: str = "q8s"
+    block: Union[None, int, Tuple[int, ...]] = None
+    axis: Optional[int] = None
+    store: str = "native"
+    scale_dtype: str = "f32"
+
+    def __post_init__(self):
+        if self.value not in VALUE_RANGES:
+            raise QuantSchemeError(
+                f"Unknown value {self.value!r}: valid values are {', '.join(VALUE_RANGES)}")
+        if self.store not in STORES:
+            raise QuantSchemeError(
+                f"Unknown store {self.store!r}: valid stores are 'native' and 'packed_u32'")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise QuantSchemeError(
+                f"Unknown scale_dtype {self.scale_dtype!r}: valid scale dtypes are 'f32', 'f16', 'bf16'")
+        if self.bits < 8 and self.store == "native":
+            raise QuantSchemeError(
+                f"Can't store native sub-byte values: {self.value} needs store='packed_u32'")
+        block = self.block
+        if block is not None:
+            if isinstance(block, bool) or not isinstance(block, (int, tuple, list)):
+                raise QuantSchemeError(
+                    f"block must be None, an int or a tuple of ints, got {block!r}")
+            block = (block,) if isinstance(block, int) else tuple(block)
+            if not block or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block):
+                raise QuantSchemeError(
+                    f"block sizes must be positive ints, got {self.block!r}: e.g. block=32 or block=(1, 32)")
+            object.__setattr__(self, "block", block)
+        if self.axis is not None:
+            if isinstance(self.axis, bool) or not isinstance(self.axis, int):
+                raise QuantSchemeError(f"axis must be an int or None, got {self.axis!r}")
+            if self.block is not None:
+                raise QuantSchemeError(
+                    "Choose one granularity: axis= (per channel) or block= (per block), not both")
+
+    @property
+    def bits(self) -> int:
+        return VALUE_RANGES[self.value][2]
+
+    @property
+    def qrange(self) -> Tuple[int, int]:
+        lo, hi, _ = VALUE_RANGES[self.value]
+        return lo, hi
+
+    @property
+    def granularity(self) -> str:
+        if self.block is not None:
+            return "block"
+        return "tensor" if self.axis is None else "axis"
+
+    def block_shape(self, shape) -> Tuple[int, ...]:
+        """The block as a full-rank tuple over `shape`: every granularity is a
+        block (per tensor = the whole shape, per axis = 1 along the axis)."""
+        shape = tuple(int(d) for d in shape)
+        ndim = len(shape)
+        if self.granularity == "tensor":
+            return shape
+        if self.granularity == "axis":
+            if not -ndim <= self.axis < ndim:
+                raise QuantSchemeError(
+                    f"axis={self.axis} is out of range for a {ndim}-d tensor of shape {shape}")
+            ax = self.axis % ndim
+            return tuple(1 if d == ax else n for d, n in enumerate(shape))
+        if len(self.block) > ndim:
+            raise QuantSchemeError(
+                f"block={self.block} has {len(self.block)} dims but the tensor of shape {shape} has {ndim}")
+        full = (1,) * (ndim - len(self.block)) + self.block
+        for d, (n, b) in enumerate(zip(shape, full)):
+            if n % b:
+                raise QuantSchemeError(
+                    f"block size {b} does not divide dim {d} of size {n} (shape {shape}): "
+                    f"choose a block that divides it, e.g. {_divisor_hint(n, b)}")
+        return full
+
+    def with_(self, **changes) -> "QuantScheme":
+        fields = dict(value=self.value, block=self.block, axis=self.axis,
+                      store=self.store, scale_dtype=self.scale_dtype)
+        fields.update(changes)
+        return QuantScheme(**fields)
+
+    def __repr__(self):
+        parts = [repr(self.value)]
+        if self.block is not None:
+            parts.append(f"block={self.block}")
+        if self.axis is not None:
+            parts.append(f"axis={self.axis}")
+        if self.store != "native":
+            parts.append(f"store={self.store!r}")
+        if self.scale_dtype != "f32":
+            parts.append(f"scale_dtype={self.scale_dtype!r}")
+        return f"QuantScheme({', '.join(parts)})"
+
+
+def _divisor_hint(n, b):
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - b), -d))
+
+
+def as_scheme(scheme) -> QuantScheme:
+    """Accept a QuantScheme or a bare value name ('q8s' means per tensor)."""
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if isinstance(scheme, str):
+        if scheme in VALUE_RANGES and VALUE_RANGES[scheme][2] < 8:
+            return QuantScheme(scheme, store="packed_u32")
+        return QuantScheme(scheme)
+    raise QuantSchemeError(f"Expected a QuantScheme or a value name like 'q8s', got {scheme!r}")

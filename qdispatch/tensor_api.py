@@ -1,0 +1,244 @@
+"""Creating tensors, moving them between devices, and reading them back."""
+import numpy as np
+
+from . import policy, quantmath
+from ._core import Device, QTensor, Tensor, get_backend
+from .errors import BackendUnavailableError, QDispatchError, ShapeError, WrongBackendError
+from .layout import QLayout, swap_last2
+from .scheme import as_scheme
+
+# dtype name -> numpy dtype of the host payload (bfloat16 travels as its bits)
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "int8": np.dtype(np.int8),
+    "int32": np.dtype(np.int32),
+}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+_NUMPY_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                np.dtype(np.int8): "int8", np.dtype(np.int32): "int32"}
+
+
+def check_dtype(name, allowed=FLOAT_DTYPES):
+    if name not in allowed:
+        raise TypeError(f"Unsupported dtype {name!r}: expected one of {', '.join(allowed)}")
+    return name
+
+
+def backend_for(device):
+    """The backend object of a device, or BackendUnavailableError saying why."""
+    dev = Device.parse(device)
+    backend = get_backend(dev.kind)
+    reason = backend.unavailable_reason(dev.index)
+    if reason:
+        raise BackendUnavailableError(reason)
+    return dev, backend
+
+
+def _host_array(data, dtype=None):
+    """A numpy array plus its qdispatch dtype name; float64 becomes float32."""
+    arr = np.asarray(data)
+    if dtype is not None:
+        check_dtype(dtype, tuple(DTYPES))
+        if dtype == "bfloat16":
+            if arr.dtype != np.uint16:
+                arr = quantmath.f32_to_bf16_bits(arr.astype(np.float32))
+            return arr, dtype
+        return arr.astype(DTYPES[dtype], copy=False), dtype
+    if arr.dtype in _NUMPY_NAMES:
+        return arr, _NUMPY_NAMES[arr.dtype]
+    if arr.dtype.kind in "fiub":
+        if arr.dtype.kind != "f" and arr.size and (arr.min() < -128 or arr.max() > 127):
+            raise TypeError(f"Integer data of dtype {arr.dtype} is outside int8: quantize floats instead")
+        return arr.astype(np.float32 if arr.dtype.kind == "f" else np.int8), (
+            "float32" if arr.dtype.kind == "f" else "int8")
+    raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16 or int8 data")
+
+
+def tensor(data, device=None, dtype=None):
+    """A Tensor on `device` (default: the default backend).  Host tensors share
+    memory with a numpy array of a supported dtype (float32/float16/int8/int32)."""
+    if isinstance(data, Tensor):
+        return data.to(device) if device is not None else data
+    if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray):
+        return from_dlpack(data, device=device)
+    arr, name = _host_array(data, dtype)
+    dev, backend = backend_for(device if device is not None else policy.default_device())
+    return Tensor(backend.from_host(arr, dev.index), name, tuple(arr.shape), dev.kind, dev.index)
+
+
+def as_host_operand(x, other):
+    """numpy data next to `other`: it joins other's device when that is a host
+    device, else the default device (so a mismatch is then reported)."""
+    if other is not None and other.device.is_host:
+        return tensor(x, device=other.device)
+    return tensor(x)
+
+
+def tensor_numpy(t):
+    host = get_backend(t.kind).to_host(t.payload)
+    return quantmath.bf16_bits_to_f32(host) if t.dtype == "bfloat16" else host
+
+
+def tensor_array(t, dtype=None, copy=None):
+    if not t.device.is_host:
+        raise WrongBackendError(
+            f"Tensor is on the wrong backend (expected a host device, it is on '{t.device}'): "
+            f"call .numpy() or .to('cpu') to copy it to host memory")
+    arr = tensor_numpy(t)
+    if dtype is not None:
+        arr = arr.astype(dtype, copy=False)
+    if copy:
+        arr = arr.copy()
+    return arr
+
+
+def tensor_to(t, device):
+    dev, dst = backend_for(device)
+    if dev == t.device:
+        return t
+    host = get_backend(t.kind).to_host(t.payload)
+    return Tensor(dst.from_host(host, dev.index), t.dtype, t.shape, dev.kind, dev.index)
+
+
+def tensor_transpose(t):
+    if len(t.shape) < 2:
+        return t
+    backend = get_backend(t.kind)
+    return Tensor(backend.transpose2(t.payload) if hasattr(backend, "transpose2")
+                  else np.swapaxes(t.payload, -1, -2),
+                  t.dtype, swap_last2(t.shape), t.kind, t.index)
+
+
+def from_dlpack(obj, device=None):
+    """A Tensor viewing a DLPack-capable object (torch, CuPy, numpy) without a copy
+    where the memory is on a device qdispatch serves."""
+    kind, _ = obj.__dlpack_device__()
+    if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
+        arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
+        name = "bfloat16" if _is_bf16(obj) else None
+        t = tensor(arr, device=device if device is not None and Device.parse(device).is_host
+                   else policy.default_device(), dtype=name)
+        return t.to(device) if device is not None else t
+    backend = get_backend("cuda")
+    reason = backend.unavailable_reason(0)
+    if reason:
+        raise BackendUnavailableError(reason)
+    t = backend.tensor_from_dlpack(obj)
+    return t.to(device) if device is not None else t
+
+
+def _is_bf16(obj):
+    return "bfloat16" in str(getattr(obj, "dtype", ""))
+
+
+def _bf16_from_dlpack(obj):
+    view = getattr(obj, "view", None)
+    if view is None:
+        raise TypeError("bfloat16 DLPack input needs a .view() to reinterpret its bits")
+    import torch  # only objects with a bf16 dtype reach here; torch is the usual producer
+    return np.from_dlpack(obj.view(torch.int16)).view(np.uint16)
+
+
+# ---- quantized tensors -----------------------------------------------------
+
+def quantize(x, scheme="q8s", device=None):
+    """Quantize float data (numpy, Tensor or DLPack object) into a QTensor.
+
+    Without `device`, a Tensor stays on its device and host data goes to the
+    default backend."""
+    scheme = as_scheme(scheme)
+    if not isinstance(x, Tensor):
+        x = tensor(x, device=device)
+    elif device is not None:
+        x = x.to(device)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"quantize expects float data, got {x.dtype}")
+    if len(x.shape) == 0 or 0 in x.shape:
+        raise ShapeError(f"Can't quantize a tensor of shape {x.shape}: it needs at least one dim and one value")
+    layout = QLayout.for_shape(scheme, x.shape)
+    backend = get_backend(x.kind)
+    payload = x.payload
+    if x.dtype != "float32":
+        payload = backend.cast(payload, x.dtype, "float32")
+    return QTensor(backend.quantize(payload, layout, x.index), layout, False, x.kind, x.index)
+
+
+def dequantize(q, dtype="float32"):
+    if not isinstance(q, QTensor):
+        raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
+    check_dtype(dtype)
+    backend = get_backend(q.kind)
+    out = backend.dequantize(q)
+    if dtype != "float32":
+        out = backend.cast(out, "float32", dtype)
+    return Tensor(out, dtype, q.shape, q.kind, q.index)
+
+
+def qtensor_host(q):
+    values, scales = get_backend(q.kind).qstorage_to_host(q.storage, q.layout)
+    if q.transposed:
+        values, scales = np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
+    return values, scales
+
+
+def qtensor_values(q):
+    return qtensor_host(q)[0]
+
+
+def qtensor_scales(q):
+    """Per tensor: a 0-d array; per axis: one scale per index; per block: the grid."""
+    scales = qtensor_host(q)[1]
+    scheme = q.scheme
+    if scheme.granularity == "tensor":
+        return scales.reshape(())
+    if scheme.granularity == "axis":
+        return scales.reshape(-1)
+    return scales
+
+
+def qtensor_nbytes(q):
+    grid = 1
+    for g in q.layout.grid:
+        grid *= g
+    scale_bytes = 4 if q.layout.scheme.scale_dtype == "f32" else 2
+    if q.layout.scheme.store == "packed_u32":
+        per_word = 32 // q.layout.bits
+        rows = 1
+        for d in q.layout.shape[:-1]:
+            rows *= d
+        value_bytes = rows * -(-q.layout.shape[-1] // per_word) * 4
+    else:
+        value_bytes = 1
+        for d in q.layout.shape:
+            value_bytes *= d
+    return value_bytes + grid * scale_bytes
+
+
+def qtensor_to(q, device):
+    """The same values and scales on another device; the destination backend may
+    re-lay them out (the cpu backend packs weight panels here, once)."""
+    dev, dst = backend_for(device)
+    if dev == q.device:
+        return q
+    values, scales = get_backend(q.kind).qstorage_to_host(q.storage, q.layout)
+    storage = dst.qstorage_from_host(values, scales, q.layout, dev.index)
+    return QTensor(storage, q.layout, q.transposed, dev.kind, dev.index)
+
+
+def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
+    """A QTensor from already-quantized int8 values and a float32 scale grid
+    (for loaders); values must lie in the scheme's range."""
+    scheme = as_scheme(scheme)
+    values = np.asarray(values)
+    if values.dtype != np.int8:
+        raise TypeError(f"values must be int8, got {values.dtype}")
+    layout = QLayout.for_shape(scheme, values.shape)
+    lo, hi = scheme.qrange
+    if values.size and (values.min() < lo or values.max() > hi):
+        raise QDispatchError(f"values outside {scheme.value}'s range [{lo}, {hi}]")
+    scales = np.asarray(scales, dtype=np.float32).reshape(layout.grid)
+    dev, backend = backend_for(device if device is not None else policy.default_device())
+    return QTensor(backend.qstorage_from_host(values, scales, layout, dev.index),
+                   layout, False, dev.kind, dev.index)

@@ -1,0 +1,91 @@
+"""Build qdispatch: the C kernel library, the Cython extensions, and (when a CUDA
+toolkit is found) the CUDA backend.  `pip install .` runs all of it."""
+import json
+import os
+import shutil
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from build_support import cpu as cpu_build  # noqa: E402
+from build_support import cuda as cuda_build  # noqa: E402
+
+ROOT = "."  # setup.py runs from the project root; relative paths keep build dirs tidy
+INCLUDE = os.path.join("src_c", "include")
+CUDA = cuda_build.configure()
+
+
+def extensions():
+    common = dict(include_dirs=[INCLUDE, "qdispatch"], language="c")
+    exts = [
+        Extension("qdispatch._core", ["qdispatch/_core.pyx"], **common),
+    ]
+    if os.path.exists("qdispatch/_cpu.pyx"):  # TEMP until the kernels land
+        exts.append(Extension("qdispatch._cpu", ["qdispatch/_cpu.pyx"],
+                              extra_link_args=["-fopenmp"], **common))
+    if CUDA is not None:
+        exts.append(CUDA.extension(common))
+    from Cython.Build import cythonize
+    return cythonize(exts, language_level=3, compiler_directives={"embedsignature": True})
+
+
+class BuildExt(build_ext):
+    """Compiles the kernel library once, links it into the extensions, and ships
+    it (static + shared, with its header) inside the package for C embedding."""
+
+    def build_extensions(self):
+        self.kernel_objects = cpu_build.compile_objects(self.compiler, ROOT, self.build_temp)
+        cuda_objects = CUDA.compile_objects(self.build_temp) if CUDA is not None else []
+        for ext in self.extensions:
+            if ext.name == "qdispatch._cpu":
+                ext.extra_objects = list(self.kernel_objects)
+            elif ext.name == "qdispatch._cuda":
+                ext.extra_objects = list(cuda_objects)
+        super().build_extensions()
+        self.ship_c_library()
+        self.write_build_config()
+
+    def run(self):
+        super().run()
+        if self.inplace:  # setuptools copies only the extensions back to the source tree
+            for name in ("lib", "include"):
+                shutil.copytree(os.path.join(self.build_lib, "qdispatch", name),
+                                os.path.join("qdispatch", name), dirs_exist_ok=True)
+            shutil.copy(os.path.join(self.build_lib, "qdispatch", "_build_config.py"), "qdispatch")
+
+    def package_dirs(self):
+        return [os.path.join(self.build_lib, "qdispatch")]
+
+    def ship_c_library(self):
+        for pkg in self.package_dirs():
+            self.ship_c_library_to(pkg)
+
+    def ship_c_library_to(self, pkg):
+        lib_dir = os.path.join(pkg, "lib")
+        inc_dir = os.path.join(pkg, "include")
+        os.makedirs(lib_dir, exist_ok=True)
+        os.makedirs(inc_dir, exist_ok=True)
+        self.compiler.create_static_lib(self.kernel_objects, "qdispatch", output_dir=lib_dir)
+        self.compiler.link_shared_object(
+            self.kernel_objects, os.path.join(lib_dir, "libqdispatch.so"),
+            extra_postargs=["-fopenmp", "-Wl,-soname,libqdispatch.so"])
+        shutil.copy(os.path.join(INCLUDE, "qdispatch.h"), inc_dir)
+
+    def write_build_config(self):
+        config = {
+            "compiler": " ".join(self.compiler.compiler_so[:1]),
+            "machine": cpu_build.machine(),
+            "flags_by_isa": cpu_build.flags_by_isa(),
+            "cuda": CUDA.describe() if CUDA is not None else None,
+            "cuda_skipped_reason": cuda_build.skipped_reason() if CUDA is None else None,
+        }
+        text = ('"""Written by setup.py: how this copy of qdispatch was built."""\n'
+                "import json\n\nBUILD_CONFIG = json.loads(%r)\n" % json.dumps(config))
+        for pkg in self.package_dirs():
+            with open(os.path.join(pkg, "_build_config.py"), "w") as f:
+                f.write(text)
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
