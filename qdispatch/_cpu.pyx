@@ -1,0 +1,366 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The cpu backend's kernels: a thin wrapper over the C library (qdispatch.h).
+
+Arrays must be C-contiguous numpy arrays of the stated dtype; every kernel runs
+with the GIL released.  A non-OK status from C becomes an exception."""
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+
+from qdispatch.qdispatch_c cimport *
+
+cnp.import_array()
+
+_VALUE_KINDS = {"q8s": QD_Q8S, "q8f": QD_Q8F, "q4s": QD_Q4S, "q4f": QD_Q4F, "q2s": QD_Q2S, "q2f": QD_Q2F}
+_SCALE_DTYPES = {"f32": QD_SCALE_F32, "f16": QD_SCALE_F16, "bf16": QD_SCALE_BF16}
+
+
+def _error_class(code):
+    try:
+        from qdispatch import errors
+    except ImportError:
+        return RuntimeError
+    if code in (QD_ERR_SHAPE, QD_ERR_K_TOO_LARGE):
+        return errors.ShapeError
+    if code == QD_ERR_NOT_FINITE:
+        return getattr(errors, "NonFiniteError", errors.QDispatchError)
+    if code == QD_ERR_SCALE_OVERFLOW:
+        return getattr(errors, "ScaleOverflowError", errors.QDispatchError)
+    if code == QD_ERR_SCHEME:
+        return errors.QuantSchemeError
+    return errors.KernelError
+
+
+_ADVICE = {
+    QD_ERR_SHAPE: "check that the operand shapes agree and that every block size divides its dimension",
+    QD_ERR_K_TOO_LARGE: "split K into chunks of at most 131071 and add the int32 results in int64",
+    QD_ERR_NOT_FINITE: "remove NaN/Inf first (for example np.nan_to_num)",
+    QD_ERR_SCALE_OVERFLOW: "use scale_dtype='f32' or rescale the input",
+    QD_ERR_ISA_NOT_BUILT: "pick one of isa_info()['built']",
+    QD_ERR_ISA_NOT_SUPPORTED: "pick one of isa_info()['supported']",
+    QD_ERR_NO_MEMORY: "free memory or use smaller operands",
+    QD_ERR_SCHEME: "use a value kind among q8s/q8f/q4s/q4f/q2s/q2f and bits among 8/4/2",
+    QD_ERR_ARGUMENT: "check the argument ranges (weight values must fit their bit width)",
+}
+
+
+def _raise_status(code, what):
+    """Raises the exception matching a qd_status code (no-op for QD_OK)."""
+    if code == QD_OK:
+        return
+    text = qd_status_string(<qd_status>code).decode()
+    advice = _ADVICE.get(code)
+    message = f"{what}: {text}" + (f"; {advice}" if advice else "")
+    raise _error_class(code)(message)
+
+
+cdef inline _check(qd_status status, what):
+    if status != QD_OK:
+        _raise_status(<int>status, what)
+
+
+def _array(x, dtype, ndim, name):
+    """Validates a C-contiguous array of the given dtype and rank."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {x.dtype}: convert it with .astype()")
+    if x.ndim != ndim:
+        raise _error_class(QD_ERR_SHAPE)(f"{name} must have {ndim} dims, got shape {x.shape}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous: pass np.ascontiguousarray({name})")
+    if x.size == 0:
+        raise _error_class(QD_ERR_SHAPE)(f"{name} must not be empty, got shape {x.shape}")
+    return x
+
+
+def _shape_error(message):
+    return _error_class(QD_ERR_SHAPE)(message)
+
+
+# ---- ISA and threads ---------------------------------------------------------
+
+def _isa_names(predicate):
+    return [qd_isa_name(<qd_isa>i).decode() for i in range(QD_ISA_COUNT) if predicate(i)]
+
+
+def isa_info():
+    """dict(active=name, built=[names], supported=[names built and supported])."""
+    return dict(
+        active=qd_isa_name(qd_isa_active()).decode(),
+        built=_isa_names(lambda i: qd_isa_built(<qd_isa>i)),
+        supported=_isa_names(lambda i: qd_isa_built(<qd_isa>i) and qd_isa_supported(<qd_isa>i)),
+    )
+
+
+def set_isa(name):
+    """Forces an ISA by name ('scalar', 'avx2', ...); 'auto' goes back to the best one."""
+    cdef qd_isa isa
+    if name == "auto":
+        qd_isa_reset()
+        return
+    if qd_isa_from_name(str(name).encode(), &isa) != QD_OK:
+        raise ValueError(f"Unknown ISA {name!r}: use 'auto' or one of {_isa_names(lambda i: True)}")
+    _check(qd_isa_set(isa), f"Can't use ISA {name!r}")
+
+
+def get_isa():
+    return qd_isa_name(qd_isa_active()).decode()
+
+
+def set_num_threads(int n):
+    """Threads the kernels use; n <= 0 restores the default (the processor count)."""
+    qd_set_num_threads(n)
+
+
+def get_num_threads():
+    return qd_get_num_threads()
+
+
+# ---- quantization ------------------------------------------------------------
+
+def quantize(x, value, block_rows, block_cols, scale_dtype="f32"):
+    """Quantizes float32 x [R, C] in blocks -> (int8 q [R, C], float32 scales grid)."""
+    x = _array(x, np.float32, 2, "x")
+    if value not in _VALUE_KINDS:
+        raise _error_class(QD_ERR_SCHEME)(f"Unknown value kind {value!r}: use one of {list(_VALUE_KINDS)}")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise _error_class(QD_ERR_SCHEME)(f"Unknown scale dtype {scale_dtype!r}: use one of {list(_SCALE_DTYPES)}")
+    cdef int64_t rows = x.shape[0], cols = x.shape[1], br = block_rows, bc = block_cols
+    if br <= 0 or bc <= 0 or rows % br or cols % bc:
+        raise _shape_error(f"Block ({br}, {bc}) does not divide shape ({rows}, {cols})")
+    q = np.empty((rows, cols), dtype=np.int8)
+    scales = np.empty((rows // br, cols // bc), dtype=np.float32)
+    cdef float[:, ::1] xv = x
+    cdef int8_t[:, ::1] qv = q
+    cdef float[:, ::1] sv = scales
+    cdef int kind = _VALUE_KINDS[value], sdt = _SCALE_DTYPES[scale_dtype]
+    cdef int64_t bad = -1
+    cdef qd_status st
+    with nogil:
+        st = qd_quantize_f32(&xv[0, 0], rows, cols, kind, br, bc, sdt, &sv[0, 0], &qv[0, 0], &bad)
+    if st == QD_ERR_NOT_FINITE:
+        pos = (bad // cols, bad % cols)
+        raise _error_class(st)(f"Can't quantize a tensor holding {x[pos]!r} at position {pos}: "
+                               "remove NaN/Inf first (for example np.nan_to_num)")
+    if st == QD_ERR_SCALE_OVERFLOW:
+        raise _error_class(st)(f"The scale of block {(bad // scales.shape[1], bad % scales.shape[1])} "
+                               f"overflows scale_dtype={scale_dtype!r}: use scale_dtype='f32' or rescale the input")
+    _check(st, "quantize")
+    return q, scales
+
+
+# ---- packed weights ----------------------------------------------------------
+
+cdef class PackedWeights:
+    """Weights [N, K] (nn.Linear layout) packed once into the kernels' panel layout."""
+
+    def __cinit__(self, w, scales, block_n, block_k, bits=8):
+        self.ptr = NULL
+        w = _array(w, np.int8, 2, "w")
+        scales = _array(scales, np.float32, 2, "scales")
+        cdef int64_t N = w.shape[0], K = w.shape[1], bn = block_n, bk = block_k
+        if bn <= 0 or bk <= 0 or N % bn or K % bk:
+            raise _shape_error(f"Block ({bn}, {bk}) does not divide the weight shape ({N}, {K})")
+        if scales.shape != (N // bn, K // bk):
+            raise _shape_error(f"scales must have shape {(N // bn, K // bk)} for block ({bn}, {bk}), got {scales.shape}")
+        if bits not in (8, 4, 2):
+            raise _error_class(QD_ERR_SCHEME)(f"bits must be 8, 4 or 2, got {bits!r}")
+        cdef int8_t[:, ::1] wv = w
+        cdef float[:, ::1] sv = scales
+        cdef int b = bits
+        cdef qd_status st
+        with nogil:
+            st = qd_pack_weights(&wv[0, 0], N, K, b, &sv[0, 0], bn, bk, &self.ptr)
+        if st == QD_ERR_ARGUMENT:
+            lo, hi = -(1 << (b - 1)), (1 << (b - 1)) - 1
+            raise ValueError(f"Weight values must lie in [{lo}, {hi}] for bits={b}: "
+                             f"got [{int(w.min())}, {int(w.max())}]")
+        _check(st, "pack weights")
+        self.shape = (N, K)
+        self.bits = b
+        self.block = (bn, bk)
+
+    def __dealloc__(self):
+        qd_packed_weights_free(self.ptr)
+
+    @property
+    def nbytes(self):
+        return qd_packed_weights_nbytes(self.ptr)
+
+    def unpack(self):
+        """-> (int8 w [N, K], float32 scales grid): the exact inputs."""
+        N, K = self.shape
+        w = np.empty((N, K), dtype=np.int8)
+        scales = np.empty((N // self.block[0], K // self.block[1]), dtype=np.float32)
+        cdef int8_t[:, ::1] wv = w
+        cdef float[:, ::1] sv = scales
+        with nogil:
+            st = qd_unpack_weights(self.ptr, &wv[0, 0], &sv[0, 0])
+        _check(st, "unpack weights")
+        return w, scales
+
+    def __repr__(self):
+        return f"PackedWeights(shape={self.shape}, bits={self.bits}, block={self.block})"
+
+
+cdef PackedWeights _packed(pw):
+    if not isinstance(pw, PackedWeights):
+        raise TypeError(f"Expected PackedWeights, got {type(pw).__name__}")
+    return <PackedWeights>pw
+
+
+def _check_k(int64_t K, PackedWeights pw, name):
+    if K != pw.shape[1]:
+        raise _shape_error(f"{name} has K={K} but the weights have shape {pw.shape} (K={pw.shape[1]})")
+
+
+# ---- matmuls -----------------------------------------------------------------
+
+def int_matmul(a, b):
+    """Exact int8 [M, K] @ int8 [K, N] -> int32 [M, N] (K <= 131071)."""
+    a = _array(a, np.int8, 2, "a")
+    b = _array(b, np.int8, 2, "b")
+    cdef int64_t M = a.shape[0], K = a.shape[1], N = b.shape[1]
+    if b.shape[0] != K:
+        raise _shape_error(f"int_matmul shapes {a.shape} and {b.shape} do not agree on K")
+    c = np.empty((M, N), dtype=np.int32)
+    cdef int8_t[:, ::1] av = a
+    cdef int8_t[:, ::1] bv = b
+    cdef int32_t[:, ::1] cv = c
+    cdef qd_status st
+    with nogil:
+        st = qd_int_matmul_s8(&av[0, 0], M, K, &bv[0, 0], N, &cv[0, 0])
+    _check(st, f"int_matmul of {a.shape} and {b.shape}")
+    return c
+
+
+def int_matmul_packed(a, pw):
+    """Exact int8 a [M, K] @ w.T for packed weights w [N, K] -> int32 [M, N]."""
+    cdef PackedWeights w = _packed(pw)
+    a = _array(a, np.int8, 2, "a")
+    cdef int64_t M = a.shape[0], K = a.shape[1]
+    _check_k(K, w, "a")
+    c = np.empty((M, w.shape[0]), dtype=np.int32)
+    cdef int8_t[:, ::1] av = a
+    cdef int32_t[:, ::1] cv = c
+    cdef qd_status st
+    with nogil:
+        st = qd_int_matmul_packed(&av[0, 0], M, K, w.ptr, &cv[0, 0])
+    _check(st, f"int_matmul_packed of {a.shape} and weights {w.shape}")
+    return c
+
+
+def qq_matmul(a, a_scales, a_block_m, a_block_k, pw):
+    """Quantized a [M, K] (scales grid in blocks (a_block_m, a_block_k)) @ w.T -> float32."""
+    cdef PackedWeights w = _packed(pw)
+    a = _array(a, np.int8, 2, "a")
+    a_scales = _array(a_scales, np.float32, 2, "a_scales")
+    cdef int64_t M = a.shape[0], K = a.shape[1], bm = a_block_m, bk = a_block_k
+    _check_k(K, w, "a")
+    if bm <= 0 or bk <= 0 or M % bm or K % bk:
+        raise _shape_error(f"Block ({bm}, {bk}) does not divide a's shape ({M}, {K})")
+    if a_scales.shape != (M // bm, K // bk):
+        raise _shape_error(f"a_scales must have shape {(M // bm, K // bk)}, got {a_scales.shape}")
+    out = np.empty((M, w.shape[0]), dtype=np.float32)
+    cdef int8_t[:, ::1] av = a
+    cdef float[:, ::1] sv = a_scales
+    cdef float[:, ::1] ov = out
+    cdef qd_status st
+    with nogil:
+        st = qd_qq_matmul(&av[0, 0], M, K, &sv[0, 0], bm, bk, w.ptr, &ov[0, 0])
+    _check(st, "qq_matmul")
+    return out
+
+
+def fq_matmul(x, pw):
+    """Weight-only: float32 x [M, K] @ dequantize(w).T -> float32 [M, N]."""
+    cdef PackedWeights w = _packed(pw)
+    x = _array(x, np.float32, 2, "x")
+    cdef int64_t M = x.shape[0], K = x.shape[1]
+    _check_k(K, w, "x")
+    out = np.empty((M, w.shape[0]), dtype=np.float32)
+    cdef float[:, ::1] xv = x
+    cdef float[:, ::1] ov = out
+    cdef qd_status st
+    with nogil:
+        st = qd_fq_matmul_f32(&xv[0, 0], M, K, w.ptr, &ov[0, 0])
+    _check(st, "fq_matmul")
+    return out
+
+
+def w8a8_matmul(x, act_value, act_block_k, pw):
+    """float32 x quantized per row in blocks of act_block_k (f32 scales), then qq."""
+    cdef PackedWeights w = _packed(pw)
+    x = _array(x, np.float32, 2, "x")
+    cdef int64_t M = x.shape[0], K = x.shape[1], bk = act_block_k
+    _check_k(K, w, "x")
+    if act_value not in _VALUE_KINDS:
+        raise _error_class(QD_ERR_SCHEME)(f"Unknown value kind {act_value!r}: use one of {list(_VALUE_KINDS)}")
+    if bk <= 0 or K % bk:
+        raise _shape_error(f"act_block_k={bk} does not divide K={K}")
+    out = np.empty((M, w.shape[0]), dtype=np.float32)
+    cdef float[:, ::1] xv = x
+    cdef float[:, ::1] ov = out
+    cdef int kind = _VALUE_KINDS[act_value]
+    cdef qd_status st
+    with nogil:
+        st = qd_w8a8_matmul_f32(&xv[0, 0], M, K, kind, bk, w.ptr, &ov[0, 0])
+    _check(st, "w8a8_matmul")
+    return out
+
+
+# ---- half-precision conversions (any shape; bf16 as uint16) --------------------
+
+def _half_in(h, name):
+    if not isinstance(h, np.ndarray) or h.dtype not in (np.float16, np.uint16):
+        raise TypeError(f"{name} must be a float16 or uint16 numpy array")
+    return np.ascontiguousarray(h).view(np.uint16)
+
+
+def f16_to_f32(h):
+    src = _half_in(h, "h")
+    out = np.empty(src.shape, dtype=np.float32)
+    cdef uint16_t[::1] s = src.reshape(-1)
+    cdef float[::1] d = out.reshape(-1)
+    cdef int64_t n = src.size
+    if n:
+        with nogil:
+            qd_convert_f16_to_f32(&s[0], n, &d[0])
+    return out
+
+
+def bf16_to_f32(h):
+    src = _half_in(h, "h")
+    out = np.empty(src.shape, dtype=np.float32)
+    cdef uint16_t[::1] s = src.reshape(-1)
+    cdef float[::1] d = out.reshape(-1)
+    cdef int64_t n = src.size
+    if n:
+        with nogil:
+            qd_convert_bf16_to_f32(&s[0], n, &d[0])
+    return out
+
+
+def f32_to_f16(x):
+    src = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(src.shape, dtype=np.float16)
+    cdef float[::1] s = src.reshape(-1)
+    cdef uint16_t[::1] d = out.view(np.uint16).reshape(-1)
+    cdef int64_t n = src.size
+    if n:
+        with nogil:
+            qd_convert_f32_to_f16(&s[0], n, &d[0])
+    return out
+
+
+def f32_to_bf16(x):
+    src = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(src.shape, dtype=np.uint16)
+    cdef float[::1] s = src.reshape(-1)
+    cdef uint16_t[::1] d = out.reshape(-1)
+    cdef int64_t n = src.size
+    if n:
+        with nogil:
+            qd_convert_f32_to_bf16(&s[0], n, &d[0])
+    return out

@@ -1,0 +1,92 @@
+# Declarations of the public C header qdispatch.h, for Cython code to cimport.
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+
+cdef extern from "qdispatch.h" nogil:
+    cpdef enum qd_backend:
+        QD_BACKEND_REFERENCE
+        QD_BACKEND_CPU
+        QD_BACKEND_CUDA
+        QD_BACKEND_COUNT
+
+    ctypedef enum qd_status:
+        QD_OK
+        QD_ERR_NULL
+        QD_ERR_SHAPE
+        QD_ERR_ARGUMENT
+        QD_ERR_SCHEME
+        QD_ERR_ISA_NOT_BUILT
+        QD_ERR_ISA_NOT_SUPPORTED
+        QD_ERR_NO_MEMORY
+        QD_ERR_K_TOO_LARGE
+        QD_ERR_NOT_FINITE
+        QD_ERR_SCALE_OVERFLOW
+        QD_ERR_CUDA_UNAVAILABLE
+        QD_ERR_CUDA
+
+    const char *qd_status_string(qd_status status) noexcept
+    int QD_INT_MATMUL_MAX_K
+
+    ctypedef enum qd_isa:
+        QD_ISA_SCALAR
+        QD_ISA_AVX2
+        QD_ISA_AVXVNNI
+        QD_ISA_AVX512VNNI
+        QD_ISA_NEON_DOTPROD
+        QD_ISA_COUNT
+
+    const char *qd_isa_name(qd_isa isa) noexcept
+    qd_status qd_isa_from_name(const char *name, qd_isa *out) noexcept
+    int qd_isa_built(qd_isa isa) noexcept
+    int qd_isa_supported(qd_isa isa) noexcept
+    qd_isa qd_isa_active() noexcept
+    qd_status qd_isa_set(qd_isa isa) noexcept
+    void qd_isa_reset() noexcept
+
+    void qd_set_num_threads(int n) noexcept
+    int qd_get_num_threads() noexcept
+
+    ctypedef enum qd_value:
+        QD_Q8S
+        QD_Q8F
+        QD_Q4S
+        QD_Q4F
+        QD_Q2S
+        QD_Q2F
+
+    ctypedef enum qd_scale_dtype:
+        QD_SCALE_F32
+        QD_SCALE_F16
+        QD_SCALE_BF16
+
+    qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                              int64_t block_rows, int64_t block_cols, int scale_dtype,
+                              float *scales, int8_t *q, int64_t *bad_index) noexcept
+
+    ctypedef struct qd_packed_weights:
+        pass
+
+    qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
+                              const float *scales, int64_t block_n, int64_t block_k,
+                              qd_packed_weights **out) noexcept
+    void qd_packed_weights_free(qd_packed_weights *pw) noexcept
+    size_t qd_packed_weights_nbytes(const qd_packed_weights *pw) noexcept
+    qd_status qd_packed_weights_info(const qd_packed_weights *pw, int64_t *N, int64_t *K, int *bits,
+                                     int64_t *block_n, int64_t *block_k) noexcept
+    qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *scales_out) noexcept
+
+    qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *b, int64_t N,
+                               int32_t *c) noexcept
+    qd_status qd_int_matmul_packed(const int8_t *a, int64_t M, int64_t K,
+                                   const qd_packed_weights *w, int32_t *c) noexcept
+    qd_status qd_qq_matmul(const int8_t *a, int64_t M, int64_t K, const float *a_scales,
+                           int64_t a_block_m, int64_t a_block_k, const qd_packed_weights *w,
+                           float *out) noexcept
+    qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed_weights *w,
+                               float *out) noexcept
+    qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value_kind,
+                                 int64_t act_block_k, const qd_packed_weights *w, float *out) noexcept
+
+    qd_status qd_convert_f16_to_f32(const uint16_t *src, int64_t n, float *dst) noexcept
+    qd_status qd_convert_bf16_to_f32(const uint16_t *src, int64_t n, float *dst) noexcept
+    qd_status qd_convert_f32_to_f16(const float *src, int64_t n, uint16_t *dst) noexcept
+    qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst) noexcept

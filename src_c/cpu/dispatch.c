@@ -1,0 +1,173 @@
+/* ISA selection, the per-ISA kernel tables, thread count and status strings. */
+#define _POSIX_C_SOURCE 200112L
+#include <ctype.h>
+#include <stdlib.h>
+#include <omp.h>
+#include "qd_internal.h"
+
+static const char *const isa_names[QD_ISA_COUNT] = {
+    "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod",
+};
+
+const char *qd_isa_name(qd_isa isa)
+{
+    return (unsigned)isa < QD_ISA_COUNT ? isa_names[isa] : "?";
+}
+
+static int name_equals(const char *a, const char *b)
+{
+    for (; *a && *b; a++, b++)
+        if (tolower((unsigned char)*a) != tolower((unsigned char)*b))
+            return 0;
+    return *a == *b;
+}
+
+qd_status qd_isa_from_name(const char *name, qd_isa *out)
+{
+    if (!name || !out)
+        return QD_ERR_NULL;
+    for (int i = 0; i < QD_ISA_COUNT; i++) {
+        if (name_equals(name, isa_names[i])) {
+            *out = (qd_isa)i;
+            return QD_OK;
+        }
+    }
+    if (name_equals(name, "neon")) {
+        *out = QD_ISA_NEON_DOTPROD;
+        return QD_OK;
+    }
+    return QD_ERR_ARGUMENT;
+}
+
+int qd_isa_built(qd_isa isa)
+{
+    switch (isa) {
+    case QD_ISA_SCALAR: return 1;
+#if defined(__x86_64__) || defined(_M_X64)
+    case QD_ISA_AVX2:
+    case QD_ISA_AVXVNNI:
+    case QD_ISA_AVX512VNNI: return 1;
+#endif
+#if defined(__aarch64__)
+    case QD_ISA_NEON_DOTPROD: return 1;
+#endif
+    default: return 0;
+    }
+}
+
+int qd_isa_supported(qd_isa isa)
+{
+    return (unsigned)isa < QD_ISA_COUNT && qd_cpu_has(isa);
+}
+
+const qd_kernels *qd_kernels_for(qd_isa isa)
+{
+    switch (isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+    case QD_ISA_AVX2: return &qd_kernels_avx2;
+    case QD_ISA_AVXVNNI: return &qd_kernels_avxvnni;
+    case QD_ISA_AVX512VNNI: return &qd_kernels_avx512vnni;
+#endif
+#if defined(__aarch64__)
+    case QD_ISA_NEON_DOTPROD: return &qd_kernels_neon;
+#endif
+    default: return &qd_kernels_scalar;
+    }
+}
+
+/* -1: no override.  Written with atomics so concurrent readers see a whole value. */
+static int isa_override = -1;
+
+static qd_isa best_isa(void)
+{
+    static const qd_isa preference[] = {QD_ISA_AVX512VNNI, QD_ISA_AVXVNNI, QD_ISA_AVX2,
+                                        QD_ISA_NEON_DOTPROD};
+    for (size_t i = 0; i < sizeof preference / sizeof preference[0]; i++)
+        if (qd_isa_built(preference[i]) && qd_isa_supported(preference[i]))
+            return preference[i];
+    return QD_ISA_SCALAR;
+}
+
+qd_isa qd_isa_active(void)
+{
+    const int forced = __atomic_load_n(&isa_override, __ATOMIC_RELAXED);
+    return forced >= 0 ? (qd_isa)forced : best_isa();
+}
+
+qd_status qd_isa_set(qd_isa isa)
+{
+    if ((unsigned)isa >= QD_ISA_COUNT)
+        return QD_ERR_ARGUMENT;
+    if (!qd_isa_built(isa))
+        return QD_ERR_ISA_NOT_BUILT;
+    if (!qd_isa_supported(isa))
+        return QD_ERR_ISA_NOT_SUPPORTED;
+    __atomic_store_n(&isa_override, (int)isa, __ATOMIC_RELAXED);
+    return QD_OK;
+}
+
+void qd_isa_reset(void)
+{
+    __atomic_store_n(&isa_override, -1, __ATOMIC_RELAXED);
+}
+
+/* ---- threads ---- */
+static int thread_setting;   /* <= 0: default */
+
+void qd_set_num_threads(int n)
+{
+    __atomic_store_n(&thread_setting, n > 0 ? n : 0, __ATOMIC_RELAXED);
+}
+
+int qd_get_num_threads(void)
+{
+    const int n = __atomic_load_n(&thread_setting, __ATOMIC_RELAXED);
+    if (n > 0)
+        return n;
+    const int procs = omp_get_num_procs();
+    return procs > 0 ? procs : 1;
+}
+
+/* Threads for a parallel loop of work_items independent items. */
+int qd_threads_for(int64_t work_items)
+{
+    const int n = qd_get_num_threads();
+    if (work_items < 1)
+        return 1;
+    return work_items < n ? (int)work_items : n;
+}
+
+/* ---- memory ---- */
+void *qd_aligned_alloc(size_t bytes)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0)
+        return NULL;
+    return p;
+}
+
+void qd_aligned_free(void *p)
+{
+    free(p);
+}
+
+/* ---- status ---- */
+const char *qd_status_string(qd_status status)
+{
+    switch (status) {
+    case QD_OK: return "success";
+    case QD_ERR_NULL: return "a required pointer argument is NULL";
+    case QD_ERR_SHAPE: return "a dimension is not positive, or a block size does not divide its dimension";
+    case QD_ERR_ARGUMENT: return "an argument is out of range";
+    case QD_ERR_SCHEME: return "unknown quantization value kind, scale dtype or bit width";
+    case QD_ERR_ISA_NOT_BUILT: return "the requested instruction set was not compiled into this library";
+    case QD_ERR_ISA_NOT_SUPPORTED: return "this CPU does not support the requested instruction set";
+    case QD_ERR_NO_MEMORY: return "out of memory";
+    case QD_ERR_K_TOO_LARGE: return "K is larger than 131071, the largest depth an exact int32 int8 product allows";
+    case QD_ERR_NOT_FINITE: return "the input holds NaN or Inf";
+    case QD_ERR_SCALE_OVERFLOW: return "a scale overflows its scale dtype";
+    case QD_ERR_CUDA_UNAVAILABLE: return "CUDA is not available (not built, or no device)";
+    case QD_ERR_CUDA: return "a CUDA call failed";
+    }
+    return "unknown status";
+}

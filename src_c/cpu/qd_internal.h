@@ -1,0 +1,108 @@
+/* Private declarations shared by the CPU kernel library. */
+#ifndef QD_INTERNAL_H
+#define QD_INTERNAL_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include "qdispatch.h"
+
+/* ---- panel layout (ISA-independent) ----
+ * Weights are stored in panels of QD_NR output columns.  A panel is a run of
+ * 64-byte units; each unit covers QD_KU(bits) consecutive k for the 16 columns.
+ * Byte (n*4 + j) of a unit holds, for sub-step s = 0 .. 8/bits-1, the value of
+ * column n at k = unit*KU + s*4 + j, biased to be unsigned (w + 2^(bits-1))
+ * for 4 and 2 bits and stored as plain two's complement for 8 bits, at bit
+ * offset s*bits.  One unit is exactly one zmm / two ymm / four q registers.
+ * K is zero-padded to a whole number of units; N to a whole number of panels. */
+#define QD_NR 16
+#define QD_UNIT_BYTES 64
+#define QD_KU(bits) (4 * (8 / (bits)))
+
+struct qd_packed_weights {
+    int64_t n, k;               /* logical shape [N, K] */
+    int64_t block_n, block_k;
+    int bits;
+    int64_t k_padded;           /* multiple of QD_KU(bits) */
+    int64_t n_panels;
+    int64_t panel_bytes;        /* k_padded / KU * 64 */
+    uint8_t *panels;            /* n_panels * panel_bytes, 64-byte aligned */
+    int64_t k_groups;           /* K / block_k */
+    float *panel_scales;        /* [n_panels][k_groups][QD_NR], 64-byte aligned */
+    float *scales;              /* the original grid [N/block_n, K/block_k] */
+};
+
+/* One microkernel call of the qq (int8 x int-n) family: up to the kernel's MR rows
+ * of A against one panel, all of K.  Groups are group_k long; for each group the
+ * exact int32 dot is scaled by a_scale * w_scale and accumulated in float32.
+ * In integer mode (out_i32 != NULL) there is one group and the int32 dot is stored. */
+typedef struct qd_qq_tile {
+    const int8_t *a;            /* rows of A, zero-padded to k_padded */
+    int64_t lda;
+    int mr;                     /* rows in this tile, 1 .. kernel MR */
+    const int32_t *a_rowsum;    /* [mr][rowsum_ld]: sum of A over each group */
+    int64_t rowsum_ld;
+    const float *a_scale;       /* a_scale[r * a_scale_ld + g / a_ratio] */
+    int64_t a_scale_ld, a_ratio;
+    const uint8_t *panel;
+    const float *w_scale;       /* w_scale[(g / w_ratio) * QD_NR + n] */
+    int64_t w_ratio;
+    int bits;
+    int nr;                     /* valid columns in the panel, 1 .. QD_NR */
+    int64_t k;                  /* logical K */
+    int64_t group_k;            /* elements per group */
+    int64_t ngroups;
+    int64_t group_units;        /* units per group (SIMD kernels) */
+    float *out;                 /* out[r * ldo + n] */
+    int32_t *out_i32;
+    int64_t ldo;
+} qd_qq_tile;
+
+/* The fq (float32 x dequantized weights) microkernel: float32 accumulation. */
+typedef struct qd_fq_tile {
+    const float *x;             /* rows of x, zero-padded to k_padded */
+    int64_t ldx;
+    int mr;
+    const uint8_t *panel;
+    const float *w_scale;       /* w_scale[g * QD_NR + n] */
+    int bits;
+    int nr;
+    int64_t k;
+    int64_t group_k, ngroups, group_units;
+    float *out;
+    int64_t ldo;
+} qd_fq_tile;
+
+typedef struct qd_kernels {
+    void (*qq_tile)(const qd_qq_tile *t);
+    void (*fq_tile)(const qd_fq_tile *t);
+    int qq_mr;                  /* rows one qq_tile call handles at most */
+    int fq_mr;
+    int needs_rowsum;           /* qq_tile reads a_rowsum */
+} qd_kernels;
+
+extern const qd_kernels qd_kernels_scalar;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const qd_kernels qd_kernels_avx2;
+extern const qd_kernels qd_kernels_avxvnni;
+extern const qd_kernels qd_kernels_avx512vnni;
+#endif
+#if defined(__aarch64__)
+extern const qd_kernels qd_kernels_neon;
+#endif
+
+/* The kernel table of an ISA (must be built). */
+const qd_kernels *qd_kernels_for(qd_isa isa);
+/* Raw CPU feature check, without looking at what was built. */
+int qd_cpu_has(qd_isa isa);
+int qd_threads_for(int64_t work_items);
+
+/* Quantizes one row segment of n floats with the given range; returns the stored
+ * float32 scale through *scale.  Input must be finite (checked by the caller). */
+void qd_quantize_segment(const float *x, int64_t n, int lo, int hi, float scale, int8_t *q);
+float qd_segment_scale(const float *x, int64_t n, int lo, int hi);
+qd_status qd_value_range(int value_kind, int *lo, int *hi);
+
+void *qd_aligned_alloc(size_t bytes);
+void qd_aligned_free(void *p);
+
+#endif

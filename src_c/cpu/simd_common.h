@@ -1,0 +1,42 @@
+/* Small helpers shared by the SIMD kernel files (no ISA-specific code). */
+#ifndef QD_SIMD_COMMON_H
+#define QD_SIMD_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define QD_INLINE static inline __attribute__((always_inline))
+
+/* Four bytes of A as one int32 lane pattern (alias-safe unaligned load). */
+QD_INLINE int32_t qd_load_i32(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The value added to a stored weight to make it unsigned: weights are stored
+ * biased by this for sub-byte widths and biased in registers for 8 bits. */
+#define QD_WEIGHT_BIAS(bits) ((bits) == 8 ? 128 : 1 << ((bits) - 1))
+
+/* bias * rowsum in wrapping 32-bit arithmetic (the corrected dot fits int32 even
+ * when this product does not). */
+QD_INLINE int32_t qd_bias_correction(int bits, int32_t rowsum)
+{
+    return (int32_t)((uint32_t)QD_WEIGHT_BIAS(bits) * (uint32_t)rowsum);
+}
+
+/* Expands a kernel template over the row counts 1..8 as a switch. */
+#define QD_SWITCH_MR(mr, CALL)                                                        \
+    switch (mr) {                                                                     \
+    case 1: CALL(1); break;                                                           \
+    case 2: CALL(2); break;                                                           \
+    case 3: CALL(3); break;                                                           \
+    case 4: CALL(4); break;                                                           \
+    case 5: CALL(5); break;                                                           \
+    case 6: CALL(6); break;                                                           \
+    case 7: CALL(7); break;                                                           \
+    default: CALL(8); break;                                                          \
+    }
+
+#endif

@@ -1,0 +1,73 @@
+/* 256-bit helpers shared by the AVX2 and AVX-VNNI kernel files (both are
+ * compiled with AVX2 enabled).  A unit of 64 bytes is two ymm: columns 0..7 and
+ * columns 8..15. */
+#ifndef QD_SIMD_YMM_H
+#define QD_SIMD_YMM_H
+
+#include <immintrin.h>
+#include "qd_internal.h"
+#include "simd_common.h"
+
+#define QD_YMM_QQ_MR 4
+
+/* Sub-step s of 32 packed bytes as unsigned bytes (w + bias). */
+QD_INLINE __m256i qd_ymm_unpack_biased(__m256i v, int bits, int s)
+{
+    if (bits == 8)
+        return _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1));
+    return _mm256_and_si256(_mm256_srli_epi16(v, s * bits), mask);
+}
+
+/* Sub-step s of 32 packed bytes as signed bytes. */
+QD_INLINE __m256i qd_ymm_unpack_signed(__m256i v, int bits, int s)
+{
+    if (bits == 8)
+        return v;
+    return _mm256_sub_epi8(qd_ymm_unpack_biased(v, bits, s), _mm256_set1_epi8((char)(1 << (bits - 1))));
+}
+
+/* Float accumulators of one qq tile, kept in L1 between groups. */
+typedef struct {
+    float v[QD_YMM_QQ_MR][QD_NR];
+} qd_ymm_qq_acc;
+
+/* End of group g for row r: idot holds the per-column int32 dots (columns 0..7,
+ * 8..15), biased by `bias` if nonzero.  Integer mode stores; float mode scales
+ * by a_scale * w_scale and accumulates. */
+QD_INLINE void qd_ymm_qq_group_end(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int r, int64_t g,
+                                   __m256i idot_lo, __m256i idot_hi, int bits, int biased)
+{
+    if (biased) {
+        const __m256i corr = _mm256_set1_epi32(qd_bias_correction(bits, t->a_rowsum[r * t->rowsum_ld + g]));
+        idot_lo = _mm256_sub_epi32(idot_lo, corr);
+        idot_hi = _mm256_sub_epi32(idot_hi, corr);
+    }
+    if (t->out_i32) {
+        int32_t tmp[QD_NR];
+        _mm256_storeu_si256((__m256i *)tmp, idot_lo);
+        _mm256_storeu_si256((__m256i *)(tmp + 8), idot_hi);
+        memcpy(t->out_i32 + r * t->ldo, tmp, (size_t)t->nr * sizeof(int32_t));
+        return;
+    }
+    const float *ws = t->w_scale + (g / t->w_ratio) * QD_NR;
+    const __m256 as = _mm256_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+    float *row = acc->v[r];
+    _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot_lo),
+                                          _mm256_mul_ps(_mm256_loadu_ps(ws), as), _mm256_loadu_ps(row)));
+    _mm256_storeu_ps(row + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot_hi),
+                                              _mm256_mul_ps(_mm256_loadu_ps(ws + 8), as), _mm256_loadu_ps(row + 8)));
+}
+
+QD_INLINE void qd_ymm_qq_store(const qd_qq_tile *t, const qd_ymm_qq_acc *acc, int mr)
+{
+    if (t->out_i32)
+        return;
+    for (int r = 0; r < mr; r++)
+        memcpy(t->out + r * t->ldo, acc->v[r], (size_t)t->nr * sizeof(float));
+}
+
+/* The AVX2 fq kernel, also used by the AVX-VNNI table (VNNI adds nothing for floats). */
+void qd_fq_tile_avx2(const qd_fq_tile *t);
+
+#endif
