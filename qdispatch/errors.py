@@ -40,3 +40,8 @@ class BackendUnavailableError(QDispatchError, RuntimeError):
 
 class KernelError(QDispatchError, RuntimeError):
     """A C or CUDA kernel reported a failure; the message carries its status text."""
+
+
+class SerializationError(QDispatchError, ValueError):
+    """A file can't be written or read back: truncated, corrupted, an unknown
+    format version, or stored bytes that do not match their recorded scheme."""
