@@ -10,24 +10,25 @@ from ._version import __version__
 from ._core import BackendKind, Device, QTensor, Tensor, int_matmul, linear, q_matmul
 from .errors import (BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
                      KernelError, NonFiniteError, QDispatchError, QuantSchemeError,
-                     ScaleOverflowError, ShapeError, WrongBackendError)
+                     ScaleOverflowError, SerializationError, ShapeError, WrongBackendError)
 from .scheme import QuantScheme
 from .backends import reference as _reference  # noqa: F401  (registers the backend)
 from .backends import cpu as _cpu_backend  # noqa: F401
 from .backends import cuda as _cuda_backend  # noqa: F401
 from .policy import default_device, set_default_backend, transfer_policy
 from .tensor_api import dequantize, from_dlpack, quantize, qtensor_from_parts, tensor
+from .io import load, save  # safetensors is imported on first use
 from .info import available_backends, get_include, get_library_dir, info, set_isa, \
     set_num_threads, get_num_threads
 
 __all__ = [
     "__version__", "BackendKind", "Device", "QTensor", "Tensor", "QuantScheme",
     "quantize", "dequantize", "tensor", "from_dlpack", "qtensor_from_parts",
-    "q_matmul", "int_matmul", "linear",
+    "q_matmul", "int_matmul", "linear", "save", "load",
     "transfer_policy", "set_default_backend", "default_device",
     "info", "available_backends", "get_include", "get_library_dir",
     "set_isa", "set_num_threads", "get_num_threads",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "NonFiniteError", "ScaleOverflowError",
-    "BackendUnavailableError", "KernelError",
+    "BackendUnavailableError", "KernelError", "SerializationError",
 ]

@@ -1,0 +1,333 @@
+"""Saving and loading tensors in the safetensors format (optional extra `io`).
+
+    qdispatch.save("model.safetensors", {"w": qtensor, "b": tensor, "meta": ndarray})
+    tensors = qdispatch.load("model.safetensors", device="cpu")
+
+A loaded QTensor holds exactly the values and scales that were saved, on any
+backend, so everything computed from it is bit-identical to the original.
+
+File layout (format version 1), readable by any safetensors reader:
+
+- A QTensor `name` is two entries: `name.qvalues` holds its values in the
+  scheme's store and in storage orientation (int8, or uint32 words packed along
+  the last dim), `name.qscales` its scale grid in the scale dtype (F32, F16, or
+  BF16 as raw 16-bit).
+- A Tensor or numpy array `name` is one entry under its own name (a bfloat16
+  Tensor as BF16).
+- The header's metadata holds `qdispatch.format_version` and
+  `qdispatch.tensors`, a JSON object with one record per name: its kind
+  ("qtensor", "tensor" or "array"), a CRC-32 of each entry's bytes, and for a
+  QTensor its scheme (value, block, axis, store, scale_dtype; storage
+  orientation, as the bytes are), logical shape and transposed flag.
+
+Writes are atomic: the file is written next to its destination, synced, then
+renamed over it, so a crash mid-write leaves the old file intact.
+"""
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import quantmath
+from ._core import QTensor, Tensor, get_backend
+from .errors import QDispatchError, SerializationError
+from .layout import QLayout, swap_last2
+from .scheme import QuantScheme
+from .tensor_api import backend_for, qtensor_from_parts, tensor
+
+FORMAT_VERSION = 1
+_VERSION_KEY = "qdispatch.format_version"
+_TENSORS_KEY = "qdispatch.tensors"
+_SUFFIXES = (".qvalues", ".qscales")
+
+# safetensors dtype code -> numpy dtype of the raw bytes (BF16 stays as its bits)
+_NUMPY_OF = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+_CODE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items() if k != "BF16"}
+_SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+_TENSOR_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "int32": "I32"}
+
+
+def _safetensors():
+    try:
+        import safetensors
+    except ImportError:
+        raise ImportError("Saving and loading needs the safetensors package: "
+                          "pip install 'qdispatch[io]'") from None
+    return safetensors
+
+
+# ---- atomic writes -------------------------------------------------------------
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary path next to `path`; on success sync it and rename it
+    over `path`, on failure remove it.  Either way `path` is never half-written."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder):
+    """Make the rename itself durable (POSIX only; Windows has no directory fds)."""
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---- encoding --------------------------------------------------------------------
+
+def _little_endian(a):
+    a = np.ascontiguousarray(a)
+    if sys.byteorder == "big" and a.dtype.itemsize > 1:
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def _crc(data):
+    return zlib.crc32(memoryview(data).cast("B"))
+
+
+def _encode_scales(name, scales, scale_dtype):
+    """The scale grid as stored: raw 16-bit for f16/bf16, after checking that
+    the float32 scales really are values of that dtype (so nothing is rounded)."""
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if scale_dtype == "f32":
+        return scales
+    if scale_dtype == "f16":
+        stored = scales.astype(np.float16)
+        back = stored.astype(np.float32)
+    else:
+        stored = quantmath.f32_to_bf16_bits(scales)
+        back = quantmath.bf16_bits_to_f32(stored)
+    if not np.array_equal(back.view(np.uint32), scales.view(np.uint32)):
+        raise SerializationError(
+            f"Can't save tensor {name!r}: its scales are not all {scale_dtype} values, as its "
+            f"scheme says; rebuild it with qdispatch.quantize or qtensor_from_parts using {scale_dtype} scales")
+    return stored
+
+
+def _encode(name, obj):
+    """(record, {entry key: (safetensors dtype code, little-endian array)})."""
+    if isinstance(obj, QTensor):
+        scheme = obj.layout.scheme
+        values, scales = get_backend(obj.kind).qstorage_to_host(obj.storage, obj.layout)
+        values = np.ascontiguousarray(values, dtype=np.int8)
+        if scheme.store == "packed_u32":
+            values, vcode = quantmath.pack_u32(values, scheme.bits), "U32"
+        else:
+            vcode = "I8"
+        entries = {name + _SUFFIXES[0]: (vcode, _little_endian(values)),
+                   name + _SUFFIXES[1]: (_SCALE_CODES[scheme.scale_dtype],
+                                         _little_endian(_encode_scales(name, scales, scheme.scale_dtype)))}
+        record = {"kind": "qtensor", "scheme": _scheme_record(scheme), "shape": list(obj.shape),
+                  "transposed": bool(obj.transposed)}
+    elif isinstance(obj, Tensor):
+        raw = get_backend(obj.kind).to_host(obj.payload)  # bfloat16 stays as its bits
+        entries = {name: (_TENSOR_CODES[obj.dtype], _little_endian(raw))}
+        record = {"kind": "tensor", "dtype": obj.dtype}
+    elif isinstance(obj, np.ndarray):
+        code = _CODE_OF_NUMPY.get(obj.dtype.newbyteorder("="))
+        if code is None:
+            raise TypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
+        entries = {name: (code, _little_endian(obj))}
+        record = {"kind": "array"}
+    else:
+        raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: "
+                        f"expected a QTensor, a Tensor or a numpy array")
+    record["crc32"] = [_crc(a) for _, a in entries.values()]
+    return record, entries
+
+
+def _scheme_record(scheme):
+    return {"value": scheme.value, "block": list(scheme.block) if scheme.block else None,
+            "axis": scheme.axis, "store": scheme.store, "scale_dtype": scheme.scale_dtype}
+
+
+def _entry_keys(name, record):
+    return [name + s for s in _SUFFIXES] if record.get("kind") == "qtensor" else [name]
+
+
+def save(path, tensors):
+    """Write `{name: QTensor | Tensor | ndarray}` to `path` as one safetensors
+    file, atomically.  `qdispatch.load` reads it back bit for bit."""
+    st = _safetensors()
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"save expects a dict of name -> tensor, got {type(tensors).__name__}")
+    records, entries = {}, {}
+    for name, obj in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Tensor names must be non-empty strings, got {name!r}")
+        record, own = _encode(name, obj)
+        for key in own:
+            if key in entries or (key != name and key in tensors):
+                raise SerializationError(
+                    f"Can't save tensor {name!r}: its entry {key!r} collides with another name; rename one")
+        records[name] = record
+        entries.update(own)
+    specs = {key: st.TensorSpec(dtype=_spec_dtype(code, a), shape=list(a.shape),
+                                data_ptr=a.ctypes.data, data_len=a.nbytes)
+             for key, (code, a) in entries.items()}
+    metadata = {_VERSION_KEY: str(FORMAT_VERSION), _TENSORS_KEY: json.dumps(records)}
+    with atomic_path(path) as tmp:
+        st.serialize_file(specs, tmp, metadata=metadata)
+
+
+def _spec_dtype(code, array):
+    return "bfloat16" if code == "BF16" else array.dtype.name
+
+
+# ---- decoding ----------------------------------------------------------------------
+
+def _read_header(path, buf):
+    """The parsed JSON header, after checking that every entry's bytes are in
+    the file (a truncated file names the tensors it cut)."""
+    if len(buf) < 8:
+        raise SerializationError(f"{path} is not a safetensors file: it holds only {len(buf)} bytes")
+    size = int.from_bytes(buf[:8], "little")
+    if 8 + size > len(buf):
+        raise SerializationError(
+            f"{path} is truncated or not a safetensors file: its header claims {size} bytes "
+            f"but the file holds {len(buf)}")
+    try:
+        header = json.loads(bytes(buf[8:8 + size]))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except ValueError as exc:
+        raise SerializationError(f"{path} has a corrupted safetensors header ({exc})") from None
+    return header, len(buf) - 8 - size
+
+
+def _metadata(path, header):
+    meta = header.get("__metadata__") or {}
+    version = meta.get(_VERSION_KEY)
+    if version is None or _TENSORS_KEY not in meta:
+        raise SerializationError(
+            f"{path} was not written by qdispatch.save (no {_VERSION_KEY!r} in its metadata)")
+    if version != str(FORMAT_VERSION):
+        raise SerializationError(
+            f"{path} has qdispatch format version {version!r}; this qdispatch reads version "
+            f"{FORMAT_VERSION}: upgrade qdispatch to read it")
+    try:
+        records = json.loads(meta[_TENSORS_KEY])
+        if not isinstance(records, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        raise SerializationError(f"{path} has corrupted qdispatch metadata ({exc})") from None
+    return records
+
+
+def _check_complete(path, header, data_size, records):
+    for name, record in records.items():
+        for key in _entry_keys(name, record):
+            info = header.get(key)
+            if not isinstance(info, dict):
+                raise SerializationError(f"Tensor {name!r} in {path} is missing its entry {key!r}")
+            end = (info.get("data_offsets") or [0, 0])[-1]
+            if end > data_size:
+                raise SerializationError(
+                    f"Tensor {name!r} in {path} is truncated: its data ends at byte {end} of the "
+                    f"data section but the file holds {data_size}; the file is incomplete, write it again")
+
+
+def load(path, device=None):
+    """Read a file written by `save`: {name: QTensor | Tensor | ndarray}, the
+    tensors on `device` (default: the default backend)."""
+    st = _safetensors()
+    dev, _ = backend_for(device) if device is not None else (None, None)
+    with open(path, "rb") as f:
+        buf = f.read()
+    header, data_size = _read_header(path, buf)
+    records = _metadata(path, header)
+    _check_complete(path, header, data_size, records)
+    try:
+        entries = dict(st.deserialize(buf))
+    except Exception as exc:  # SafetensorError: what safetensors itself rejects
+        raise SerializationError(f"{path} is not a valid safetensors file: {exc}") from None
+    del buf
+    out = {}
+    for name, record in records.items():
+        try:
+            out[name] = _decode(name, record, entries, dev)
+        except (SerializationError, QDispatchError, ValueError, TypeError, KeyError) as exc:
+            if isinstance(exc, SerializationError):
+                raise
+            raise SerializationError(f"Can't load tensor {name!r} from {path}: {exc}") from exc
+    return out
+
+
+def _entry(name, key, entries, code, shape, crc):
+    entry = entries[key]
+    if entry["dtype"] != code or tuple(entry["shape"]) != tuple(shape):
+        raise SerializationError(
+            f"Tensor {name!r}: entry {key!r} holds {entry['dtype']}{list(entry['shape'])} but its "
+            f"record says {code}{list(shape)}; the file does not match its metadata")
+    if _crc(entry["data"]) != crc:
+        raise SerializationError(f"Tensor {name!r}: the bytes of {key!r} are corrupted (CRC-32 mismatch)")
+    return np.frombuffer(entry["data"], dtype=np.dtype(_NUMPY_OF[code]).newbyteorder("<")).reshape(shape)
+
+
+def _decode(name, record, entries, dev):
+    kind = record.get("kind")
+    crcs = record.get("crc32") or []
+    if kind == "qtensor":
+        return _decode_qtensor(name, record, entries, dev, crcs)
+    entry = entries[name]
+    if kind == "tensor":
+        dtype = record["dtype"]
+        arr = _entry(name, name, entries, _TENSOR_CODES[dtype], entry["shape"], crcs[0])
+        return tensor(arr.astype(arr.dtype.newbyteorder("="), copy=False), device=dev, dtype=dtype)
+    if kind == "array":
+        arr = _entry(name, name, entries, entry["dtype"], entry["shape"], crcs[0])
+        return arr.astype(arr.dtype.newbyteorder("="), copy=False)
+    raise SerializationError(f"Tensor {name!r} has an unknown kind {kind!r} in its record")
+
+
+def _decode_qtensor(name, record, entries, dev, crcs):
+    fields = dict(record["scheme"])
+    if fields.get("block") is not None:
+        fields["block"] = tuple(fields["block"])
+    scheme = QuantScheme(**fields)
+    shape = tuple(int(d) for d in record["shape"])
+    transposed = bool(record["transposed"])
+    layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
+    vkey, skey = _entry_keys(name, record)
+    if scheme.store == "packed_u32":
+        per_word = 32 // scheme.bits
+        words_shape = layout.shape[:-1] + (-(-layout.shape[-1] // per_word),)
+        words = _entry(name, vkey, entries, "U32", words_shape, crcs[0])
+        values = quantmath.unpack_u32(words, scheme.bits, layout.shape[-1])
+        if not np.array_equal(quantmath.pack_u32(values, scheme.bits), words):
+            raise SerializationError(
+                f"Tensor {name!r}: packed words have bits set outside their {layout.shape[-1]} values")
+    else:
+        values = _entry(name, vkey, entries, "I8", layout.shape, crcs[0])
+    raw = _entry(name, skey, entries, _SCALE_CODES[scheme.scale_dtype], layout.grid, crcs[1])
+    scales = (quantmath.bf16_bits_to_f32(raw) if scheme.scale_dtype == "bf16"
+              else raw.astype(np.float32))
+    if not np.all(np.isfinite(scales)):
+        raise SerializationError(f"Tensor {name!r}: its scales hold NaN or Inf")
+    q = qtensor_from_parts(values, scales, scheme, device=dev)
+    return q.T if transposed else q

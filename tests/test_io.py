@@ -1,0 +1,217 @@
+"""qdispatch.save / qdispatch.load: bit-exact round trips, atomic writes, and
+clear errors for files that can't be trusted."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+
+import qdispatch as qd  # noqa: E402
+from qdispatch import QuantScheme, SerializationError  # noqa: E402
+
+HOST_DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
+
+SCHEMES = [
+    QuantScheme("q8s"),
+    QuantScheme("q8f", axis=0, scale_dtype="f16"),
+    QuantScheme("q8s", block=(1, 32), scale_dtype="bf16"),
+    QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"),
+    QuantScheme("q4s", axis=1, store="packed_u32"),
+    QuantScheme("q2f", block=(4, 16), store="packed_u32", scale_dtype="bf16"),
+    QuantScheme("q8s", store="packed_u32"),
+]
+
+
+def data(shape=(8, 64), seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def assert_same_qtensor(a, b):
+    assert a.shape == b.shape and a.scheme == b.scheme
+    np.testing.assert_array_equal(a.values, b.values)
+    np.testing.assert_array_equal(a.scales.view(np.uint32), b.scales.view(np.uint32))
+    np.testing.assert_array_equal(a.dequantize().numpy().view(np.uint32),
+                                  b.dequantize().numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=repr)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_qtensor_round_trip_on_every_backend(tmp_path, scheme, transpose):
+    q = qd.quantize(data(), scheme, device="reference")
+    q = q.T if transpose else q
+    path = tmp_path / "q.safetensors"
+    qd.save(path, {"w": q})
+    for device in HOST_DEVICES:
+        loaded = qd.load(path, device=device)["w"]
+        assert loaded.device == device
+        assert_same_qtensor(loaded, q)
+
+
+def test_3d_and_odd_shapes(tmp_path):
+    q = qd.quantize(data((3, 5, 17)), QuantScheme("q4s", axis=2, store="packed_u32"), device="reference")
+    qd.save(tmp_path / "q.st", {"x": q})
+    assert_same_qtensor(qd.load(tmp_path / "q.st", device="reference")["x"], q)
+
+
+def test_float_tensors_and_arrays(tmp_path):
+    x = data((4, 6))
+    items = {
+        "f32": qd.tensor(x, device="reference"),
+        "f16": qd.tensor(x.astype(np.float16), device="reference"),
+        "bf16": qd.tensor(x, device="reference", dtype="bfloat16"),
+        "i8": qd.tensor(np.arange(-5, 5, dtype=np.int8), device="reference"),
+        "array": np.arange(12, dtype=np.int64).reshape(3, 4),
+        "mask": np.array([True, False]),
+    }
+    qd.save(tmp_path / "t.st", items)
+    loaded = qd.load(tmp_path / "t.st", device="reference")
+    assert set(loaded) == set(items)
+    for name in ("f32", "f16", "bf16", "i8"):
+        assert isinstance(loaded[name], qd.Tensor)
+        assert loaded[name].dtype == items[name].dtype and loaded[name].shape == items[name].shape
+        np.testing.assert_array_equal(loaded[name].numpy(), items[name].numpy())
+    for name in ("array", "mask"):
+        assert isinstance(loaded[name], np.ndarray)
+        np.testing.assert_array_equal(loaded[name], items[name])
+
+
+def test_file_is_plain_safetensors_with_described_metadata(tmp_path):
+    from safetensors import safe_open
+    q = qd.quantize(data(), QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"),
+                    device="reference")
+    qd.save(tmp_path / "q.st", {"w": q})
+    with safe_open(tmp_path / "q.st", framework="numpy") as f:
+        meta = f.metadata()
+        assert f.get_tensor("w.qvalues").dtype == np.uint32
+        assert f.get_tensor("w.qvalues").shape == (8, 8)
+        assert f.get_tensor("w.qscales").dtype == np.float16
+    assert meta["qdispatch.format_version"] == "1"
+    record = json.loads(meta["qdispatch.tensors"])["w"]
+    assert record["scheme"] == {"value": "q4f", "block": [32], "axis": None,
+                                "store": "packed_u32", "scale_dtype": "f16"}
+    assert record["shape"] == [8, 64] and record["transposed"] is False
+
+
+# ---- atomic writes ------------------------------------------------------------
+
+def test_failed_write_leaves_old_file_intact(tmp_path, monkeypatch):
+    path = tmp_path / "w.st"
+    old = {"a": np.arange(3, dtype=np.float32)}
+    qd.save(path, old)
+    before = path.read_bytes()
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        qd.save(path, {"a": np.zeros(1000, dtype=np.float32)})
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["w.st"]  # no temporary file left behind
+
+
+def test_overwrite_replaces_file(tmp_path):
+    path = tmp_path / "w.st"
+    qd.save(path, {"a": np.zeros(2, dtype=np.float32)})
+    qd.save(path, {"b": np.ones(2, dtype=np.float32)})
+    assert list(qd.load(path)) == ["b"]
+
+
+# ---- bad files ----------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "q.st"
+    q = qd.quantize(data(), QuantScheme("q8s", axis=0), device="reference")
+    qd.save(path, {"small": np.zeros(2, dtype=np.float32), "weight": q})
+    return path
+
+
+def rewrite_metadata(path, change):
+    """Edit the file's JSON header (data offsets are relative, so its length may change)."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    change(header)
+    text = json.dumps(header).encode()
+    text = text.ljust(-(-len(text) // 8) * 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+def test_truncated_file_names_the_tensor(saved):
+    raw = saved.read_bytes()
+    saved.write_bytes(raw[:-10])
+    with pytest.raises(SerializationError, match="'weight'.*truncated"):
+        qd.load(saved)
+
+
+def test_truncated_header(saved):
+    saved.write_bytes(saved.read_bytes()[:40])
+    with pytest.raises(SerializationError, match="truncated"):
+        qd.load(saved)
+
+
+def test_corrupted_bytes_name_the_tensor(saved):
+    raw = bytearray(saved.read_bytes())
+    raw[-3] ^= 0x40  # a bit flip inside the last entry's data
+    saved.write_bytes(bytes(raw))
+    with pytest.raises(SerializationError, match="'weight'.*corrupted"):
+        qd.load(saved)
+
+
+def test_unknown_version(saved):
+    rewrite_metadata(saved, lambda h: h["__metadata__"].update({"qdispatch.format_version": "9"}))
+    with pytest.raises(SerializationError, match="version '9'"):
+        qd.load(saved)
+
+
+def test_not_a_qdispatch_file(tmp_path):
+    from safetensors.numpy import save_file
+    save_file({"x": np.zeros(3, dtype=np.float32)}, str(tmp_path / "plain.st"))
+    with pytest.raises(SerializationError, match="not written by qdispatch.save"):
+        qd.load(tmp_path / "plain.st")
+
+
+def test_scheme_that_does_not_match_the_bytes(saved):
+    def to_packed(h):
+        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
+        records["weight"]["scheme"]["store"] = "packed_u32"
+        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
+    rewrite_metadata(saved, to_packed)
+    with pytest.raises(SerializationError, match="'weight'.*I8.*U32"):
+        qd.load(saved)
+
+
+def test_values_outside_the_scheme_range(tmp_path):
+    q = qd.qtensor_from_parts(np.full((2, 4), -128, np.int8), np.ones(1), QuantScheme("q8f"),
+                              device="reference")
+    path = tmp_path / "q.st"
+    qd.save(path, {"w": q})
+
+    def narrow(h):
+        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
+        records["w"]["scheme"]["value"] = "q8s"
+        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
+    rewrite_metadata(path, narrow)
+    with pytest.raises(SerializationError, match="'w'.*range"):
+        qd.load(path)
+
+
+def test_save_rejects_scales_that_are_not_of_their_dtype(tmp_path):
+    q = qd.qtensor_from_parts(np.ones((2, 4), np.int8), np.float32(0.1), QuantScheme("q8s", scale_dtype="f16"),
+                              device="reference")
+    with pytest.raises(SerializationError, match="'w'.*f16"):
+        qd.save(tmp_path / "q.st", {"w": q})
+
+
+def test_save_rejects_bad_input(tmp_path):
+    with pytest.raises(TypeError, match="dict"):
+        qd.save(tmp_path / "x.st", [np.zeros(1)])
+    with pytest.raises(TypeError, match="'x'.*list"):
+        qd.save(tmp_path / "x.st", {"x": [1, 2]})
+    q = qd.quantize(data(), "q8s", device="reference")
+    with pytest.raises(SerializationError, match="collides"):
+        qd.save(tmp_path / "x.st", {"w": q, "w.qvalues": np.zeros(1)})
+    assert not os.listdir(tmp_path)
