@@ -1,5 +1,6 @@
 """Build qdispatch: the C kernel library, the Cython extensions, and (when a CUDA
 toolkit is found) the CUDA backend.  `pip install .` runs all of it."""
+import glob
 import json
 import os
 import shutil
@@ -15,16 +16,19 @@ from build_support import cuda as cuda_build  # noqa: E402
 ROOT = "."  # setup.py runs from the project root; relative paths keep build dirs tidy
 INCLUDE = os.path.join("src_c", "include")
 CUDA = cuda_build.configure()
+# Relink the extensions whenever a kernel source or header changes.
+C_SOURCES = sorted(glob.glob("src_c/**/*.[ch]", recursive=True))
 
 
 def extensions():
-    common = dict(include_dirs=[INCLUDE, "qdispatch"], language="c")
+    import numpy  # Cython's numpy support includes its headers
+    common = dict(include_dirs=[INCLUDE, "qdispatch", numpy.get_include()], language="c")
     exts = [
         Extension("qdispatch._core", ["qdispatch/_core.pyx"], **common),
     ]
     if os.path.exists("qdispatch/_cpu.pyx"):  # TEMP until the kernels land
         exts.append(Extension("qdispatch._cpu", ["qdispatch/_cpu.pyx"],
-                              extra_link_args=["-fopenmp"], **common))
+                              extra_link_args=["-fopenmp"], depends=C_SOURCES, **common))
     if CUDA is not None:
         exts.append(CUDA.extension(common))
     from Cython.Build import cythonize

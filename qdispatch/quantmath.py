@@ -89,6 +89,8 @@ def compute_scales(x: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:
     amax = blocked.max(axis=tuple(range(1, blocked.ndim, 2))).astype(np.float32)
     with np.errstate(over="ignore"):
         scale = (np.float32(2.0) * amax) / np.float32(hi - lo)
+    # A tiny amax can underflow to 0: rounding up gives the smallest subnormal.
+    scale = np.where(scale == 0, np.float32(2.0 ** -149), scale)
     scale = np.where(amax == 0, np.float32(1.0), scale).astype(np.float32)
     return round_up_to_dtype(scale, scheme.scale_dtype)
 

@@ -44,7 +44,9 @@ static float scale_from_amax(float amax, int lo, int hi)
 {
     if (amax == 0.0f)
         return 1.0f;
-    return (2.0f * amax) / (float)(hi - lo);
+    float scale = (2.0f * amax) / (float)(hi - lo);
+    /* A tiny amax can underflow to 0; rounding up gives the smallest subnormal. */
+    return scale > 0.0f ? scale : 0x1p-149f;
 }
 
 float qd_segment_scale(const float *x, int64_t n, int lo, int hi)

@@ -1,0 +1,100 @@
+"""The commands behind `python -m qdispatch`."""
+import json
+import time
+
+import numpy as np
+
+import qdispatch as qd
+
+
+def info(args=None):
+    data = qd.info()
+    print(f"qdispatch {data['version']}")
+    build = data["build"]
+    if build:
+        print(f"  compiler: {build.get('compiler')} ({build.get('machine')})")
+        for isa, flags in build.get("flags_by_isa", {}).items():
+            print(f"  flags[{isa}]: {' '.join(flags)}")
+        cuda = build.get("cuda")
+        print(f"  cuda: {json.dumps(cuda) if cuda else 'not built (' + str(build.get('cuda_skipped_reason')) + ')'}")
+    print("backends:")
+    for name, entry in data["backends"].items():
+        state = "available" if entry["available"] else "unavailable"
+        extra = {k: v for k, v in entry.items() if k not in ("available", "reason")}
+        print(f"  {name:9s} {state}" + (f"  {extra}" if extra else ""))
+        if not entry["available"]:
+            print(f"            {entry['reason']}")
+
+
+def _measure(fn, repeat=3):
+    fn()  # warm-up: first-use packing and page faults stay out of the figure
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def _accuracy(reference, approx):
+    reference = np.asarray(reference, dtype=np.float64)
+    err = np.linalg.norm(reference - np.asarray(approx, np.float64)) / np.linalg.norm(reference)
+    return err, -20 * np.log10(err)
+
+
+def demo(args=None):
+    info()
+    rng = np.random.default_rng(0)
+    n = k = 4096
+    m = 16
+    w = (0.02 * rng.standard_normal((n, k))).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    scheme = qd.QuantScheme("q8s", axis=0)
+    print(f"\nlayer: w[{n}, {k}] quantized {scheme!r}; x[{m}, {k}] float32; y = x @ w.T")
+    _, t_np = _measure(lambda: x @ w.T)
+    print(f"  numpy float32 matmul: {t_np * 1e3:8.2f} ms")
+    for device in qd.available_backends():
+        wq = qd.quantize(w, scheme, device=device)
+        xt = qd.tensor(x, device=device)
+        xq = qd.quantize(xt, qd.QuantScheme("q8s", axis=0))
+        for arm, fn in (("fq (float x q8 weight)", lambda: qd.q_matmul(xt, wq.T)),
+                        ("qq (q8 x q8)", lambda: qd.q_matmul(xq, wq.T))):
+            out, t = _measure(fn)
+            err, sqnr = _accuracy(want, out.numpy())
+            print(f"  {device:9s} {arm:24s} {t * 1e3:8.2f} ms   rel err {err:.2e}   SQNR {sqnr:5.1f} dB")
+    backends = qd.available_backends()
+    if len(backends) >= 2:
+        a, b = backends[0], backends[-1]
+        print(f"\nmixing backends: x on {a!r}, w on {b!r}")
+        try:
+            qd.q_matmul(qd.quantize(x, scheme, device=a), qd.quantize(w, scheme, device=b).T)
+        except qd.BackendMismatchError as exc:
+            print(f"  caught {type(exc).__name__}: {exc}")
+        out = qd.q_matmul(qd.tensor(x, device=a), qd.quantize(w, scheme, device=b).T, transfer="auto")
+        print(f"  with transfer='auto' the result is on {str(out.device)!r}")
+
+
+def config(args):
+    if not (args.cflags or args.libs):
+        args.cflags = args.libs = True
+    parts = []
+    if args.cflags:
+        parts.append(f"-I{qd.get_include()}")
+    if args.libs:
+        lib = qd.get_library_dir()
+        if args.static:
+            parts.append(f"{lib}/libqdispatch.a -fopenmp -lm")
+        else:
+            parts.append(f"-L{lib} -Wl,-rpath,{lib} -lqdispatch")
+    print(" ".join(parts))
+
+
+def add_bench_arguments(parser):
+    from . import bench
+    bench.add_arguments(parser)
+
+
+def bench(args):
+    from . import bench as bench_module
+    return bench_module.run(args)

@@ -1,0 +1,35 @@
+"""Shared fixtures: the backends to run on."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import qdispatch as qd
+
+# Tests import `helpers` from this folder (pytest runs them with importlib mode).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+BACKENDS = qd.available_backends()
+
+
+def pytest_collection_modifyitems(config, items):
+    if "cuda" in BACKENDS:
+        return
+    skip = pytest.mark.skip(reason="needs the cuda backend and a GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=BACKENDS)
+def device(request):
+    """Every backend that can run here, the reference included."""
+    if request.param == "cuda":
+        request.applymarker(pytest.mark.cuda)
+    return request.param
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,121 @@
+"""Mixed devices: typed errors that name both sides, and the transfer policies."""
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from qdispatch._core import get_backend
+
+pytestmark = pytest.mark.skipif("cpu" not in qd.available_backends(),
+                                reason="needs two host backends (reference and cpu)")
+
+
+@pytest.fixture
+def operands(rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    xq = qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="reference")
+    wq = qd.quantize(w, qd.QuantScheme("q8s", axis=0), device="cpu")
+    return xq, wq.T
+
+
+def test_mismatch_names_both_devices_and_the_fix(operands):
+    xq, wt = operands
+    with pytest.raises(qd.BackendMismatchError) as err:
+        qd.q_matmul(xq, wt)
+    assert str(err.value) == (
+        "q_matmul inputs are on different backends: lhs is on 'reference', rhs is on 'cpu'. "
+        "Move one operand first (rhs.to('reference') or lhs.to('cpu')), or pass transfer='auto'.")
+    assert isinstance(err.value, qd.QDispatchError) and isinstance(err.value, TypeError)
+
+
+def test_mismatch_raises_before_any_kernel(operands, monkeypatch):
+    xq, wt = operands
+    for name in ("reference", "cpu"):
+        for kernel in ("qq_matmul", "fq_matmul"):
+            monkeypatch.setattr(get_backend(name), kernel,
+                                lambda *a: pytest.fail("a kernel ran despite the mismatch"))
+    with pytest.raises(qd.BackendMismatchError):
+        qd.q_matmul(xq, wt)
+    with pytest.raises(qd.BackendMismatchError):
+        qd.q_matmul(qd.tensor(np.ones((2, 64), np.float32), device="reference"), wt)
+
+
+def test_every_transfer_policy(operands):
+    xq, wt = operands
+    same = qd.q_matmul(xq.to("cpu"), wt).numpy()
+    cases = {"to_lhs": "reference", "to_rhs": "cpu", "auto": "cpu"}
+    for mode, where in cases.items():
+        out = qd.q_matmul(xq, wt, transfer=mode)
+        assert out.device == where, mode
+        np.testing.assert_allclose(out.numpy(), same, rtol=1e-5, atol=1e-5)
+        with qd.transfer_policy(mode):
+            assert qd.q_matmul(xq, wt).device == where
+    with qd.transfer_policy("auto"):
+        with pytest.raises(qd.BackendMismatchError):
+            qd.q_matmul(xq, wt, transfer="error")  # the argument wins over the context
+    with pytest.raises(qd.BackendMismatchError):
+        qd.q_matmul(xq, wt)  # the context is gone after the block
+    with pytest.raises(ValueError, match="Unknown transfer policy"):
+        qd.q_matmul(xq, wt, transfer="sometimes")
+
+
+def test_auto_moves_towards_the_faster_backend(operands):
+    xq, wt = operands
+    assert qd.q_matmul(wt.T.to("reference"), xq.to("cpu").T, transfer="auto").device == "cpu"
+
+
+def test_transfer_never_changes_a_value(rng):
+    for scheme in (qd.QuantScheme("q8f", block=32), qd.QuantScheme("q4s", block=32, store="packed_u32"),
+                   qd.QuantScheme("q2f", axis=0, store="packed_u32", scale_dtype="f16")):
+        q = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), scheme, device="reference")
+        moved = q.to("cpu").to("reference").to("cpu")
+        assert moved.device == "cpu" and moved.scheme == q.scheme
+        np.testing.assert_array_equal(moved.values, q.values)
+        np.testing.assert_array_equal(moved.scales, q.scales)
+        np.testing.assert_array_equal(moved.T.values, q.T.values)
+    t = qd.tensor(rng.standard_normal((3, 5)).astype(np.float32), device="reference")
+    np.testing.assert_array_equal(t.to("cpu").numpy(), t.numpy())
+
+
+def test_device_index_mismatch_is_its_own_error():
+    payload = np.ones((2, 4), np.float32)
+    a = qd.Tensor(payload, "float32", (2, 4), int(qd.BackendKind.REFERENCE), 0)
+    b = qd.Tensor(payload.T.copy(), "float32", (4, 2), int(qd.BackendKind.REFERENCE), 1)
+    with pytest.raises(qd.DeviceMismatchError, match="lhs is on 'reference', rhs is on 'reference:1'"):
+        qd.int_matmul(a, b)
+    with pytest.raises(qd.BackendUnavailableError, match="one device"):
+        qd.tensor(payload, device="reference:1")
+
+
+def test_numpy_operands_join_the_quantized_operands_host_device(operands, rng):
+    _, wt = operands
+    out = qd.q_matmul(rng.standard_normal((2, 64)).astype(np.float32), wt)
+    assert out.device == "cpu"
+    assert qd.q_matmul(rng.standard_normal((2, 64)).astype(np.float32), wt.T.to("reference").T).device == "reference"
+
+
+def test_int_matmul_mismatch():
+    a = qd.tensor(np.ones((2, 3), np.int8), device="reference")
+    b = qd.tensor(np.ones((3, 2), np.int8), device="cpu")
+    with pytest.raises(qd.BackendMismatchError, match="int_matmul inputs are on different backends"):
+        qd.int_matmul(a, b)
+    np.testing.assert_array_equal(qd.int_matmul(a, b, transfer="auto").numpy(), np.full((2, 2), 3))
+
+
+def test_default_backend(monkeypatch):
+    assert qd.default_device() == "cpu"
+    try:
+        qd.set_default_backend("reference")
+        assert qd.quantize(np.ones((2, 2), np.float32)).device == "reference"
+    finally:
+        qd.set_default_backend("cpu")
+    with pytest.raises(ValueError, match="Unknown device"):
+        qd.set_default_backend("tpu")
+
+
+@pytest.mark.skipif("cuda" in qd.available_backends(), reason="cuda is built and present")
+def test_cuda_unavailable_says_why_and_how_to_rebuild(rng):
+    q = qd.quantize(rng.standard_normal((4, 8)).astype(np.float32), "q8s")
+    with pytest.raises(qd.BackendUnavailableError, match="cuda") as err:
+        q.to("cuda")
+    assert "pip install" in str(err.value) or "GPU" in str(err.value) or "driver" in str(err.value)

@@ -1,0 +1,80 @@
+"""int_matmul: exact int8 x int8 -> int32 on every backend."""
+import numpy as np
+import pytest
+
+import qdispatch as qd
+
+EDGE = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97, 127]
+
+
+def python_int_matmul(a, b):
+    """Arbitrary-precision integers: the arithmetic no kernel can fake."""
+    return np.array([[sum(int(x) * int(y) for x, y in zip(row, col)) for col in b.T] for row in a],
+                    dtype=np.int64)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (1, 17, 5), (3, 33, 2), (17, 16, 31), (1, 64, 65),
+                                   (5, 97, 13), (2, 127, 3), (4, 1, 7)])
+def test_against_python_ints(device, rng, m, k, n):
+    a = rng.integers(-128, 128, size=(m, k), dtype=np.int8)
+    b = rng.integers(-128, 128, size=(k, n), dtype=np.int8)
+    out = qd.int_matmul(qd.tensor(a, device=device), qd.tensor(b, device=device))
+    assert out.dtype == "int32" and out.device == device
+    np.testing.assert_array_equal(out.numpy(), python_int_matmul(a, b))
+
+
+@pytest.mark.parametrize("size", EDGE)
+def test_tile_and_tail_sizes(device, rng, size):
+    for m, k, n in [(size, 33, 17), (3, size, 5), (2, 31, size)]:
+        a = rng.integers(-128, 128, size=(m, k), dtype=np.int8)
+        b = rng.integers(-128, 128, size=(k, n), dtype=np.int8)
+        want = a.astype(np.int64) @ b.astype(np.int64)
+        np.testing.assert_array_equal(qd.int_matmul(qd.tensor(a, device=device),
+                                                    qd.tensor(b, device=device)).numpy(), want)
+
+
+@pytest.mark.parametrize("pattern", ["all_min", "alternating", "min_times_max"])
+def test_extreme_values(device, pattern):
+    m, k, n = 5, 4099, 7
+    if pattern == "all_min":
+        a = np.full((m, k), -128, np.int8)
+        b = np.full((k, n), -128, np.int8)
+    elif pattern == "alternating":
+        a = np.where(np.arange(m * k).reshape(m, k) % 2, 127, -128).astype(np.int8)
+        b = np.where(np.arange(k * n).reshape(k, n) % 3, -128, 127).astype(np.int8)
+    else:
+        a = np.full((m, k), -128, np.int8)
+        b = np.full((k, n), 127, np.int8)
+    want = a.astype(np.int64) @ b.astype(np.int64)
+    np.testing.assert_array_equal(qd.int_matmul(qd.tensor(a, device=device),
+                                                qd.tensor(b, device=device)).numpy(), want)
+
+
+def test_largest_exact_k(device):
+    k = 131071
+    a = np.full((1, k), -128, np.int8)
+    b = np.full((k, 2), -128, np.int8)
+    out = qd.int_matmul(qd.tensor(a, device=device), qd.tensor(b, device=device)).numpy()
+    np.testing.assert_array_equal(out, [[k * 16384, k * 16384]])
+    with pytest.raises(qd.ShapeError, match="exact up to K=131071"):
+        qd.int_matmul(np.zeros((1, k + 1), np.int8), np.zeros((k + 1, 1), np.int8))
+
+
+def test_vector_and_batch_shapes(device, rng):
+    a = rng.integers(-128, 128, size=(3, 2, 5, 9), dtype=np.int8)
+    b = rng.integers(-128, 128, size=(2, 9, 4), dtype=np.int8)
+    out = qd.int_matmul(qd.tensor(a, device=device), qd.tensor(b, device=device))
+    assert out.shape == (3, 2, 5, 4)
+    np.testing.assert_array_equal(out.numpy(), a.astype(np.int64) @ b.astype(np.int64))
+    v = rng.integers(-128, 128, size=(9,), dtype=np.int8)
+    np.testing.assert_array_equal(qd.int_matmul(qd.tensor(v, device=device), qd.tensor(b[0], device=device)).numpy(),
+                                  v.astype(np.int64) @ b[0].astype(np.int64))
+
+
+def test_bad_inputs_raise_before_any_kernel():
+    with pytest.raises(qd.ShapeError, match="K=3 columns but rhs has K=4 rows"):
+        qd.int_matmul(np.zeros((2, 3), np.int8), np.zeros((4, 2), np.int8))
+    with pytest.raises(TypeError, match="must be int8"):
+        qd.int_matmul(np.zeros((2, 3), np.float32), np.zeros((3, 2), np.int8))
+    with pytest.raises(TypeError, match="outside int8"):
+        qd.int_matmul(np.full((2, 3), 300), np.zeros((3, 2), np.int8))

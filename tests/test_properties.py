@@ -1,0 +1,70 @@
+"""Hypothesis properties of quantize and q_matmul, on every backend."""
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+
+import qdispatch as qd
+from qdispatch.scheme import VALUE_RANGES
+from helpers import rel_err
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+finite = st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def matrix_and_scheme(draw):
+    rows = draw(st.integers(1, 6))
+    block = draw(st.sampled_from([1, 2, 4, 8]))
+    cols = block * draw(st.integers(1, 5))
+    x = draw(hnp.arrays(np.float32, (rows, cols), elements=finite))
+    value = draw(st.sampled_from(list(VALUE_RANGES)))
+    store = "native" if VALUE_RANGES[value][2] == 8 else "packed_u32"
+    gran = draw(st.sampled_from([dict(), dict(axis=0), dict(axis=1), dict(block=block)]))
+    scale_dtype = draw(st.sampled_from(["f32", "f16", "bf16"]))
+    return x, qd.QuantScheme(value, store=store, scale_dtype=scale_dtype, **gran)
+
+
+@SETTINGS
+@given(data=matrix_and_scheme())
+def test_quantize_properties(device, data):
+    x, scheme = data
+    q = qd.quantize(x, scheme, device=device)
+    lo, hi = scheme.qrange
+    values = q.values
+    assert values.dtype == np.int8 and values.min() >= lo and values.max() <= hi
+    deq = q.dequantize().numpy()
+    # every value lands within half a step of its input (the scale never rounds
+    # down, so nothing clips by more), up to float32 rounding of x / scale
+    nonzero = values != 0
+    step = np.abs(deq[nonzero] / values[nonzero])
+    assert np.all(np.abs(deq - x)[nonzero] <= 0.5 * step + 1e-6 * np.abs(x[nonzero]))
+    # bit-identical to the reference backend
+    ref = qd.quantize(x, scheme, device="reference")
+    np.testing.assert_array_equal(values, ref.values)
+    np.testing.assert_array_equal(q.scales, ref.scales)
+
+
+@SETTINGS
+@given(m=st.integers(1, 9), k=st.integers(1, 70), n=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
+def test_int_matmul_is_exact(device, m, k, n, seed):
+    r = np.random.default_rng(seed)
+    a = r.integers(-128, 128, size=(m, k), dtype=np.int8)
+    b = r.integers(-128, 128, size=(k, n), dtype=np.int8)
+    np.testing.assert_array_equal(qd.int_matmul(qd.tensor(a, device=device), qd.tensor(b, device=device)).numpy(),
+                                  a.astype(np.int64) @ b.astype(np.int64))
+
+
+@SETTINGS
+@given(m=st.integers(1, 6), kb=st.integers(1, 4), n=st.integers(1, 9), seed=st.integers(0, 2**31 - 1),
+       wvalue=st.sampled_from(["q8s", "q8f", "q4s", "q4f", "q2f"]), block=st.sampled_from([8, 16, 32]))
+def test_q_matmul_matches_dequantized_math(device, m, kb, n, seed, wvalue, block):
+    r = np.random.default_rng(seed)
+    k = kb * 32
+    x = r.standard_normal((m, k)).astype(np.float32)
+    w = r.standard_normal((n, k)).astype(np.float32)
+    store = "native" if wvalue.startswith("q8") else "packed_u32"
+    wq = qd.quantize(w, qd.QuantScheme(wvalue, block=block, store=store), device=device)
+    xq = qd.quantize(x, qd.QuantScheme("q8f", block=(1, 32)), device=device)
+    wd = wq.dequantize().numpy().astype(np.float64)
+    assert rel_err(xq.dequantize().numpy().astype(np.float64) @ wd.T, qd.q_matmul(xq, wq.T).numpy()) < 1e-5
+    assert rel_err(x.astype(np.float64) @ wd.T, qd.q_matmul(x, wq.T).numpy()) < 1e-5

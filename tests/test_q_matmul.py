@@ -1,0 +1,154 @@
+"""q_matmul's qq / fq / qf arms and linear, against float64 math on the
+dequantized operands (what each arm is defined to compute)."""
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from helpers import rel_err
+
+W_SCHEMES = [
+    qd.QuantScheme("q8s", axis=0),                              # per output channel of w[N, K]
+    qd.QuantScheme("q8f"),                                      # per tensor, full range
+    qd.QuantScheme("q8s", block=32),                            # ggml Q8_0-like
+    qd.QuantScheme("q8s", block=64, scale_dtype="f16"),
+    qd.QuantScheme("q4s", block=32, store="packed_u32"),
+    qd.QuantScheme("q4f", block=128, store="packed_u32", scale_dtype="bf16"),
+    qd.QuantScheme("q2s", block=32, store="packed_u32"),
+]
+A_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f", block=32), qd.QuantScheme("q8s")]
+
+
+def deq64(q):
+    return q.dequantize().numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("w_scheme", W_SCHEMES, ids=repr)
+@pytest.mark.parametrize("a_scheme", A_SCHEMES, ids=repr)
+def test_qq_matches_dequantized_float64(device, rng, w_scheme, a_scheme):
+    x = rng.standard_normal((7, 256)).astype(np.float32)
+    w = rng.standard_normal((33, 256)).astype(np.float32)
+    xq = qd.quantize(x, a_scheme, device=device)
+    wq = qd.quantize(w, w_scheme, device=device)
+    out = qd.q_matmul(xq, wq.T)
+    assert out.shape == (7, 33) and out.device == device and out.dtype == "float32"
+    assert rel_err(deq64(xq) @ deq64(wq).T, out.numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("w_scheme", W_SCHEMES, ids=repr)
+def test_fq_matches_float_times_dequantized(device, rng, w_scheme):
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((40, 128)).astype(np.float32), w_scheme, device=device)
+    out = qd.q_matmul(x, wq.T)
+    assert rel_err(x.astype(np.float64) @ deq64(wq).T, out.numpy()) < 1e-5
+
+
+def test_qf_arm(device, rng):
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device=device)
+    x = rng.standard_normal((64, 3)).astype(np.float32)
+    out = qd.q_matmul(wq, x)
+    assert out.shape == (16, 3)
+    assert rel_err(deq64(wq) @ x.astype(np.float64), out.numpy()) < 1e-5
+
+
+def test_non_transposed_rhs_weight(device, rng):
+    wq = qd.quantize(rng.standard_normal((64, 24)).astype(np.float32), qd.QuantScheme("q8s", axis=1),
+                     device=device)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    assert rel_err(x.astype(np.float64) @ deq64(wq), qd.q_matmul(x, wq).numpy()) < 1e-5
+
+
+def test_batch_dims_broadcast(device, rng):
+    x = rng.standard_normal((2, 3, 5, 32)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((8, 32)).astype(np.float32), "q8s", device=device)
+    out = qd.q_matmul(x, wq.T)
+    assert out.shape == (2, 3, 5, 8)
+    assert rel_err(x.astype(np.float64) @ deq64(wq).T, out.numpy()) < 1e-5
+    # batched quantized operands on both sides
+    aq = qd.quantize(rng.standard_normal((2, 1, 4, 32)).astype(np.float32),
+                     qd.QuantScheme("q8s", block=(1, 32)), device=device)
+    bq = qd.quantize(rng.standard_normal((3, 32, 6)).astype(np.float32), qd.QuantScheme("q8s"), device=device)
+    out = qd.q_matmul(aq, bq)
+    assert out.shape == (2, 3, 4, 6)
+    assert rel_err(deq64(aq) @ deq64(bq), out.numpy()) < 1e-5
+
+
+def test_vector_lhs(device, rng):
+    wq = qd.quantize(rng.standard_normal((8, 32)).astype(np.float32), "q8s", device=device)
+    v = rng.standard_normal(32).astype(np.float32)
+    out = qd.q_matmul(v, wq.T)
+    assert out.shape == (8,)
+    assert rel_err(v.astype(np.float64) @ deq64(wq).T, out.numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+def test_out_dtype(device, rng, out_dtype):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
+    full = qd.q_matmul(x, wq.T).numpy()
+    out = qd.q_matmul(x, wq.T, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    assert rel_err(full, out.numpy()) < 1e-2
+
+
+def test_half_inputs(device, rng):
+    x = rng.standard_normal((4, 64)).astype(np.float16)
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
+    out = qd.q_matmul(x, wq.T)
+    assert rel_err(x.astype(np.float64) @ deq64(wq).T, out.numpy()) < 1e-5
+
+
+def test_requantize_returns_a_qtensor(device, rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
+    out = qd.q_matmul(x, wq.T, requantize=qd.QuantScheme("q8s", axis=0))
+    assert isinstance(out, qd.QTensor) and out.device == device
+    float_out = qd.q_matmul(x, wq.T)
+    want = qd.quantize(float_out, qd.QuantScheme("q8s", axis=0))
+    np.testing.assert_array_equal(out.values, want.values)
+
+
+def test_activation_scheme_takes_the_qq_path(device, rng):
+    x = rng.standard_normal((6, 128)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((16, 128)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device=device)
+    out = qd.q_matmul(x, wq.T, activation_scheme="q8s")
+    xq = qd.quantize(x, qd.QuantScheme("q8s", axis=0), device=device)
+    assert rel_err(deq64(xq) @ deq64(wq).T, out.numpy()) < 1e-5
+    # and the W8A8 result is close to the float one
+    assert rel_err(x.astype(np.float64) @ deq64(wq).T, out.numpy()) < 0.03
+
+
+def test_linear_with_bias(device, rng):
+    x = rng.standard_normal((3, 5, 64)).astype(np.float32)
+    w = rng.standard_normal((10, 64)).astype(np.float32)
+    bias = rng.standard_normal(10).astype(np.float32)
+    wq = qd.quantize(w, qd.QuantScheme("q8s", axis=0), device=device)
+    out = qd.linear(x, wq, bias)
+    assert out.shape == (3, 5, 10)
+    assert rel_err(x.astype(np.float64) @ deq64(wq).T + bias, out.numpy()) < 1e-5
+    with pytest.raises(qd.ShapeError, match="bias must have shape"):
+        qd.linear(x, wq, bias[:3])
+
+
+def test_shape_dtype_and_operand_errors(device, rng):
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
+    with pytest.raises(qd.ShapeError, match="lhs has K=32 columns but rhs has K=64 rows"):
+        qd.q_matmul(np.zeros((2, 32), np.float32), wq.T)
+    with pytest.raises(TypeError, match="float lhs must be"):
+        qd.q_matmul(qd.tensor(np.zeros((2, 64), np.int8), device=device), wq.T)
+    with pytest.raises(TypeError, match="at least one QTensor"):
+        qd.q_matmul(np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32))
+    with pytest.raises(TypeError, match="Unsupported dtype"):
+        qd.q_matmul(np.zeros((2, 64), np.float32), wq.T, out_dtype="float64")
+    with pytest.raises(qd.ShapeError, match="batch dims"):
+        qd.q_matmul(np.zeros((2, 2, 8), np.float32),
+                    qd.quantize(np.ones((3, 8, 4), np.float32), "q8s", device=device))
+    with pytest.raises(TypeError, match="QTensor weight"):
+        qd.linear(np.zeros((2, 64), np.float32), np.zeros((8, 64), np.float32))
+
+
+def test_matmul_operator(device, rng):
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
+    x = qd.tensor(rng.standard_normal((2, 64)).astype(np.float32), device=device)
+    np.testing.assert_array_equal((x @ wq.T).numpy(), qd.q_matmul(x, wq.T).numpy())

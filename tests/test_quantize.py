@@ -1,0 +1,180 @@
+"""quantize / dequantize against the formulas of DESIGN.md, on every backend."""
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from qdispatch import quantmath
+from qdispatch.scheme import VALUE_RANGES
+from helpers import sqnr_db
+
+ALL_VALUES = list(VALUE_RANGES)
+
+
+def scheme_for(value, **kw):
+    store = "native" if VALUE_RANGES[value][2] == 8 else "packed_u32"
+    return qd.QuantScheme(value, store=store, **kw)
+
+
+def spec_quantize(x, value, block_rows, block_cols):
+    """The formula written out with explicit loops over 2-D blocks."""
+    lo, hi, _ = VALUE_RANGES[value]
+    q = np.zeros(x.shape, np.int8)
+    scales = np.zeros((x.shape[0] // block_rows, x.shape[1] // block_cols), np.float32)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = x[i * block_rows:(i + 1) * block_rows, j * block_cols:(j + 1) * block_cols]
+            amax = np.float32(np.abs(blk).max())
+            s = np.float32(np.float32(2) * amax / np.float32(hi - lo)) if amax else np.float32(1)
+            scales[i, j] = s
+            q[i * block_rows:(i + 1) * block_rows, j * block_cols:(j + 1) * block_cols] = \
+                np.clip(np.rint(blk / s), lo, hi)
+    return q, scales
+
+
+@pytest.mark.parametrize("value", ALL_VALUES)
+@pytest.mark.parametrize("gran,blocks", [
+    (dict(), (8, 64)), (dict(axis=0), (1, 64)), (dict(axis=1), (8, 1)),
+    (dict(block=32), (1, 32)), (dict(block=(2, 16)), (2, 16))])
+def test_quantize_matches_the_formula(device, rng, value, gran, blocks):
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    q = qd.quantize(x, scheme_for(value, **gran), device=device)
+    want_q, want_s = spec_quantize(x, value, *blocks)
+    np.testing.assert_array_equal(q.values, want_q)
+    np.testing.assert_array_equal(qd.tensor_api.qtensor_host(q)[1], want_s)
+    deq = q.dequantize().numpy()
+    np.testing.assert_array_equal(deq, want_q.astype(np.float32) *
+                                  np.repeat(np.repeat(want_s, blocks[0], 0), blocks[1], 1))
+
+
+@pytest.mark.parametrize("scheme,floor_db", [
+    (qd.QuantScheme("q8s", axis=0), 40.0),
+    (qd.QuantScheme("q8s", block=32), 40.0),
+    (qd.QuantScheme("q8f", axis=0), 40.0),
+    (qd.QuantScheme("q4s", block=32, store="packed_u32"), 18.0),
+    (qd.QuantScheme("q4f", block=32, store="packed_u32"), 18.0),
+])
+def test_round_trip_sqnr_on_gaussian_data(device, rng, scheme, floor_db):
+    x = rng.standard_normal((256, 512)).astype(np.float32)
+    q = qd.quantize(x, scheme, device=device)
+    assert sqnr_db(x, q.dequantize().numpy()) >= floor_db
+
+
+def test_packing_is_lsb_first():
+    assert quantmath.pack_u32(np.array([-128, 2, -3, 127], np.int8), 8)[0] == 0x7FFD0280
+    # 4-bit: 8 values per word, first value in the lowest nibble
+    assert quantmath.pack_u32(np.array([1, -1, 0, 7, -8, 2, 3, -2], np.int8), 4)[0] == 0xE328_70F1
+    # 2-bit: 16 values per word
+    assert quantmath.pack_u32(np.array([1, -1, -2, 0] * 4, np.int8), 2)[0] == 0x2D2D2D2D
+
+
+def test_packed_store_keeps_words_and_pads_ragged_rows():
+    x = np.array([[1.0, -1.0, 0.5, 0.25, -0.75]], np.float32)
+    q = qd.quantize(x, qd.QuantScheme("q4s", store="packed_u32"), device="reference")
+    assert q.storage.values.dtype == np.uint32 and q.storage.values.shape == (1, 1)
+    np.testing.assert_array_equal(quantmath.unpack_u32(q.storage.values, 4, 5), q.values)
+    assert q.nbytes == 4 + 4
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_round_trip(rng, bits):
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    v = rng.integers(lo, hi + 1, size=(3, 37)).astype(np.int8)
+    np.testing.assert_array_equal(quantmath.unpack_u32(quantmath.pack_u32(v, bits), bits, 37), v)
+
+
+def test_rounding_ties_go_to_even(device):
+    # amax 127 -> scale 1.0 exactly for q8s; x/scale hits exact .5 ties
+    x = np.array([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 127.0]], np.float32)
+    q = qd.quantize(x, qd.QuantScheme("q8s"), device=device)
+    assert float(q.scales) == 1.0
+    np.testing.assert_array_equal(q.values, [[0, 2, 2, 0, -2, -2, 4, 127]])
+
+
+def test_all_zero_groups_get_scale_one(device):
+    x = np.zeros((2, 64), np.float32)
+    x[1, 40] = 3.0
+    q = qd.quantize(x, qd.QuantScheme("q8s", block=32), device=device)
+    np.testing.assert_array_equal(q.scales[0], [1.0, 1.0])
+    assert q.scales[1, 0] == 1.0 and q.scales[1, 1] == np.float32(np.float32(6.0) / np.float32(254))
+    np.testing.assert_array_equal(q.dequantize().numpy()[0], 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_are_rejected_with_their_position(device, bad):
+    x = np.ones((3, 8), np.float32)
+    x[2, 5] = bad
+    with pytest.raises(qd.NonFiniteError, match=r"position \(2, 5\)"):
+        qd.quantize(x, "q8s", device=device)
+
+
+def test_non_divisible_block_is_an_error(device):
+    with pytest.raises(qd.QuantSchemeError, match="does not divide"):
+        qd.quantize(np.ones((4, 48), np.float32), qd.QuantScheme("q8s", block=32), device=device)
+
+
+@pytest.mark.parametrize("scale_dtype", ["f16", "bf16"])
+def test_scales_are_rounded_up_into_their_dtype(device, rng, scale_dtype):
+    x = rng.standard_normal((64, 64)).astype(np.float32) * 3
+    q = qd.quantize(x, qd.QuantScheme("q8s", axis=0, scale_dtype=scale_dtype), device=device)
+    exact = (np.float32(2) * np.abs(x).max(axis=1)) / np.float32(254)
+    stored = q.scales
+    assert np.all(stored >= exact) and np.any(stored > exact)
+    if scale_dtype == "f16":
+        np.testing.assert_array_equal(stored.astype(np.float16).astype(np.float32), stored)
+        below = np.nextafter(stored.astype(np.float16), np.float16(0)).astype(np.float32)
+    else:
+        np.testing.assert_array_equal(stored.view(np.uint32) & 0xFFFF, 0)
+        below = (stored.view(np.uint32) - 0x10000).view(np.float32)
+    assert np.all(below < exact)  # the next value down would have been too small
+    # values are quantized with the stored scale: no value exceeds the range
+    assert np.abs(q.values).max() <= 127
+
+
+def test_scale_overflowing_f16_is_an_error(device):
+    with pytest.raises(qd.ScaleOverflowError, match="overflows scale_dtype='f16'"):
+        qd.quantize(np.full((2, 4), 1e7, np.float32), qd.QuantScheme("q8s", scale_dtype="f16"),
+                    device=device)
+
+
+def test_3d_blocks_follow_burn_semantics(device, rng):
+    x = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    q = qd.quantize(x, qd.QuantScheme("q8s", block=(1, 32)), device=device)
+    assert q.scales.shape == (2, 4, 2)
+    ref = qd.quantize(x, qd.QuantScheme("q8s", block=(1, 32)), device="reference")
+    np.testing.assert_array_equal(q.values, ref.values)
+    q2 = qd.quantize(x, qd.QuantScheme("q8s", block=(2, 2, 32)), device=device)
+    ref2 = qd.quantize(x, qd.QuantScheme("q8s", block=(2, 2, 32)), device="reference")
+    np.testing.assert_array_equal(q2.values, ref2.values)
+    np.testing.assert_array_equal(q2.scales, ref2.scales)
+
+
+def test_transpose_is_free_and_swaps_blocks(rng):
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    q = qd.quantize(x, qd.QuantScheme("q4s", block=32, store="packed_u32"), device="reference")
+    t = q.T
+    assert t.storage is q.storage
+    assert t.shape == (64, 8) and t.scheme.block == (32, 1)
+    np.testing.assert_array_equal(t.values, q.values.T)
+    np.testing.assert_array_equal(t.dequantize().numpy(), q.dequantize().numpy().T)
+    assert t.T.scheme == q.scheme
+    qa = qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="reference")
+    assert qa.T.scheme.axis == 1
+
+
+def test_half_precision_inputs_quantize_like_their_float32_values(device, rng):
+    x16 = rng.standard_normal((4, 32)).astype(np.float16)
+    a = qd.quantize(x16, "q8s", device=device)
+    b = qd.quantize(x16.astype(np.float32), "q8s", device=device)
+    np.testing.assert_array_equal(a.values, b.values)
+    bf = qd.tensor(x16.astype(np.float32), device=device, dtype="bfloat16")
+    c = qd.quantize(bf, "q8s")
+    d = qd.quantize(quantmath.bf16_bits_to_f32(quantmath.f32_to_bf16_bits(x16.astype(np.float32))),
+                    "q8s", device=device)
+    np.testing.assert_array_equal(c.values, d.values)
+
+
+def test_empty_and_scalar_inputs_are_shape_errors():
+    with pytest.raises(qd.ShapeError):
+        qd.quantize(np.zeros((0, 4), np.float32), "q8s")
+    with pytest.raises(qd.ShapeError):
+        qd.quantize(np.float32(1.0), "q8s")

@@ -1,0 +1,67 @@
+import itertools
+
+import pytest
+
+from qdispatch import QuantScheme, QuantSchemeError
+from qdispatch.scheme import SCALE_DTYPES, STORES, VALUE_RANGES
+
+GRANULARITIES = [dict(), dict(axis=0), dict(axis=-1), dict(block=32), dict(block=(1, 32)), dict(block=(4, 8))]
+
+
+@pytest.mark.parametrize("value,store,scale_dtype,gran", list(itertools.product(
+    VALUE_RANGES, STORES, SCALE_DTYPES, range(len(GRANULARITIES)))))
+def test_every_combination_is_valid_or_says_why(value, store, scale_dtype, gran):
+    kwargs = dict(value=value, store=store, scale_dtype=scale_dtype, **GRANULARITIES[gran])
+    sub_byte = VALUE_RANGES[value][2] < 8
+    if sub_byte and store == "native":
+        with pytest.raises(QuantSchemeError, match=f"Can't store native sub-byte values: {value} needs store='packed_u32'"):
+            QuantScheme(**kwargs)
+    else:
+        s = QuantScheme(**kwargs)
+        assert s.bits == VALUE_RANGES[value][2]
+        assert s.qrange == VALUE_RANGES[value][:2]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(value="q3s"), "Unknown value 'q3s': valid values are q8s, q8f, q4s, q4f, q2s, q2f"),
+    (dict(store="packed_u8"), "Unknown store 'packed_u8'"),
+    (dict(scale_dtype="f64"), "Unknown scale_dtype 'f64'"),
+    (dict(block=0), "block sizes must be positive"),
+    (dict(block=(1, -32)), "block sizes must be positive"),
+    (dict(block=()), "block sizes must be positive"),
+    (dict(block="32"), "block must be None, an int or a tuple"),
+    (dict(block=True), "block must be None"),
+    (dict(axis=0, block=32), "Choose one granularity"),
+    (dict(axis=1.5), "axis must be an int"),
+])
+def test_invalid_fields_are_named(kwargs, message):
+    with pytest.raises(QuantSchemeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        QuantScheme(**kwargs)
+
+
+def test_scheme_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        QuantScheme("q4s")
+
+
+def test_block_shape_is_full_rank_per_granularity():
+    assert QuantScheme("q8s").block_shape((4, 64)) == (4, 64)
+    assert QuantScheme("q8s", axis=0).block_shape((4, 64)) == (1, 64)
+    assert QuantScheme("q8s", axis=-1).block_shape((4, 64)) == (4, 1)
+    assert QuantScheme("q8s", block=32).block_shape((4, 64)) == (1, 32)
+    assert QuantScheme("q8s", block=(2, 32)).block_shape((3, 4, 64)) == (1, 2, 32)
+
+
+def test_block_that_does_not_divide_is_an_error():
+    with pytest.raises(QuantSchemeError, match="block size 32 does not divide dim 1 of size 48"):
+        QuantScheme("q8s", block=32).block_shape((4, 48))
+    with pytest.raises(QuantSchemeError, match="axis=2 is out of range"):
+        QuantScheme("q8s", axis=2).block_shape((4, 48))
+    with pytest.raises(QuantSchemeError, match="has 3 dims"):
+        QuantScheme("q8s", block=(1, 1, 4)).block_shape((4, 48))
+
+
+def test_int_block_and_tuple_normalise():
+    assert QuantScheme("q8s", block=32).block == (32,)
+    assert QuantScheme("q8s", block=[1, 32]).block == (1, 32)
+    assert QuantScheme("q8s", block=32) == QuantScheme("q8s", block=(32,))
