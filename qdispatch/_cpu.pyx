@@ -4,12 +4,10 @@
 Arrays must be C-contiguous numpy arrays of the stated dtype; every kernel runs
 with the GIL released.  A non-OK status from C becomes an exception."""
 import numpy as np
-cimport numpy as cnp
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
 
 from qdispatch.qdispatch_c cimport *
 
-cnp.import_array()
 
 _VALUE_KINDS = {"q8s": QD_Q8S, "q8f": QD_Q8F, "q4s": QD_Q4S, "q4f": QD_Q4F, "q2s": QD_Q2S, "q2f": QD_Q2F}
 _SCALE_DTYPES = {"f32": QD_SCALE_F32, "f16": QD_SCALE_F16, "bf16": QD_SCALE_BF16}

@@ -1,0 +1,405 @@
+"""The C kernels behind the `cpu` backend (qdispatch._cpu), checked against plain
+numpy / Python-int references on every instruction set this machine runs."""
+import threading
+
+import numpy as np
+import pytest
+
+_cpu = pytest.importorskip("qdispatch._cpu")
+
+# float32 results against float64 math on the same (dequantized) operands:
+# error measured relative to the largest reference magnitude.
+RTOL_FLOAT_ACCUM = 1e-5
+QRANGE = {"q8s": (-127, 127), "q8f": (-128, 127), "q4s": (-7, 7), "q4f": (-8, 7),
+          "q2s": (-1, 1), "q2f": (-2, 1)}
+BITS_RANGE = {8: (-128, 127), 4: (-8, 7), 2: (-2, 1)}
+
+SUPPORTED_ISAS = _cpu.isa_info()["supported"]
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def isa(request):
+    _cpu.set_isa(request.param)
+    yield request.param
+    _cpu.set_isa("auto")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def exact_matmul(a, b):
+    """int8 @ int8 in float64 BLAS: exact while K * 2^14 < 2^53."""
+    return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.int64)
+
+
+def assert_close(out, ref, rtol=RTOL_FLOAT_ACCUM):
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    err = float(np.abs(out.astype(np.float64) - ref).max()) / scale
+    assert err <= rtol, f"relative error {err:.3g} > {rtol:g}"
+
+
+def expand(scales, shape, block):
+    return np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)[: shape[0], : shape[1]]
+
+
+def random_weights(rng, n, k, bits, block):
+    lo, hi = BITS_RANGE[bits]
+    w = rng.integers(lo, hi + 1, (n, k), dtype=np.int8)
+    scales = (rng.random((n // block[0], k // block[1]), dtype=np.float32) + 0.25).astype(np.float32)
+    return w, scales
+
+
+# ---- a small numpy model of the quantization formula --------------------------
+
+def round_up_scale(scale, scale_dtype):
+    if scale_dtype == "f32":
+        return scale
+    if scale_dtype == "f16":
+        half = scale.astype(np.float16)
+        half = np.where(half.astype(np.float32) < scale, np.nextafter(half, np.float16(np.inf)), half)
+        return half.astype(np.float32)
+    bits = scale.view(np.uint32)
+    truncated = bits & np.uint32(0xFFFF0000)
+    return np.where(truncated != bits, truncated + np.uint32(0x10000), truncated).astype(np.uint32).view(np.float32)
+
+
+def numpy_quantize(x, value, block, scale_dtype="f32"):
+    lo, hi = QRANGE[value]
+    r, c = x.shape
+    blocks = np.abs(x).reshape(r // block[0], block[0], c // block[1], block[1])
+    amax = blocks.max(axis=(1, 3)).astype(np.float32)
+    scale = (np.float32(2.0) * amax) / np.float32(hi - lo)
+    scale = np.where(amax == 0, np.float32(1.0), scale).astype(np.float32)
+    scale = round_up_scale(scale, scale_dtype)
+    q = np.clip(np.rint(x / expand(scale, x.shape, block)), lo, hi).astype(np.int8)
+    return q, scale
+
+
+# ---- ISA control ----------------------------------------------------------------
+
+def test_isa_info_lists_active_built_supported():
+    info = _cpu.isa_info()
+    assert "scalar" in info["built"] and "scalar" in info["supported"]
+    assert info["active"] in info["supported"]
+    assert set(info["supported"]) <= set(info["built"])
+
+
+def test_set_isa_rejects_unknown_and_unsupported():
+    with pytest.raises(ValueError):
+        _cpu.set_isa("sse9")
+    for name in ("scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod"):
+        if name not in _cpu.isa_info()["supported"]:
+            with pytest.raises(RuntimeError):
+                _cpu.set_isa(name)
+    _cpu.set_isa("scalar")
+    assert _cpu.get_isa() == "scalar"
+    _cpu.set_isa("auto")
+    assert _cpu.get_isa() == _cpu.isa_info()["active"]
+
+
+def test_num_threads_roundtrip():
+    default = _cpu.get_num_threads()
+    _cpu.set_num_threads(3)
+    assert _cpu.get_num_threads() == 3
+    _cpu.set_num_threads(0)
+    assert _cpu.get_num_threads() == default
+
+
+# ---- int_matmul -------------------------------------------------------------------
+
+TAIL_SHAPES = [(1, 1, 1), (1, 7, 1), (2, 3, 5), (3, 17, 16), (4, 16, 17), (5, 31, 33),
+               (7, 32, 15), (8, 33, 31), (9, 63, 64), (15, 64, 65), (16, 65, 63), (17, 97, 13),
+               (31, 127, 1), (33, 5, 97), (65, 129, 32), (1, 4096, 33), (70, 8, 127)]
+
+
+@pytest.mark.parametrize("M,K,N", TAIL_SHAPES)
+def test_int_matmul_exact_on_tails(isa, rng, M, K, N):
+    a = rng.integers(-128, 128, (M, K), dtype=np.int8)
+    b = rng.integers(-128, 128, (K, N), dtype=np.int8)
+    np.testing.assert_array_equal(_cpu.int_matmul(a, b), exact_matmul(a, b))
+
+
+def test_int_matmul_extremes(isa):
+    M, K, N = 3, 300, 19
+    low_a = np.full((M, K), -128, np.int8)
+    low_b = np.full((K, N), -128, np.int8)
+    np.testing.assert_array_equal(_cpu.int_matmul(low_a, low_b), np.full((M, N), 128 * 128 * K))
+    alternating = np.where(np.arange(K * N) % 2 == 0, -128, 127).astype(np.int8).reshape(K, N)
+    np.testing.assert_array_equal(_cpu.int_matmul(low_a, alternating), exact_matmul(low_a, alternating))
+    mixed = np.where(np.arange(M * K) % 3 == 0, 127, -128).astype(np.int8).reshape(M, K)
+    np.testing.assert_array_equal(_cpu.int_matmul(mixed, alternating), exact_matmul(mixed, alternating))
+
+
+def test_int_matmul_large_k_exact(isa):
+    K = 131071   # the largest exact depth: 131071 * 2^14 < 2^31
+    a = np.full((2, K), -128, np.int8)
+    b = np.full((K, 3), -128, np.int8)
+    np.testing.assert_array_equal(_cpu.int_matmul(a, b), np.full((2, 3), 16384 * K))
+    rng = np.random.default_rng(7)
+    a = rng.integers(-128, 128, (3, 70000), dtype=np.int8)
+    b = rng.integers(-128, 128, (70000, 5), dtype=np.int8)
+    np.testing.assert_array_equal(_cpu.int_matmul(a, b), exact_matmul(a, b))
+
+
+def test_int_matmul_k_too_large_is_a_shape_error():
+    a = np.zeros((1, 131072), np.int8)
+    b = np.zeros((131072, 1), np.int8)
+    with pytest.raises(ValueError, match="131071"):
+        _cpu.int_matmul(a, b)
+
+
+def test_int_matmul_rejects_bad_operands():
+    with pytest.raises(ValueError):
+        _cpu.int_matmul(np.zeros((2, 3), np.int8), np.zeros((4, 2), np.int8))
+    with pytest.raises(TypeError):
+        _cpu.int_matmul(np.zeros((2, 3), np.int16), np.zeros((3, 2), np.int8))
+    with pytest.raises(ValueError):
+        _cpu.int_matmul(np.zeros((3, 2), np.int8).T, np.zeros((3, 2), np.int8))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_int_matmul_packed_exact(isa, rng, bits):
+    for M, K, N in [(1, 33, 17), (6, 64, 40), (19, 100, 3)]:
+        w, scales = random_weights(rng, N, K, bits, (1, K))
+        a = rng.integers(-128, 128, (M, K), dtype=np.int8)
+        pw = _cpu.PackedWeights(w, scales, 1, K, bits)
+        np.testing.assert_array_equal(_cpu.int_matmul_packed(a, pw), exact_matmul(a, w.T))
+
+
+# ---- packed weights ----------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_pack_unpack_round_trip(rng, bits):
+    for N, K, block in [(1, 1, (1, 1)), (17, 33, (17, 11)), (32, 64, (1, 32)), (5, 70, (5, 7))]:
+        w, scales = random_weights(rng, N, K, bits, block)
+        pw = _cpu.PackedWeights(w, scales, block[0], block[1], bits)
+        w2, s2 = pw.unpack()
+        np.testing.assert_array_equal(w2, w)
+        np.testing.assert_array_equal(s2, scales)
+        assert pw.shape == (N, K) and pw.bits == bits and pw.block == block
+        assert pw.nbytes >= N * K * bits // 8
+
+
+def test_pack_rejects_out_of_range_values_and_bad_blocks():
+    with pytest.raises(ValueError):
+        _cpu.PackedWeights(np.full((2, 4), 8, np.int8), np.ones((2, 1), np.float32), 1, 4, 4)
+    with pytest.raises(ValueError):
+        _cpu.PackedWeights(np.zeros((2, 6), np.int8), np.ones((2, 1), np.float32), 1, 4, 8)
+
+
+# ---- qq ---------------------------------------------------------------------------
+
+QQ_CASES = [
+    # M, K, N, (a_block_m, a_block_k), (w_block_n, w_block_k)
+    (1, 64, 33, (1, 64), (1, 64)),          # per row x per column
+    (5, 96, 17, (5, 96), (17, 96)),         # per tensor
+    (17, 128, 31, (1, 32), (1, 32)),        # Q8_0-style blocks
+    (3, 256, 16, (1, 64), (1, 128)),        # different block lengths: groups of 64
+    (9, 192, 65, (3, 128 // 2), (1, 192)),  # row blocks on A
+    (4, 96, 8, (1, 48), (2, 32)),           # groups of 16
+    (2, 30, 7, (1, 6), (7, 10)),            # groups of 2: portable fallback
+    (33, 65, 9, (1, 65), (1, 5)),           # odd K, groups of 5
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("case", QQ_CASES)
+def test_qq_matmul_matches_float64(isa, rng, bits, case):
+    M, K, N, ablock, wblock = case
+    w, w_scales = random_weights(rng, N, K, bits, wblock)
+    a = rng.integers(-128, 128, (M, K), dtype=np.int8)
+    a_scales = (rng.random((M // ablock[0], K // ablock[1]), dtype=np.float32) + 0.25).astype(np.float32)
+    pw = _cpu.PackedWeights(w, w_scales, wblock[0], wblock[1], bits)
+    out = _cpu.qq_matmul(a, a_scales, ablock[0], ablock[1], pw)
+    ref = (a * expand(a_scales, a.shape, ablock).astype(np.float64)) @ \
+          (w * expand(w_scales, w.shape, wblock).astype(np.float64)).T
+    assert out.dtype == np.float32 and out.shape == (M, N)
+    assert_close(out, ref)
+
+
+def test_qq_matmul_full_range_extremes(isa):
+    M, K, N = 4, 256, 20
+    a = np.full((M, K), -128, np.int8)
+    w = np.where(np.arange(N * K) % 2 == 0, -128, 127).astype(np.int8).reshape(N, K)
+    pw = _cpu.PackedWeights(w, np.ones((N, K // 32), np.float32), 1, 32, 8)
+    out = _cpu.qq_matmul(a, np.ones((M, K // 32), np.float32), 1, 32, pw)
+    np.testing.assert_array_equal(out, exact_matmul(a, w.T).astype(np.float32))
+
+
+def test_qq_matmul_rejects_mismatched_scales(rng):
+    pw = _cpu.PackedWeights(np.zeros((4, 8), np.int8), np.ones((4, 1), np.float32), 1, 8, 8)
+    with pytest.raises(ValueError):
+        _cpu.qq_matmul(np.zeros((2, 8), np.int8), np.ones((2, 2), np.float32), 1, 8, pw)
+    with pytest.raises(ValueError):
+        _cpu.qq_matmul(np.zeros((2, 6), np.int8), np.ones((2, 1), np.float32), 1, 6, pw)
+
+
+# ---- fq and W8A8 -----------------------------------------------------------------
+
+FQ_CASES = [(1, 64, 33, (1, 64)), (5, 96, 17, (17, 96)), (17, 128, 31, (1, 32)),
+            (3, 30, 7, (7, 6)), (20, 65, 16, (1, 65)), (2, 256, 40, (4, 128))]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("case", FQ_CASES)
+def test_fq_matmul_matches_float64(isa, rng, bits, case):
+    M, K, N, wblock = case
+    w, w_scales = random_weights(rng, N, K, bits, wblock)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    pw = _cpu.PackedWeights(w, w_scales, wblock[0], wblock[1], bits)
+    out = _cpu.fq_matmul(x, pw)
+    ref = x.astype(np.float64) @ (w * expand(w_scales, w.shape, wblock).astype(np.float64)).T
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("act_value,act_block", [("q8s", None), ("q8f", 32), ("q4s", 16)])
+def test_w8a8_matches_numpy_quantization(isa, rng, act_value, act_block):
+    M, K, N = 7, 96, 21
+    act_block = act_block or K
+    w, w_scales = random_weights(rng, N, K, 8, (1, K))
+    pw = _cpu.PackedWeights(w, w_scales, 1, K, 8)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[2] = 0.0                                      # an all-zero row: scale 1
+    out = _cpu.w8a8_matmul(x, act_value, act_block, pw)
+    q, s = numpy_quantize(x, act_value, (1, act_block))
+    ref = (q * expand(s, q.shape, (1, act_block)).astype(np.float64)) @ \
+          (w * expand(w_scales, w.shape, (1, K)).astype(np.float64)).T
+    assert_close(out, ref)
+
+
+def test_w8a8_rejects_non_finite():
+    pw = _cpu.PackedWeights(np.ones((3, 8), np.int8), np.ones((3, 1), np.float32), 1, 8, 8)
+    x = np.ones((2, 8), np.float32)
+    x[1, 3] = np.nan
+    with pytest.raises(ValueError):
+        _cpu.w8a8_matmul(x, "q8s", 8, pw)
+
+
+# ---- quantize -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", list(QRANGE))
+@pytest.mark.parametrize("scale_dtype", ["f32", "f16", "bf16"])
+def test_quantize_bit_identical(rng, value, scale_dtype):
+    x = (rng.standard_normal((12, 96)) * 3).astype(np.float32)
+    x[:4, :32] = 0.0                                           # zero blocks
+    for block in [(1, 96), (12, 96), (1, 32), (4, 16), (3, 1)]:
+        q, s = _cpu.quantize(x, value, block[0], block[1], scale_dtype)
+        q_ref, s_ref = numpy_quantize(x, value, block, scale_dtype)
+        np.testing.assert_array_equal(s.view(np.uint32), s_ref.view(np.uint32))
+        np.testing.assert_array_equal(q, q_ref)
+
+
+def test_quantize_ties_round_half_to_even():
+    # amax 127 -> scale exactly 1.0 for q8s; x = n + 0.5 must round to even.
+    row = np.array([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, -126.5, 0.0, 4.5], np.float32)
+    q, s = _cpu.quantize(row[None, :], "q8s", 1, row.size, "f32")
+    assert s[0, 0] == 1.0
+    np.testing.assert_array_equal(q[0], [127, 0, 2, 2, 0, -2, -2, 4, 126, -126, 0, 4])
+    # A scale that is not a power of two: ties at (k + 0.5) * scale, where exact.
+    scale = np.float32(2.0 * 7.0 / 14.0)
+    x = (np.array([7.0, 0.5, 1.5, 2.5, -3.5, 6.5], np.float32) * scale).astype(np.float32)
+    q, s = _cpu.quantize(x[None, :], "q4s", 1, x.size, "f32")
+    q_ref, s_ref = numpy_quantize(x[None, :], "q4s", (1, x.size))
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(s, s_ref)
+
+
+def test_quantize_scales_round_up_in_half_types():
+    x = np.array([[1.0, 0.3333333]], np.float32)     # scale 2/254, not representable
+    for dtype in ("f16", "bf16"):
+        _, s = _cpu.quantize(x, "q8s", 1, 2, dtype)
+        exact = np.float32(2.0) / np.float32(254.0)
+        assert s[0, 0] >= exact
+        assert s[0, 0] == round_up_scale(np.array([exact], np.float32), dtype)[0]
+
+
+def test_quantize_errors_name_the_problem():
+    x = np.ones((3, 4), np.float32)
+    x[2, 1] = np.inf
+    with pytest.raises(ValueError, match=r"\(2, 1\)"):
+        _cpu.quantize(x, "q8s", 1, 4, "f32")
+    with pytest.raises(ValueError, match="overflow"):
+        _cpu.quantize(np.full((1, 4), 1e9, np.float32), "q8s", 1, 4, "f16")
+    with pytest.raises(ValueError):
+        _cpu.quantize(np.ones((3, 4), np.float32), "q8s", 2, 4, "f32")
+
+
+# ---- determinism and threads ----------------------------------------------------------
+
+def _all_kernels(rng, M, K=200, N=70):
+    w, w_scales = random_weights(rng, N, K, 8, (1, 40))
+    w4, w4_scales = random_weights(rng, N, K, 4, (1, K))
+    pw, pw4 = _cpu.PackedWeights(w, w_scales, 1, 40, 8), _cpu.PackedWeights(w4, w4_scales, 1, K, 4)
+    a = rng.integers(-128, 128, (M, K), dtype=np.int8)
+    a_scales = (rng.random((M, K // 20), dtype=np.float32) + 0.5).astype(np.float32)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+
+    def run(rows=slice(None)):
+        return [_cpu.int_matmul_packed(a[rows], pw), _cpu.qq_matmul(a[rows], a_scales[rows], 1, 20, pw),
+                _cpu.qq_matmul(a[rows], a_scales[rows], 1, 20, pw4), _cpu.fq_matmul(x[rows], pw),
+                _cpu.fq_matmul(x[rows], pw4), _cpu.w8a8_matmul(x[rows], "q8s", 40, pw)]
+    return run
+
+
+def test_thread_count_invariance(isa):
+    run = _all_kernels(np.random.default_rng(5), M=37)
+    try:
+        results = []
+        for n in (1, 2, 3):
+            _cpu.set_num_threads(n)
+            results.append(run())
+    finally:
+        _cpu.set_num_threads(0)
+    for other in results[1:]:
+        for x, y in zip(results[0], other):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_batch_invariance(isa):
+    run = _all_kernels(np.random.default_rng(6), M=80)
+    full = run()
+    for m in (0, 5, 17, 79):
+        alone = run(slice(m, m + 1))
+        for x, y in zip(full, alone):
+            np.testing.assert_array_equal(x[m:m + 1], y)
+
+
+def test_concurrent_calls_from_python_threads(rng):
+    K, N = 512, 96
+    w, w_scales = random_weights(rng, N, K, 8, (1, K))
+    pw = _cpu.PackedWeights(w, w_scales, 1, K, 8)
+    inputs = [rng.integers(-128, 128, (m, K), dtype=np.int8) for m in (1, 3, 16, 40)]
+    expected = [exact_matmul(a, w.T) for a in inputs]
+    failures = []
+
+    def worker(i):
+        for _ in range(20):
+            if not np.array_equal(_cpu.int_matmul_packed(inputs[i], pw), expected[i]):
+                failures.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+# ---- half-precision conversions -------------------------------------------------------
+
+def test_half_conversions(rng):
+    x = np.concatenate([rng.standard_normal(1000).astype(np.float32) * 1000,
+                        np.array([0.0, -0.0, 65504, 65520, 1e-8, 6e-8, np.inf, -np.inf], np.float32)])
+    with np.errstate(over="ignore"):
+        f16_ref = x.astype(np.float16)
+    np.testing.assert_array_equal(_cpu.f32_to_f16(x).view(np.uint16), f16_ref.view(np.uint16))
+    h = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = np.isfinite(h.view(np.float16))
+    np.testing.assert_array_equal(_cpu.f16_to_f32(h)[finite], h.view(np.float16)[finite].astype(np.float32))
+    bits = x.view(np.uint32)
+    bf_ref = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    bf = _cpu.f32_to_bf16(x)
+    np.testing.assert_array_equal(bf[np.isfinite(x)], bf_ref[np.isfinite(x)])
+    np.testing.assert_array_equal(_cpu.bf16_to_f32(bf), (bf.astype(np.uint32) << 16).view(np.float32))
