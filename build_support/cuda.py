@@ -1,11 +1,175 @@
-"""Find the CUDA toolkit and compile the `.cu` sources (filled in with the cuda backend)."""
+"""Find the CUDA toolkit and compile the `.cu` kernels for the `qdispatch._cuda` extension.
+
+`QDISPATCH_CUDA=auto` (default) builds the cuda backend when a toolkit is found,
+`1` requires it, `0` skips it.  The CUDA runtime is linked statically, so the
+extension imports on machines without a driver (it then reports "no driver")."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+from setuptools import Extension
+
+# Target architectures, each with why it is in the list.  `QDISPATCH_CUDA_ARCHS`
+# overrides it with a comma list such as "80,90a".
+DEFAULT_ARCHS = [
+    "80",   # A100 / A30: int8 mma.sync m16n8k32, cp.async
+    "86",   # RTX 30xx / A10 / A40: same instructions as sm_80, smaller shared memory
+    "89",   # L4 / RTX 40xx / L40
+    "90a",  # H100 / H200: Hopper's own instructions (wgmma) need the "a" target
+]
+# PTX for the newest listed arch, so GPUs newer than the list still run (JIT at load).
+PTX_ARCH = "90"
+
+NVCC_FLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-DQD_WITH_CUDA",
+              "--expt-relaxed-constexpr", "-lineinfo"]  # never --use_fast_math: quantize is bit-exact
+SOURCES = os.path.join("src_c", "cuda", "*.cu")
+INCLUDE = os.path.join("src_c", "include")
+
+_skipped = None
+
+
+def _mode():
+    mode = os.environ.get("QDISPATCH_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise RuntimeError(f"QDISPATCH_CUDA={mode!r}: expected auto, 0 or 1")
+    return mode
+
+
+def _candidates():
+    """(where it came from, toolkit root) in the documented search order."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            yield f"${var}", os.environ[var]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        yield "nvcc on PATH", os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    yield "/usr/local/cuda", "/usr/local/cuda"
+
+
+def _library_dir(root):
+    for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
+                os.path.join("targets", "sbsa-linux", "lib")):
+        d = os.path.join(root, sub)
+        if os.path.exists(os.path.join(d, "libcudart_static.a")):
+            return d
+    return None
+
+
+def _include_dir(root):
+    for sub in ("include", os.path.join("targets", "x86_64-linux", "include"),
+                os.path.join("targets", "sbsa-linux", "include")):
+        d = os.path.join(root, sub)
+        if os.path.exists(os.path.join(d, "cuda_runtime_api.h")):
+            return d
+    return None
+
+
+def find_toolkit():
+    """(root, nvcc, include dir, library dir) of the first complete toolkit, or
+    (None, list of places looked at)."""
+    looked = []
+    for origin, root in _candidates():
+        looked.append(f"{origin} ({root})")
+        nvcc = os.path.join(root, "bin", "nvcc")
+        inc, lib = _include_dir(root), _library_dir(root)
+        if os.path.exists(nvcc) and inc and lib:
+            return (root, nvcc, inc, lib), looked
+    return None, looked
+
+
+def archs():
+    env = os.environ.get("QDISPATCH_CUDA_ARCHS")
+    listed = [a.strip().replace("sm_", "") for a in env.split(",")] if env else DEFAULT_ARCHS
+    return [a for a in listed if a]
+
+
+def gencode_flags():
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs()]
+    if not os.environ.get("QDISPATCH_CUDA_ARCHS"):
+        flags.append(f"-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}")
+    return flags
+
+
+class CudaBuild:
+    def __init__(self, root, nvcc, include_dir, library_dir):
+        self.root, self.nvcc = root, nvcc
+        self.include_dir, self.library_dir = include_dir, library_dir
+
+    def extension(self, common_kwargs):
+        kw = dict(common_kwargs)
+        kw["include_dirs"] = list(kw.get("include_dirs", [])) + [self.include_dir]
+        kw["define_macros"] = list(kw.get("define_macros", [])) + [("QD_WITH_CUDA", "1")]
+        return Extension(
+            "qdispatch._cuda", ["qdispatch/_cuda.pyx"],
+            library_dirs=[self.library_dir],
+            # Static runtime: importing needs no libcudart.so, only the driver at run time.
+            libraries=["cudart_static", "dl", "rt", "pthread", "stdc++"],
+            extra_link_args=["-Wl,-Bsymbolic"],  # bind our qd_cuda_* over any stubs loaded first
+            **kw)
+
+    def compile_objects(self, build_temp):
+        out_dir = os.path.join(build_temp, "cuda")
+        os.makedirs(out_dir, exist_ok=True)
+        objects = []
+        headers = glob.glob(os.path.join("src_c", "cuda", "*.cuh")) + [os.path.join(INCLUDE, "qdispatch.h")]
+        newest_header = max(os.path.getmtime(h) for h in headers)
+        for src in sorted(glob.glob(SOURCES)):
+            obj = os.path.join(out_dir, os.path.basename(src) + ".o")
+            if (not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header)
+                    or _flags_changed(obj, self.flags())):
+                cmd = [self.nvcc, "-c", src, "-o", obj, "-I", INCLUDE] + self.flags()
+                print(" ".join(cmd))
+                subprocess.check_call(cmd)
+                with open(obj + ".flags", "w") as f:
+                    f.write(" ".join(self.flags()))
+            objects.append(obj)
+        return objects
+
+    def flags(self):
+        return NVCC_FLAGS + gencode_flags()
+
+    def describe(self):
+        return {"nvcc": self.nvcc, "nvcc_version": nvcc_version(self.nvcc), "archs": archs(),
+                "flags": self.flags(), "runtime": "cudart_static"}
+
+
+def _flags_changed(obj, flags):
+    try:
+        with open(obj + ".flags") as f:
+            return f.read() != " ".join(flags)
+    except OSError:
+        return True
+
+
+def nvcc_version(nvcc):
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    m = re.search(r"release ([0-9.]+)", text)
+    return m.group(1) if m else None
 
 
 def configure():
     """The CUDA build configuration, or None when the cuda backend is not built."""
-    return None
+    global _skipped
+    mode = _mode()
+    if mode == "0":
+        _skipped = "QDISPATCH_CUDA=0"
+        return None
+    found, looked = find_toolkit()
+    if found is None:
+        _skipped = "no CUDA toolkit found (looked in " + ", ".join(looked) + ")"
+        if mode == "1":
+            raise RuntimeError(f"QDISPATCH_CUDA=1 but {_skipped}: install the CUDA toolkit "
+                               f"or set CUDA_HOME to it")
+        return None
+    _skipped = None
+    return CudaBuild(*found)
 
 
 def skipped_reason():
     """Why the cuda backend was not built (shown by `python -m qdispatch info`)."""
-    return "the CUDA backend is not part of this build"
+    return _skipped or "the CUDA backend is not part of this build"

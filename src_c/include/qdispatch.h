@@ -135,7 +135,73 @@ qd_status qd_convert_f32_to_f16(const float *src, int64_t n, uint16_t *dst);
 qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst);
 
 /* ---- CUDA entry points (see qd_cuda_available) ---- */
-/* Filled in by the CUDA backend. */
+/* All pointers are device pointers unless said otherwise; `stream` is a
+ * cudaStream_t (NULL: the legacy default stream).  Work is queued on the
+ * stream; only qd_cuda_quantize_f32 waits for it (to report bad input).
+ * Built without CUDA, every function returns QD_ERR_CUDA_UNAVAILABLE. */
+typedef enum qd_cuda_dtype {
+    QD_CUDA_F32 = 0, QD_CUDA_F16 = 1, QD_CUDA_BF16 = 2, QD_CUDA_S8 = 3, QD_CUDA_S32 = 4
+} qd_cuda_dtype;
+
+/* 1 if this library has CUDA kernels and a device and driver can run them. */
+int qd_cuda_available(void);
+/* Text of the last failed CUDA call on this thread ("" if none). */
+const char *qd_cuda_last_error(void);
+
+/* dst[i] = (dst_dtype) src[i] for float dtypes (round to nearest even). */
+qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n,
+                       void *stream);
+/* out[r, c] = x[r, c] + bias[c] (float32; out may be x). */
+qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols, const float *bias,
+                               float *out, void *stream);
+/* dst[b, c, r] = src[b, r, c] for elements of elem_size bytes (1, 2 or 4). */
+qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t rows, int64_t cols,
+                            int elem_size, void *dst, void *stream);
+/* dst[r, c] = src[r, c] for c < cols, 0 for cols <= c < dst_ld (int8 rows padded with zeros). */
+qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
+                         int64_t dst_ld, void *stream);
+/* The packed_u32 store: 32/bits values per word along rows of `cols` values. */
+qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits,
+                           uint32_t *words, void *stream);
+qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits,
+                             int8_t *q, void *stream);
+
+/* Bytes of device scratch that qd_cuda_quantize_f32 needs. */
+#define QD_CUDA_QUANTIZE_SCRATCH 16
+/* Same contract and bits as qd_quantize_f32; scratch: QD_CUDA_QUANTIZE_SCRATCH device
+ * bytes; bad_index is a host pointer. */
+qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                               int64_t block_rows, int64_t block_cols, int scale_dtype,
+                               float *scales, int8_t *q, void *scratch, int64_t *bad_index,
+                               void *stream);
+/* out[r, c] = value(r, c) * scales[r / block_rows, c / block_cols] (float32).  values:
+ * int8 [rows, cols] when bits == 0, else packed_u32 words of `bits`-bit values. */
+qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
+                             const float *scales, int64_t block_rows, int64_t block_cols,
+                             float *out, void *stream);
+
+/* c[M, N] = a[M, K] @ bt[N, K]^T in int32, exact.  Rows of a and bt are `ld` bytes
+ * apart, ld % 16 == 0, bytes K..round_up(K, 16) zero; K <= QD_INT_MATMUL_MAX_K. */
+qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
+                                int64_t K, int64_t ld, int32_t *c, void *stream);
+/* out[m, n] = sum over K-groups g of (a_scale(m, g) * b_scale(n, g)) * exact int32 dot of
+ * the group, groups gcd(a_block_k, b_block_k) long.  a, bt as for qd_cuda_int_matmul_s8;
+ * a_scales [M/a_block_m, K/a_block_k], b_scales [N/b_block_n, K/b_block_k];
+ * out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16. */
+qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
+                            int64_t ld, const float *a_scales, int64_t a_block_m,
+                            int64_t a_block_k, const float *b_scales, int64_t b_block_n,
+                            int64_t b_block_k, void *out, int out_dtype, void *stream);
+/* Weight-only small-M product: out[M, N] = x[M, K] @ dequantize(w)^T, float32
+ * accumulation, for M <= 16 (larger M runs in slices of 16 rows).  w: [N, ld]
+ * values (int8 when bits == 8, else packed_u32 words), scales [N/block_n, K/block_k];
+ * x: [M, ld] float32; ld % 64 == 0 and entries K..ld of x and w zero. */
+qd_status qd_cuda_fq_matmul(const float *x, int64_t M, const void *w, int bits, int64_t N,
+                            int64_t K, int64_t ld, const float *scales, int64_t block_n,
+                            int64_t block_k, float *out, void *stream);
+/* 1 if qd_cuda_fq_matmul takes this weight blocking (block_k a multiple of the
+ * values in 16 bytes of weights, or one block along K). */
+int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
 /* ---- end CUDA ---- */
 
 #ifdef __cplusplus
