@@ -1,0 +1,179 @@
+"""PyTorch interop (optional extra `torch`): quantized weights inside torch models.
+
+    from qdispatch.torch import QLinear, q_matmul
+
+- `q_matmul(x, w)`: `x @ w` for a torch float tensor `x` [..., K] and a 2-D
+  QTensor `w` [K, N], as an `autograd.Function`.  float32/float16/bfloat16 run
+  on qdispatch's kernels (float32 accumulation) and return x's dtype.
+- `QLinear`: a `torch.nn.Module` holding a QTensor weight [out_features,
+  in_features] and an optional float bias; `QLinear.from_linear(linear, scheme)`
+  quantizes an existing `nn.Linear`.
+- `from_torch` / `to_torch`: tensors cross by DLPack without copies, on CPU and,
+  when qdispatch's cuda backend is built, on CUDA.
+
+Gradients flow to the float input only: `dX = dY @ dequantize(W).T`, computed
+with the same quantized weight (its free transpose).  The weight is a constant
+to autograd, as in Burn: `backward` returns None for it, and `QLinear.weight` is
+a QTensor rather than a Parameter, so `parameters()` and optimizers never see
+it (it has no `.grad`).  To train a weight, keep it in float (nn.Linear).
+
+float64 inputs (what `torch.autograd.gradcheck` uses) take a float64 path: torch
+matmuls against W dequantized in float64, whose products of values and scales
+are exact.  Same semantics, no float32 rounding, so finite differences match.
+
+The input must be on the weight's backend: a torch CPU tensor works with a
+QTensor on any host backend ('cpu' or 'reference'); anything else raises
+`BackendMismatchError`, e.g. a CUDA input with a 'cpu' weight.
+"""
+import numpy as np
+import torch
+
+from . import quantmath, tensor_api
+from ._core import Device, QTensor
+from ._core import q_matmul as _qd_matmul
+from .errors import BackendMismatchError, BackendUnavailableError, ShapeError
+
+__all__ = ["q_matmul", "QLinear", "QMatmul", "from_torch", "to_torch"]
+
+_KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# ---- crossing between torch and qdispatch ------------------------------------------
+
+def from_torch(x, device=None):
+    """A qdispatch Tensor sharing x's memory (host memory, or CUDA memory when
+    the cuda backend is built).  A CPU tensor goes to `device` if that is a host
+    device, else to the default backend; both views share x's memory."""
+    return tensor_api.from_dlpack(x.detach(), device=device)
+
+
+def to_torch(t):
+    """A torch tensor sharing the memory of qdispatch Tensor t."""
+    out = torch.from_dlpack(t)
+    if t.dtype == "bfloat16" and out.dtype != torch.bfloat16:
+        out = out.view(torch.bfloat16)  # host bfloat16 crosses as its 16-bit patterns
+    return out
+
+
+def _operand(x, w):
+    """x as a qdispatch Tensor next to w, or the mismatch error the dispatcher
+    would raise when qdispatch has no backend for x's device."""
+    if x.device.type == "cpu":
+        return from_torch(x, device=w.device if w.device.is_host else None)
+    reason = f"qdispatch has no backend for torch device {str(x.device)!r}"
+    if x.device.type == "cuda":
+        try:
+            return from_torch(x)
+        except BackendUnavailableError as exc:
+            reason = str(exc)
+    lhs, rhs = str(x.device), str(w.device)
+    move_x = "x.cpu()" if w.device.is_host else f"x.to({rhs!r})"
+    raise BackendMismatchError(
+        f"q_matmul inputs are on different backends: lhs is on {lhs!r}, rhs is on {rhs!r}. "
+        f"Move one operand first ({move_x} or w.to({lhs!r})). ({reason})")
+
+
+def _dequantize_f64(w, device):
+    values, scales = tensor_api.qtensor_host(w)
+    block = w.layout.logical_block(w.transposed)
+    full = quantmath.expand_scales(scales.astype(np.float64), values.shape, block)
+    return torch.from_numpy(values.astype(np.float64) * full).to(device)
+
+
+def _matmul(x, w):
+    """x @ w as a torch tensor of x's dtype (no autograd)."""
+    if x.dtype == torch.float64:
+        return x @ _dequantize_f64(w, x.device)
+    return to_torch(_qd_matmul(_operand(x, w), w, out_dtype=_KERNEL_DTYPES[x.dtype]))
+
+
+# ---- autograd ------------------------------------------------------------------------
+
+class QMatmul(torch.autograd.Function):
+    """`x @ w` with dX = dY @ dequantize(w).T; w (a QTensor) gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w  # a QTensor is opaque to autograd: keep it on ctx, not save_for_backward
+        ctx.x_device = x.device
+        return _matmul(x, w)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = _matmul(dy, ctx.w.T)  # the free transpose: same quantized weight
+            if dx.device != ctx.x_device:  # a transfer policy may have moved the product
+                dx = dx.to(ctx.x_device)
+        return dx, None
+
+
+def q_matmul(x, w):
+    """`x @ w` for a torch float tensor x [..., K] and a 2-D QTensor w [K, N].
+
+    Returns a torch tensor [..., N] of x's dtype (float32, float16, bfloat16, or
+    float64 on the exact float64 path).  Differentiable in x only; the
+    gradient for w is None (QTensors are constants to autograd)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"q_matmul expects a torch tensor x, got {type(x).__name__}: "
+                        f"for numpy data use qdispatch.q_matmul")
+    if not isinstance(w, QTensor):
+        raise TypeError(f"q_matmul expects a QTensor weight, got {type(w).__name__}: quantize it "
+                        f"with qdispatch.quantize (quantized weights get no gradient; to train a "
+                        f"weight keep it in float)")
+    if x.dtype not in _KERNEL_DTYPES and x.dtype != torch.float64:
+        raise TypeError(f"q_matmul expects a float32/float16/bfloat16/float64 input, got {x.dtype}")
+    if len(w.shape) != 2:
+        raise ShapeError(f"q_matmul expects a 2-D weight [K, N], got shape {w.shape}")
+    if x.dim() == 0 or x.shape[-1] != w.shape[0]:
+        raise ShapeError(f"q_matmul shapes {tuple(x.shape)} and {w.shape} don't fit: x needs a last "
+                         f"dim of K={w.shape[0]}")
+    return QMatmul.apply(x, w)
+
+
+# ---- nn.Module ---------------------------------------------------------------------------
+
+class QLinear(torch.nn.Module):
+    """`y = x @ weight.T + bias` with a QTensor weight [out_features, in_features].
+
+    Only the bias (a float Parameter) is trainable; gradients flow to the input
+    through the quantized weight.  `Module.to()` moves the bias only: move the
+    weight with `layer.weight = layer.weight.to(device)`."""
+
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        if not isinstance(weight, QTensor):
+            raise TypeError(f"QLinear needs a QTensor weight, got {type(weight).__name__}: "
+                            f"use QLinear.from_linear(linear, scheme) to quantize an nn.Linear")
+        if len(weight.shape) != 2:
+            raise ShapeError(f"QLinear needs a 2-D weight [out_features, in_features], got {weight.shape}")
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            bias = torch.as_tensor(bias).detach()
+            if tuple(bias.shape) != (self.out_features,):
+                raise ShapeError(f"QLinear bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
+            self.bias = torch.nn.Parameter(bias)
+
+    @classmethod
+    def from_linear(cls, linear, scheme, device=None):
+        """Quantize `linear.weight` with `scheme` (on `device`, default: where the
+        weight lives, host weights on the default backend); the bias is copied."""
+        weight = linear.weight.detach()
+        if device is not None and Device.parse(device).is_host:
+            weight = weight.cpu()
+        qweight = tensor_api.quantize(from_torch(weight), scheme, device=device)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(qweight, bias)
+
+    def forward(self, x):
+        y = q_matmul(x, self.weight.T)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, scheme={self.weight.scheme!r}, "
+                f"device='{self.weight.device}'")

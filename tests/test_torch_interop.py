@@ -1,0 +1,190 @@
+"""qdispatch.torch: q_matmul as an autograd.Function, QLinear, DLPack crossings."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import qdispatch as qd  # noqa: E402
+from qdispatch import BackendMismatchError, QuantScheme, ShapeError  # noqa: E402
+from qdispatch.torch import QLinear, from_torch, q_matmul, to_torch  # noqa: E402
+
+DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
+
+SCHEMES = [
+    QuantScheme("q8s", axis=1),
+    QuantScheme("q8f", block=(1, 8), scale_dtype="f16"),
+    QuantScheme("q4f", block=(4, 8), store="packed_u32"),
+]
+
+
+def weight(shape, scheme, device, seed=0):
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return qd.quantize(w, scheme, device=device)
+
+
+def dequantized(w, dtype=torch.float32):
+    return torch.from_numpy(w.dequantize().numpy()).to(dtype)
+
+
+def test_importing_qdispatch_does_not_import_torch():
+    code = "import sys, qdispatch; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- forward and backward --------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=repr)
+def test_forward_is_qdispatch_kernel(device, scheme):
+    w = weight((16, 24), scheme, device)
+    x = torch.randn(2, 3, 16)
+    y = q_matmul(x, w)
+    assert y.shape == (2, 3, 24) and y.dtype == torch.float32
+    expected = qd.q_matmul(x.numpy(), w).numpy()
+    np.testing.assert_array_equal(y.numpy(), expected)
+    torch.testing.assert_close(y, x @ dequantized(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_dy_times_dequantized_w_transposed(device):
+    w = weight((16, 24), SCHEMES[2], device)
+    x = torch.randn(5, 16, requires_grad=True)
+    dy = torch.randn(5, 24)
+    q_matmul(x, w).backward(dy)
+    np.testing.assert_array_equal(x.grad.numpy(), qd.q_matmul(dy.numpy(), w.T).numpy())
+    torch.testing.assert_close(x.grad, dy @ dequantized(w).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=repr)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gradcheck_float64(device, scheme, transposed):
+    w = weight((8, 16), scheme, device)
+    w = w.T if transposed else w                       # [16, 8] or [8, 16]
+    x = torch.randn(3, w.shape[0], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: q_matmul(x, w), (x,))
+    assert torch.autograd.gradcheck(lambda x: q_matmul(x, w), (x[0].detach().requires_grad_(),))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float64_path_is_exact_dequantization(device):
+    w = weight((8, 16), SCHEMES[1], device)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    values = torch.from_numpy(w.values.astype(np.float64))
+    scales = torch.from_numpy(np.repeat(w.scales.astype(np.float64), 8, axis=1))
+    torch.testing.assert_close(q_matmul(x, w), x @ (values * scales), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_keep_their_dtype(dtype):
+    w = weight((32, 8), SCHEMES[0], DEVICES[-1])
+    x = torch.randn(4, 32, dtype=dtype, requires_grad=True)
+    y = q_matmul(x, w)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), x.detach().float() @ dequantized(w), rtol=2e-2, atol=5e-2)
+    y.sum().backward()
+    assert x.grad.dtype == dtype and x.grad.shape == x.shape
+
+
+def test_weight_gets_no_gradient():
+    w = weight((8, 4), SCHEMES[0], "reference")
+    x = torch.randn(2, 8, requires_grad=True)
+    y = q_matmul(x, w)
+    # autograd sees one input, x: the weight is not part of the graph
+    assert [type(f).__name__ for f, _ in y.grad_fn.next_functions] == ["AccumulateGrad"]
+    as_param = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(TypeError, match="QTensor weight.*no gradient"):
+        q_matmul(x, as_param)
+
+
+def test_bad_inputs():
+    w = weight((8, 4), SCHEMES[0], "reference")
+    with pytest.raises(TypeError, match="torch tensor"):
+        q_matmul(np.zeros((2, 8), np.float32), w)
+    with pytest.raises(TypeError, match="int32"):
+        q_matmul(torch.zeros(2, 8, dtype=torch.int32), w)
+    with pytest.raises(ShapeError, match="K=8"):
+        q_matmul(torch.zeros(2, 7), w)
+
+
+# ---- DLPack and backends -----------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_crossings_share_memory(device):
+    x = torch.randn(4, 8)
+    t = from_torch(x, device=device)
+    assert t.device == device and np.asarray(t).ctypes.data == x.data_ptr()
+    back = to_torch(t)
+    assert back.data_ptr() == x.data_ptr()
+    bf = torch.randn(3, 5).to(torch.bfloat16)
+    assert to_torch(from_torch(bf)).equal(bf)
+
+
+def test_host_input_joins_the_weights_host_backend():
+    for device in DEVICES:
+        w = weight((8, 4), SCHEMES[0], device)
+        assert q_matmul(torch.randn(2, 8), w).shape == (2, 4)
+
+
+def test_input_on_a_device_without_backend_is_a_mismatch():
+    w = weight((8, 4), SCHEMES[0], DEVICES[-1])
+    x = torch.empty(2, 8, device="meta")
+    with pytest.raises(BackendMismatchError, match=f"lhs is on 'meta', rhs is on '{DEVICES[-1]}'"):
+        q_matmul(x, w)
+
+
+@pytest.mark.cuda
+def test_cuda_input_with_host_weight_is_a_mismatch():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    w = weight((8, 4), SCHEMES[0], DEVICES[-1])
+    with pytest.raises(BackendMismatchError, match="different backends"):
+        q_matmul(torch.randn(2, 8, device="cuda"), w)
+
+
+@pytest.mark.cuda
+def test_cuda_round_trip_without_copies():
+    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
+        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+    w = weight((32, 16), SCHEMES[0], "cuda")
+    x = torch.randn(4, 32, device="cuda", requires_grad=True)
+    y = q_matmul(x, w)
+    assert y.is_cuda
+    y.sum().backward()
+    torch.testing.assert_close(y.cpu(), x.detach().cpu() @ dequantized(w), rtol=1e-4, atol=1e-4)
+
+
+# ---- QLinear -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlinear_from_linear(device):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 12)
+    layer = QLinear.from_linear(linear, QuantScheme("q8s", axis=0), device=device)
+    assert layer.weight.shape == (12, 32) and layer.weight.device == device
+    assert [name for name, _ in layer.named_parameters()] == ["bias"]
+    assert layer.bias.data_ptr() != linear.bias.data_ptr()
+    x = torch.randn(3, 32, requires_grad=True)
+    y = layer(x)
+    torch.testing.assert_close(y, x @ dequantized(layer.weight).T + linear.bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, linear(x), rtol=0, atol=0.05)  # q8 per channel is close
+    y.sum().backward()
+    torch.testing.assert_close(layer.bias.grad, torch.full((12,), 3.0))
+    torch.testing.assert_close(x.grad, torch.ones(3, 12) @ dequantized(layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_qlinear_gradcheck_and_no_bias():
+    layer = QLinear(weight((8, 16), SCHEMES[2], "reference"))
+    assert layer.bias is None and "bias=False" in repr(layer)
+    x = torch.randn(2, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x,))
+
+
+def test_qlinear_bad_input():
+    with pytest.raises(TypeError, match="from_linear"):
+        QLinear(torch.randn(4, 4))
+    with pytest.raises(ShapeError, match=r"\(6,\)"):
+        QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=torch.zeros(5))
