@@ -1,0 +1,43 @@
+/* The CUDA entry points of a library built without CUDA: each one reports
+ * QD_ERR_CUDA_UNAVAILABLE, so C code can probe for CUDA at run time. */
+#ifndef QD_WITH_CUDA
+#include "qdispatch.h"
+
+int qd_cuda_available(void) { return 0; }
+const char *qd_cuda_last_error(void) { return "qdispatch was built without CUDA"; }
+int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
+    (void)bits; (void)K; (void)block_k;
+    return 0;
+}
+
+#define UNAVAILABLE { return QD_ERR_CUDA_UNAVAILABLE; }
+
+qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n,
+                       void *stream) UNAVAILABLE
+qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols, const float *bias,
+                               float *out, void *stream) UNAVAILABLE
+qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t rows, int64_t cols,
+                            int elem_size, void *dst, void *stream) UNAVAILABLE
+qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
+                         int64_t dst_ld, void *stream) UNAVAILABLE
+qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits,
+                           uint32_t *words, void *stream) UNAVAILABLE
+qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits,
+                             int8_t *q, void *stream) UNAVAILABLE
+qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                               int64_t block_rows, int64_t block_cols, int scale_dtype,
+                               float *scales, int8_t *q, void *scratch, int64_t *bad_index,
+                               void *stream) UNAVAILABLE
+qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
+                             const float *scales, int64_t block_rows, int64_t block_cols,
+                             float *out, void *stream) UNAVAILABLE
+qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
+                                int64_t K, int64_t ld, int32_t *c, void *stream) UNAVAILABLE
+qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
+                            int64_t ld, const float *a_scales, int64_t a_block_m,
+                            int64_t a_block_k, const float *b_scales, int64_t b_block_n,
+                            int64_t b_block_k, void *out, int out_dtype, void *stream) UNAVAILABLE
+qd_status qd_cuda_fq_matmul(const float *x, int64_t M, const void *w, int bits, int64_t N,
+                            int64_t K, int64_t ld, const float *scales, int64_t block_n,
+                            int64_t block_k, float *out, void *stream) UNAVAILABLE
+#endif

@@ -1,0 +1,41 @@
+// Shared by the CUDA kernels: status handling and small helpers.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "qdispatch.h"
+
+namespace qd {
+
+// Records the CUDA error's text for qd_cuda_last_error(); out-of-memory maps to
+// QD_ERR_NO_MEMORY so callers can tell it apart from a broken context.
+qd_status cuda_failure(cudaError_t err);
+
+// After a kernel launch: a launch error (bad configuration, no device) as a status.
+inline qd_status launched() {
+    cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? QD_OK : cuda_failure(err);
+}
+
+inline qd_status check(cudaError_t err) { return err == cudaSuccess ? QD_OK : cuda_failure(err); }
+
+inline cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(stream); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A grid for a grid-stride loop over n items.
+inline unsigned grid_for(int64_t n, int threads) {
+    int64_t blocks = ceil_div(n, threads);
+    return static_cast<unsigned>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
+}
+
+// Quantized value range of a qd_value, as in the scheme table.
+inline bool value_range(int value_kind, int *lo, int *hi) {
+    static const int ranges[6][2] = {{-127, 127}, {-128, 127}, {-7, 7}, {-8, 7}, {-1, 1}, {-2, 1}};
+    if (value_kind < 0 || value_kind > 5) return false;
+    *lo = ranges[value_kind][0];
+    *hi = ranges[value_kind][1];
+    return true;
+}
+
+}  // namespace qd

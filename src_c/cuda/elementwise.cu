@@ -1,0 +1,204 @@
+// Memory-bound helpers: casts, bias, transposes, padding, the packed_u32 store
+// and dequantization.  All are grid-stride loops over the output.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ float load_as_f32(const void *src, int dtype, int64_t i) {
+    switch (dtype) {
+        case QD_CUDA_F16: return __half2float(static_cast<const __half *>(src)[i]);
+        case QD_CUDA_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(src)[i]);
+        default: return static_cast<const float *>(src)[i];
+    }
+}
+
+__device__ void store_from_f32(void *dst, int dtype, int64_t i, float v) {
+    switch (dtype) {
+        case QD_CUDA_F16: static_cast<__half *>(dst)[i] = __float2half_rn(v); break;
+        case QD_CUDA_BF16: {
+            // NaN keeps a canonical quiet pattern, as the host conversion does.
+            __nv_bfloat16_raw raw;
+            raw.x = isnan(v) ? 0x7FC0 : __bfloat16_as_ushort(__float2bfloat16_rn(v));
+            static_cast<__nv_bfloat16 *>(dst)[i] = raw;
+            break;
+        }
+        default: static_cast<float *>(dst)[i] = v;
+    }
+}
+
+__global__ void cast_kernel(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        store_from_f32(dst, dst_dtype, i, load_as_f32(src, src_dtype, i));
+}
+
+__global__ void add_bias_kernel(const float *x, int64_t n, int64_t cols, const float *bias,
+                                float *out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = x[i] + bias[i % cols];
+}
+
+// 32x32 tiles through shared memory so that reads and writes are both coalesced;
+// the +1 column avoids bank conflicts on the transposed read.
+template <typename T>
+__global__ void transpose_kernel(const T *src, int64_t rows, int64_t cols, T *dst) {
+    __shared__ T tile[32][33];
+    const int64_t b = blockIdx.z;
+    src += b * rows * cols;
+    dst += b * rows * cols;
+    const int64_t c0 = (int64_t)blockIdx.x * 32, r0 = (int64_t)blockIdx.y * 32;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        int64_t r = r0 + i, c = c0 + threadIdx.x;
+        if (r < rows && c < cols) tile[i][threadIdx.x] = src[r * cols + c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        int64_t c = c0 + i, r = r0 + threadIdx.x;
+        if (r < rows && c < cols) dst[c * rows + r] = tile[threadIdx.x][i];
+    }
+}
+
+__global__ void pad_kernel(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
+                           int64_t dst_ld) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * dst_ld;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t r = i / dst_ld, c = i % dst_ld;
+        dst[i] = c < cols ? src[r * cols + c] : 0;
+    }
+}
+
+__global__ void pack_kernel(const int8_t *q, int64_t rows, int64_t cols, int bits,
+                            uint32_t *words) {
+    const int per = 32 / bits;
+    const int64_t wpr = (cols + per - 1) / per;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * wpr;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t r = i / wpr, c0 = (i % wpr) * per;
+        uint32_t word = 0;
+        for (int j = 0; j < per && c0 + j < cols; ++j)
+            word |= ((uint32_t)(int32_t)q[r * cols + c0 + j] & mask) << (j * bits);
+        words[i] = word;
+    }
+}
+
+__device__ __forceinline__ int packed_value(const uint32_t *words, int64_t wpr, int64_t r,
+                                            int64_t c, int bits) {
+    const int per = 32 / bits;
+    uint32_t word = words[r * wpr + c / per];
+    int shift = 32 - bits - (int)(c % per) * bits;
+    return (int32_t)(word << shift) >> (32 - bits);  // sign-extend the field
+}
+
+__global__ void unpack_kernel(const uint32_t *words, int64_t rows, int64_t cols, int bits,
+                              int8_t *q) {
+    const int64_t wpr = (cols + 32 / bits - 1) / (32 / bits);
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * cols;
+         i += (int64_t)gridDim.x * blockDim.x)
+        q[i] = (int8_t)packed_value(words, wpr, i / cols, i % cols, bits);
+}
+
+// Same product as the reference (value as float32 times its scale): bit-identical.
+__global__ void dequantize_kernel(const void *values, int bits, int64_t rows, int64_t cols,
+                                  const float *scales, int64_t br, int64_t bc, float *out) {
+    const int64_t gc = cols / bc;
+    const int64_t wpr = bits ? (cols + 32 / bits - 1) / (32 / bits) : 0;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * cols;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t r = i / cols, c = i % cols;
+        int v = bits ? packed_value(static_cast<const uint32_t *>(values), wpr, r, c, bits)
+                     : static_cast<const int8_t *>(values)[i];
+        out[i] = (float)v * scales[(r / br) * gc + c / bc];
+    }
+}
+
+bool float_dtype(int d) { return d == QD_CUDA_F32 || d == QD_CUDA_F16 || d == QD_CUDA_BF16; }
+bool packed_bits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+
+}  // namespace
+
+using qd::as_stream;
+using qd::grid_for;
+
+extern "C" qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype,
+                                  int64_t n, void *stream) {
+    if (!src || !dst) return QD_ERR_NULL;
+    if (!float_dtype(src_dtype) || !float_dtype(dst_dtype) || n < 0) return QD_ERR_ARGUMENT;
+    if (n == 0) return QD_OK;
+    cast_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(src, src_dtype, dst,
+                                                                            dst_dtype, n);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols,
+                                          const float *bias, float *out, void *stream) {
+    if (!x || !bias || !out) return QD_ERR_NULL;
+    if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
+    add_bias_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
+        x, rows * cols, cols, bias, out);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t rows, int64_t cols,
+                                       int elem_size, void *dst, void *stream) {
+    if (!src || !dst) return QD_ERR_NULL;
+    if (batch <= 0 || rows <= 0 || cols <= 0 || batch > 65535) return QD_ERR_SHAPE;
+    dim3 grid((unsigned)qd::ceil_div(cols, 32), (unsigned)qd::ceil_div(rows, 32), (unsigned)batch);
+    dim3 block(32, 8);
+    cudaStream_t s = as_stream(stream);
+    switch (elem_size) {
+        case 1: transpose_kernel<<<grid, block, 0, s>>>((const int8_t *)src, rows, cols, (int8_t *)dst); break;
+        case 2: transpose_kernel<<<grid, block, 0, s>>>((const uint16_t *)src, rows, cols, (uint16_t *)dst); break;
+        case 4: transpose_kernel<<<grid, block, 0, s>>>((const uint32_t *)src, rows, cols, (uint32_t *)dst); break;
+        default: return QD_ERR_ARGUMENT;
+    }
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
+                                    int64_t dst_ld, void *stream) {
+    if (!src || !dst) return QD_ERR_NULL;
+    if (rows <= 0 || cols <= 0 || dst_ld < cols) return QD_ERR_SHAPE;
+    pad_kernel<<<grid_for(rows * dst_ld, kThreads), kThreads, 0, as_stream(stream)>>>(
+        src, rows, cols, dst, dst_ld);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits,
+                                      uint32_t *words, void *stream) {
+    if (!q || !words) return QD_ERR_NULL;
+    if (!packed_bits(bits)) return QD_ERR_SCHEME;
+    if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
+    int64_t n = rows * qd::ceil_div(cols, 32 / bits);
+    pack_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(q, rows, cols, bits, words);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols,
+                                        int bits, int8_t *q, void *stream) {
+    if (!q || !words) return QD_ERR_NULL;
+    if (!packed_bits(bits)) return QD_ERR_SCHEME;
+    if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
+    unpack_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
+        words, rows, cols, bits, q);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
+                                        const float *scales, int64_t block_rows,
+                                        int64_t block_cols, float *out, void *stream) {
+    if (!values || !scales || !out) return QD_ERR_NULL;
+    if (bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
+    if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
+        cols % block_cols)
+        return QD_ERR_SHAPE;
+    dequantize_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
+        values, bits, rows, cols, scales, block_rows, block_cols, out);
+    return qd::launched();
+}

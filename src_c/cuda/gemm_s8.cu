@@ -1,0 +1,279 @@
+// int8 x int8 GEMM on tensor cores with the scale epilogue fused.
+//
+// A is [M, ld] and B is [N, ld] (both K-contiguous).  A 128x128 block tile is
+// computed by 8 warps (2 x 4, 64x32 each) from a 3-stage cp.async pipeline of
+// 64-wide K slices.  Integer accumulators are exact; in the scaled mode they are
+// flushed into float accumulators at the end of each K group that shares one
+// scale pair (the gcd of the two K blocks), as the reference does.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+#include "mma_s8.cuh"
+
+namespace {
+
+using namespace qd;
+
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3, THREADS = 256;
+constexpr int LDS = BK + 16;  // smem row: 80 bytes keeps ldmatrix rows on distinct banks
+constexpr int SMEM_BYTES = STAGES * (BM + BN) * LDS;
+constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
+constexpr int KSTEP = 32;     // K per mma
+constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
+
+struct Scales {
+    const float *a; int64_t a_ld, a_bm, a_bk;  // a: [M/a_bm, a_ld]
+    const float *b; int64_t b_ld, b_bn, b_bk;  // b: [N/b_bn, b_ld]
+    int64_t group_steps;                      // k-steps per exact group
+};
+
+// What the kernel does with its exact int32 sums.
+enum Mode { INT32_OUT = 0, ONE_GROUP = 1, GROUPED = 2 };
+
+template <int MODE>
+__global__ void __launch_bounds__(THREADS, 2)
+gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int M, int N,
+               int64_t Kp, int64_t ld, void *out, int out_dtype, Scales sc) {
+    extern __shared__ __align__(16) int8_t smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 2, wn = warp & 3;
+
+    // Grouped rasterization: GROUP_M tile rows share the B tiles they read.
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+    const int per_group = GROUP_M * tiles_n, group = blockIdx.x / per_group;
+    const int first_m = group * GROUP_M, rows_in_group = min(tiles_m - first_m, GROUP_M);
+    const int tm = first_m + (blockIdx.x % per_group) % rows_in_group;
+    const int tn = (blockIdx.x % per_group) / rows_in_group;
+    const int m0 = tm * BM, n0 = tn * BN;
+
+    auto stage_a = [&](int s) { return smem + s * (BM + BN) * LDS; };
+    auto stage_b = [&](int s) { return smem + s * (BM + BN) * LDS + BM * LDS; };
+
+    const int ktiles = (int)((Kp + BK - 1) / BK);
+    auto load_tile = [&](int kt, int s) {
+        int8_t *sa = stage_a(s), *sb = stage_b(s);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {  // 512 chunks of 16 bytes per operand
+            int c = tid + i * THREADS, row = c >> 2, kc = (c & 3) * 16;
+            int64_t k = (int64_t)kt * BK + kc;
+            bool ok_a = m0 + row < M && k < Kp, ok_b = n0 + row < N && k < Kp;
+            cp_async16(sa + row * LDS + kc, ok_a ? a + (int64_t)(m0 + row) * ld + k : a, ok_a);
+            cp_async16(sb + row * LDS + kc, ok_b ? bt + (int64_t)(n0 + row) * ld + k : bt, ok_b);
+        }
+    };
+
+    constexpr bool SCALED = MODE != INT32_OUT;
+    constexpr int F = MODE == GROUPED ? 4 : 1;  // float partial sums only when groups are flushed
+    int32_t acc[4][4][4];
+    float facc[F][F][F];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[i][j][e] = 0;
+                if constexpr (MODE == GROUPED) facc[i][j][e] = 0.0f;
+            }
+
+    // Rows and columns this thread's accumulators belong to (mma C layout).
+    const int g = lane >> 2, t = lane & 3;
+    auto row_of = [&](int i, int half) { return m0 + wm * 64 + i * 16 + g + half * 8; };
+    auto col_of = [&](int j, int odd) { return n0 + wn * 32 + j * 8 + t * 2 + odd; };
+
+    // Adds each sum times its scale pair into facc (GROUPED) or returns in place
+    // of acc as float bits (ONE_GROUP, at the end).  k: any index inside the group.
+    auto flush = [&](int64_t k) {
+        if constexpr (SCALED) {
+            float sa[4][2], sb[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    int r = min(row_of(i, h), M - 1);
+                    sa[i][h] = sc.a[(r / sc.a_bm) * sc.a_ld + k / sc.a_bk];
+                }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int o = 0; o < 2; ++o) {
+                    int c = min(col_of(j, o), N - 1);
+                    sb[j][o] = sc.b[(c / sc.b_bn) * sc.b_ld + k / sc.b_bk];
+                }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float s = __fmul_rn(sa[i][e >> 1], sb[j][e & 1]);
+                        float v = __fmul_rn(s, (float)acc[i][j][e]);
+                        if constexpr (MODE == GROUPED) {
+                            facc[i][j][e] = __fadd_rn(facc[i][j][e], v);
+                            acc[i][j][e] = 0;
+                        } else {
+                            acc[i][j][e] = __float_as_int(v);
+                        }
+                    }
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < ktiles) load_tile(s, s);
+        cp_async_commit();
+    }
+    const int64_t ksteps = (Kp + KSTEP - 1) / KSTEP;
+    for (int kt = 0; kt < ktiles; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile kt landed for all; stage (kt-1)%STAGES is free again
+        if (kt + STAGES - 1 < ktiles) load_tile(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+        cp_async_commit();
+
+        const int8_t *sa = stage_a(kt % STAGES), *sb = stage_b(kt % STAGES);
+#pragma unroll
+        for (int ks = 0; ks < BK / KSTEP; ++ks) {
+            const int64_t step = (int64_t)kt * (BK / KSTEP) + ks;
+            if (step >= ksteps) break;
+            uint32_t fa[4][4], fb[2][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                ldmatrix_x4(fa[i], sa + (wm * 64 + i * 16 + (lane & 15)) * LDS + ks * KSTEP + (lane >> 4) * 16);
+#pragma unroll
+            for (int p = 0; p < 2; ++p)
+                ldmatrix_x4(fb[p], sb + (wn * 32 + p * 16 + ((lane >> 4) << 3) + (lane & 7)) * LDS +
+                                       ks * KSTEP + ((lane >> 3) & 1) * 16);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    mma_s8(acc[i][j], fa[i], fb[j >> 1][(j & 1) * 2], fb[j >> 1][(j & 1) * 2 + 1]);
+            if constexpr (MODE == GROUPED) {
+                if ((step + 1) % sc.group_steps == 0 || step + 1 == ksteps) flush(step * KSTEP);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    if constexpr (MODE == ONE_GROUP) flush(0);
+
+    // Epilogue: int32 as is, or the scaled float sums in the output dtype.
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int r = row_of(i, e >> 1), c = col_of(j, e & 1);
+                if (r >= M || c >= N) continue;
+                int64_t o = (int64_t)r * N + c;
+                if constexpr (!SCALED) {
+                    static_cast<int32_t *>(out)[o] = acc[i][j][e];
+                } else {
+                    float v;
+                    if constexpr (MODE == GROUPED) v = facc[i][j][e];
+                    else v = __int_as_float(acc[i][j][e]);
+                    if (out_dtype == QD_CUDA_F32) static_cast<float *>(out)[o] = v;
+                    else if (out_dtype == QD_CUDA_F16) static_cast<__half *>(out)[o] = __float2half_rn(v);
+                    else static_cast<__nv_bfloat16 *>(out)[o] = __float2bfloat16_rn(v);
+                }
+            }
+}
+
+// Any K grouping: one thread per output, exact int32 per group.  For blockings
+// whose groups do not fall on the tensor-core kernel's 32-wide K steps.
+__global__ void qq_simple_kernel(const int8_t *a, const int8_t *bt, int M, int N, int64_t K,
+                                 int64_t ld, Scales sc, int64_t G, void *out, int out_dtype) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)M * N;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t m = i / N, n = i % N;
+        float sum = 0.0f;
+        for (int64_t k0 = 0; k0 < K; k0 += G) {
+            int32_t dot = 0;
+            for (int64_t k = k0; k < k0 + G; ++k) dot += (int32_t)a[m * ld + k] * (int32_t)bt[n * ld + k];
+            float s = __fmul_rn(sc.a[(m / sc.a_bm) * sc.a_ld + k0 / sc.a_bk],
+                                sc.b[(n / sc.b_bn) * sc.b_ld + k0 / sc.b_bk]);
+            sum = __fadd_rn(sum, __fmul_rn(s, (float)dot));
+        }
+        if (out_dtype == QD_CUDA_F32) static_cast<float *>(out)[i] = sum;
+        else if (out_dtype == QD_CUDA_F16) static_cast<__half *>(out)[i] = __float2half_rn(sum);
+        else static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(sum);
+    }
+}
+
+int64_t gcd(int64_t x, int64_t y) {
+    while (y) { int64_t t = x % y; x = y; y = t; }
+    return x;
+}
+
+qd_status check_operands(const void *a, const void *bt, const void *out, int64_t M, int64_t N,
+                         int64_t K, int64_t ld) {
+    if (!a || !bt || !out) return QD_ERR_NULL;
+    if (M <= 0 || N <= 0 || K <= 0 || M > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
+    if (ld % 16 || ld < K) return QD_ERR_ARGUMENT;
+    return QD_OK;
+}
+
+template <int MODE>
+qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
+                      int64_t ld, void *out, int out_dtype, const Scales &sc, void *stream) {
+    static bool configured = false;  // per-kernel attribute; setting it twice is harmless
+    auto kernel = gemm_s8_kernel<MODE>;
+    if (!configured) {
+        qd_status st = qd::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+        if (st != QD_OK) return st;
+        configured = true;
+    }
+    const int64_t Kp = (K + 15) / 16 * 16;  // zero padding up to the next 16 bytes is part of the rows
+    const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
+    if (tiles > 0x7FFFFFFF) return QD_ERR_SHAPE;
+    kernel<<<(unsigned)tiles, THREADS, SMEM_BYTES, qd::as_stream(stream)>>>(
+        a, bt, (int)M, (int)N, Kp, ld, out, out_dtype, sc);
+    return qd::launched();
+}
+
+}  // namespace
+
+extern "C" qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M,
+                                           int64_t N, int64_t K, int64_t ld, int32_t *c,
+                                           void *stream) {
+    qd_status st = check_operands(a, bt, c, M, N, K, ld);
+    if (st != QD_OK) return st;
+    if (K > QD_INT_MATMUL_MAX_K) return QD_ERR_K_TOO_LARGE;
+    return launch_gemm<INT32_OUT>(a, bt, M, N, K, ld, c, QD_CUDA_S32, Scales{}, stream);
+}
+
+extern "C" qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
+                                       int64_t K, int64_t ld, const float *a_scales,
+                                       int64_t a_block_m, int64_t a_block_k,
+                                       const float *b_scales, int64_t b_block_n,
+                                       int64_t b_block_k, void *out, int out_dtype,
+                                       void *stream) {
+    qd_status st = check_operands(a, bt, out, M, N, K, ld);
+    if (st != QD_OK) return st;
+    if (!a_scales || !b_scales) return QD_ERR_NULL;
+    if (out_dtype != QD_CUDA_F32 && out_dtype != QD_CUDA_F16 && out_dtype != QD_CUDA_BF16)
+        return QD_ERR_ARGUMENT;
+    if (a_block_m <= 0 || a_block_k <= 0 || b_block_n <= 0 || b_block_k <= 0 ||
+        M % a_block_m || K % a_block_k || N % b_block_n || K % b_block_k)
+        return QD_ERR_SHAPE;
+    const int64_t G = gcd(a_block_k, b_block_k);
+    Scales sc{a_scales, K / a_block_k, a_block_m, a_block_k,
+              b_scales, K / b_block_k, b_block_n, b_block_k, 0};
+    if (G == K || G % KSTEP == 0) {
+        // One group (split every MAX_GROUP_STEPS steps to stay exact), or groups on k-step bounds.
+        int64_t steps = G == K ? qd::ceil_div(K, KSTEP) : G / KSTEP;
+        if (steps > MAX_GROUP_STEPS) {
+            steps = MAX_GROUP_STEPS;
+            if (G != K) while ((G / KSTEP) % steps) --steps;  // keep flushes on group bounds
+        }
+        sc.group_steps = steps;
+        if (G == K && steps * KSTEP >= K)
+            return launch_gemm<ONE_GROUP>(a, bt, M, N, K, ld, out, out_dtype, sc, stream);
+        return launch_gemm<GROUPED>(a, bt, M, N, K, ld, out, out_dtype, sc, stream);
+    }
+    if (G > QD_INT_MATMUL_MAX_K) return QD_ERR_K_TOO_LARGE;
+    qq_simple_kernel<<<qd::grid_for(M * N, 256), 256, 0, qd::as_stream(stream)>>>(
+        a, bt, (int)M, (int)N, K, ld, sc, G, out, out_dtype);
+    return qd::launched();
+}

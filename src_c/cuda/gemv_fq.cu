@@ -1,0 +1,148 @@
+// Weight-only products for small M (decode): x[M, K] float32 times int8, int4 or
+// int2 weights [N, K] that are dequantized as they are loaded.  The weights are
+// read once, 16 bytes per lane per load, so the kernel runs at memory speed;
+// each warp owns R weight rows and its lanes split K, then reduce by shuffles.
+#include "common.cuh"
+
+namespace {
+
+constexpr int WARPS = 4, R = 4;
+constexpr int MAX_M = 16;  // rows of x per launch
+
+// Value v (0 <= v < 128/BITS) of a 16-byte chunk, sign-extended.
+template <int BITS, int V>
+__device__ __forceinline__ float chunk_value(const uint4 &w) {
+    constexpr int per = 32 / BITS, word = V / per, shift = 32 - BITS - (V % per) * BITS;
+    const uint32_t bits = word == 0 ? w.x : word == 1 ? w.y : word == 2 ? w.z : w.w;
+    return (float)((int32_t)(bits << shift) >> (32 - BITS));
+}
+
+template <int BITS, int Q>
+__device__ __forceinline__ float dot4(const float4 &x, const uint4 &w) {
+    return x.x * chunk_value<BITS, 4 * Q>(w) + x.y * chunk_value<BITS, 4 * Q + 1>(w) +
+           x.z * chunk_value<BITS, 4 * Q + 2>(w) + x.w * chunk_value<BITS, 4 * Q + 3>(w);
+}
+
+template <int BITS, int Q = 0>
+__device__ __forceinline__ float chunk_dot(const float4 *x, const uint4 &w) {
+    constexpr int quads = 32 / BITS;  // (128 / BITS) values / 4
+    if constexpr (Q == quads) {
+        return 0.0f;
+    } else {
+        return dot4<BITS, Q>(__ldg(x + Q), w) + chunk_dot<BITS, Q + 1>(x, w);
+    }
+}
+
+struct WeightScales {
+    const float *s; int64_t ld, bn, bk;
+    bool per_chunk;  // more than one scale block along K
+    __device__ float at(int64_t n, int64_t k) const { return s[(n / bn) * ld + (per_chunk ? k / bk : 0)]; }
+};
+
+template <int BITS, int MT>
+__global__ void __launch_bounds__(WARPS * 32)
+fq_kernel(const float *__restrict__ x, int M, const uint8_t *__restrict__ w, int64_t N, int64_t K,
+          int64_t ld, WeightScales ws, float *__restrict__ out) {
+    constexpr int CH = 128 / BITS;  // values per 16-byte chunk
+    constexpr int UNROLL = BITS == 8 ? 2 : 1;  // chunks in flight per lane (registers allow)
+    const int lane = threadIdx.x & 31;
+    const int64_t n0 = ((int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;
+    if (n0 >= N) return;  // whole warps
+    const int64_t row_bytes = ld * BITS / 8, nchunks = (K + CH - 1) / CH;
+
+    float acc[MT][R];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+
+    for (int64_t c0 = lane; c0 < nchunks; c0 += 32 * UNROLL) {
+        uint4 wv[UNROLL][R];  // all loads issued before any use
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int64_t c = c0 + u * 32;
+                wv[u][r] = c < nchunks && n0 + r < N
+                               ? __ldg(reinterpret_cast<const uint4 *>(w + (n0 + r) * row_bytes) + c)
+                               : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int64_t c = c0 + u * 32;
+            if (c >= nchunks) break;
+            float s[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) s[r] = ws.per_chunk ? ws.at(min(n0 + r, N - 1), c * CH) : 1.0f;
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                if (m >= M) break;
+                const float4 *xp = reinterpret_cast<const float4 *>(x + m * ld + c * CH);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[m][r] += s[r] * chunk_dot<BITS>(xp, wv[u][r]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int off = 16; off; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (n0 + r >= N) break;
+            const float s = ws.per_chunk ? 1.0f : ws.at(n0 + r, 0);
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+                if (m < M) out[m * N + n0 + r] = acc[m][r] * s;
+        }
+    }
+}
+
+template <int BITS>
+qd_status launch_bits(const float *x, int M, const void *w, int64_t N, int64_t K, int64_t ld,
+                      const WeightScales &ws, float *out, cudaStream_t s) {
+    const unsigned blocks = (unsigned)qd::ceil_div(N, WARPS * R);
+    const auto *wb = static_cast<const uint8_t *>(w);
+#define QD_FQ_LAUNCH(MT) fq_kernel<BITS, MT><<<blocks, WARPS * 32, 0, s>>>(x, M, wb, N, K, ld, ws, out)
+    if (M <= 1) QD_FQ_LAUNCH(1);
+    else if (M <= 2) QD_FQ_LAUNCH(2);
+    else if (M <= 4) QD_FQ_LAUNCH(4);
+    else if (M <= 8) QD_FQ_LAUNCH(8);
+    else QD_FQ_LAUNCH(16);
+#undef QD_FQ_LAUNCH
+    return qd::launched();
+}
+
+}  // namespace
+
+extern "C" int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
+    if (bits != 8 && bits != 4 && bits != 2) return 0;
+    return block_k == K || block_k % (128 / bits) == 0;
+}
+
+extern "C" qd_status qd_cuda_fq_matmul(const float *x, int64_t M, const void *w, int bits,
+                                       int64_t N, int64_t K, int64_t ld, const float *scales,
+                                       int64_t block_n, int64_t block_k, float *out,
+                                       void *stream) {
+    if (!x || !w || !scales || !out) return QD_ERR_NULL;
+    if (M <= 0 || N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
+        return QD_ERR_SHAPE;
+    if (ld % 64 || ld < K || !qd_cuda_fq_supported(bits, K, block_k)) return QD_ERR_ARGUMENT;
+    if (N / (WARPS * R) >= 0x7FFFFFFF) return QD_ERR_SHAPE;
+    const WeightScales ws{scales, K / block_k, block_n, block_k, block_k != K};
+    cudaStream_t s = qd::as_stream(stream);
+    for (int64_t m = 0; m < M; m += MAX_M) {  // each slice streams the weights once
+        const int rows = (int)(M - m < MAX_M ? M - m : MAX_M);
+        const float *xs = x + m * ld;
+        float *os = out + m * N;
+        qd_status st = bits == 8 ? launch_bits<8>(xs, rows, w, N, K, ld, ws, os, s)
+                     : bits == 4 ? launch_bits<4>(xs, rows, w, N, K, ld, ws, os, s)
+                                 : launch_bits<2>(xs, rows, w, N, K, ld, ws, os, s);
+        if (st != QD_OK) return st;
+    }
+    return QD_OK;
+}

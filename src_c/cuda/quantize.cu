@@ -1,0 +1,137 @@
+// Quantization on the GPU, bit-identical to the reference: per-block amax, the
+// scale in float32 (IEEE division) rounded up to its stored dtype, then
+// q = clamp(rint(x / scale)) with a true division.  Built without fast-math.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kSegment = 1024;        // columns one warp reduces before its atomic
+constexpr uint64_t kNone = 0x7F7F7F7F7F7F7F7FULL;  // the scratch's memset pattern: "no bad index"
+
+struct Blocking {
+    int64_t rows, cols, br, bc;
+    __host__ __device__ int64_t grid_cols() const { return cols / bc; }
+    __host__ __device__ int64_t scale_of(int64_t r, int64_t c) const {
+        return (r / br) * grid_cols() + c / bc;
+    }
+};
+
+// One warp per (row, column block, segment of the block): a warp max, then one
+// atomic per block (non-negative floats order like their bit patterns).  The
+// first non-finite input, in flat order, goes to *bad.
+__global__ void amax_kernel(const float *x, Blocking b, int64_t segs_per_block, float *amax,
+                            unsigned long long *bad) {
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+    const int64_t segs_per_row = b.grid_cols() * segs_per_block;
+    if (warp >= b.rows * segs_per_row) return;  // whole warps exit together
+    const int64_t r = warp / segs_per_row, rem = warp % segs_per_row;
+    const int64_t cb = rem / segs_per_block;
+    const int64_t begin = cb * b.bc + (rem % segs_per_block) * kSegment;
+    const int64_t end = min(begin + kSegment, (cb + 1) * b.bc);
+    float m = 0.0f;
+    unsigned long long first_bad = kNone;
+    for (int64_t c = begin + lane; c < end; c += 32) {
+        float v = x[r * b.cols + c];
+        if (isfinite(v)) m = fmaxf(m, fabsf(v));
+        else if (first_bad == kNone) first_bad = (unsigned long long)(r * b.cols + c);
+    }
+    for (int off = 16; off; off >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        first_bad = min(first_bad, __shfl_xor_sync(0xffffffffu, first_bad, off));
+    }
+    if (lane == 0) {
+        if (m > 0.0f) atomicMax(reinterpret_cast<unsigned *>(amax + b.scale_of(r, begin)), __float_as_uint(m));
+        if (first_bad != kNone) atomicMin(bad, first_bad);
+    }
+}
+
+// The smallest value of the scale dtype that is >= s (as float32).
+__device__ float round_up(float s, int scale_dtype) {
+    if (scale_dtype == QD_SCALE_F16) {
+        __half h = __float2half_rn(s);
+        if (__half2float(h) < s) h = __ushort_as_half(__half_as_ushort(h) + 1);  // s > 0
+        return __half2float(h);
+    }
+    if (scale_dtype == QD_SCALE_BF16) {
+        unsigned bits = __float_as_uint(s), truncated = bits & 0xFFFF0000u;
+        return __uint_as_float(truncated != bits ? truncated + 0x10000u : truncated);
+    }
+    return s;
+}
+
+// amax -> stored scale, in place.  A scale that is not finite in its dtype is an overflow.
+__global__ void scale_kernel(float *scales, int64_t n, float range, int scale_dtype,
+                             unsigned long long *bad) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float amax = scales[i];
+        float s = amax == 0.0f ? 1.0f : __fdiv_rn(__fmul_rn(2.0f, amax), range);
+        s = round_up(s, scale_dtype);
+        if (!isfinite(s)) atomicMin(bad, (unsigned long long)i);
+        scales[i] = s;
+    }
+}
+
+__global__ void quantize_kernel(const float *x, Blocking b, const float *scales, float lo,
+                                float hi, int8_t *q) {
+    const int64_t n = b.rows * b.cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float v = rintf(__fdiv_rn(x[i], scales[b.scale_of(i / b.cols, i % b.cols)]));
+        q[i] = (int8_t)fminf(fmaxf(v, lo), hi);
+    }
+}
+
+}  // namespace
+
+extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols,
+                                          int value_kind, int64_t block_rows, int64_t block_cols,
+                                          int scale_dtype, float *scales, int8_t *q,
+                                          void *scratch, int64_t *bad_index, void *stream) {
+    if (!x || !scales || !q || !scratch) return QD_ERR_NULL;
+    int lo, hi;
+    if (!qd::value_range(value_kind, &lo, &hi) || scale_dtype < QD_SCALE_F32 ||
+        scale_dtype > QD_SCALE_BF16)
+        return QD_ERR_SCHEME;
+    if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
+        cols % block_cols)
+        return QD_ERR_SHAPE;
+    const Blocking b{rows, cols, block_rows, block_cols};
+    const int64_t n_scales = (rows / block_rows) * b.grid_cols();
+    auto *bad = static_cast<unsigned long long *>(scratch);  // [0]: non-finite input, [1]: overflow
+    cudaStream_t s = qd::as_stream(stream);
+    qd_status st;
+    if ((st = qd::check(cudaMemsetAsync(scratch, 0x7F, QD_CUDA_QUANTIZE_SCRATCH, s))) != QD_OK) return st;
+    if ((st = qd::check(cudaMemsetAsync(scales, 0, n_scales * sizeof(float), s))) != QD_OK) return st;
+
+    const int64_t segs_per_block = qd::ceil_div(block_cols, kSegment);
+    const int64_t warps = rows * b.grid_cols() * segs_per_block;
+    const int64_t blocks = qd::ceil_div(warps * 32, kThreads);
+    if (blocks > 0x7FFFFFFF) return QD_ERR_SHAPE;
+    amax_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(x, b, segs_per_block, scales, bad);
+    if ((st = qd::launched()) != QD_OK) return st;
+    scale_kernel<<<qd::grid_for(n_scales, kThreads), kThreads, 0, s>>>(
+        scales, n_scales, (float)(hi - lo), scale_dtype, bad + 1);
+    if ((st = qd::launched()) != QD_OK) return st;
+
+    // Bad input must be reported before values are produced, so wait for the checks.
+    unsigned long long found[2];
+    if ((st = qd::check(cudaMemcpyAsync(found, scratch, sizeof found, cudaMemcpyDeviceToHost, s))) != QD_OK) return st;
+    if ((st = qd::check(cudaStreamSynchronize(s))) != QD_OK) return st;
+    if (found[0] != kNone) {
+        if (bad_index) *bad_index = (int64_t)found[0];
+        return QD_ERR_NOT_FINITE;
+    }
+    if (found[1] != kNone) {
+        if (bad_index) *bad_index = (int64_t)found[1];
+        return QD_ERR_SCALE_OVERFLOW;
+    }
+    quantize_kernel<<<qd::grid_for(rows * cols, kThreads), kThreads, 0, s>>>(
+        x, b, scales, (float)lo, (float)hi, q);
+    return qd::launched();
+}

@@ -1,0 +1,28 @@
+// Availability and the text of the last CUDA failure.
+#include <cstdio>
+#include <cstring>
+
+#include "common.cuh"
+
+namespace {
+thread_local char last_error[256] = "";
+}
+
+namespace qd {
+qd_status cuda_failure(cudaError_t err) {
+    std::snprintf(last_error, sizeof last_error, "%s: %s", cudaGetErrorName(err),
+                  cudaGetErrorString(err));
+    if (err == cudaErrorMemoryAllocation) {
+        cudaGetLastError();  // not sticky: clear it so the next call starts clean
+        return QD_ERR_NO_MEMORY;
+    }
+    return QD_ERR_CUDA;
+}
+}  // namespace qd
+
+extern "C" int qd_cuda_available(void) {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+extern "C" const char *qd_cuda_last_error(void) { return last_error; }
