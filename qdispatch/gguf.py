@@ -1,0 +1,198 @@
+"""GGUF import and export (optional extra `gguf`, built on the `gguf` package).
+
+    tensors = qdispatch.gguf.load("model.gguf", device="cpu")
+    qdispatch.gguf.export("out.gguf", tensors)
+
+`load` reads a file's tensors without changing any value: each QTensor
+dequantizes to exactly (bit for bit, float32) what `gguf.quants.dequantize`
+gives.  The mapping, for a tensor of numpy shape [..., K] (GGUF's ne0 is K):
+
+| GGUF  | qdispatch                                                                 |
+|-------|---------------------------------------------------------------------------|
+| Q8_0  | QTensor, QuantScheme("q8f", block=32, scale_dtype="f16")                   |
+| Q4_0  | QTensor, QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16") |
+| F32   | float32 Tensor                                                            |
+| F16   | float16 Tensor                                                            |
+| BF16  | bfloat16 Tensor                                                           |
+
+- Blocks are 32 consecutive values along the last dim, each with one f16 scale
+  `d`, kept exactly (an f16 value is exact in the float32 scale grid).
+- Q8_0 stores int8 values; ggml's own quantizer writes [-127, 127] but the
+  format admits -128, so the full-range `q8f` covers every file.
+- Q4_0 stores nibbles `n` with value `n - 8` (range [-8, 7], so `q4f`).  Byte
+  j of a block's 16 bytes holds value j in its low nibble and value j + 16 in
+  its high nibble.
+- Q4_0 scales are signed: ggml picks `d = max / -8` with `max` the element of
+  largest magnitude, so `d` is negative whenever that element is positive.
+  Folding the sign into the values is impossible there (that element's value is
+  -8, and 8 is out of range), so the QTensor keeps ggml's signed scale;
+  dequantize is `value * scale` either way.
+
+`export` writes QTensors whose scheme fits a GGUF type (Q8_0: q8s or q8f,
+block 32 along the last dim, f16 scales; Q4_0: q4s or q4f likewise) and float
+Tensors or arrays (F32, F16, BF16), atomically.  Anything else raises
+`SerializationError` naming the tensor: requantize or dequantize it first.
+Only tensors cross; GGUF key-value metadata other than the architecture is not
+read or written.
+"""
+import numpy as np
+
+from ._core import QTensor, Tensor, get_backend
+from .errors import SerializationError
+from .io import atomic_path
+from .scheme import QuantScheme
+from .tensor_api import backend_for, qtensor_from_parts, qtensor_host, tensor
+
+__all__ = ["load", "export", "Q8_0_SCHEME", "Q4_0_SCHEME"]
+
+BLOCK = 32
+Q8_0_SCHEME = QuantScheme("q8f", block=BLOCK, scale_dtype="f16")
+Q4_0_SCHEME = QuantScheme("q4f", block=BLOCK, store="packed_u32", scale_dtype="f16")
+_SCALE_BYTES = 2
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("GGUF support needs the gguf package: pip install 'qdispatch[gguf]'") from None
+    return gguf
+
+
+# ---- block codecs ----------------------------------------------------------------
+# A block is its f16 scale's 2 bytes followed by the packed values.
+
+def _split_blocks(data, block_bytes):
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
+    scales = blocks[:, :_SCALE_BYTES].copy().view(np.float16).astype(np.float32)
+    return scales.reshape(-1), blocks[:, _SCALE_BYTES:]
+
+
+def _join_blocks(scales, payload, shape):
+    d = np.ascontiguousarray(scales, dtype=np.float32).astype(np.float16).view(np.uint8)
+    blocks = np.concatenate([d.reshape(-1, _SCALE_BYTES), payload], axis=1)
+    return blocks.reshape(tuple(shape[:-1]) + (-1,))
+
+
+def _decode_q8_0(blocks):
+    return blocks.view(np.int8)
+
+
+def _encode_q8_0(values):
+    return values.reshape(-1, BLOCK).view(np.uint8)
+
+
+def _decode_q4_0(blocks):
+    nibbles = np.concatenate([blocks & 0x0F, blocks >> 4], axis=1)  # low nibbles first
+    return nibbles.astype(np.int8) - np.int8(8)
+
+
+def _encode_q4_0(values):
+    nibbles = (values.reshape(-1, BLOCK) + 8).astype(np.uint8)
+    half = BLOCK // 2
+    return nibbles[:, :half] | (nibbles[:, half:] << 4)
+
+
+# ggml type name -> (scheme, bytes per block, decode, encode)
+_QUANT_TYPES = {
+    "Q8_0": (Q8_0_SCHEME, _SCALE_BYTES + BLOCK, _decode_q8_0, _encode_q8_0),
+    "Q4_0": (Q4_0_SCHEME, _SCALE_BYTES + BLOCK // 2, _decode_q4_0, _encode_q4_0),
+}
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_FLOAT_TYPE_OF = {v: k for k, v in _FLOAT_TYPES.items()}
+
+
+# ---- load ------------------------------------------------------------------------
+
+def load(path, device=None):
+    """{name: QTensor | Tensor} for the Q8_0, Q4_0, F32, F16 and BF16 tensors of
+    the GGUF file at `path`, on `device` (default: the default backend)."""
+    gguf = _gguf()
+    if device is not None:
+        backend_for(device)  # an unavailable device fails before any reading
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as exc:
+        raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): {exc}") from None
+    return {t.name: _load_tensor(path, t, device) for t in reader.tensors}
+
+
+def _load_tensor(path, t, device):
+    kind = t.tensor_type.name
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if kind in _FLOAT_TYPES:
+        dtype = _FLOAT_TYPES[kind]
+        data = np.array(t.data)  # a copy: the reader's memory map must not outlive it
+        if dtype == "bfloat16":
+            data = data.view(np.uint16)
+        return tensor(data.reshape(shape), device=device, dtype=dtype)
+    if kind not in _QUANT_TYPES:
+        raise SerializationError(
+            f"Tensor {t.name!r} in {path} is {kind}, which qdispatch does not read: supported "
+            f"types are Q8_0, Q4_0, F32, F16 and BF16 (requantize the model to one of them)")
+    scheme, block_bytes, decode, _ = _QUANT_TYPES[kind]
+    scales, payload = _split_blocks(t.data, block_bytes)
+    if not np.all(np.isfinite(scales)):
+        raise SerializationError(f"Tensor {t.name!r} in {path} has NaN or Inf scales: the file is corrupted")
+    grid = shape[:-1] + (shape[-1] // BLOCK,)
+    return qtensor_from_parts(decode(payload).reshape(shape), scales.reshape(grid), scheme, device=device)
+
+
+# ---- export ----------------------------------------------------------------------
+
+def _quant_type(q):
+    """The GGUF type a QTensor's scheme maps to, or None."""
+    scheme = q.scheme
+    block = q.layout.logical_block(q.transposed)
+    if scheme.scale_dtype != "f16" or block[-1] != BLOCK or any(b != 1 for b in block[:-1]):
+        return None
+    return {8: "Q8_0", 4: "Q4_0"}.get(scheme.bits)
+
+
+def _encode(name, obj):
+    """(array, ggml type name) as the gguf writer takes them."""
+    if isinstance(obj, QTensor):
+        kind = _quant_type(obj)
+        if kind is None:
+            raise SerializationError(
+                f"Can't export tensor {name!r}: GGUF has no type for {obj.scheme!r}. Q8_0 needs "
+                f"QuantScheme('q8s' or 'q8f', block=32, scale_dtype='f16'), Q4_0 needs "
+                f"QuantScheme('q4f', block=32, store='packed_u32', scale_dtype='f16'); "
+                f"or export its dequantize() as F32")
+        values, scales = qtensor_host(obj)
+        encode = _QUANT_TYPES[kind][3]
+        return _join_blocks(scales, encode(np.ascontiguousarray(values)), obj.shape), kind
+    if isinstance(obj, Tensor):
+        dtype, data = obj.dtype, get_backend(obj.kind).to_host(obj.payload)
+    elif isinstance(obj, np.ndarray):
+        dtype, data = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(obj.dtype), obj
+    else:
+        raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected a QTensor, "
+                        f"a Tensor or a numpy array")
+    if dtype not in _FLOAT_TYPE_OF:
+        raise SerializationError(f"Can't export tensor {name!r} of dtype {dtype or obj.dtype}: GGUF "
+                                 f"export takes float32, float16 or bfloat16 data")
+    data = np.ascontiguousarray(data)
+    if data.ndim == 0:
+        raise SerializationError(f"Can't export tensor {name!r}: GGUF tensors need at least one dim")
+    if dtype == "bfloat16":  # raw 16-bit patterns, handed over as bytes
+        data = data.view(np.uint8).reshape(data.shape[:-1] + (-1,))
+    return data, _FLOAT_TYPE_OF[dtype]
+
+
+def export(path, tensors, arch="qdispatch"):
+    """Write `{name: QTensor | Tensor | ndarray}` to a GGUF file, atomically.
+    `arch` is written as general.architecture."""
+    gguf = _gguf()
+    encoded = [(name, *_encode(name, obj)) for name, obj in tensors.items()]  # all checks first
+    with atomic_path(path) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            for name, data, kind in encoded:
+                raw = gguf.GGMLQuantizationType[kind]
+                writer.add_tensor(name, data, raw_dtype=raw if data.dtype == np.uint8 else None)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()

@@ -1,0 +1,160 @@
+"""qdispatch.gguf: files built with the gguf package's writer load without
+changing a value, and QTensors whose scheme fits export back."""
+import os
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+import qdispatch as qd  # noqa: E402
+from qdispatch import QuantScheme, SerializationError  # noqa: E402
+from qdispatch import gguf as qgguf  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
+SHAPES = [(64,), (4, 64), (2, 3, 96)]
+
+
+def write_gguf(path, arrays):
+    """arrays: {name: (raw data as gguf.quants.quantize returns it, ggml type)}."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (data, kind) in arrays.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def quantized_file(path, kinds, shape, seed=0):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 3
+    write_gguf(path, {kind.name: (gguf.quants.quantize(x, kind), kind) for kind in kinds})
+    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def as_float32(t):
+    return t.dequantize().numpy() if isinstance(t, qd.QTensor) else t.numpy().astype(np.float32)
+
+
+def assert_bits_equal(a, b):
+    np.testing.assert_array_equal(np.asarray(a, np.float32).view(np.uint32),
+                                  np.asarray(b, np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_load_matches_gguf_dequantize_bit_for_bit(tmp_path, device, shape):
+    expected = quantized_file(tmp_path / "m.gguf", [T.Q8_0, T.Q4_0, T.F16, T.F32, T.BF16], shape)
+    loaded = qgguf.load(tmp_path / "m.gguf", device=device)
+    assert set(loaded) == set(expected)
+    for name, t in loaded.items():
+        assert t.shape == shape and t.device == device
+        assert_bits_equal(as_float32(t), expected[name].reshape(shape))
+    assert loaded["Q8_0"].scheme == qgguf.Q8_0_SCHEME
+    assert loaded["Q4_0"].scheme == qgguf.Q4_0_SCHEME
+    assert (loaded["F16"].dtype, loaded["F32"].dtype, loaded["BF16"].dtype) == ("float16", "float32", "bfloat16")
+
+
+def test_q4_0_keeps_ggml_signed_scales(tmp_path):
+    quantized_file(tmp_path / "m.gguf", [T.Q4_0], (8, 64))
+    q = qgguf.load(tmp_path / "m.gguf", device="reference")["Q4_0"]
+    assert (q.scales < 0).any() and (q.scales > 0).any()
+    assert q.values.min() == -8  # the largest-magnitude element of every block
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_with_loaded_weights_is_matmul_with_gguf_values(tmp_path, device):
+    expected = quantized_file(tmp_path / "m.gguf", [T.Q8_0, T.Q4_0], (64, 32))
+    loaded = qgguf.load(tmp_path / "m.gguf", device=device)
+    x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+    for name, w in loaded.items():
+        y = qd.q_matmul(x, w).numpy()
+        np.testing.assert_allclose(y, x @ expected[name], rtol=1e-4, atol=1e-4)
+
+
+def hand_block(scale, first_bytes):
+    return np.concatenate([np.float16(scale).reshape(1).view(np.uint8), first_bytes]).reshape(1, -1)
+
+
+def test_q4_0_nibble_order_and_offset(tmp_path):
+    # byte j = (15 - j) << 4 | j: value j is j - 8, value j + 16 is 7 - j
+    j = np.arange(16, dtype=np.uint8)
+    write_gguf(tmp_path / "m.gguf", {"w": (hand_block(0.5, ((15 - j) << 4) | j), T.Q4_0)})
+    q = qgguf.load(tmp_path / "m.gguf", device="reference")["w"]
+    np.testing.assert_array_equal(q.values[0], np.concatenate([j - 8.0, 7.0 - j]).astype(np.int8))
+    np.testing.assert_array_equal(q.scales, [[0.5]])
+
+
+def test_q8_0_full_int8_range(tmp_path):
+    values = np.array([-128, 127, -127, 0] * 8, dtype=np.int8)
+    write_gguf(tmp_path / "m.gguf", {"w": (hand_block(-0.25, values.view(np.uint8)), T.Q8_0)})
+    q = qgguf.load(tmp_path / "m.gguf", device="reference")["w"]
+    np.testing.assert_array_equal(q.values[0], values)
+    assert_bits_equal(q.dequantize().numpy()[0], values.astype(np.float32) * np.float32(-0.25))
+
+
+def test_unsupported_type_names_the_tensor(tmp_path):
+    quantized_file(tmp_path / "m.gguf", [T.Q4_1], (2, 32))
+    with pytest.raises(SerializationError, match="'Q4_1'.*Q4_1.*Q8_0, Q4_0"):
+        qgguf.load(tmp_path / "m.gguf")
+
+
+def test_truncated_file(tmp_path):
+    quantized_file(tmp_path / "m.gguf", [T.Q8_0], (4, 64))
+    t = gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors[0]
+    end = t.data_offset + t.n_bytes  # the file may continue with alignment padding
+    (tmp_path / "m.gguf").write_bytes((tmp_path / "m.gguf").read_bytes()[:end - 5])
+    with pytest.raises(SerializationError, match="not a readable GGUF file"):
+        qgguf.load(tmp_path / "m.gguf")
+
+
+# ---- export ---------------------------------------------------------------------------
+
+FITTING = {
+    "Q8_0": [QuantScheme("q8s", block=32, scale_dtype="f16"), QuantScheme("q8f", block=(1, 32), scale_dtype="f16")],
+    "Q4_0": [QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"),
+             QuantScheme("q4s", block=(1, 1, 32), store="packed_u32", scale_dtype="f16")],
+}
+
+
+@pytest.mark.parametrize("kind,scheme", [(k, s) for k, ss in FITTING.items() for s in ss], ids=repr)
+def test_export_fitting_schemes(tmp_path, kind, scheme):
+    x = np.random.default_rng(2).standard_normal((2, 3, 64)).astype(np.float32)
+    q = qd.quantize(x, scheme, device="reference")
+    qgguf.export(tmp_path / "o.gguf", {"w": q, "f": qd.tensor(x, device="reference", dtype="bfloat16"),
+                                       "a": x[0].astype(np.float16)})
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "o.gguf")).tensors}
+    assert tensors["w"].tensor_type.name == kind
+    assert_bits_equal(gguf.quants.dequantize(tensors["w"].data, tensors["w"].tensor_type), q.dequantize().numpy())
+    assert [tensors[n].tensor_type.name for n in ("f", "a")] == ["BF16", "F16"]
+    back = qgguf.load(tmp_path / "o.gguf", device="reference")
+    np.testing.assert_array_equal(back["w"].values, q.values)
+    np.testing.assert_array_equal(back["w"].scales, q.scales)
+    np.testing.assert_array_equal(back["f"].numpy(), qd.tensor(x, device="reference", dtype="bfloat16").numpy())
+
+
+def test_load_then_export_reproduces_the_bytes(tmp_path):
+    quantized_file(tmp_path / "m.gguf", [T.Q8_0, T.Q4_0, T.F16, T.F32], (4, 64))
+    qgguf.export(tmp_path / "o.gguf", qgguf.load(tmp_path / "m.gguf"), arch="llama")
+    original = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    again = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(tmp_path / "o.gguf")).tensors}
+    assert original.keys() == again.keys()
+    for name in original:
+        np.testing.assert_array_equal(original[name].view(np.uint8), again[name].view(np.uint8))
+
+
+def test_export_rejects_schemes_without_a_gguf_type(tmp_path):
+    x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    for scheme in [QuantScheme("q8s", block=32), QuantScheme("q8s", axis=0, scale_dtype="f16"),
+                   QuantScheme("q4f", block=16, store="packed_u32", scale_dtype="f16"),
+                   QuantScheme("q2f", block=32, store="packed_u32", scale_dtype="f16")]:
+        with pytest.raises(SerializationError, match="'w'.*no type"):
+            qgguf.export(tmp_path / "o.gguf", {"w": qd.quantize(x, scheme, device="reference")})
+    # a transposed block-32 tensor has blocks along its first dim: no GGUF type either
+    q = qd.quantize(x, FITTING["Q8_0"][0], device="reference").T
+    with pytest.raises(SerializationError, match="'w'"):
+        qgguf.export(tmp_path / "o.gguf", {"w": q})
+    with pytest.raises(SerializationError, match="'i'.*int8"):
+        qgguf.export(tmp_path / "o.gguf", {"i": qd.tensor(np.zeros(4, np.int8), device="reference")})
+    assert os.listdir(tmp_path) == []
