@@ -11,7 +11,7 @@ from ._core import QTensor, Tensor
 from .backends.base import INT32_EXACT_K
 from .errors import ShapeError
 from .scheme import QuantScheme, as_scheme
-from .tensor_api import FLOAT_DTYPES, check_dtype, quantize
+from .tensor_api import FLOAT_DTYPES, check_dtype, quantize, quantize_activation
 
 
 def _check_float(t, side):
@@ -58,13 +58,19 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
                      lhs.kind, lhs.index)
         squeeze = True
     ls, rs, batch = _shapes(lhs, rhs, "q_matmul")
+    fused = None
     if activation_scheme is not None:
-        if not lq:
-            lhs = quantize(lhs, activation_scheme_for(activation_scheme, ls))
-        if not rq:
-            rhs = quantize(rhs, activation_scheme_for(activation_scheme, rs))
-        lq = rq = True
-    if lq and rq:
+        if not lq and rq:
+            fused = _fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls)
+        if fused is None:
+            if not lq:
+                lhs = quantize_activation(lhs, activation_scheme_for(activation_scheme, ls))
+            if not rq:
+                rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs))
+            lq = rq = True
+    if fused is not None:
+        kernel = lambda x, w: fused(_as_f32(backend, x), w)
+    elif lq and rq:
         kernel = backend.qq_matmul
     elif rq:
         kernel = lambda x, w: backend.fq_matmul(_as_f32(backend, x), w)
@@ -83,6 +89,18 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
         out = Tensor(backend.cast(out.payload, "float32", out_dtype), out_dtype, out.shape,
                      out.kind, out.index)
     return out
+
+
+def _fused_w8a8(backend, scheme, x_shape):
+    """The backend's one-pass W8A8 kernel when it takes this activation scheme
+    (8-bit values, one scale per row or per block of K, float32 scales)."""
+    fused = getattr(backend, "w8a8_matmul", None)
+    if fused is None or scheme.bits != 8 or scheme.scale_dtype != "f32":
+        return None
+    block = scheme.block_shape(x_shape)
+    if any(b != 1 for b in block[:-1]):
+        return None
+    return lambda x, w: fused(x, w, scheme.value, block[-1])
 
 
 def _as_f32(backend, t, transpose=False):

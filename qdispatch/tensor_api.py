@@ -148,6 +148,15 @@ def quantize(x, scheme="q8s", device=None):
 
     Without `device`, a Tensor stays on its device and host data goes to the
     default backend."""
+    return _quantize(x, scheme, device, weight=True)
+
+
+def quantize_activation(x, scheme):
+    """quantize for an operand used once (no weight panels are packed)."""
+    return _quantize(x, scheme, None, weight=False)
+
+
+def _quantize(x, scheme, device, weight):
     scheme = as_scheme(scheme)
     if not isinstance(x, Tensor):
         x = tensor(x, device=device)
@@ -162,7 +171,8 @@ def quantize(x, scheme="q8s", device=None):
     payload = x.payload
     if x.dtype != "float32":
         payload = backend.cast(payload, x.dtype, "float32")
-    return QTensor(backend.quantize(payload, layout, x.index), layout, False, x.kind, x.index)
+    quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
+    return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
 
 
 def dequantize(q, dtype="float32"):

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from .. import quantmath
 from .._core import BackendKind, register_backend
 from ..errors import BackendUnavailableError
 from .host import HostBackend
@@ -80,22 +81,26 @@ class CpuBackend(HostBackend):
         return d
 
     # ---- quantized storage ----
-    def qstorage_from_host(self, values, scales, layout, index):
+    def qstorage_from_host(self, values, scales, layout, index, weight=True):
         storage = super().qstorage_from_host(values, scales, layout, index)
-        if len(layout.shape) == 2:  # a weight: pack its [N, K] panels now, once
+        if weight and len(layout.shape) == 2:  # a weight: pack its [N, K] panels now, once
             self._panels(storage, layout, transposed_pack=False, values=values)
         return storage
 
-    def quantize(self, payload, layout, index):
+    def quantize_activation(self, payload, layout, index):
+        return self.quantize(payload, layout, index, weight=False)
+
+    def quantize(self, payload, layout, index, weight=True):
         x = np.ascontiguousarray(payload, dtype=np.float32)
         flat = _as_2d_block(layout.shape, layout.block)
         if flat is None:  # an N-d blocking C does not take: the numpy spec, same bits
-            return super().quantize(payload, layout, index)
+            values, scales, _ = quantmath.quantize_array(payload, layout.scheme)
+            return self.qstorage_from_host(values, scales, layout, index, weight=weight)
         rows, cols, br, bc = flat
         q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc,
                                   layout.scheme.scale_dtype)
         return self.qstorage_from_host(q.reshape(layout.shape), scales.reshape(layout.grid),
-                                       layout, index)
+                                       layout, index, weight=weight)
 
     def _panels(self, storage, layout, transposed_pack, values=None):
         """Weight panels for using storage [R, C] as [N, K]: K = C normally,

@@ -1,0 +1,219 @@
+"""The cpu backend through the public API: every ISA this machine runs, against
+the reference backend; thread, batch and concurrency invariance."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from qdispatch._core import get_backend
+from helpers import rel_err
+
+pytestmark = pytest.mark.skipif("cpu" not in qd.available_backends(), reason="cpu backend not built")
+
+CPU_INFO = qd.info()["backends"]["cpu"]
+RUNNABLE_ISAS = [i for i in CPU_INFO.get("built", []) if i in CPU_INFO.get("supported", [])]
+GRID = [(1, 64, 1), (3, 33, 17), (16, 64, 65), (17, 96, 31), (1, 127, 63), (5, 160, 97), (33, 32, 2)]
+
+
+@pytest.fixture(params=RUNNABLE_ISAS)
+def isa(request):
+    qd.set_isa(request.param)
+    yield request.param
+    qd.set_isa("auto")
+
+
+@pytest.fixture
+def threads():
+    before = qd.get_num_threads()
+    yield
+    qd.set_num_threads(before)
+
+
+def both(x, scheme, rng=None):
+    return qd.quantize(x, scheme, device="cpu"), qd.quantize(x, scheme, device="reference")
+
+
+def test_isa_is_reported_and_forced(isa):
+    assert qd.info()["backends"]["cpu"]["isa"] == isa
+
+
+@pytest.mark.parametrize("m,k,n", GRID)
+def test_int_matmul_is_bit_identical(isa, rng, m, k, n):
+    a = rng.integers(-128, 128, size=(m, k), dtype=np.int8)
+    b = rng.integers(-128, 128, size=(k, n), dtype=np.int8)
+    got = qd.int_matmul(qd.tensor(a, device="cpu"), qd.tensor(b, device="cpu")).numpy()
+    np.testing.assert_array_equal(got, a.astype(np.int64) @ b.astype(np.int64))
+
+
+@pytest.mark.parametrize("fill", ["all_min", "alternating"])
+def test_extremes_stay_exact_in_qq(isa, fill):
+    m, k, n = 4, 4096, 9
+    if fill == "all_min":
+        a = np.full((m, k), -128, np.int8)
+        w = np.full((n, k), -128, np.int8)
+    else:
+        a = np.where(np.arange(m * k).reshape(m, k) % 2, 127, -128).astype(np.int8)
+        w = np.where(np.arange(n * k).reshape(n, k) % 2, -128, 127).astype(np.int8)
+    scheme = qd.QuantScheme("q8f")
+    aq = qd.qtensor_from_parts(a, np.float32(1.0), scheme, device="cpu")
+    wq = qd.qtensor_from_parts(w, np.float32(1.0), scheme, device="cpu")
+    want = (a.astype(np.int64) @ w.T.astype(np.int64)).astype(np.float32)
+    np.testing.assert_array_equal(qd.q_matmul(aq, wq.T).numpy(), want)
+    np.testing.assert_array_equal(
+        qd.int_matmul(qd.tensor(a, device="cpu"), qd.tensor(np.ascontiguousarray(w.T), device="cpu")).numpy(),
+        want.astype(np.int64))
+
+
+W_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f"), qd.QuantScheme("q8s", block=32),
+             qd.QuantScheme("q8f", block=64), qd.QuantScheme("q4s", block=32, store="packed_u32"),
+             qd.QuantScheme("q4f", axis=0, store="packed_u32"), qd.QuantScheme("q2f", block=32, store="packed_u32")]
+A_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f", block=32), qd.QuantScheme("q8s"),
+             qd.QuantScheme("q8s", block=128)]
+
+
+@pytest.mark.parametrize("w_scheme", W_SCHEMES, ids=repr)
+@pytest.mark.parametrize("m", [1, 4, 17, 33])
+def test_qq_and_fq_match_the_reference(isa, rng, w_scheme, m):
+    k, n = 256, 67
+    wq, wr = both(rng.standard_normal((n, k)).astype(np.float32), w_scheme)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for a_scheme in A_SCHEMES:
+        xq, xr = both(x, a_scheme)
+        assert rel_err(qd.q_matmul(xr, wr.T).numpy(), qd.q_matmul(xq, wq.T).numpy()) < 1e-6
+    assert rel_err(qd.q_matmul(x, wr.T).numpy(), qd.q_matmul(x, wq.T).numpy()) < 1e-5
+    w8a8 = qd.q_matmul(x, wq.T, activation_scheme="q8s").numpy()
+    assert rel_err(qd.q_matmul(x, wr.T, activation_scheme="q8s").numpy(), w8a8) < 1e-6
+
+
+def test_quantize_is_bit_identical_to_the_reference(isa, rng):
+    x = rng.standard_normal((33, 96)).astype(np.float32)
+    for scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"),
+                   qd.QuantScheme("q8f", block=(3, 32), scale_dtype="bf16"), qd.QuantScheme("q2s", axis=1, store="packed_u32")):
+        q, r = both(x, scheme)
+        np.testing.assert_array_equal(q.values, r.values)
+        np.testing.assert_array_equal(q.scales, r.scales)
+
+
+def test_results_do_not_depend_on_thread_count(rng, threads):
+    x = rng.standard_normal((37, 512)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((300, 512)).astype(np.float32), qd.QuantScheme("q8s", block=32), device="cpu")
+    w4 = qd.quantize(rng.standard_normal((300, 512)).astype(np.float32),
+                     qd.QuantScheme("q4s", block=32, store="packed_u32"), device="cpu")
+    xq = qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="cpu")
+    runs = []
+    for n in (1, 2, 3):
+        qd.set_num_threads(n)
+        assert qd.get_num_threads() == n
+        runs.append([qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(x, wq.T).numpy(),
+                     qd.q_matmul(x, w4.T).numpy(), qd.q_matmul(x, wq.T, activation_scheme="q8s").numpy()])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(rng):
+    x = rng.standard_normal((40, 256)).astype(np.float32)
+    for scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=32, store="packed_u32")):
+        wq = qd.quantize(rng.standard_normal((96, 256)).astype(np.float32), scheme, device="cpu")
+        full = qd.q_matmul(x, wq.T).numpy()
+        full8 = qd.q_matmul(x, wq.T, activation_scheme="q8s").numpy()
+        for m in (0, 1, 15, 16, 39):
+            np.testing.assert_array_equal(qd.q_matmul(x[m:m + 1], wq.T).numpy()[0], full[m])
+            np.testing.assert_array_equal(qd.q_matmul(x[m:m + 1], wq.T, activation_scheme="q8s").numpy()[0],
+                                          full8[m])
+        for m0, m1 in ((0, 16), (3, 20), (16, 40)):
+            np.testing.assert_array_equal(qd.q_matmul(x[m0:m1], wq.T).numpy(), full[m0:m1])
+
+
+def test_concurrent_calls_from_python_threads(rng):
+    wq = qd.quantize(rng.standard_normal((128, 256)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
+    inputs = [rng.standard_normal((8, 256)).astype(np.float32) for _ in range(8)]
+    expected = [qd.q_matmul(x, wq.T).numpy() for x in inputs]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                results[i] = qd.q_matmul(inputs[i], wq.T).numpy()
+                np.testing.assert_array_equal(results[i], expected[i])
+        except Exception as exc:  # reported below, with the thread's own traceback text
+            errors.append(exc)
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors
+
+
+def test_weights_are_packed_once_when_created(rng):
+    wq = qd.quantize(rng.standard_normal((64, 128)).astype(np.float32), "q8s", device="cpu")
+    panels = dict(wq.storage.cache)
+    assert panels, "panels are packed at quantize time"
+    qd.q_matmul(rng.standard_normal((2, 128)).astype(np.float32), wq.T)
+    assert wq.storage.cache == panels
+    moved = wq.to("reference").to("cpu")
+    assert moved.storage.cache
+
+
+def test_unknown_or_unsupported_isa_is_a_clear_error():
+    with pytest.raises(qd.BackendUnavailableError, match="Can't use ISA 'sse9'"):
+        qd.set_isa("sse9")
+    unsupported = [i for i in CPU_INFO["built"] if i not in CPU_INFO["supported"]]
+    for name in unsupported:
+        with pytest.raises(qd.BackendUnavailableError, match=name):
+            qd.set_isa(name)
+    assert qd.info()["backends"]["cpu"]["isa"] == CPU_INFO["isa"]
+
+
+def run_python(code, **env):
+    """A fresh interpreter that imports the same qdispatch as this one."""
+    path = os.path.dirname(os.path.dirname(os.path.abspath(qd.__file__)))
+    env = {**os.environ, "PYTHONPATH": path, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+
+def test_environment_variables_pick_isa_and_threads():
+    code = "import qdispatch as qd; c = qd.info()['backends']['cpu']; print(c['isa'], c['threads'])"
+    out = run_python(code, QDISPATCH_ISA="scalar", QDISPATCH_NUM_THREADS="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["scalar", "1"]
+    bad = run_python(code, QDISPATCH_ISA="avx9000")
+    assert bad.returncode != 0 and "Can't use ISA 'avx9000'" in bad.stderr
+
+
+def test_gil_is_released_during_kernels(rng, threads):
+    """Another Python thread keeps running while one long kernel call runs; with
+    the GIL held it would get no turn until the call returned."""
+    qd.set_num_threads(1)
+    wq = qd.quantize(rng.standard_normal((2048, 2048)).astype(np.float32), "q8s", device="cpu")
+    x = rng.standard_normal((512, 2048)).astype(np.float32)
+    ticks = [0]
+    done = threading.Event()
+
+    def ticker():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0)  # hand the GIL back at once, so the main thread never waits for it
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)  # no forced switches: the ticker runs only if the GIL is released
+    t = threading.Thread(target=ticker)
+    try:
+        t.start()
+        during = []
+        for _ in range(3):
+            before = ticks[0]
+            qd.q_matmul(x, wq.T)
+            during.append(ticks[0] - before)
+    finally:
+        done.set()
+        sys.setswitchinterval(interval)
+        t.join()
+    assert max(during) > 100
