@@ -1,0 +1,144 @@
+"""Embedding: the C example and a Cython extension, built against the installed package.
+
+The shell commands below are the ones the "Embedding from C" section of the
+README shows; a test checks that they stay the same there."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import qdispatch as qd
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+EXAMPLES = os.path.join(ROOT, "examples", "c")
+DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "embedding.md")]
+
+BUILD_SHARED = ("cc examples/c/quantize_matmul.c $(python -m qdispatch config --cflags --libs) -lm "
+                "-o quantize_matmul && ./quantize_matmul")
+BUILD_STATIC = ("cc examples/c/quantize_matmul.c $(python -m qdispatch config --cflags --libs --static) "
+                "-o quantize_matmul_static && ./quantize_matmul_static")
+
+needs_examples = pytest.mark.skipif(not os.path.isdir(EXAMPLES), reason="examples/c not beside the tests")
+
+
+@pytest.fixture(scope="module")
+def c_compiler(tmp_path_factory):
+    """Skips unless $CC (default cc) compiles and links a program."""
+    cc = os.environ.get("CC") or "cc"
+    d = tmp_path_factory.mktemp("cc")
+    (d / "ok.c").write_text("int main(void) { return 0; }\n")
+    try:
+        ok = subprocess.run([cc, "ok.c", "-o", "ok"], cwd=d, capture_output=True).returncode == 0
+    except OSError:
+        ok = False
+    if not ok:
+        pytest.skip(f"no working C compiler (CC={cc})")
+    return cc
+
+
+@pytest.fixture
+def shell_env(tmp_path):
+    """An environment where `python` is the interpreter running the tests."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(sys.executable, bin_dir / "python")
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def run_shell(command, cwd, env):
+    proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{command}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@needs_examples
+@pytest.mark.parametrize("command", [BUILD_SHARED, BUILD_STATIC], ids=["shared", "static"])
+def test_c_example_builds_and_passes(c_compiler, shell_env, tmp_path, command):
+    shutil.copytree(EXAMPLES, tmp_path / "examples" / "c")
+    out = run_shell(command, tmp_path, shell_env)
+    assert "all checks passed" in out
+    assert "the input holds NaN or Inf" in out  # bad input came back as a status
+
+
+@needs_examples
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_c_example_makefile(c_compiler, shell_env, tmp_path):
+    shutil.copytree(EXAMPLES, tmp_path / "c")
+    out = run_shell("make check", tmp_path / "c", shell_env)
+    assert out.count("all checks passed") == 2
+
+
+def test_config_points_at_the_installed_files():
+    assert os.path.isfile(os.path.join(qd.get_include(), "qdispatch.h"))
+    for name in ("libqdispatch.so", "libqdispatch.a"):
+        assert os.path.isfile(os.path.join(qd.get_library_dir(), name))
+
+
+@pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
+def test_docs_show_the_tested_commands():
+    texts = [open(p).read() for p in DOCS if os.path.exists(p)]
+    section = next((t for t in texts if "## Embedding from C" in t), None)
+    assert section is not None, "no 'Embedding from C' section"
+    for command in (BUILD_SHARED, BUILD_STATIC):
+        assert command in section
+
+
+CYTHON_EXT = textwrap.dedent("""\
+    # cython: language_level=3
+    cimport qdispatch
+    from libc.stdint cimport int8_t, int32_t
+
+    def kind_of(qdispatch.QTensor t):
+        return t.kind  # the C field, no Python attribute lookup
+
+    def int_matmul(const int8_t[:, ::1] a, const int8_t[:, ::1] b, int32_t[:, ::1] c):
+        cdef qdispatch.qd_status st
+        with nogil:
+            st = qdispatch.qd_int_matmul_s8(&a[0, 0], a.shape[0], a.shape[1], &b[0, 0],
+                                            b.shape[1], &c[0, 0])
+        if st != qdispatch.QD_OK:
+            raise RuntimeError(qdispatch.qd_status_string(st).decode())
+""")
+
+CYTHON_SETUP = textwrap.dedent("""\
+    from Cython.Build import cythonize
+    from setuptools import Extension, setup
+    import qdispatch
+
+    lib = qdispatch.get_library_dir()
+    ext = Extension("qd_embed", ["qd_embed.pyx"], include_dirs=[qdispatch.get_include()],
+                    library_dirs=[lib], runtime_library_dirs=[lib], libraries=["qdispatch"])
+    setup(ext_modules=cythonize([ext]))
+""")
+
+
+@pytest.fixture
+def cython_ext(c_compiler, tmp_path, monkeypatch):
+    pytest.importorskip("Cython")
+    pytest.importorskip("setuptools")
+    (tmp_path / "qd_embed.pyx").write_text(CYTHON_EXT)
+    (tmp_path / "setup.py").write_text(CYTHON_SETUP)
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import qd_embed
+    yield qd_embed
+    sys.modules.pop("qd_embed", None)
+
+
+def test_cython_extension_cimports_qdispatch(cython_ext):
+    a = np.full((3, 300), -128, np.int8)  # int16 saturation would show here
+    a[1] = np.arange(300) % 255 - 127
+    b = np.full((300, 5), -128, np.int8)
+    c = np.zeros((3, 5), np.int32)
+    cython_ext.int_matmul(a, b, c)
+    np.testing.assert_array_equal(c, a.astype(np.int64) @ b.astype(np.int64))
+
+    w = np.ones((4, 4), np.float32)
+    for device, kind in (("cpu", qd.BackendKind.CPU), ("reference", qd.BackendKind.REFERENCE)):
+        assert cython_ext.kind_of(qd.quantize(w, qd.QuantScheme("q8s"), device=device)) == kind
