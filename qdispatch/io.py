@@ -271,9 +271,9 @@ def load(path, device=None):
     for name, record in records.items():
         try:
             out[name] = _decode(name, record, entries, dev)
-        except (SerializationError, QDispatchError, ValueError, TypeError, KeyError) as exc:
-            if isinstance(exc, SerializationError):
-                raise
+        except SerializationError:
+            raise
+        except (QDispatchError, ValueError, TypeError, LookupError) as exc:  # a record that lies
             raise SerializationError(f"Can't load tensor {name!r} from {path}: {exc}") from exc
     return out
 

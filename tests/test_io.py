@@ -215,3 +215,13 @@ def test_save_rejects_bad_input(tmp_path):
     with pytest.raises(SerializationError, match="collides"):
         qd.save(tmp_path / "x.st", {"w": q, "w.qvalues": np.zeros(1)})
     assert not os.listdir(tmp_path)
+
+
+def test_invalid_scheme_record(saved):
+    def bad_value(h):
+        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
+        records["weight"]["scheme"]["value"] = "q9z"
+        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
+    rewrite_metadata(saved, bad_value)
+    with pytest.raises(SerializationError, match="'weight'.*q9z"):
+        qd.load(saved)

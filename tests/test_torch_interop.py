@@ -136,7 +136,6 @@ def test_input_on_a_device_without_backend_is_a_mismatch():
         q_matmul(x, w)
 
 
-@pytest.mark.cuda
 def test_cuda_input_with_host_weight_is_a_mismatch():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
