@@ -1,0 +1,118 @@
+"""The installed build: portable baseline code, ISA override, single-sourced version."""
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import qdispatch as qd
+
+ISA_SUFFIXES = ("_avx2", "_avxvnni", "_avx512vnni", "_neon")
+ALL_ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod")
+# Instruction prefixes objdump prints before the mnemonic.
+PREFIXES = {"rep", "repz", "repe", "repnz", "repne", "lock", "notrack", "bnd", "data16", "addr32", "cs", "ds"}
+# A wide register, an AVX-512 mask register, or a VEX/EVEX mnemonic (all start with v).
+AVX = re.compile(r"%[yz]mm\d|%k[0-7]\b")
+
+on_x86 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                            reason="checks x86-64 code")
+
+
+def disassembly_by_member(archive):
+    """{member name: [instruction text]} from `objdump -d` of a static library."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", archive],
+                         capture_output=True, text=True, check=True).stdout
+    members, current = {}, None
+    for line in out.splitlines():
+        header = re.match(r"^(\S+\.o):\s+file format", line)
+        if header:
+            current = members.setdefault(header.group(1), [])
+        elif current is not None and re.match(r"^\s+[0-9a-f]+:\t", line):
+            current.append(line.split("\t", 1)[1].strip())
+    return members
+
+
+def uses_avx(instruction):
+    words = instruction.split()
+    mnemonic = next((w for w in words if w not in PREFIXES), "")
+    return bool(AVX.search(instruction)) or (mnemonic.startswith("v") and mnemonic not in ("verr", "verw"))
+
+
+def is_baseline(member):
+    return not os.path.splitext(member)[0].endswith(ISA_SUFFIXES)
+
+
+@on_x86
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
+def test_baseline_objects_have_no_avx():
+    members = disassembly_by_member(os.path.join(qd.get_library_dir(), "libqdispatch.a"))
+    baseline = [m for m in members if is_baseline(m)]
+    assert baseline, f"no baseline objects among {sorted(members)}"
+    for member in baseline:
+        avx = [i for i in members[member] if uses_avx(i)]
+        assert not avx, f"{member} is baseline code but uses AVX: {avx[:5]}"
+    # The check can see AVX: the AVX2 kernels do use it.
+    avx2 = [m for m in members if os.path.splitext(m)[0].endswith("_avx2")]
+    assert avx2 and any(uses_avx(i) for m in avx2 for i in members[m])
+
+
+def run_python(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, **env))
+
+
+INT_MATMUL_CHECK = """
+import numpy as np, qdispatch as qd
+print(qd.info()["backends"]["cpu"]["isa"])
+rng = np.random.default_rng(0)
+a = rng.integers(-128, 128, size=(17, 300), dtype=np.int8)
+b = rng.integers(-128, 128, size=(300, 33), dtype=np.int8)
+a[0] = b[:, 0] = -128  # (-128) * (-128) pairs: int16 saturation would show
+got = qd.int_matmul(qd.tensor(a, device="cpu"), qd.tensor(b, device="cpu")).numpy()
+assert (got == a.astype(np.int64) @ b.astype(np.int64)).all(), "int_matmul is not exact"
+"""
+
+
+def test_forced_scalar_isa_is_used_and_exact():
+    proc = run_python(INT_MATMUL_CHECK, QDISPATCH_ISA="scalar")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["scalar"]
+
+
+def test_unusable_isa_is_a_clear_error():
+    usable = set(qd.info()["backends"]["cpu"]["built"]) & set(qd.info()["backends"]["cpu"]["supported"])
+    unusable = [isa for isa in ALL_ISAS if isa not in usable]
+    for name in ["no_such_isa"] + unusable[:1]:
+        proc = run_python(INT_MATMUL_CHECK, QDISPATCH_ISA=name)
+        assert proc.returncode != 0, f"QDISPATCH_ISA={name} was accepted"
+        last_line = proc.stderr.strip().splitlines()[-1]
+        assert "BackendUnavailableError" in last_line and repr(name) in last_line, proc.stderr
+        assert "scalar" in last_line, "the error should name the usable ISAs"
+
+
+def test_version_is_single_sourced():
+    try:
+        installed = importlib.metadata.version("qdispatch")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("qdispatch is not installed (no distribution metadata)")
+    proc = subprocess.run([sys.executable, "-m", "qdispatch", "info"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert qd.__version__ == installed
+    assert proc.stdout.splitlines()[0] == f"qdispatch {installed}"
+
+
+def test_info_shows_the_build_configuration():
+    build = qd.info()["build"]
+    assert build, "no build configuration recorded"
+    flags = build["flags_by_isa"]
+    assert not any(f.startswith(("-mavx", "-march", "-mf16c", "-mfma")) for f in flags["baseline"])
+    out = subprocess.run([sys.executable, "-m", "qdispatch", "info"], capture_output=True,
+                         text=True).stdout
+    assert f"compiler: {build['compiler']}" in out
+    for isa, isa_flags in flags.items():
+        assert f"flags[{isa}]: {' '.join(isa_flags)}" in out
+    assert "cuda:" in out
