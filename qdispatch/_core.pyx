@@ -225,6 +225,16 @@ cdef class QTensor(TensorBase):
         return tensor_api.qtensor_to(self, device)
 
     @property
+    def requires_grad(self):
+        return False
+
+    @property
+    def grad(self):
+        raise AttributeError(
+            "A QTensor has no gradient: gradients flow to the float operand only "
+            "(dX = dY @ dequantize(W).T); keep a float copy of the weight to train it")
+
+    @property
     def T(self):
         """A free transpose of the last two dims (block dims swap with them)."""
         if len(self.shape) < 2:

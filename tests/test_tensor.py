@@ -62,3 +62,10 @@ def test_qtensor_from_parts_checks_the_range():
         qd.qtensor_from_parts(np.full((2, 8), 8, np.int8), np.ones(()), qd.QuantScheme("q4s", store="packed_u32"))
     q = qd.qtensor_from_parts(np.full((2, 8), 7, np.int8), np.float32(0.5), qd.QuantScheme("q4s", store="packed_u32"))
     np.testing.assert_array_equal(q.dequantize().numpy(), 3.5)
+
+
+def test_qtensor_says_it_has_no_gradient():
+    q = qd.quantize(np.ones((2, 4), np.float32), "q8s", device="reference")
+    assert q.requires_grad is False
+    with pytest.raises(AttributeError, match="gradients flow to the float operand only"):
+        q.grad
