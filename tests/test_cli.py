@@ -1,0 +1,38 @@
+"""`python -m qdispatch` and its subcommands, run as a user would."""
+import os
+import subprocess
+import sys
+
+import qdispatch as qd
+
+
+def run_module(*args):
+    path = os.path.dirname(os.path.dirname(os.path.abspath(qd.__file__)))
+    env = {**os.environ, "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-m", "qdispatch", *args], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_info_prints_version_build_and_backends():
+    out = run_module("info")
+    assert out.startswith(f"qdispatch {qd.__version__}\n")
+    for name in ("reference", "cpu", "cuda"):
+        assert f"  {name}" in out
+    assert "flags[baseline]" in out
+
+
+def test_demo_runs_every_backend_and_shows_the_mismatch():
+    out = run_module()
+    for backend in qd.available_backends():
+        assert f"  {backend:9s} fq" in out and f"  {backend:9s} qq" in out
+    assert out.count("SQNR") == 2 * len(qd.available_backends())
+    assert "caught BackendMismatchError: q_matmul inputs are on different backends" in out
+
+
+def test_config_points_at_the_installed_header_and_library():
+    flags = run_module("config", "--cflags", "--libs").split()
+    include = flags[0][2:]
+    assert os.path.exists(os.path.join(include, "qdispatch.h"))
+    assert any(f.startswith("-L") and os.path.exists(os.path.join(f[2:], "libqdispatch.so")) for f in flags)
