@@ -119,3 +119,15 @@ def test_cuda_unavailable_says_why_and_how_to_rebuild(rng):
     with pytest.raises(qd.BackendUnavailableError, match="cuda") as err:
         q.to("cuda")
     assert "pip install" in str(err.value) or "GPU" in str(err.value) or "driver" in str(err.value)
+
+
+def test_default_backend_from_the_environment():
+    import os
+    import subprocess
+    import sys
+    path = os.path.dirname(os.path.dirname(os.path.abspath(qd.__file__)))
+    code = "import numpy as np, qdispatch as qd; print(qd.quantize(np.ones((2, 2), np.float32)).device)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path, "QDISPATCH_BACKEND": "reference"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "reference"
