@@ -1,0 +1,97 @@
+"""Every benchmark runs once on a tiny shape; the bench command writes its JSON
+and explains a missing matplotlib.  No timing is asserted anywhere."""
+import builtins
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qdispatch import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = bench.Shape(2, 64, 48)
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.parametrize("case", list(bench.plan([TINY], bench.PATHS, ["cpu"], [1])), ids=lambda c: c.id)
+def test_every_case_runs_once(case):
+    reason = case.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with bench.thread_limit(1):
+        b = bench.build(case, copies=2)
+        out, again = b.fn(), b.fn()  # both weight copies, each a fresh result
+    if case.path == "quantize":
+        return
+    for result in (out, again):
+        result = np.asarray(result.numpy() if hasattr(result, "numpy") else result)
+        assert result.shape == (TINY.m, TINY.n)
+        assert np.isfinite(result).all()
+
+
+def test_rotated_copies_hold_different_weights():
+    b = bench.build(bench.Case(TINY, "fq_int8", "cpu", 1), copies=2)
+    assert b.copies == 2
+    assert not np.array_equal(b.fn().numpy(), b.fn().numpy())
+
+
+def test_ceilings_run():
+    c = bench.ceilings(threads=1, repeat=1, bandwidth_bytes=1 << 20)
+    assert c["read_gbs"] > 0 and c["int8_peak_gops"] > 0
+
+
+def test_bench_command_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "qdispatch", "bench", "--shapes", "2x64x64",
+                           "--threads", "1", "--repeat", "1", "--bandwidth-mb", "1",
+                           "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "GOP/s" in proc.stdout and "done" in proc.stderr
+    data = json.loads(out.read_text())
+    assert data["machine"]["qdispatch"] and data["machine"]["cores"] >= 1
+    assert data["machine"]["isa"]
+    paths = {(r["path"], r["impl"]) for r in data["results"]}
+    assert {(p, "cpu") for p in bench.PATHS} <= paths
+    assert ("qq_int8", "numpy_f32") in paths
+    assert all(r["ratio_numpy_f32"] for r in data["results"])
+    assert data["ceilings"][0]["threads"] == 1
+
+
+def test_pytest_benchmarks_run_once(tmp_path):
+    pytest.importorskip("pytest_benchmark")
+    # fbgemm's cases are left to test_every_case_runs_once: importing torch again takes seconds.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "-q", "-p", "no:cacheprovider",
+                           "--benchmark-disable", "--bench-shapes", "2x64x64", "--bench-threads", "1",
+                           "--bench-bandwidth-mb", "1", "-k", "not fbgemm", f"--basetemp={tmp_path}"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def blocked(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", blocked)
+    from qdispatch.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--plot", "out.png"])
+    assert "pip install" in str(exc.value) and "matplotlib" in str(exc.value)
+
+
+def test_bad_arguments_are_clear():
+    from qdispatch.__main__ import main
+    with pytest.raises(SystemExit, match="unknown path"):
+        main(["bench", "--paths", "qq_int9"])
