@@ -108,9 +108,11 @@ def _as_f32(backend, t, transpose=False):
     return backend.transpose2(payload) if transpose else payload
 
 
-def _batched(backend, kernel, lhs, rhs, batch, out_shape):
+def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype=np.float32):
     """Run a 2-D kernel over broadcast batch dims.  A float lhs against a 2-D
     rhs folds its batch dims into M: one kernel call, one weight pass."""
+    if 0 in out_shape or lhs.shape[-1] == 0:  # nothing to run: an empty sum is zero
+        return backend.from_host(np.zeros(out_shape, dtype), lhs.index)
     if not batch:
         return kernel(lhs, rhs)
     if not isinstance(lhs, QTensor) and len(rhs.shape) == 2:
@@ -151,7 +153,7 @@ def int_matmul(backend, a, b):
             f"split K into chunks and add the int32 results in int64")
     out_shape = batch + (ls[-2], rs[-1])
     payload = _batched(backend, lambda x, y: backend.int_matmul(x.payload, y.payload), a, b,
-                       batch, out_shape)
+                       batch, out_shape, dtype=np.int32)
     if squeeze and not batch:
         out_shape = out_shape[1:]
         payload = backend.reshape(payload, out_shape)

@@ -78,3 +78,11 @@ def test_bad_inputs_raise_before_any_kernel():
         qd.int_matmul(np.zeros((2, 3), np.float32), np.zeros((3, 2), np.int8))
     with pytest.raises(TypeError, match="outside int8"):
         qd.int_matmul(np.full((2, 3), 300), np.zeros((3, 2), np.int8))
+
+
+def test_empty_dims_give_empty_or_zero_results(device):
+    for (m, k, n) in [(0, 4, 3), (2, 0, 3), (2, 4, 0)]:
+        out = qd.int_matmul(qd.tensor(np.zeros((m, k), np.int8), device=device),
+                            qd.tensor(np.zeros((k, n), np.int8), device=device))
+        assert out.shape == (m, n)
+        np.testing.assert_array_equal(out.numpy(), np.zeros((m, n), np.int32))

@@ -152,3 +152,9 @@ def test_matmul_operator(device, rng):
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
     x = qd.tensor(rng.standard_normal((2, 64)).astype(np.float32), device=device)
     np.testing.assert_array_equal((x @ wq.T).numpy(), qd.q_matmul(x, wq.T).numpy())
+
+
+def test_zero_rows(device, rng):
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
+    out = qd.q_matmul(np.zeros((0, 64), np.float32), wq.T)
+    assert out.shape == (0, 8)
