@@ -69,3 +69,9 @@ def test_qtensor_says_it_has_no_gradient():
     assert q.requires_grad is False
     with pytest.raises(AttributeError, match="gradients flow to the float operand only"):
         q.grad
+
+
+def test_host_bfloat16_refuses_a_dlpack_export_it_cannot_type():
+    t = qd.tensor(np.ones((2, 2), np.float32), dtype="bfloat16", device="reference")
+    with pytest.raises(TypeError, match="bfloat16"):
+        np.from_dlpack(t)

@@ -94,6 +94,9 @@ class HostBackend(Backend):
         return payload + bias
 
     def dlpack(self, t, *args, **kwargs):
+        if t.dtype == "bfloat16":  # numpy would export the raw bits as uint16: a silent wrong dtype
+            raise TypeError("A host bfloat16 Tensor can't be exported through numpy's DLPack: "
+                            "convert it first, e.g. qdispatch.tensor(t.numpy()) for float32")
         return np.asarray(t.payload).__dlpack__(*args, **kwargs)
 
     def dlpack_device(self, t):
