@@ -1,36 +1,300 @@
-"""The cuda backend.  Without the compiled `qdispatch._cuda` module it stays
-registered, so every use says why it can't run and how to rebuild."""
-from .._core import BackendKind, register_backend
+"""The cuda backend: device memory and the kernels of `qdispatch._cuda`.
+
+Without the compiled module (built without CUDA) or without a usable GPU the
+backend stays registered, so every use says why it can't run and what to do.
+
+Quantized storage keeps the values in the scheme's store (int8, or packed
+uint32 words) plus a float32 scale grid, like the host backends.  The operand
+forms the kernels read (K-contiguous rows, zero padded) are derived on first
+use and cached in the storage, so a weight is re-laid out once, not per call."""
+import math
+
+import numpy as np
+
+from .. import quantmath
+from .._core import BackendKind, QTensor, Tensor, register_backend
+from ..errors import NonFiniteError, ScaleOverflowError
 from .base import Backend
+from .cpu import _as_2d_block
 
 try:
     from .. import _cuda
     _IMPORT_ERROR = None
+    CudaOutOfMemoryError = _cuda.CudaOutOfMemoryError
 except ImportError as exc:  # built without CUDA
     _cuda = None
     _IMPORT_ERROR = exc
+    CudaOutOfMemoryError = None
+
+REBUILD = ("To rebuild with it, install the CUDA toolkit (nvcc) and run "
+           "QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
+GEMM_ALIGN = 16  # bytes: rows of int8 GEMM operands start on 16-byte boundaries
+FQ_ALIGN = 64    # values: rows of weight-streaming operands hold whole 16-byte chunks
+_HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+               np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
+               np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
 
 
 def _build_reason():
     try:
         from .._build_config import BUILD_CONFIG
-        return BUILD_CONFIG.get("cuda_skipped_reason") or "the CUDA extension failed to import"
+        return BUILD_CONFIG.get("cuda_skipped_reason") or f"the CUDA extension failed to import ({_IMPORT_ERROR})"
     except ImportError:
         return "no build configuration found"
 
 
-class UnbuiltCudaBackend(Backend):
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+class CudaQStorage:
+    """Values in the scheme's store and the float32 scale grid, on one GPU."""
+    __slots__ = ("values", "scales", "cache")
+
+    def __init__(self, values, scales):
+        self.values = values
+        self.scales = scales
+        self.cache = {}
+
+
+class CudaBackend(Backend):
     kind = BackendKind.CUDA
     name = "cuda"
 
+    # ---- availability ----
     def unavailable_reason(self, index=0):
-        return (f"The cuda backend is unavailable: qdispatch was built without CUDA: {_build_reason()}. "
-                f"To rebuild with it, install the CUDA toolkit (nvcc) and run "
-                f"QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
+        if _cuda is None:
+            return (f"The cuda backend is unavailable: qdispatch was built without CUDA: "
+                    f"{_build_reason()}. {REBUILD}")
+        why = _cuda.unavailable_reason()
+        if why is not None:
+            return (f"The cuda backend is unavailable: qdispatch was built with CUDA, but no GPU "
+                    f"or driver can be used here ({why}). Install the NVIDIA driver (one at least "
+                    f"as new as CUDA {self._runtime_version()}) on a machine with a GPU.")
+        count = _cuda.device_count()
+        if index >= count:
+            return f"There is no cuda:{index}: this machine has {count} CUDA device(s)"
+        return None
+
+    def _runtime_version(self):
+        v = _cuda.versions()["runtime"]
+        return f"{v // 1000}.{v % 1000 // 10}"
 
     def device_count(self):
-        return 0
+        return _cuda.device_count() if _cuda is not None else 0
+
+    def describe(self):
+        if _cuda is None:
+            return {}
+        d = {"devices": [], **_cuda.versions()}
+        for i in range(_cuda.device_count()):
+            d["devices"].append(_cuda.device_properties(i))
+        return d
+
+    # ---- dense data ----
+    def from_host(self, array, index):
+        array = np.ascontiguousarray(array)
+        return _cuda.from_host(array, _HOST_NAMES[array.dtype], index)
+
+    def to_host(self, payload):
+        return _cuda.to_host(payload)
+
+    # ---- quantized data ----
+    def qstorage_from_host(self, values, scales, layout, index):
+        values = np.ascontiguousarray(values, dtype=np.int8)
+        if layout.scheme.store == "packed_u32":
+            values = quantmath.pack_u32(values, layout.bits)
+        return CudaQStorage(self.from_host(values, index),
+                            self.from_host(np.asarray(scales, dtype=np.float32), index))
+
+    def qstorage_to_host(self, storage, layout):
+        values = _cuda.to_host(storage.values)
+        if layout.scheme.store == "packed_u32":
+            values = quantmath.unpack_u32(values, layout.bits, layout.shape[-1])
+        return values, _cuda.to_host(storage.scales)
+
+    def quantize(self, payload, layout, index):
+        flat = _as_2d_block(layout.shape, layout.block)
+        if flat is None:  # an N-d blocking the kernel does not take: the numpy spec, same bits
+            values, scales, _ = quantmath.quantize_array(_cuda.to_host(payload), layout.scheme)
+            return self.qstorage_from_host(values, scales, layout, index)
+        rows, cols, br, bc = flat
+        x = payload.view((rows, cols))
+        try:
+            q, scales = _cuda.quantize(x, layout.scheme.value, br, bc, layout.scheme.scale_dtype)
+        except NonFiniteError as exc:
+            position = tuple(int(i) for i in np.unravel_index(exc.index, layout.shape))
+            raise NonFiniteError(
+                f"Can't quantize a tensor holding {_cuda.element(x, exc.index)!r} at position "
+                f"{position}: remove NaN/Inf first (for example np.nan_to_num)") from None
+        except ScaleOverflowError as exc:
+            raise ScaleOverflowError(
+                f"The scale of block {exc.index} (flat index in the scale grid) overflows "
+                f"scale_dtype={layout.scheme.scale_dtype!r}: use scale_dtype='f32' or rescale "
+                f"the input") from None
+        if layout.scheme.store == "packed_u32":
+            q = _cuda.pack_u32(q, layout.bits)
+            values = q.view(layout.shape[:-1] + (q.shape[-1],))
+        else:
+            values = q.view(layout.shape)
+        return CudaQStorage(values, scales.view(layout.grid))
+
+    def _int8_values(self, storage, layout):
+        """The values as int8 in storage orientation (unpacked once when packed)."""
+        if layout.scheme.store != "packed_u32":
+            return storage.values
+        key = "int8"
+        if key not in storage.cache:
+            storage.cache[key] = _cuda.unpack_u32(storage.values, layout.bits, layout.shape[-1])
+        return storage.cache[key]
+
+    def dequantize(self, q):
+        layout = q.layout
+        flat = _as_2d_block(layout.shape, layout.block)
+        if flat is None:
+            values, scales = self.qstorage_to_host(q.storage, layout)
+            out = quantmath.dequantize_array(values, scales, layout.block)
+            out = self.from_host(out.astype(np.float32), q.index)
+        else:
+            rows, cols, br, bc = flat
+            packed = layout.scheme.store == "packed_u32"
+            out = _cuda.dequantize(q.storage.values, layout.bits if packed else 0, rows, cols,
+                                   q.storage.scales, br, bc).view(layout.shape)
+        return self.transpose2(out) if q.transposed else out
+
+    def qtensor_batch(self, q, index):
+        """The 2-D QTensor at batch `index` (views into q's device memory)."""
+        from ..layout import QLayout
+        block = q.layout.block
+        scale_index = tuple(i // b for i, b in zip(index, block))
+        layout = QLayout(q.layout.scheme.with_(block=block[len(index):], axis=None),
+                         q.layout.shape[len(index):], block[len(index):])
+        storage = CudaQStorage(self.index(q.storage.values, index),
+                               self.index(q.storage.scales, scale_index))
+        return QTensor(storage, layout, q.transposed, q.kind, q.index)
+
+    # ---- operand forms for the kernels ----
+    def _k_rows(self, q, k_last):
+        """(int8 [rows, ld] with K along rows, padded; float32 scales [rows/b, K/bk]) for a
+        2-D QTensor.  `k_last`: K is the logical last dim (lhs) rather than the first (rhs)."""
+        storage, layout = q.storage, q.layout
+        # Storage holds K along its last dim when the logical and storage orientations agree
+        # for lhs, or disagree for rhs.
+        needs_transpose = q.transposed == k_last
+        key = ("k_rows", needs_transpose)
+        if key not in storage.cache:
+            values, scales = self._int8_values(storage, layout), storage.scales
+            if needs_transpose:
+                values, scales = _cuda.transpose2(values), _cuda.transpose2(scales)
+            K = values.shape[1]
+            if K % GEMM_ALIGN:
+                values = _cuda.pad_rows(values, _round_up(K, GEMM_ALIGN))
+            storage.cache[key] = (values, scales)
+        return storage.cache[key]
+
+    def _stream_rows(self, w):
+        """(values [N, ld] in the store the weight-streaming kernel reads, bits, ld, scales
+        [N/bn, K/bk]) for a logical [K, N] weight."""
+        storage, layout = w.storage, w.layout
+        if "stream_rows" not in storage.cache:
+            K = w.shape[0]
+            bk = layout.logical_block(w.transposed)[0]
+            # Blocks along K finer than a 16-byte chunk of packed values: read int8 instead.
+            bits = layout.bits if _cuda.fq_supported(layout.bits, K, bk) else 8
+            ld = _round_up(K, FQ_ALIGN)
+            if w.transposed and K == ld and bits == layout.bits:  # storage is [N, K] already
+                values, scales = storage.values, storage.scales
+            else:
+                values, scales = self._k_rows(w, k_last=False)
+                if values.shape[1] != ld:  # its padding is zeros, so padding further is exact
+                    values = _cuda.pad_rows(values, ld)
+                if bits < 8:
+                    values = _cuda.pack_u32(values, bits)
+            storage.cache["stream_rows"] = (values, bits, ld, scales)
+        return storage.cache["stream_rows"]
+
+    # ---- kernels on 2-D logical operands ----
+    def int_matmul(self, a, b):
+        K = a.shape[1]
+        ld = _round_up(K, GEMM_ALIGN)
+        bt = _cuda.transpose2(b)
+        if ld != K:
+            a, bt = _cuda.pad_rows(a, ld), _cuda.pad_rows(bt, ld)
+        return _cuda.int_matmul(a, bt, K)
+
+    def qq_matmul(self, lhs, rhs):
+        a, sa = self._k_rows(lhs, k_last=True)
+        bt, sb = self._k_rows(rhs, k_last=False)
+        K = lhs.shape[1]
+        bm, bka = lhs.layout.logical_block(lhs.transposed)
+        bkb, bn = rhs.layout.logical_block(rhs.transposed)
+        return _cuda.qq_matmul(a, bt, K, sa, bm, bka, sb, bn, bkb)
+
+    def fq_matmul(self, x, w):
+        K, N = w.shape
+        bk, bn = w.layout.logical_block(w.transposed)
+        if not (_cuda.fq_supported(w.layout.bits, K, bk) or _cuda.fq_supported(8, K, bk)):
+            return self._fq_on_host(x, w)
+        values, bits, ld, scales = self._stream_rows(w)
+        if x.shape[1] != ld:
+            x = _cuda.pad_rows(x, ld)
+        return _cuda.fq_matmul(x, values, bits, N, K, scales, bn, bk)
+
+    def _fq_on_host(self, x, w):
+        """Blockings along K finer than the kernels' 16-value chunks: the reference math."""
+        values, scales = self.qstorage_to_host(w.storage, w.layout)
+        if w.transposed:
+            values, scales = values.T, scales.T
+        deq = quantmath.dequantize_array(values, scales, w.layout.logical_block(w.transposed))
+        return self.from_host((_cuda.to_host(x) @ deq).astype(np.float32), x.device)
+
+    # ---- dense helpers the dispatcher uses ----
+    def cast(self, payload, src, dst):
+        return payload if src == dst else _cuda.cast(payload, dst)
+
+    def reshape(self, payload, shape):
+        return payload.view(shape)
+
+    def transpose2(self, payload):
+        return _cuda.transpose2(payload)
+
+    def index(self, payload, idx):
+        """The sub-array at leading indices `idx` (a view: arrays are C-contiguous)."""
+        inner = payload.shape[len(idx):]
+        row = 0
+        for i, n in zip(idx, payload.shape):
+            row = row * n + int(i)
+        offset = payload.offset + row * math.prod(inner) * payload.itemsize
+        return _cuda.DeviceArray(payload.buffer, offset, tuple(inner), payload.dtype)
+
+    def stack(self, payloads, shape):
+        out = _cuda.empty(shape, payloads[0].dtype, payloads[0].device)
+        offset = 0
+        for p in payloads:
+            _cuda.copy_into(out, offset, p)
+            offset += p.nbytes
+        return out
+
+    def add(self, payload, bias):
+        return _cuda.add_bias(payload, bias)
+
+    def dlpack(self, t, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy:
+            return _cuda.to_dlpack(_copy(t.payload), stream)
+        return _cuda.to_dlpack(t.payload, stream)
+
+    def dlpack_device(self, t):
+        return (2, t.index)  # kDLCUDA
+
+    def tensor_from_dlpack(self, obj):
+        arr = _cuda.from_dlpack(obj)
+        return Tensor(arr, arr.dtype, arr.shape, int(self.kind), arr.device)
 
 
-if _cuda is None:
-    register_backend(UnbuiltCudaBackend())
+def _copy(arr):
+    out = _cuda.empty(arr.shape, arr.dtype, arr.device)
+    _cuda.copy_into(out, 0, arr)
+    return out
+
+
+register_backend(CudaBackend())

@@ -1,0 +1,157 @@
+"""cuda backend benchmarks against torch in the same run (pytest-benchmark).
+
+    python -m pytest benchmarks/bench_cuda.py -q
+
+Every figure is the median over repetitions of CUDA-event time per call, with
+inputs rotated over enough buffers that each call reads them from HBM rather
+than from the 50 MB L2.  Contenders: `torch._int_mm` (cuBLASLt int8) raw and
+followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
+to benchmarks/results/cuda_h200.json with the GPU's name and clocks."""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from qdispatch._core import get_backend
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif("cuda" not in qd.available_backends() or not torch.cuda.is_available(),
+                       reason="needs the cuda backend, torch and a GPU"),
+]
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cuda_h200.json")
+L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
+QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
+FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
+_records = []
+_BACKEND = get_backend("cuda")
+
+
+def gpu_ms(fn, sets, reps=5, calls=20):
+    """Median ms per call of fn(*set), cycling through `sets`."""
+    for s in sets[:2]:
+        fn(*s)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return float(np.median(times))
+
+
+def n_sets(bytes_per_set):
+    return max(3, -(-L2_DEFEAT_BYTES // bytes_per_set))
+
+
+def gpu_info():
+    fields = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,driver_version,power.limit"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        return [dict(zip(fields.split(","), (v.strip() for v in line.split(",")))) for line in out]
+    except (OSError, subprocess.SubprocessError):
+        return [{"name": torch.cuda.get_device_name(0)}]
+
+
+def record(benchmark, kind, shape, figures, extra=None):
+    entry = {"kind": kind, "shape": list(shape), "ms": figures, **(extra or {})}
+    _records.append(entry)
+    benchmark.extra_info.update(entry)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_results():
+    yield
+    if not _records:
+        return
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump({"gpu": gpu_info(), "torch": torch.__version__, "qdispatch": qd.__version__,
+                   "build": qd.info()["build"].get("cuda"), "results": _records}, f, indent=1)
+
+
+def _qq_sets(M, K, N, count):
+    sets = []
+    for _ in range(count):
+        a = torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda")
+        w = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
+        sa = torch.rand(M, device="cuda") + 0.5
+        sw = torch.rand(N, device="cuda") + 0.5
+        aq = qd.qtensor_from_parts(a.cpu().numpy(), sa.cpu().numpy(), qd.QuantScheme("q8s", axis=0), device="cuda")
+        wq = qd.qtensor_from_parts(w.cpu().numpy(), sw.cpu().numpy(), qd.QuantScheme("q8s", axis=0), device="cuda")
+        sets.append((a, w, sa, sw, aq, wq))
+    return sets
+
+
+@pytest.mark.parametrize("M,K,N", QQ_SHAPES)
+def test_qq_int8_per_row_per_col(benchmark, M, K, N):
+    """Scaled int8 GEMM: out[M, N] float32 = (a @ w.T) * sa[:, None] * sw[None, :]."""
+    sets = _qq_sets(M, K, N, n_sets(M * K + N * K))
+    ours = gpu_ms(lambda a, w, sa, sw, aq, wq: qd.q_matmul(aq, wq.T), sets)
+    kernel = gpu_ms(lambda a, w, sa, sw, aq, wq: _BACKEND.qq_matmul(aq, wq.T), sets)
+    raw = gpu_ms(lambda a, w, sa, sw, aq, wq: torch._int_mm(a, w.t()), sets)
+    deq = gpu_ms(lambda a, w, sa, sw, aq, wq: torch._int_mm(a, w.t()).float() * sa[:, None] * sw[None, :], sets)
+    bf = [(a.to(torch.bfloat16), w.to(torch.bfloat16)) for a, w, *_ in sets]
+    bf16 = gpu_ms(lambda a, w: torch.matmul(a, w.t()), bf)
+    # agreement with torch on the last set
+    a, w, sa, sw, aq, wq = sets[-1]
+    expect = (torch._int_mm(a, w.t()).float() * sa[:, None] * sw[None, :]).cpu().numpy()
+    err = float(np.abs(qd.q_matmul(aq, wq.T).numpy() - expect).max() / np.abs(expect).max())
+    tops = lambda ms: 2 * M * N * K / ms / 1e9
+    figures = {"qdispatch": ours, "qdispatch_kernel": kernel, "torch_int_mm": raw,
+               "torch_int_mm_dequant": deq, "torch_bf16_matmul": bf16}
+    record(benchmark, "qq_int8_rowcol_f32out", (M, K, N), figures, {
+        "tops": {k: tops(v) for k, v in figures.items()},
+        "speedup_vs_int_mm_dequant": deq / ours, "ratio_vs_raw_int_mm": raw / ours,
+        "max_rel_diff_vs_torch": err})
+    benchmark.pedantic(lambda: (qd.q_matmul(sets[0][4], sets[0][5].T), torch.cuda.synchronize()),
+                       rounds=3, iterations=1)
+
+
+def _weights(N, K, scheme, count):
+    return [qd.quantize(torch.randn(N, K, device="cuda") * 0.05, scheme) for _ in range(count)]
+
+
+@pytest.mark.parametrize("M,K,N", FQ_SHAPES)
+@pytest.mark.parametrize("wname,scheme", [
+    ("int8_per_channel", qd.QuantScheme("q8s", axis=0)),
+    ("int4_block32", qd.QuantScheme("q4s", block=32, store="packed_u32")),
+])
+def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
+    """Decode-shaped products: bf16 x [M, K] @ dequantize(w [N, K]).T."""
+    probe = _weights(N, K, scheme, 1)[0]
+    count = n_sets(probe.nbytes)
+    ws = [probe] + _weights(N, K, scheme, count - 1)
+    xs = [qd.from_dlpack(torch.randn(M, K, device="cuda").to(torch.bfloat16)) for _ in range(count)]
+    sets = list(zip(xs, ws))
+    ours = gpu_ms(lambda x, w: qd.q_matmul(x, w.T), sets, calls=50)
+    x32 = [(qd.tensor(x.numpy(), device="cuda"), w) for x, w in sets]
+    for x, w in x32:
+        _BACKEND.fq_matmul(x.payload, w.T)  # lay out the weights once, before timing
+    kernel = gpu_ms(lambda x, w: _BACKEND.fq_matmul(x.payload, w.T), x32, calls=50)
+    tb = [(torch.randn(M, K, device="cuda").to(torch.bfloat16),
+           torch.randn(N, K, device="cuda").to(torch.bfloat16)) for _ in range(n_sets(N * K * 2))]
+    bf16 = gpu_ms(lambda x, w: torch.matmul(x, w.t()), tb, calls=50)
+    x, w = sets[0]
+    expect = torch.from_dlpack(x).float() @ torch.from_dlpack(w.dequantize()).t()
+    got = torch.from_dlpack(qd.q_matmul(x, w.T))
+    err = float(((got - expect).norm() / expect.norm()).item())
+    wbytes = probe.nbytes
+    figures = {"qdispatch": ours, "qdispatch_kernel": kernel, "torch_bf16_matmul": bf16}
+    record(benchmark, f"fq_bf16_x_{wname}", (M, K, N), figures, {
+        "weight_bytes": wbytes,
+        "weight_GBps": {k: wbytes / v / 1e6 for k, v in figures.items() if k != "torch_bf16_matmul"},
+        "torch_bf16_weight_GBps": N * K * 2 / bf16 / 1e6,
+        "speedup_vs_bf16": bf16 / ours, "kernel_speedup_vs_bf16": bf16 / kernel, "rel_err": err})
+    benchmark.pedantic(lambda: (qd.q_matmul(x, w.T), torch.cuda.synchronize()), rounds=3, iterations=1)
+

@@ -1,0 +1,742 @@
+# cython: language_level=3
+"""The cuda backend's device memory and kernels: a thin layer over the CUDA
+runtime and the qd_cuda_* entry points of qdispatch.h.
+
+All work is queued on the legacy default stream of the array's device, with
+the GIL released.  Every CUDA call is checked: a failure becomes KernelError
+with CUDA's own text, and running out of device memory CudaOutOfMemoryError
+(after the cached blocks were given back and the allocation retried)."""
+from cpython.pycapsule cimport (PyCapsule_GetName, PyCapsule_GetPointer, PyCapsule_IsValid,
+                                PyCapsule_New, PyCapsule_SetName)
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+
+import numpy as np
+
+from .errors import KernelError, NonFiniteError, ScaleOverflowError
+
+
+class CudaOutOfMemoryError(KernelError, MemoryError):
+    """The GPU has not enough free memory for an allocation; nothing was changed."""
+
+
+# ---- the CUDA runtime (linked statically) ------------------------------------
+
+cdef extern from "cuda_runtime_api.h" nogil:
+    ctypedef int cudaError_t
+    ctypedef void *cudaStream_t
+    ctypedef void *cudaEvent_t
+    cdef int cudaSuccess
+    cdef int cudaErrorMemoryAllocation
+    cdef int cudaMemcpyHostToDevice
+    cdef int cudaMemcpyDeviceToHost
+    cdef int cudaMemcpyDeviceToDevice
+    cdef int cudaEventDisableTiming
+    cdef struct cudaDeviceProp:
+        char name[256]
+        size_t totalGlobalMem
+        int major
+        int minor
+        int multiProcessorCount
+    cudaError_t cudaGetDeviceCount(int *count)
+    cudaError_t cudaGetDevice(int *device)
+    cudaError_t cudaSetDevice(int device)
+    cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device)
+    cudaError_t cudaDriverGetVersion(int *version)
+    cudaError_t cudaRuntimeGetVersion(int *version)
+    cudaError_t cudaMalloc(void **ptr, size_t size)
+    cudaError_t cudaFree(void *ptr)
+    cudaError_t cudaMemGetInfo(size_t *free, size_t *total)
+    cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, int kind)
+    cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, cudaStream_t s)
+    cudaError_t cudaStreamSynchronize(cudaStream_t s)
+    cudaError_t cudaDeviceSynchronize()
+    cudaError_t cudaGetLastError()
+    cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned flags)
+    cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t s)
+    cudaError_t cudaEventDestroy(cudaEvent_t event)
+    cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t event, unsigned flags)
+    const char *cudaGetErrorString(cudaError_t err)
+    const char *cudaGetErrorName(cudaError_t err)
+
+
+cdef extern from "qdispatch.h" nogil:
+    ctypedef int qd_status
+    cdef int QD_OK, QD_ERR_NO_MEMORY, QD_ERR_NOT_FINITE, QD_ERR_SCALE_OVERFLOW, QD_ERR_CUDA
+    cdef int QD_ERR_SHAPE, QD_ERR_ARGUMENT, QD_ERR_K_TOO_LARGE
+    cdef int QD_CUDA_F32, QD_CUDA_F16, QD_CUDA_BF16, QD_CUDA_S8, QD_CUDA_S32
+    cdef int QD_CUDA_QUANTIZE_SCRATCH
+    int qd_cuda_available()
+    const char *qd_cuda_last_error()
+    qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n, void *stream)
+    qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols, const float *bias,
+                                   float *out, void *stream)
+    qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t rows, int64_t cols,
+                                int elem_size, void *dst, void *stream)
+    qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
+                             int64_t dst_ld, void *stream)
+    qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits,
+                               uint32_t *words, void *stream)
+    qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits,
+                                 int8_t *q, void *stream)
+    qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                                   int64_t block_rows, int64_t block_cols, int scale_dtype,
+                                   float *scales, int8_t *q, void *scratch, int64_t *bad_index,
+                                   void *stream)
+    qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
+                                 const float *scales, int64_t block_rows, int64_t block_cols,
+                                 float *out, void *stream)
+    qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
+                                    int64_t K, int64_t ld, int32_t *c, void *stream)
+    qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
+                                int64_t ld, const float *a_scales, int64_t a_block_m,
+                                int64_t a_block_k, const float *b_scales, int64_t b_block_n,
+                                int64_t b_block_k, void *out, int out_dtype, void *stream)
+    qd_status qd_cuda_fq_matmul(const float *x, int64_t M, const void *w, int bits, int64_t N,
+                                int64_t K, int64_t ld, const float *scales, int64_t block_n,
+                                int64_t block_k, float *out, void *stream)
+    int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k)
+
+
+DTYPES = {"float32": QD_CUDA_F32, "float16": QD_CUDA_F16, "bfloat16": QD_CUDA_BF16,
+          "int8": QD_CUDA_S8, "int32": QD_CUDA_S32, "uint32": -1}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4}
+# numpy form of each dtype on the host (bfloat16 travels as its uint16 bits)
+HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+               "int8": np.int8, "int32": np.int32, "uint32": np.uint32}
+VALUE_KINDS = {"q8s": 0, "q8f": 1, "q4s": 2, "q4f": 3, "q2s": 4, "q2f": 5}
+SCALE_DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
+
+
+cdef str _cuda_text(cudaError_t err):
+    return f"{cudaGetErrorName(err).decode()}: {cudaGetErrorString(err).decode()}"
+
+
+cdef int _check(cudaError_t err, str what) except -1:
+    if err == cudaSuccess:
+        return 0
+    cudaGetLastError()  # clear a non-sticky error so later calls start clean
+    if err == cudaErrorMemoryAllocation:
+        raise CudaOutOfMemoryError(f"CUDA out of memory in {what} ({_cuda_text(err)})")
+    raise KernelError(f"CUDA error in {what}: {_cuda_text(err)}")
+
+
+cdef int _status(qd_status st, str what) except -1:
+    if st == QD_OK:
+        return 0
+    if st == QD_ERR_NO_MEMORY:
+        raise CudaOutOfMemoryError(f"CUDA out of memory in {what} ({qd_cuda_last_error().decode()})")
+    if st == QD_ERR_CUDA:
+        raise KernelError(f"CUDA error in {what}: {qd_cuda_last_error().decode()}")
+    raise KernelError(f"{what} rejected its arguments (qd_status {st})")
+
+
+# ---- devices -------------------------------------------------------------------
+
+def device_count():
+    """Number of CUDA devices, 0 when there is no driver or no GPU."""
+    cdef int n = 0
+    if cudaGetDeviceCount(&n) != cudaSuccess:
+        cudaGetLastError()
+        return 0
+    return n
+
+
+def unavailable_reason():
+    """None when a device can run, else what CUDA said."""
+    cdef int n = 0
+    cdef cudaError_t err = cudaGetDeviceCount(&n)
+    if err != cudaSuccess:
+        cudaGetLastError()
+        return _cuda_text(err)
+    return None if n > 0 else "no CUDA device present"
+
+
+def versions():
+    cdef int driver = 0, runtime = 0
+    cudaDriverGetVersion(&driver)
+    cudaRuntimeGetVersion(&runtime)
+    return {"driver": driver, "runtime": runtime}
+
+
+def device_properties(int index):
+    cdef cudaDeviceProp prop
+    _check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties")
+    return {"name": prop.name.decode(), "memory": int(prop.totalGlobalMem),
+            "capability": f"{prop.major}.{prop.minor}", "multiprocessors": prop.multiProcessorCount}
+
+
+cdef class on_device:
+    """Makes `index` the current device for a block, restoring the previous one."""
+    cdef int index, previous
+
+    def __cinit__(self, int index):
+        self.index = index
+
+    def __enter__(self):
+        _check(cudaGetDevice(&self.previous), "cudaGetDevice")
+        if self.previous != self.index:
+            _check(cudaSetDevice(self.index), f"cudaSetDevice({self.index})")
+
+    def __exit__(self, *exc):
+        if self.previous != self.index:
+            cudaSetDevice(self.previous)
+        return False
+
+
+# ---- memory --------------------------------------------------------------------
+# Freed blocks are kept per (device, size) and reused, as framework allocators do:
+# cudaMalloc/cudaFree synchronise the device and would dominate small calls.
+# All work runs on each device's default stream, so reuse is ordered after use.
+
+cdef dict _free_blocks = {}
+cdef size_t _cached_bytes = 0
+cdef size_t CACHE_LIMIT = 8 << 30
+
+
+cdef size_t _bin(size_t nbytes):
+    return max(512, (nbytes + 511) // 512 * 512)
+
+
+cdef void _release_cache(int device):
+    global _cached_bytes
+    cdef uintptr_t p
+    for key in list(_free_blocks):
+        if key[0] != device:
+            continue
+        for p in _free_blocks.pop(key):
+            cudaFree(<void *>p)
+            _cached_bytes -= key[1]
+
+
+def empty_cache():
+    """Give every cached block back to the driver."""
+    for dev in {k[0] for k in _free_blocks}:
+        with on_device(dev):
+            _release_cache(dev)
+
+
+cdef class DeviceBuffer:
+    """Device memory: owned (from the cache or cudaMalloc), or borrowed from a
+    DLPack producer and handed back through its deleter."""
+    cdef void *ptr
+    cdef readonly size_t nbytes
+    cdef readonly int device
+    cdef DLManagedTensor *borrowed
+
+    @staticmethod
+    cdef DeviceBuffer allocate(size_t nbytes, int device):
+        global _cached_bytes
+        cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
+        cdef size_t size = _bin(nbytes)
+        cdef void *p = NULL
+        cdef cudaError_t err
+        cdef size_t free_b = 0, total_b = 0
+        b.nbytes, b.device = size, device
+        blocks = _free_blocks.get((device, size))
+        if blocks:
+            b.ptr = <void *><uintptr_t>blocks.pop()
+            _cached_bytes -= size
+            return b
+        err = cudaMalloc(&p, size)
+        if err == cudaErrorMemoryAllocation:
+            cudaGetLastError()
+            _release_cache(device)
+            err = cudaMalloc(&p, size)
+        if err == cudaErrorMemoryAllocation:
+            cudaGetLastError()
+            cudaMemGetInfo(&free_b, &total_b)
+            raise CudaOutOfMemoryError(
+                f"CUDA out of memory on cuda:{device}: tried to allocate {size / 2**20:.1f} MiB with "
+                f"{free_b / 2**20:.1f} MiB free of {total_b / 2**20:.1f} MiB. Free tensors you no "
+                f"longer need or use smaller operands; the process can go on.")
+        _check(err, f"cudaMalloc({size})")
+        b.ptr = p
+        return b
+
+    def __dealloc__(self):
+        global _cached_bytes
+        if self.borrowed != NULL:
+            if self.borrowed.deleter != NULL:
+                self.borrowed.deleter(self.borrowed)
+            return
+        if self.ptr == NULL:
+            return
+        if _cached_bytes + self.nbytes <= CACHE_LIMIT:
+            _free_blocks.setdefault((self.device, self.nbytes), []).append(<uintptr_t>self.ptr)
+            _cached_bytes += self.nbytes
+        else:
+            with on_device(self.device):
+                cudaFree(self.ptr)
+
+
+cdef class DeviceArray:
+    """A C-contiguous array in device memory: a buffer, a byte offset, a shape
+    and a dtype name (float32/float16/bfloat16/int8/int32/uint32)."""
+    cdef readonly DeviceBuffer buffer
+    cdef readonly size_t offset
+    cdef readonly tuple shape
+    cdef readonly str dtype
+
+    def __cinit__(self, DeviceBuffer buffer, size_t offset, tuple shape, str dtype):
+        self.buffer, self.offset, self.shape, self.dtype = buffer, offset, shape, dtype
+
+    @property
+    def device(self):
+        return self.buffer.device
+
+    @property
+    def size(self):
+        cdef int64_t n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self):
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self):
+        return self.size * ITEMSIZE[self.dtype]
+
+    @property
+    def ptr(self):
+        return <uintptr_t>self.buffer.ptr + self.offset
+
+    def view(self, shape, dtype=None):
+        """The same memory with another shape (and dtype of the same total size)."""
+        shape = tuple(int(d) for d in shape)
+        out = DeviceArray(self.buffer, self.offset, shape, dtype or self.dtype)
+        if out.nbytes != self.nbytes:
+            raise ValueError(f"Can't view {self.shape} {self.dtype} as {shape} {dtype or self.dtype}")
+        return out
+
+    def __repr__(self):
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device=cuda:{self.device})"
+
+
+cdef inline void *P(DeviceArray a):
+    return <void *>(<uintptr_t>a.buffer.ptr + a.offset)
+
+
+def empty(shape, str dtype, int device):
+    shape = tuple(int(d) for d in shape)
+    cdef int64_t n = ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    with on_device(device):
+        return DeviceArray(DeviceBuffer.allocate(n, device), 0, shape, dtype)
+
+
+def from_host(array, str dtype, int device):
+    """Copy a numpy array (bfloat16 as uint16 bits) to a new device array."""
+    host = np.ascontiguousarray(array, dtype=HOST_DTYPES[dtype])
+    out = empty(host.shape, dtype, device)
+    cdef size_t n = host.nbytes
+    cdef uintptr_t src = host.ctypes.data
+    cdef void *dst = P(out)
+    cdef cudaError_t err
+    if n:
+        with on_device(device):
+            with nogil:
+                err = cudaMemcpy(dst, <void *>src, n, cudaMemcpyHostToDevice)
+            _check(err, "copy to device")
+    return out
+
+
+def to_host(DeviceArray a):
+    """A numpy copy of a device array (waits for the work that writes it)."""
+    host = np.empty(a.shape, dtype=HOST_DTYPES[a.dtype])
+    cdef size_t n = host.nbytes
+    cdef uintptr_t dst = host.ctypes.data
+    cdef void *src = P(a)
+    cdef cudaError_t err
+    if n:
+        with on_device(a.device):
+            with nogil:
+                err = cudaMemcpy(<void *>dst, src, n, cudaMemcpyDeviceToHost)
+            _check(err, "copy to host")
+    return host
+
+
+def copy_into(DeviceArray dst, size_t dst_offset, DeviceArray src):
+    """dst's bytes from dst_offset on = src's bytes (same device)."""
+    cdef size_t n = src.nbytes
+    cdef void *d = <void *>(<uintptr_t>P(dst) + dst_offset)
+    cdef void *s = P(src)
+    cdef cudaError_t err
+    if dst_offset + n > dst.nbytes:
+        raise ValueError("copy_into: source does not fit")
+    with on_device(dst.device):
+        with nogil:
+            err = cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, NULL)
+        _check(err, "device copy")
+
+
+def synchronize(int device):
+    cdef cudaError_t err
+    with on_device(device):
+        with nogil:
+            err = cudaDeviceSynchronize()
+        _check(err, "cudaDeviceSynchronize")
+
+
+def memory_info(int device):
+    cdef size_t free_b = 0, total_b = 0
+    with on_device(device):
+        _check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo")
+    return {"free": int(free_b), "total": int(total_b), "cached": int(_cached_bytes)}
+
+
+# ---- dense kernels -------------------------------------------------------------
+
+def cast(DeviceArray a, str dtype):
+    out = empty(a.shape, dtype, a.device)
+    cdef void *src = P(a)
+    cdef void *dst = P(out)
+    cdef int sd = DTYPES[a.dtype], dd = DTYPES[dtype]
+    cdef int64_t n = a.size
+    cdef qd_status st
+    with on_device(a.device):
+        with nogil:
+            st = qd_cuda_cast(src, sd, dst, dd, n, NULL)
+        _status(st, "cast")
+    return out
+
+
+def transpose2(DeviceArray a):
+    """Swap the last two dims (a copy: device arrays stay C-contiguous)."""
+    shape = a.shape
+    rows, cols = shape[-2], shape[-1]
+    out = empty(shape[:-2] + (cols, rows), a.dtype, a.device)
+    cdef int64_t batch = a.size // max(1, rows * cols)
+    cdef int64_t r = rows, c = cols
+    cdef int es = ITEMSIZE[a.dtype]
+    cdef void *src = P(a)
+    cdef void *dst = P(out)
+    cdef qd_status st = QD_OK
+    cdef int64_t b0, nb
+    if a.size == 0:
+        return out
+    with on_device(a.device):
+        b0 = 0
+        while b0 < batch and st == QD_OK:  # the grid's z dimension holds 65535 matrices
+            nb = min(batch - b0, 65535)
+            with nogil:
+                st = qd_cuda_transpose(<char *>src + b0 * r * c * es, nb, r, c, es,
+                                       <char *>dst + b0 * r * c * es, NULL)
+            b0 += nb
+        _status(st, "transpose")
+    return out
+
+
+def pad_rows(DeviceArray a, int64_t ld):
+    """[rows, cols] -> [rows, ld], zero beyond cols (any dtype: padding is by bytes)."""
+    rows, cols = a.shape
+    es = ITEMSIZE[a.dtype]
+    out = empty((rows, ld), a.dtype, a.device)
+    cdef int64_t r = rows, cb = cols * es, ldb = ld * es
+    cdef void *src = P(a)
+    cdef void *dst = P(out)
+    cdef qd_status st
+    with on_device(a.device):
+        with nogil:
+            st = qd_cuda_pad_s8(<int8_t *>src, r, cb, <int8_t *>dst, ldb, NULL)
+        _status(st, "pad")
+    return out
+
+
+def add_bias(DeviceArray x, DeviceArray bias):
+    out = empty(x.shape, "float32", x.device)
+    cdef int64_t cols = x.shape[-1]
+    cdef int64_t rows = x.size // cols
+    cdef void *px = P(x)
+    cdef void *pb = P(bias)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(x.device):
+        with nogil:
+            st = qd_cuda_add_bias_f32(<float *>px, rows, cols, <float *>pb, <float *>po, NULL)
+        _status(st, "add_bias")
+    return out
+
+
+def pack_u32(DeviceArray q, int bits):
+    """int8 [..., n] -> uint32 words [..., ceil(n / (32/bits))]."""
+    n = q.shape[-1]
+    per = 32 // bits
+    out = empty(q.shape[:-1] + (-(-n // per),), "uint32", q.device)
+    cdef int64_t cols = n, rows = q.size // n
+    cdef void *src = P(q)
+    cdef void *dst = P(out)
+    cdef qd_status st
+    with on_device(q.device):
+        with nogil:
+            st = qd_cuda_pack_u32(<int8_t *>src, rows, cols, bits, <uint32_t *>dst, NULL)
+        _status(st, "pack_u32")
+    return out
+
+
+def unpack_u32(DeviceArray words, int bits, int64_t n):
+    """uint32 words [..., w] -> int8 [..., n]."""
+    out = empty(words.shape[:-1] + (n,), "int8", words.device)
+    cdef int64_t rows = out.size // n
+    cdef void *src = P(words)
+    cdef void *dst = P(out)
+    cdef qd_status st
+    with on_device(words.device):
+        with nogil:
+            st = qd_cuda_unpack_u32(<uint32_t *>src, rows, n, bits, <int8_t *>dst, NULL)
+        _status(st, "unpack_u32")
+    return out
+
+
+def element(DeviceArray a, int64_t flat):
+    """One element, copied to the host (for error messages)."""
+    return to_host(DeviceArray(a.buffer, a.offset + flat * ITEMSIZE[a.dtype], (1,), a.dtype))[0]
+
+
+# ---- quantization --------------------------------------------------------------
+
+def quantize(DeviceArray x, str value, int64_t block_rows, int64_t block_cols, str scale_dtype):
+    """x float32 [rows, cols] -> (int8 values, float32 scales [rows/br, cols/bc]).
+
+    Raises NonFiniteError(flat index in .index) or ScaleOverflowError(.index)."""
+    rows, cols = x.shape
+    q = empty((rows, cols), "int8", x.device)
+    scales = empty((rows // block_rows, cols // block_cols), "float32", x.device)
+    scratch = empty((QD_CUDA_QUANTIZE_SCRATCH,), "int8", x.device)
+    cdef int64_t r = rows, c = cols, bad = -1
+    cdef int vk = VALUE_KINDS[value], sd = SCALE_DTYPES[scale_dtype]
+    cdef void *px = P(x)
+    cdef void *pq = P(q)
+    cdef void *ps = P(scales)
+    cdef void *pw = P(scratch)
+    cdef qd_status st
+    with on_device(x.device):
+        with nogil:
+            st = qd_cuda_quantize_f32(<float *>px, r, c, vk, block_rows, block_cols, sd,
+                                      <float *>ps, <int8_t *>pq, pw, &bad, NULL)
+    if st == QD_ERR_NOT_FINITE:
+        err = NonFiniteError("non-finite input")
+        err.index = bad
+        raise err
+    if st == QD_ERR_SCALE_OVERFLOW:
+        err = ScaleOverflowError("scale overflow")
+        err.index = bad
+        raise err
+    _status(st, "quantize")
+    return q, scales
+
+
+def dequantize(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
+               int64_t block_rows, int64_t block_cols):
+    """float32 [rows, cols] = values * scales; bits = 0 for int8 values, else packed words."""
+    out = empty((rows, cols), "float32", values.device)
+    cdef void *pv = P(values)
+    cdef void *ps = P(scales)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(values.device):
+        with nogil:
+            st = qd_cuda_dequantize(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
+                                    <float *>po, NULL)
+        _status(st, "dequantize")
+    return out
+
+
+# ---- matmuls -------------------------------------------------------------------
+
+def int_matmul(DeviceArray a, DeviceArray bt, int64_t K):
+    """a [M, ld] int8 @ bt [N, ld]^T over the first K -> int32 [M, N]."""
+    M, ld = a.shape
+    N = bt.shape[0]
+    out = empty((M, N), "int32", a.device)
+    cdef int64_t m = M, n = N, l = ld
+    cdef void *pa = P(a)
+    cdef void *pb = P(bt)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(a.device):
+        with nogil:
+            st = qd_cuda_int_matmul_s8(<int8_t *>pa, <int8_t *>pb, m, n, K, l, <int32_t *>po, NULL)
+        _status(st, "int_matmul")
+    return out
+
+
+def qq_matmul(DeviceArray a, DeviceArray bt, int64_t K, DeviceArray sa, int64_t a_block_m,
+              int64_t a_block_k, DeviceArray sb, int64_t b_block_n, int64_t b_block_k,
+              str out_dtype="float32"):
+    """Scaled int8 product: a [M, ld], bt [N, ld]; sa [M/bm, K/bka], sb [N/bn, K/bkb]."""
+    M, ld = a.shape
+    N = bt.shape[0]
+    out = empty((M, N), out_dtype, a.device)
+    cdef int64_t m = M, n = N, l = ld
+    cdef int od = DTYPES[out_dtype]
+    cdef void *pa = P(a)
+    cdef void *pb = P(bt)
+    cdef void *psa = P(sa)
+    cdef void *psb = P(sb)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(a.device):
+        with nogil:
+            st = qd_cuda_qq_matmul(<int8_t *>pa, <int8_t *>pb, m, n, K, l, <float *>psa, a_block_m,
+                                   a_block_k, <float *>psb, b_block_n, b_block_k, po, od, NULL)
+        _status(st, "qq_matmul")
+    return out
+
+
+def fq_supported(int bits, int64_t K, int64_t block_k):
+    return bool(qd_cuda_fq_supported(bits, K, block_k))
+
+
+def fq_matmul(DeviceArray x, DeviceArray w, int bits, int64_t N, int64_t K, DeviceArray scales,
+              int64_t block_n, int64_t block_k):
+    """x float32 [M, ld] @ dequantize(w [N, ld])^T -> float32 [M, N]."""
+    M, ld = x.shape
+    out = empty((M, N), "float32", x.device)
+    cdef int64_t m = M, l = ld
+    cdef void *px = P(x)
+    cdef void *pw = P(w)
+    cdef void *ps = P(scales)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(x.device):
+        with nogil:
+            st = qd_cuda_fq_matmul(<float *>px, m, pw, bits, N, K, l, <float *>ps, block_n,
+                                   block_k, <float *>po, NULL)
+        _status(st, "fq_matmul")
+    return out
+
+
+# ---- DLPack --------------------------------------------------------------------
+
+cdef struct DLDevice:
+    int32_t device_type
+    int32_t device_id
+
+cdef struct DLDataType:
+    uint8_t code
+    uint8_t bits
+    uint16_t lanes
+
+cdef struct DLTensor:
+    void *data
+    DLDevice device
+    int32_t ndim
+    DLDataType dtype
+    int64_t *shape
+    int64_t *strides
+    uint64_t byte_offset
+
+cdef struct DLManagedTensor:
+    DLTensor dl_tensor
+    void *manager_ctx
+    void (*deleter)(DLManagedTensor *) noexcept nogil
+
+cdef enum:
+    kDLCUDA = 2
+    kDLInt = 0
+    kDLUInt = 1
+    kDLFloat = 2
+    kDLBfloat = 4
+
+_DL_CODES = {"float32": (kDLFloat, 32), "float16": (kDLFloat, 16), "bfloat16": (kDLBfloat, 16),
+             "int8": (kDLInt, 8), "int32": (kDLInt, 32), "uint32": (kDLUInt, 32)}
+_DL_NAMES = {v: k for k, v in _DL_CODES.items()}
+
+
+cdef void _export_deleter(DLManagedTensor *self) noexcept nogil:
+    with gil:
+        Py_DECREF(<object>self.manager_ctx)
+    free(self)  # shape lives in the same allocation
+
+
+cdef void _capsule_destructor(object capsule) noexcept:
+    # Only a capsule nobody consumed still owns its tensor.
+    if PyCapsule_IsValid(capsule, b"dltensor"):
+        (<DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")).deleter(
+            <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor"))
+
+
+cdef int _sync_consumer(int device, object stream) except -1:
+    """DLPack's stream contract: work queued on our stream (the legacy default)
+    must be visible to the consumer's stream before it reads."""
+    cdef cudaEvent_t ev
+    cdef cudaStream_t s
+    if stream is None or stream == 1 or stream == -1:  # legacy default (ours), or "don't sync"
+        return 0
+    if stream == 0:
+        raise ValueError("stream=0 is ambiguous for CUDA in DLPack: pass 1 for the legacy default stream")
+    # 2 is the per-thread default stream, whose handle is cudaStreamPerThread (0x2)
+    s = <cudaStream_t><uintptr_t>int(stream)
+    with on_device(device):
+        _check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate")
+        try:
+            _check(cudaEventRecord(ev, NULL), "cudaEventRecord")
+            _check(cudaStreamWaitEvent(s, ev, 0), "cudaStreamWaitEvent")
+        finally:
+            cudaEventDestroy(ev)
+    return 0
+
+
+def to_dlpack(DeviceArray a, stream=None):
+    """A "dltensor" capsule viewing `a` (no copy); it keeps `a` alive."""
+    _sync_consumer(a.device, stream)
+    cdef int ndim = len(a.shape)
+    cdef DLManagedTensor *m = <DLManagedTensor *>malloc(sizeof(DLManagedTensor) + max(ndim, 1) * sizeof(int64_t))
+    if m == NULL:
+        raise MemoryError()
+    cdef int64_t *shape = <int64_t *>(<char *>m + sizeof(DLManagedTensor))
+    for i, d in enumerate(a.shape):
+        shape[i] = d
+    code, bits = _DL_CODES[a.dtype]
+    m.dl_tensor.data = P(a)
+    m.dl_tensor.device.device_type = kDLCUDA
+    m.dl_tensor.device.device_id = a.device
+    m.dl_tensor.ndim = ndim
+    m.dl_tensor.dtype.code = code
+    m.dl_tensor.dtype.bits = bits
+    m.dl_tensor.dtype.lanes = 1
+    m.dl_tensor.shape = shape
+    m.dl_tensor.strides = NULL  # C-contiguous
+    m.dl_tensor.byte_offset = 0
+    Py_INCREF(a)
+    m.manager_ctx = <void *>a
+    m.deleter = _export_deleter
+    return PyCapsule_New(m, b"dltensor", _capsule_destructor)
+
+
+def from_dlpack(obj):
+    """A DeviceArray viewing a CUDA DLPack producer's memory (torch, CuPy) without
+    a copy.  The producer's work is made visible to our stream first."""
+    capsule = obj.__dlpack__(stream=1)
+    if not PyCapsule_IsValid(capsule, b"dltensor"):
+        raise TypeError("from_dlpack expects an unconsumed 'dltensor' capsule")
+    cdef DLManagedTensor *m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
+    cdef DLTensor *t = &m.dl_tensor
+    if t.device.device_type != kDLCUDA:
+        raise TypeError(f"from_dlpack: memory is on DLPack device type {t.device.device_type}, not CUDA")
+    key = (t.dtype.code, t.dtype.bits)
+    if key not in _DL_NAMES or t.dtype.lanes != 1:
+        raise TypeError(f"from_dlpack: unsupported dtype (code {t.dtype.code}, {t.dtype.bits} bits)")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    if t.strides != NULL:
+        expected = 1
+        for i in reversed(range(t.ndim)):
+            if shape[i] != 1 and t.strides[i] != expected:
+                raise TypeError("from_dlpack needs a C-contiguous tensor: call .contiguous() first")
+            expected *= shape[i]
+    cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
+    b.ptr = <void *>(<uintptr_t>t.data + t.byte_offset)
+    b.device = t.device.device_id
+    b.borrowed = m
+    name = _DL_NAMES[key]
+    b.nbytes = ITEMSIZE[name]
+    for d in shape:
+        b.nbytes *= d
+    PyCapsule_SetName(capsule, b"used_dltensor")
+    return DeviceArray(b, 0, shape, name)

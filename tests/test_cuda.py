@@ -1,0 +1,319 @@
+"""The cuda backend against the reference backend (the executable spec):
+int_matmul and quantization bit-identical, qq/fq within named tolerances, on
+shapes that hit the kernels' tiles and tails; transfers, dispatch errors,
+out-of-memory, several GPUs and DLPack."""
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from helpers import rel_err
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif("cuda" not in qd.available_backends(), reason="needs the cuda backend and a GPU"),
+]
+
+QQ_TOL = 1e-6   # relative (Frobenius) error of qq against the reference: same group sums
+FQ_TOL = 1e-5   # fq: float32 accumulation in another order than numpy's BLAS
+
+TAIL_SHAPES = [(1, 1, 1), (1, 16, 8), (3, 17, 5), (16, 32, 16), (17, 31, 33), (31, 33, 63),
+               (33, 64, 65), (63, 65, 31), (64, 128, 64), (65, 63, 129), (127, 97, 131),
+               (128, 256, 128), (129, 257, 255), (1, 4096, 1000), (200, 1000, 7)]
+
+
+def ref(x):
+    return x.to("reference")
+
+
+def cuda_rng_int8(rng, shape, lo=-128, hi=127):
+    return rng.integers(lo, hi + 1, size=shape, dtype=np.int8)
+
+
+# ---- int_matmul: exact ---------------------------------------------------------
+
+@pytest.mark.parametrize("M,K,N", TAIL_SHAPES)
+def test_int_matmul_bit_identical(rng, M, K, N):
+    a, b = cuda_rng_int8(rng, (M, K)), cuda_rng_int8(rng, (K, N))
+    out = qd.int_matmul(qd.tensor(a, device="cuda"), qd.tensor(b, device="cuda"))
+    assert out.dtype == "int32" and out.device == "cuda:0"
+    np.testing.assert_array_equal(out.numpy(), a.astype(np.int64) @ b.astype(np.int64))
+
+
+@pytest.mark.parametrize("fill", ["all_min", "alternating"])
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 64), (65, 1024, 33), (128, 8192, 128)])
+def test_int_matmul_adversarial(M, K, N, fill):
+    if fill == "all_min":
+        a, b = np.full((M, K), -128, np.int8), np.full((K, N), -128, np.int8)
+    else:
+        a = np.where(np.arange(M * K).reshape(M, K) % 2, 127, -128).astype(np.int8)
+        b = np.where(np.arange(K * N).reshape(K, N) % 2, -128, 127).astype(np.int8)
+    out = qd.int_matmul(qd.tensor(a, device="cuda"), qd.tensor(b, device="cuda")).numpy()
+    np.testing.assert_array_equal(out, a.astype(np.int64) @ b.astype(np.int64))
+
+
+def test_int_matmul_vector_and_batch(rng):
+    a, b = cuda_rng_int8(rng, (3, 5, 40)), cuda_rng_int8(rng, (40, 9))
+    out = qd.int_matmul(qd.tensor(a, device="cuda"), qd.tensor(b, device="cuda"))
+    np.testing.assert_array_equal(out.numpy(), a.astype(np.int64) @ b.astype(np.int64))
+    v = cuda_rng_int8(rng, (40,))
+    out = qd.int_matmul(qd.tensor(v, device="cuda"), qd.tensor(b, device="cuda"))
+    np.testing.assert_array_equal(out.numpy(), v.astype(np.int64) @ b.astype(np.int64))
+
+
+# ---- quantize / dequantize: bit-identical --------------------------------------
+
+SCHEMES = [
+    qd.QuantScheme("q8s"), qd.QuantScheme("q8f"), qd.QuantScheme("q8s", axis=0),
+    qd.QuantScheme("q8s", axis=1), qd.QuantScheme("q8f", block=32),
+    qd.QuantScheme("q8s", block=64, scale_dtype="f16"), qd.QuantScheme("q8s", block=128, scale_dtype="bf16"),
+    qd.QuantScheme("q8s", block=(4, 32)), qd.QuantScheme("q4s", block=32, store="packed_u32"),
+    qd.QuantScheme("q4f", axis=0, store="packed_u32", scale_dtype="f16"),
+    qd.QuantScheme("q2s", block=64, store="packed_u32"), qd.QuantScheme("q2f", store="packed_u32"),
+]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=repr)
+@pytest.mark.parametrize("shape", [(8, 128), (4, 8, 256), (1, 4096)])
+def test_quantize_bit_identical(rng, scheme, shape):
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 100, size=shape[-1])).astype(np.float32)
+    x[..., :32] = 0.0  # an all-zero block (scale 1.0) where blocks are 32 wide
+    x.reshape(-1)[7] = 0.5 * float(np.abs(x).max())  # ties to even happen at .5 steps
+    try:
+        spec = qd.quantize(x, scheme, device="reference")
+    except qd.QDispatchError as exc:  # the scheme does not fit this shape: same error on cuda
+        with pytest.raises(type(exc)):
+            qd.quantize(x, scheme, device="cuda")
+        return
+    on_gpu = qd.quantize(x, scheme, device="cuda")
+    np.testing.assert_array_equal(on_gpu.values, spec.values)
+    np.testing.assert_array_equal(on_gpu.scales, spec.scales)
+    np.testing.assert_array_equal(on_gpu.dequantize().numpy(), spec.dequantize().numpy())
+    np.testing.assert_array_equal(on_gpu.T.dequantize().numpy(), spec.T.dequantize().numpy())
+
+
+def test_quantize_tiny_scales_round_half_even():
+    x = np.array([[0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 0.0, 3.5]], np.float32)
+    on_gpu = qd.quantize(x, "q8s", device="cuda")
+    np.testing.assert_array_equal(on_gpu.values, qd.quantize(x, "q8s", device="reference").values)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_non_finite_names_position(bad):
+    x = np.ones((4, 64), np.float32)
+    x[2, 17] = bad
+    x[3, 1] = bad
+    with pytest.raises(qd.NonFiniteError, match=r"\(2, 17\)"):
+        qd.quantize(x, qd.QuantScheme("q8s", block=32), device="cuda")
+
+
+def test_quantize_scale_overflow():
+    x = np.full((2, 32), 1e10, np.float32)
+    with pytest.raises(qd.ScaleOverflowError):
+        qd.quantize(x, qd.QuantScheme("q8s", scale_dtype="f16"), device="cuda")
+    # the process and the device keep working
+    assert qd.quantize(np.ones((2, 32), np.float32), "q8s", device="cuda").values.sum() == 64 * 127
+
+
+# ---- qq: fused scale epilogue --------------------------------------------------
+
+QQ_PAIRS = [  # (lhs scheme for [M, K], rhs scheme for w [N, K])
+    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", axis=0)),   # per-row x per-column
+    (qd.QuantScheme("q8f"), qd.QuantScheme("q8s")),                   # per-tensor
+    (qd.QuantScheme("q8s", block=32), qd.QuantScheme("q8s", block=32)),
+    (qd.QuantScheme("q8s", block=64), qd.QuantScheme("q8f", block=128)),  # G = 64
+    (qd.QuantScheme("q8s", block=128), qd.QuantScheme("q8s", block=32, scale_dtype="bf16")),
+    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=32, store="packed_u32")),
+    (qd.QuantScheme("q8s", block=16), qd.QuantScheme("q8s", axis=0)),   # G = 16: the simple kernel
+]
+
+
+@pytest.mark.parametrize("a_scheme,w_scheme", QQ_PAIRS, ids=repr)
+@pytest.mark.parametrize("M,N", [(1, 64), (17, 65), (64, 128), (130, 33)])
+def test_qq_matches_reference(rng, a_scheme, w_scheme, M, N):
+    K = 256
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    xq, wq = qd.quantize(x, a_scheme, device="cuda"), qd.quantize(w, w_scheme, device="cuda")
+    out = qd.q_matmul(xq, wq.T)
+    expect = qd.q_matmul(ref(xq), ref(wq).T).numpy()
+    assert out.shape == (M, N) and out.device == "cuda:0"
+    assert rel_err(expect, out.numpy()) < QQ_TOL
+
+
+@pytest.mark.parametrize("M,K,N", TAIL_SHAPES)
+def test_qq_tails_per_row_per_column(rng, M, K, N):
+    xq = qd.quantize(rng.standard_normal((M, K)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    wq = qd.quantize(rng.standard_normal((K, N)).astype(np.float32), qd.QuantScheme("q8s", axis=1), device="cuda")
+    out = qd.q_matmul(xq, wq).numpy()  # rhs stored [K, N]: transposed on the GPU once
+    # one exact group: the same float32 products as the reference, bit for bit
+    np.testing.assert_array_equal(out, qd.q_matmul(ref(xq), ref(wq)).numpy())
+
+
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+def test_qq_half_outputs(rng, out_dtype):
+    xq = qd.quantize(rng.standard_normal((33, 128)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    wq = qd.quantize(rng.standard_normal((40, 128)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    out = qd.q_matmul(xq, wq.T, out_dtype=out_dtype)
+    expect = qd.q_matmul(ref(xq), ref(wq).T, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    np.testing.assert_array_equal(out.numpy(), expect.numpy())
+
+
+def test_qq_batched_and_transposed_lhs(rng):
+    x = rng.standard_normal((2, 3, 48, 64)).astype(np.float32)
+    w = rng.standard_normal((3, 64, 40)).astype(np.float32)
+    xq = qd.quantize(x, qd.QuantScheme("q8s", block=32), device="cuda")
+    wq = qd.quantize(w, qd.QuantScheme("q8s", block=(32, 8)), device="cuda")
+    out = qd.q_matmul(xq, wq).numpy()
+    assert rel_err(qd.q_matmul(ref(xq), ref(wq)).numpy(), out) < QQ_TOL
+    xt = qd.quantize(rng.standard_normal((64, 20)).astype(np.float32), "q8s", device="cuda")
+    w2 = qd.quantize(rng.standard_normal((64, 24)).astype(np.float32), "q8s", device="cuda")
+    assert rel_err(qd.q_matmul(ref(xt).T, ref(w2)).numpy(), qd.q_matmul(xt.T, w2).numpy()) < QQ_TOL
+
+
+# ---- fq: weight streaming, dequantized on load ---------------------------------
+
+FQ_SCHEMES = [
+    qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", block=32), qd.QuantScheme("q8f", block=128),
+    qd.QuantScheme("q4s", block=32, store="packed_u32"), qd.QuantScheme("q4f", axis=0, store="packed_u32"),
+    qd.QuantScheme("q4s", block=16, store="packed_u32"),  # finer than an int4 chunk: read as int8
+    qd.QuantScheme("q2s", block=64, store="packed_u32"), qd.QuantScheme("q8s", block=8),
+]
+
+
+@pytest.mark.parametrize("scheme", FQ_SCHEMES, ids=repr)
+@pytest.mark.parametrize("M", [1, 4, 16, 17, 40])
+@pytest.mark.parametrize("K,N", [(256, 96), (320, 33)])
+def test_fq_matches_reference(rng, scheme, M, K, N):
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    out = qd.q_matmul(qd.tensor(x, device="cuda"), wq.T)
+    expect = qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy()
+    assert out.shape == (M, N)
+    assert rel_err(expect, out.numpy()) < FQ_TOL
+
+
+@pytest.mark.parametrize("K", [1, 17, 63, 65, 100])
+def test_fq_odd_k_and_storage_orientation(rng, K):
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((K, 29)).astype(np.float32), "q8s", device="cuda")  # [K, N]
+    out = qd.q_matmul(qd.tensor(x, device="cuda"), wq)
+    expect = qd.q_matmul(qd.tensor(x, device="reference"), ref(wq)).numpy()
+    assert rel_err(expect, out.numpy()) < FQ_TOL
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fq_half_activations_and_linear(rng, dtype):
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    w = qd.quantize(rng.standard_normal((64, 128)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    bias = rng.standard_normal(64).astype(np.float32)
+    xt = qd.tensor(x, device="cuda", dtype=dtype)
+    out = qd.linear(xt, w, qd.tensor(bias, device="cuda"), out_dtype=dtype)
+    expect = qd.linear(qd.tensor(x, device="reference", dtype=dtype), ref(w), bias, out_dtype=dtype)
+    assert out.dtype == dtype
+    assert rel_err(expect.numpy(), out.numpy()) < 1e-2  # one rounding to a half dtype
+
+
+def test_qf_arm(rng):
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    x = rng.standard_normal((64, 3)).astype(np.float32)
+    out = qd.q_matmul(wq, qd.tensor(x, device="cuda"))
+    expect = qd.q_matmul(ref(wq), qd.tensor(x, device="reference"))
+    assert rel_err(expect.numpy(), out.numpy()) < FQ_TOL
+
+
+# ---- data movement and dispatch ------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int32"])
+def test_tensor_round_trip(rng, dtype):
+    data = rng.standard_normal((7, 5)) * 10
+    t = qd.tensor(data.astype(np.int8 if dtype == "int8" else np.float32), device="cpu",
+                  dtype=dtype)
+    back = t.to("cuda").to("cpu")
+    assert back.dtype == dtype
+    np.testing.assert_array_equal(back.numpy(), t.numpy())
+
+
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", block=32), qd.QuantScheme("q4f", block=32, store="packed_u32")],
+                         ids=repr)
+def test_qtensor_reference_cpu_cuda_cpu(rng, scheme):
+    q0 = qd.quantize(rng.standard_normal((24, 96)).astype(np.float32), scheme, device="reference")
+    q3 = q0.to("cpu").to("cuda").to("cpu")
+    np.testing.assert_array_equal(q3.values, q0.values)
+    np.testing.assert_array_equal(q3.scales, q0.scales)
+    np.testing.assert_array_equal(q0.to("cuda").T.values, q0.T.values)
+
+
+def test_mixed_backends_raise(rng):
+    xq = qd.quantize(rng.standard_normal((4, 32)).astype(np.float32), "q8s", device="cuda")
+    wq = qd.quantize(rng.standard_normal((32, 8)).astype(np.float32), "q8s", device="cpu")
+    with pytest.raises(qd.BackendMismatchError, match="cuda:0"):
+        qd.q_matmul(xq, wq)
+    out = qd.q_matmul(xq, wq, transfer="to_lhs")
+    assert out.device == "cuda:0"
+
+
+def test_two_gpus_device_mismatch(rng):
+    from qdispatch._core import get_backend
+    if get_backend("cuda").device_count() < 2:
+        pytest.skip("needs two GPUs")
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 8)).astype(np.float32)
+    q0, q1 = qd.quantize(x, "q8s", device="cuda:0"), qd.quantize(w, "q8s", device="cuda:1")
+    with pytest.raises(qd.DeviceMismatchError):
+        qd.q_matmul(q0, q1)
+    out = qd.q_matmul(q0, q1.to("cuda:0")).numpy()
+    assert rel_err(qd.q_matmul(ref(q0), ref(q1)).numpy(), out) < QQ_TOL
+    on1 = qd.q_matmul(q0.to("cuda:1"), q1)
+    assert on1.device == "cuda:1"
+    np.testing.assert_array_equal(on1.numpy(), out)
+
+
+def test_out_of_memory_is_recoverable():
+    from qdispatch import _cuda
+    with pytest.raises(MemoryError, match="out of memory") as info:
+        _cuda.empty((1 << 46,), "int8", 0)  # 64 TiB
+    assert isinstance(info.value, qd.KernelError)
+    a = np.ones((3, 40), np.int8)
+    out = qd.int_matmul(qd.tensor(a, device="cuda"), qd.tensor(a.T.copy(), device="cuda"))
+    assert (out.numpy() == 40).all()
+
+
+def test_numpy_view_of_cuda_tensor_is_refused():
+    t = qd.tensor(np.ones(3, np.float32), device="cuda")
+    with pytest.raises(qd.WrongBackendError):
+        np.asarray(t)
+    np.testing.assert_array_equal(t.numpy(), np.ones(3, np.float32))
+
+
+# ---- DLPack --------------------------------------------------------------------
+
+def test_dlpack_torch_zero_copy():
+    torch = pytest.importorskip("torch")
+    src = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    t = qd.from_dlpack(src)
+    assert t.device == "cuda:0" and t.shape == (3, 4) and t.dtype == "float32"
+    assert t.payload.ptr == src.data_ptr()  # the same memory
+    src.add_(1)
+    np.testing.assert_array_equal(t.numpy(), src.cpu().numpy())
+    back = torch.from_dlpack(t)
+    assert back.data_ptr() == src.data_ptr()
+    bf = torch.randn(5, 7, device="cuda").to(torch.bfloat16)
+    np.testing.assert_array_equal(qd.from_dlpack(bf).numpy(), bf.float().cpu().numpy())
+
+
+def test_dlpack_out_on_torch_side_stream(rng):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((128, 256)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    out = qd.q_matmul(qd.tensor(x, device="cuda"), wq.T)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        tt = torch.from_dlpack(out)  # waits for our stream on `stream`
+        doubled = tt * 2
+    stream.synchronize()
+    np.testing.assert_allclose(doubled.cpu().numpy(), out.numpy() * 2)
+    # and in: a torch tensor used directly as the float operand
+    xt = torch.from_numpy(x).cuda()
+    out2 = qd.q_matmul(qd.from_dlpack(xt), wq.T)
+    np.testing.assert_array_equal(out2.numpy(), out.numpy())
