@@ -338,26 +338,28 @@ def thread_limit(n):
         qd.set_num_threads(before)
 
 
-def measure(fn, repeat=5, calls=1, min_sample_s=0.02):
-    """Best-of-`repeat` seconds per call.  `calls` warm-up calls first (one per
-    weight copy, so first-use costs stay out); each sample loops enough calls
-    to last about `min_sample_s`."""
+def measure(fn, repeat=5, calls=1, min_sample_s=0.02, max_case_s=5.0):
+    """(best seconds per call, samples): `calls` warm-up calls first (one per
+    weight copy, so first-use costs stay out); each sample loops enough calls to
+    last about `min_sample_s`; a case slower than `max_case_s / repeat` per call
+    takes fewer samples."""
     for _ in range(calls):
         fn()
     t0 = time.perf_counter()
     fn()
     once = time.perf_counter() - t0
     inner = max(1, calls, int(min_sample_s / max(once, 1e-9)))
+    samples = max(1, min(repeat, int(max_case_s / (once * inner))))
     best = once
-    for _ in range(repeat):
+    for _ in range(samples):
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
         best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+    return best, samples
 
 
-def metrics(case, bench, seconds):
+def metrics(case, bench, seconds, samples=None):
     """The figures of one measured case (ratio filled in later, by `add_ratios`)."""
     return {
         "shape": str(case.shape), "path": case.path, "impl": case.impl,
@@ -365,7 +367,7 @@ def metrics(case, bench, seconds):
         "ms": seconds * 1e3, "gops": case.ops / seconds / 1e9,
         "weight_gbs": bench.weight_bytes / seconds / 1e9,
         "weight_bytes": bench.weight_bytes, "weight_copies": bench.copies,
-        "ratio_numpy_f32": None,
+        "samples": samples, "ratio_numpy_f32": None,
     }
 
 
@@ -405,8 +407,8 @@ def int8_peak_fn(shape, backend="cpu"):
 def ceilings(threads, repeat, bandwidth_bytes, backend="cpu"):
     with thread_limit(threads):
         with read_bandwidth_probe(bandwidth_bytes, threads) as (fn, nbytes):
-            bandwidth = nbytes / measure(fn, repeat) / 1e9
-        peak = max(2 * s.m * s.k * s.n / measure(int8_peak_fn(s, backend), repeat) / 1e9
+            bandwidth = nbytes / measure(fn, repeat)[0] / 1e9
+        peak = max(2 * s.m * s.k * s.n / measure(int8_peak_fn(s, backend), repeat)[0] / 1e9
                    for s in PEAK_SHAPES)
     return {"threads": threads, "read_gbs": bandwidth, "int8_peak_gops": peak,
             "read_buffer_bytes": nbytes, "peak_shapes": [str(s) for s in PEAK_SHAPES]}
@@ -524,7 +526,7 @@ def _run_cases(cases, repeat):
             continue
         with thread_limit(case.threads):
             bench = build(case)
-            rows.append(metrics(case, bench, measure(bench.fn, repeat, calls=bench.copies)))
+            rows.append(metrics(case, bench, *measure(bench.fn, repeat, calls=bench.copies)))
     _progress(len(cases), len(cases), "done")
     return add_ratios(rows), skipped
 
@@ -563,7 +565,8 @@ def run(args):
     for s in skipped:
         print(f"skipped {s['case']}: {s['reason']}")
     result = {"machine": desc, "ceilings": ceiling, "results": rows, "skipped": skipped,
-              "settings": {"repeat": args.repeat, "statistic": "best of repeat"}}
+              "settings": {"repeat": args.repeat,
+                           "statistic": "best of `samples` (repeat, fewer for slow cases)"}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -9,16 +9,19 @@ import sys
 import numpy as np
 import pytest
 
+import qdispatch
 from qdispatch import bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 TINY = bench.Shape(2, 64, 48)
 
 
-def _env():
+def _run(args, cwd):
+    """`python args` in `cwd`, importing the same qdispatch as this test (installed or built in place)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    return env
+    here = os.path.dirname(os.path.dirname(qdispatch.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("case", list(bench.plan([TINY], bench.PATHS, ["cpu"], [1])), ids=lambda c: c.id)
@@ -50,9 +53,8 @@ def test_ceilings_run():
 
 def test_bench_command_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "qdispatch", "bench", "--shapes", "2x64x64",
-                           "--threads", "1", "--repeat", "1", "--bandwidth-mb", "1",
-                           "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = _run(["-m", "qdispatch", "bench", "--shapes", "2x64x64", "--threads", "1", "--repeat", "1",
+                 "--bandwidth-mb", "1", "--json", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "GOP/s" in proc.stdout and "done" in proc.stderr
     data = json.loads(out.read_text())
@@ -68,10 +70,9 @@ def test_bench_command_writes_json(tmp_path):
 def test_pytest_benchmarks_run_once(tmp_path):
     pytest.importorskip("pytest_benchmark")
     # fbgemm's cases are left to test_every_case_runs_once: importing torch again takes seconds.
-    proc = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "-q", "-p", "no:cacheprovider",
-                           "--benchmark-disable", "--bench-shapes", "2x64x64", "--bench-threads", "1",
-                           "--bench-bandwidth-mb", "1", "-k", "not fbgemm", f"--basetemp={tmp_path}"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = _run(["-m", "pytest", BENCHMARKS, "-q", "-p", "no:cacheprovider", "--benchmark-disable",
+                 "--bench-shapes", "2x64x64", "--bench-threads", "1", "--bench-bandwidth-mb", "1",
+                 "-k", "not fbgemm", f"--basetemp={tmp_path / 'basetemp'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
 
