@@ -4,9 +4,9 @@
 #include <immintrin.h>
 #include "qd_internal.h"
 #include "simd_common.h"
+#include "fq_common.h"
 
 #define QQ_MR 8
-#define FQ_MR 4
 
 /* Sub-step s of a unit as unsigned bytes (w + bias). */
 QD_INLINE __m512i unpack_biased(__m512i v, int bits, int s)
@@ -15,14 +15,6 @@ QD_INLINE __m512i unpack_biased(__m512i v, int bits, int s)
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
     return _mm512_and_si512(_mm512_srli_epi16(v, (unsigned)(s * bits)), mask);
-}
-
-/* Sub-step s of a unit as signed bytes. */
-QD_INLINE __m512i unpack_signed(__m512i v, int bits, int s)
-{
-    if (bits == 8)
-        return v;
-    return _mm512_sub_epi8(unpack_biased(v, bits, s), _mm512_set1_epi8((char)(1 << (bits - 1))));
 }
 
 QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
@@ -81,84 +73,10 @@ static void qq_tile_avx512vnni(const qd_qq_tile *t)
     }
 }
 
-/* fq: a unit sub-step is 16 columns x 4 k; quarter q (columns 4q..4q+3) becomes
- * a vector of 16 floats in lanes (column c, k j) -> 4c + j, multiplied by x[k..k+3]
- * repeated.  The 4 k-lanes of each column are summed once at the end. */
-QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr, const int scaled)
-{
-    const int ku = QD_KU(bits), substeps = 8 / bits;
-    const uint8_t *wp = t->panel;
-    __m512 acc[FQ_MR][4];
-    for (int r = 0; r < mr; r++)
-        for (int q = 0; q < 4; q++)
-            acc[r][q] = _mm512_setzero_ps();
-    int64_t k0 = 0;
-    for (int64_t g = 0; g < t->ngroups; g++) {
-        __m512 sv[4];
-        if (scaled) {
-            const __m512 ws = _mm512_load_ps(t->w_scale + g * QD_NR);
-            for (int q = 0; q < 4; q++) {
-                const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * q),
-                    _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
-                sv[q] = _mm512_permutexvar_ps(idx, ws);
-            }
-        }
-        for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            const __m512i v = _mm512_load_si512((const void *)wp);
-            for (int s = 0; s < substeps; s++) {
-                const __m512i w8 = unpack_signed(v, bits, s);
-                __m512 wf[4];
-                wf[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(w8)));
-                wf[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w8, 1)));
-                wf[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w8, 2)));
-                wf[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w8, 3)));
-                if (scaled)
-                    for (int q = 0; q < 4; q++)
-                        wf[q] = _mm512_mul_ps(wf[q], sv[q]);
-                for (int r = 0; r < mr; r++) {
-                    const __m512 xb = _mm512_broadcast_f32x4(_mm_loadu_ps(t->x + r * t->ldx + k0 + 4 * s));
-                    for (int q = 0; q < 4; q++)
-                        acc[r][q] = _mm512_fmadd_ps(xb, wf[q], acc[r][q]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        float lanes[4][16];
-        for (int q = 0; q < 4; q++)
-            _mm512_storeu_ps(lanes[q], acc[r][q]);
-        for (int n = 0; n < t->nr; n++) {
-            const float *l = &lanes[n / 4][(n % 4) * 4];
-            const float sum = (l[0] + l[1]) + (l[2] + l[3]);
-            t->out[r * t->ldo + n] = scaled ? sum : sum * t->w_scale[n];
-        }
-    }
-}
-
-#define FQ_CASE_SCALED(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR), 1)
-#define FQ_CASE_PLAIN(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR), 0)
-QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
-{
-    if (t->ngroups > 1) {
-        QD_SWITCH_MR(t->mr, FQ_CASE_SCALED)
-    } else {
-        QD_SWITCH_MR(t->mr, FQ_CASE_PLAIN)
-    }
-}
-
-static void fq_tile_avx512vnni(const qd_fq_tile *t)
-{
-    switch (t->bits) {
-    case 8: fq_tile_bits(t, 8); break;
-    case 4: fq_tile_bits(t, 4); break;
-    default: fq_tile_bits(t, 2); break;
-    }
-}
-
 const qd_kernels qd_kernels_avx512vnni = {
     .qq_tile = qq_tile_avx512vnni,
-    .fq_tile = fq_tile_avx512vnni,
+    .fq_tile = qd_fq_tile_avx512,
     .qq_mr = QQ_MR,
-    .fq_mr = FQ_MR,
+    .fq_mr = QD_FQ_MR_ZMM,
     .needs_rowsum = 1,
 };

@@ -9,6 +9,7 @@
 #include "qd_internal.h"
 
 #define ROW_BLOCK 64   /* rows of A that one task runs against a panel held in L2 */
+#define FQ_ROW_BYTES (256 << 10)   /* float rows per task: they stay in L2 across panels */
 
 static int64_t gcd64(int64_t a, int64_t b)
 {
@@ -71,9 +72,9 @@ typedef struct {
     int64_t M, n_panels, row_block, n_row_blocks;
 } task_grid;
 
-static task_grid make_grid(int64_t M, int64_t n_panels)
+static task_grid make_grid(int64_t M, int64_t n_panels, int64_t row_block)
 {
-    task_grid grid = {M, n_panels, M <= ROW_BLOCK ? M : ROW_BLOCK, 0};
+    task_grid grid = {M, n_panels, M <= row_block ? M : row_block, 0};
     grid.n_row_blocks = (M + grid.row_block - 1) / grid.row_block;
     return grid;
 }
@@ -93,7 +94,7 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
     if (kern->needs_rowsum && !(rowsums = group_rowsums(a, M, w->k_padded, K, group)))
         return QD_ERR_NO_MEMORY;
 
-    const task_grid grid = make_grid(M, w->n_panels);
+    const task_grid grid = make_grid(M, w->n_panels, ROW_BLOCK);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
 #pragma omp parallel for schedule(static) num_threads(qd_threads_for(ntasks))
@@ -275,12 +276,14 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
         memcpy(xp + m * kp, x + m * K, (size_t)K * sizeof(float));
         memset(xp + m * kp + K, 0, (size_t)(kp - K) * sizeof(float));
     }
-    const task_grid grid = make_grid(M, w->n_panels);
+    const int64_t fit = FQ_ROW_BYTES / (kp * (int64_t)sizeof(float)) / kern->fq_mr * kern->fq_mr;
+    const task_grid grid = make_grid(M, w->n_panels, fit > kern->fq_mr ? fit : kern->fq_mr);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
+    /* Row block outermost: a thread's row block of x stays in L2 while its panels pass. */
 #pragma omp parallel for schedule(static) num_threads(qd_threads_for(ntasks))
     for (int64_t task = 0; task < ntasks; task++) {
-        const int64_t p = task / grid.n_row_blocks, rb = task % grid.n_row_blocks;
+        const int64_t p = task % grid.n_panels, rb = task / grid.n_panels;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
         qd_fq_tile t = {
             .ldx = kp,

@@ -1,0 +1,80 @@
+/* The AVX-512 fq kernel (float32 x int8 / int4 / int2 weights), plan in fq_common.h.
+ * A zmm holds one k-step of the 16 columns.  8 bits: the byte is sign-extended with
+ * two shifts and converted.  4 and 2 bits: vpermps looks the field up in a 16-entry
+ * table of float values (it reads only the low 4 bits of each index, so a shift is
+ * the whole unpack).  Up to FQ_MR rows share each dequantized vector. */
+#include <immintrin.h>
+#include "fq_common.h"
+
+#define FQ_MR QD_FQ_MR_ZMM
+
+/* table[i] = signed value of a stored field whose low bits are i. */
+QD_INLINE __m512 field_table(int bits)
+{
+    const __m512i i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int mask = (1 << bits) - 1, bias = 1 << (bits - 1);
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(i, _mm512_set1_epi32(mask)),
+                                               _mm512_set1_epi32(bias)));
+}
+
+QD_INLINE __m512 dequant(__m512i v, __m512 table, int bits, int i)
+{
+    const int b = qd_fq_field_bit(bits, i);
+    if (bits == 8) {
+        const __m512i top = b == 24 ? v : _mm512_slli_epi32(v, (unsigned)(24 - b));
+        return _mm512_cvtepi32_ps(_mm512_srai_epi32(top, 24));
+    }
+    return _mm512_permutexvar_ps(b ? _mm512_srli_epi32(v, (unsigned)b) : v, table);
+}
+
+QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
+{
+    const int ku = QD_KU(bits);
+    const __m512 table = field_table(bits == 8 ? 4 : bits);
+    const uint8_t *wp = t->panel;
+    __m512 acc[FQ_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm512_setzero_ps();
+    int64_t k0 = 0;
+    for (int64_t g = 0; g < t->ngroups; g++) {
+        __m512 part[FQ_MR][QD_FQ_PARTIALS];
+        for (int r = 0; r < mr; r++)
+            for (int p = 0; p < QD_FQ_PARTIALS; p++)
+                part[r][p] = _mm512_setzero_ps();
+        for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
+            _mm_prefetch((const char *)(wp + QD_FQ_PREFETCH_UNITS * QD_UNIT_BYTES), _MM_HINT_T0);
+            const __m512i v = _mm512_load_si512((const void *)wp);
+            for (int i = 0; i < ku; i++) {
+                const __m512 w = dequant(v, table, bits, i);
+                for (int r = 0; r < mr; r++) {
+                    __m512 *p = &part[r][i % QD_FQ_PARTIALS];
+                    *p = _mm512_fmadd_ps(_mm512_set1_ps(t->x[r * t->ldx + k0 + i]), w, *p);
+                }
+            }
+        }
+        const __m512 scale = _mm512_load_ps(t->w_scale + g * QD_NR);
+        for (int r = 0; r < mr; r++) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                             _mm512_add_ps(part[r][2], part[r][3]));
+            acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+        }
+    }
+    const __mmask16 cols = (__mmask16)((1u << t->nr) - 1);
+    for (int r = 0; r < mr; r++)
+        _mm512_mask_storeu_ps(t->out + r * t->ldo, cols, acc[r]);
+}
+
+#define FQ_CASE(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
+QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
+{
+    QD_SWITCH_MR(t->mr, FQ_CASE)
+}
+
+void qd_fq_tile_avx512(const qd_fq_tile *t)
+{
+    switch (t->bits) {
+    case 8: fq_tile_bits(t, 8); break;
+    case 4: fq_tile_bits(t, 4); break;
+    default: fq_tile_bits(t, 2); break;
+    }
+}

@@ -1,0 +1,35 @@
+/* The fq (float32 x dequantized weights) kernels' shared plan, independent of the
+ * vector width.  Lanes are panel columns: dword n of a unit holds column n's bytes,
+ * so k-step i of a unit (k = unit * KU + i) is the field at bit qd_fq_field_bit(i)
+ * of every dword, and a vector of columns needs no lane reduction at the end.
+ *
+ * Fixed order per output element, the same for every row count: k-step i of a
+ * group goes to partial sum i % QD_FQ_PARTIALS (independent chains hide the FMA
+ * latency); at the end of a group the partials are added pairwise and scaled once
+ * by the group's weight scale into the row's accumulator. */
+#ifndef QD_FQ_COMMON_H
+#define QD_FQ_COMMON_H
+
+#include "qd_internal.h"
+#include "simd_common.h"
+
+#define QD_FQ_PARTIALS 4
+
+/* Bit offset of k-step i (k = s * 4 + j: sub-step s of byte j) inside a dword. */
+QD_INLINE int qd_fq_field_bit(int bits, int i)
+{
+    return 8 * (i % 4) + (i / 4) * bits;
+}
+
+/* Rows that one kernel call shares each dequantized weight vector across. */
+#define QD_FQ_MR_ZMM 4
+#define QD_FQ_MR_YMM 2
+
+/* The kernels (fq_avx512vnni.c, fq_avx2.c). */
+void qd_fq_tile_avx512(const qd_fq_tile *t);
+void qd_fq_tile_avx2(const qd_fq_tile *t);
+
+/* Units ahead to prefetch: the panel is one sequential stream per row tile. */
+#define QD_FQ_PREFETCH_UNITS 8
+
+#endif
