@@ -28,7 +28,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "c
 L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
 QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
 FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
-_records = []
+_records = {}
 _BACKEND = get_backend("cuda")
 
 
@@ -65,7 +65,7 @@ def gpu_info():
 
 def record(benchmark, kind, shape, figures, extra=None):
     entry = {"kind": kind, "shape": list(shape), "ms": figures, **(extra or {})}
-    _records.append(entry)
+    _records[(kind, tuple(shape))] = entry
     benchmark.extra_info.update(entry)
 
 
@@ -77,7 +77,7 @@ def write_results():
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump({"gpu": gpu_info(), "torch": torch.__version__, "qdispatch": qd.__version__,
-                   "build": qd.info()["build"].get("cuda"), "results": _records}, f, indent=1)
+                   "build": qd.info()["build"].get("cuda"), "results": list(_records.values())}, f, indent=1)
 
 
 def _qq_sets(M, K, N, count):

@@ -2,7 +2,7 @@
 //
 // A is [M, ld] and B is [N, ld] (both K-contiguous).  A 128x128 block tile is
 // computed by 8 warps (2 x 4, 64x32 each) from a 3-stage cp.async pipeline of
-// 64-wide K slices.  Integer accumulators are exact; in the scaled mode they are
+// 128-wide K slices.  Integer accumulators are exact; in the scaled mode they are
 // flushed into float accumulators at the end of each K group that shares one
 // scale pair (the gcd of the two K blocks), as the reference does.
 #include <cuda_bf16.h>
@@ -15,8 +15,9 @@ namespace {
 
 using namespace qd;
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 3, THREADS = 256;
-constexpr int LDS = BK + 16;  // smem row: 80 bytes keeps ldmatrix rows on distinct banks
+constexpr int BM = 128, BN = 128, BK = 128, STAGES = 3, THREADS = 256;
+constexpr int LDS = BK + 16;  // smem row: 144 bytes keeps ldmatrix rows on distinct banks
+constexpr int ROW_CHUNKS = BK / 16, LOADS = BM * ROW_CHUNKS / THREADS;  // 16-byte copies
 constexpr int SMEM_BYTES = STAGES * (BM + BN) * LDS;
 constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
 constexpr int KSTEP = 32;     // K per mma
@@ -32,7 +33,7 @@ struct Scales {
 enum Mode { INT32_OUT = 0, ONE_GROUP = 1, GROUPED = 2 };
 
 template <int MODE>
-__global__ void __launch_bounds__(THREADS, 2)
+__global__ void __launch_bounds__(THREADS, MODE == GROUPED ? 1 : 2)  // GROUPED keeps float sums too
 gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int M, int N,
                int64_t Kp, int64_t ld, void *out, int out_dtype, Scales sc) {
     extern __shared__ __align__(16) int8_t smem[];
@@ -54,8 +55,8 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
     auto load_tile = [&](int kt, int s) {
         int8_t *sa = stage_a(s), *sb = stage_b(s);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {  // 512 chunks of 16 bytes per operand
-            int c = tid + i * THREADS, row = c >> 2, kc = (c & 3) * 16;
+        for (int i = 0; i < LOADS; ++i) {
+            int c = tid + i * THREADS, row = c / ROW_CHUNKS, kc = (c % ROW_CHUNKS) * 16;
             int64_t k = (int64_t)kt * BK + kc;
             bool ok_a = m0 + row < M && k < Kp, ok_b = n0 + row < N && k < Kp;
             cp_async16(sa + row * LDS + kc, ok_a ? a + (int64_t)(m0 + row) * ld + k : a, ok_a);
