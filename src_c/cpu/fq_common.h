@@ -4,21 +4,35 @@
  * of every dword, and a vector of columns needs no lane reduction at the end.
  *
  * Fixed order per output element, the same for every row count: k-step i of a
- * group goes to partial sum i % QD_FQ_PARTIALS (independent chains hide the FMA
- * latency); at the end of a group the partials are added pairwise and scaled once
- * by the group's weight scale into the row's accumulator. */
+ * group goes to partial sum i % P (P fixed per kernel; independent chains hide the
+ * FMA latency); at the end of a group the partials are added pairwise and scaled
+ * once by the group's weight scale into the row's accumulator. */
 #ifndef QD_FQ_COMMON_H
 #define QD_FQ_COMMON_H
 
 #include "qd_internal.h"
 #include "simd_common.h"
 
-#define QD_FQ_PARTIALS 4
-
 /* Bit offset of k-step i (k = s * 4 + j: sub-step s of byte j) inside a dword. */
 QD_INLINE int qd_fq_field_bit(int bits, int i)
 {
     return 8 * (i % 4) + (i / 4) * bits;
+}
+
+/* Panels one call takes: a one-row tile runs them together for independent
+ * chains (each column's order is unchanged); more rows go panel by panel. */
+#define QD_FQ_NP 2
+
+/* Panel i of a multi-panel tile, as a one-panel tile. */
+QD_INLINE qd_fq_tile qd_fq_panel_of(const qd_fq_tile *t, int i)
+{
+    qd_fq_tile s = *t;
+    s.np = 1;
+    s.panel += i * t->panel_stride;
+    s.w_scale += i * t->ngroups * QD_NR;
+    s.out += i * QD_NR;
+    s.nr = i == t->np - 1 ? t->nr : QD_NR;
+    return s;
 }
 
 /* Rows that one kernel call shares each dequantized weight vector across. */

@@ -4,6 +4,7 @@
  * (|2 * 15 * -128| < 2^15), then vpmaddwd by ones widens to int32; the bias is
  * removed with the group sums of A as in the VNNI kernels. */
 #include "simd_ymm.h"
+#include "fq_common.h"
 
 /* 8-bit: 16 bytes = columns 4c..4c+3 x 4 k become 16 int16; vpmaddwd against
  * a[k..k+3] repeated gives int32 pair sums (column, k-pair).  Two rows at a time. */
@@ -100,83 +101,11 @@ static void qq_tile_avx2(const qd_qq_tile *t)
     }
 }
 
-/* fq, one row: 8 bytes (chunk c of a 32-byte half) = columns 2c, 2c+1 x 4 k become 8 floats in lanes
- * (column, k); times x[k..k+3] repeated; the 4 k-lanes are summed at the end. */
-QD_INLINE __m256 chunk_to_float(__m256i w8, int c)
-{
-    const __m128i half = c < 2 ? _mm256_castsi256_si128(w8) : _mm256_extracti128_si256(w8, 1);
-    const __m128i bytes = (c & 1) ? _mm_srli_si128(half, 8) : half;
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-}
-
-QD_INLINE void fq_row_impl(const qd_fq_tile *t, int r, const int bits, const int scaled)
-{
-    const int ku = QD_KU(bits), substeps = 8 / bits;
-    const uint8_t *wp = t->panel;
-    const float *x = t->x + r * t->ldx;
-    __m256 acc[8];
-    for (int c = 0; c < 8; c++)
-        acc[c] = _mm256_setzero_ps();
-    int64_t k0 = 0;
-    for (int64_t g = 0; g < t->ngroups; g++) {
-        __m256 sv[8];
-        if (scaled) {
-            for (int c = 0; c < 8; c++) {
-                const __m256 half = _mm256_loadu_ps(t->w_scale + g * QD_NR + (c / 4) * 8);
-                const int col = 2 * (c % 4);
-                sv[c] = _mm256_permutevar8x32_ps(half, _mm256_setr_epi32(col, col, col, col,
-                                                                         col + 1, col + 1, col + 1, col + 1));
-            }
-        }
-        for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            const __m256i v_lo = _mm256_load_si256((const __m256i *)wp);
-            const __m256i v_hi = _mm256_load_si256((const __m256i *)(wp + 32));
-            for (int s = 0; s < substeps; s++) {
-                const __m256i w_lo = qd_ymm_unpack_signed(v_lo, bits, s);
-                const __m256i w_hi = qd_ymm_unpack_signed(v_hi, bits, s);
-                const __m256 xb = _mm256_broadcast_ps((const __m128 *)(x + k0 + 4 * s));
-                for (int c = 0; c < 8; c++) {
-                    __m256 wf = chunk_to_float(c < 4 ? w_lo : w_hi, c % 4);
-                    if (scaled)
-                        wf = _mm256_mul_ps(wf, sv[c]);
-                    acc[c] = _mm256_fmadd_ps(xb, wf, acc[c]);
-                }
-            }
-        }
-    }
-    float lanes[8][8];
-    for (int c = 0; c < 8; c++)
-        _mm256_storeu_ps(lanes[c], acc[c]);
-    for (int n = 0; n < t->nr; n++) {
-        const float *l = &lanes[n / 2][(n % 2) * 4];
-        const float sum = (l[0] + l[1]) + (l[2] + l[3]);
-        t->out[r * t->ldo + n] = scaled ? sum : sum * t->w_scale[n];
-    }
-}
-
-QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
-{
-    for (int r = 0; r < t->mr; r++) {
-        if (t->ngroups > 1)
-            fq_row_impl(t, r, bits, 1);
-        else
-            fq_row_impl(t, r, bits, 0);
-    }
-}
-
-void qd_fq_tile_avx2(const qd_fq_tile *t)
-{
-    switch (t->bits) {
-    case 8: fq_tile_bits(t, 8); break;
-    case 4: fq_tile_bits(t, 4); break;
-    default: fq_tile_bits(t, 2); break;
-    }
-}
-
 const qd_kernels qd_kernels_avx2 = {
     .qq_tile = qq_tile_avx2,
     .fq_tile = qd_fq_tile_avx2,
     .qq_mr = QD_YMM_QQ_MR,
-    .fq_mr = 1,
+    .fq_mr = QD_FQ_MR_YMM,
+    .fq_np = QD_FQ_NP,
     .needs_rowsum = 1,
 };

@@ -1,6 +1,7 @@
 /* AVX-VNNI kernels (256-bit vpdpbusd, u8 x s8): weights made unsigned (w + bias),
  * exact dot = dpbusd - bias * sum(a over the group). */
 #include "simd_ymm.h"
+#include "fq_common.h"
 
 QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
 {
@@ -51,6 +52,7 @@ const qd_kernels qd_kernels_avxvnni = {
     .qq_tile = qq_tile_avxvnni,
     .fq_tile = qd_fq_tile_avx2,
     .qq_mr = QD_YMM_QQ_MR,
-    .fq_mr = 1,
+    .fq_mr = QD_FQ_MR_YMM,
+    .fq_np = QD_FQ_NP,
     .needs_rowsum = 1,
 };

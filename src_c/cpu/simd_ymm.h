@@ -19,14 +19,6 @@ QD_INLINE __m256i qd_ymm_unpack_biased(__m256i v, int bits, int s)
     return _mm256_and_si256(_mm256_srli_epi16(v, s * bits), mask);
 }
 
-/* Sub-step s of 32 packed bytes as signed bytes. */
-QD_INLINE __m256i qd_ymm_unpack_signed(__m256i v, int bits, int s)
-{
-    if (bits == 8)
-        return v;
-    return _mm256_sub_epi8(qd_ymm_unpack_biased(v, bits, s), _mm256_set1_epi8((char)(1 << (bits - 1))));
-}
-
 /* Float accumulators of one qq tile, kept in L1 between groups. */
 typedef struct {
     float v[QD_YMM_QQ_MR][QD_NR];
@@ -66,8 +58,5 @@ QD_INLINE void qd_ymm_qq_store(const qd_qq_tile *t, const qd_ymm_qq_acc *acc, in
     for (int r = 0; r < mr; r++)
         memcpy(t->out + r * t->ldo, acc->v[r], (size_t)t->nr * sizeof(float));
 }
-
-/* The AVX2 fq kernel, also used by the AVX-VNNI table (VNNI adds nothing for floats). */
-void qd_fq_tile_avx2(const qd_fq_tile *t);
 
 #endif
