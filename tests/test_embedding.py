@@ -45,7 +45,10 @@ def shell_env(tmp_path):
     """An environment where `python` is the interpreter running the tests."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    os.symlink(sys.executable, bin_dir / "python")
+    # A wrapper, not a symlink: a virtual environment's python must run under its own path.
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
     return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
