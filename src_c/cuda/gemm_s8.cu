@@ -218,12 +218,18 @@ qd_status check_operands(const void *a, const void *bt, const void *out, int64_t
 template <int MODE>
 qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
                       int64_t ld, void *out, int out_dtype, const Scales &sc, void *stream) {
-    static bool configured = false;  // per-kernel attribute; setting it twice is harmless
+    // The shared-memory limit is a per-device attribute of the kernel; setting it
+    // twice is harmless, so a racy bit per device is enough.
+    static unsigned long long configured = 0;
     auto kernel = gemm_s8_kernel<MODE>;
-    if (!configured) {
-        qd_status st = qd::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    int device = 0;
+    qd_status st = qd::check(cudaGetDevice(&device));
+    if (st != QD_OK) return st;
+    const unsigned long long bit = 1ULL << (device & 63);
+    if (device >= 64 || !(configured & bit)) {
+        st = qd::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
         if (st != QD_OK) return st;
-        configured = true;
+        configured |= bit;
     }
     const int64_t Kp = (K + 15) / 16 * 16;  // zero padding up to the next 16 bytes is part of the rows
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
