@@ -4,6 +4,7 @@
 `1` requires it, `0` skips it.  The CUDA runtime is linked statically, so the
 extension imports on machines without a driver (it then reports "no driver")."""
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -112,18 +113,19 @@ class CudaBuild:
     def compile_objects(self, build_temp):
         out_dir = os.path.join(build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
+        headers = sorted(glob.glob(os.path.join("src_c", "cuda", "*.cuh"))) + [os.path.join(INCLUDE, "qdispatch.h")]
         objects = []
-        headers = glob.glob(os.path.join("src_c", "cuda", "*.cuh")) + [os.path.join(INCLUDE, "qdispatch.h")]
-        newest_header = max(os.path.getmtime(h) for h in headers)
         for src in sorted(glob.glob(SOURCES)):
             obj = os.path.join(out_dir, os.path.basename(src) + ".o")
-            if (not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest_header)
-                    or _flags_changed(obj, self.flags())):
+            # Rebuild on any change of source, headers or flags (contents, not mtimes:
+            # a copied tree keeps stale build folders with newer times).
+            stamp = _stamp([src] + headers, self.flags())
+            if not os.path.exists(obj) or _read(obj + ".stamp") != stamp:
                 cmd = [self.nvcc, "-c", src, "-o", obj, "-I", INCLUDE] + self.flags()
                 print(" ".join(cmd))
                 subprocess.check_call(cmd)
-                with open(obj + ".flags", "w") as f:
-                    f.write(" ".join(self.flags()))
+                with open(obj + ".stamp", "w") as f:
+                    f.write(stamp)
             objects.append(obj)
         return objects
 
@@ -135,12 +137,20 @@ class CudaBuild:
                 "flags": self.flags(), "runtime": "cudart_static"}
 
 
-def _flags_changed(obj, flags):
+def _stamp(paths, flags):
+    h = hashlib.sha256(" ".join(flags).encode())
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _read(path):
     try:
-        with open(obj + ".flags") as f:
-            return f.read() != " ".join(flags)
+        with open(path) as f:
+            return f.read()
     except OSError:
-        return True
+        return None
 
 
 def nvcc_version(nvcc):
