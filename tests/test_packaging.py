@@ -60,9 +60,10 @@ def test_baseline_objects_have_no_avx():
     assert avx2 and any(uses_avx(i) for m in avx2 for i in members[m])
 
 
-def run_python(code, **env):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, **env))
+def run_python(*args, **env):
+    """`python args` outside any source tree, so that it imports the package under test."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(qd.__file__)), env=dict(os.environ, **env))
 
 
 INT_MATMUL_CHECK = """
@@ -78,7 +79,7 @@ assert (got == a.astype(np.int64) @ b.astype(np.int64)).all(), "int_matmul is no
 
 
 def test_forced_scalar_isa_is_used_and_exact():
-    proc = run_python(INT_MATMUL_CHECK, QDISPATCH_ISA="scalar")
+    proc = run_python("-c", INT_MATMUL_CHECK, QDISPATCH_ISA="scalar")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["scalar"]
 
@@ -87,7 +88,7 @@ def test_unusable_isa_is_a_clear_error():
     usable = set(qd.info()["backends"]["cpu"]["built"]) & set(qd.info()["backends"]["cpu"]["supported"])
     unusable = [isa for isa in ALL_ISAS if isa not in usable]
     for name in ["no_such_isa"] + unusable[:1]:
-        proc = run_python(INT_MATMUL_CHECK, QDISPATCH_ISA=name)
+        proc = run_python("-c", INT_MATMUL_CHECK, QDISPATCH_ISA=name)
         assert proc.returncode != 0, f"QDISPATCH_ISA={name} was accepted"
         last_line = proc.stderr.strip().splitlines()[-1]
         assert "BackendUnavailableError" in last_line and repr(name) in last_line, proc.stderr
@@ -99,7 +100,7 @@ def test_version_is_single_sourced():
         installed = importlib.metadata.version("qdispatch")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("qdispatch is not installed (no distribution metadata)")
-    proc = subprocess.run([sys.executable, "-m", "qdispatch", "info"], capture_output=True, text=True)
+    proc = run_python("-m", "qdispatch", "info")
     assert proc.returncode == 0, proc.stderr
     assert qd.__version__ == installed
     assert proc.stdout.splitlines()[0] == f"qdispatch {installed}"
@@ -110,8 +111,7 @@ def test_info_shows_the_build_configuration():
     assert build, "no build configuration recorded"
     flags = build["flags_by_isa"]
     assert not any(f.startswith(("-mavx", "-march", "-mf16c", "-mfma")) for f in flags["baseline"])
-    out = subprocess.run([sys.executable, "-m", "qdispatch", "info"], capture_output=True,
-                         text=True).stdout
+    out = run_python("-m", "qdispatch", "info").stdout
     assert f"compiler: {build['compiler']}" in out
     for isa, isa_flags in flags.items():
         assert f"flags[{isa}]: {' '.join(isa_flags)}" in out
