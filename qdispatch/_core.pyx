@@ -252,8 +252,8 @@ cdef class QTensor(TensorBase):
 # ---- dispatch -----------------------------------------------------------------
 
 def _operand(x, TensorBase other):
-    """Tensors pass through; numpy arrays (or anything array-like) become host
-    data on the other operand's device when that is a host device."""
+    """Tensors pass through; numpy arrays (or anything array-like) join the
+    other operand's device."""
     if isinstance(x, TensorBase):
         return x
     from . import tensor_api

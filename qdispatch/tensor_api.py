@@ -69,9 +69,9 @@ def tensor(data, device=None, dtype=None):
 
 
 def as_host_operand(x, other):
-    """numpy data next to `other`: it joins other's device when that is a host
-    device, else the default device (so a mismatch is then reported)."""
-    if other is not None and other.device.is_host:
+    """numpy data next to `other` joins other's device: plain arrays carry no
+    device tag, so there is nothing to mismatch (on CUDA this copies them over)."""
+    if other is not None:
         return tensor(x, device=other.device)
     return tensor(x)
 

@@ -49,10 +49,10 @@ def from_torch(x, device=None):
 
 def to_torch(t):
     """A torch tensor sharing the memory of qdispatch Tensor t."""
-    out = torch.from_dlpack(t)
-    if t.dtype == "bfloat16" and out.dtype != torch.bfloat16:
-        out = out.view(torch.bfloat16)  # host bfloat16 crosses as its 16-bit patterns
-    return out
+    if t.dtype == "bfloat16" and t.device.is_host:
+        # numpy has no bfloat16: the host payload holds its 16-bit patterns
+        return torch.from_numpy(t.payload).view(torch.bfloat16)
+    return torch.from_dlpack(t)
 
 
 def _operand(x, w):

@@ -87,7 +87,7 @@ def test_device_index_mismatch_is_its_own_error():
         qd.tensor(payload, device="reference:1")
 
 
-def test_numpy_operands_join_the_quantized_operands_host_device(operands, rng):
+def test_numpy_operands_join_the_quantized_operands_device(operands, rng):
     _, wt = operands
     out = qd.q_matmul(rng.standard_normal((2, 64)).astype(np.float32), wt)
     assert out.device == "cpu"
