@@ -40,7 +40,8 @@ def test_matmul(benchmark, cpu_case):
 
 def test_read_bandwidth(benchmark, threads, bandwidth_bytes):
     benchmark.group = "ceilings"
-    with bench.thread_limit(threads), bench.read_bandwidth_probe(bandwidth_bytes, threads) as (fn, nbytes):
+    with bench.thread_limit(threads):
+        fn, nbytes = bench.read_bandwidth_fn(bandwidth_bytes)
         benchmark(fn)
     if benchmark.stats is not None:
         benchmark.extra_info.update(read_gbs=nbytes / benchmark.stats.stats.min / 1e9,
