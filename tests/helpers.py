@@ -12,3 +12,16 @@ def rel_err(reference, approx):
     reference = np.asarray(reference, dtype=np.float64)
     return np.linalg.norm(reference - np.asarray(approx, dtype=np.float64)) / max(
         np.linalg.norm(reference), 1e-300)
+
+
+def run_python(*args, **env):
+    """A fresh interpreter that imports the same qdispatch as the tests: it runs
+    beside the package under test, never in a source tree that would shadow it."""
+    import os
+    import subprocess
+    import sys
+
+    import qdispatch
+    where = os.path.dirname(os.path.dirname(os.path.abspath(qdispatch.__file__)))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
+                          cwd=where, env={**os.environ, "PYTHONPATH": where, **env})

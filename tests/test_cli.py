@@ -1,16 +1,12 @@
 """`python -m qdispatch` and its subcommands, run as a user would."""
 import os
-import subprocess
-import sys
 
 import qdispatch as qd
+from helpers import run_python
 
 
 def run_module(*args):
-    path = os.path.dirname(os.path.dirname(os.path.abspath(qd.__file__)))
-    env = {**os.environ, "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, "-m", "qdispatch", *args], capture_output=True, text=True,
-                         env=env, timeout=600)
+    out = run_python("-m", "qdispatch", *args)
     assert out.returncode == 0, out.stderr
     return out.stdout
 

@@ -1,7 +1,5 @@
 """The cpu backend through the public API: every ISA this machine runs, against
 the reference backend; thread, batch and concurrency invariance."""
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -10,8 +8,7 @@ import numpy as np
 import pytest
 
 import qdispatch as qd
-from qdispatch._core import get_backend
-from helpers import rel_err
+from helpers import rel_err, run_python
 
 pytestmark = pytest.mark.skipif("cpu" not in qd.available_backends(), reason="cpu backend not built")
 
@@ -172,20 +169,13 @@ def test_unknown_or_unsupported_isa_is_a_clear_error():
     assert qd.info()["backends"]["cpu"]["isa"] == CPU_INFO["isa"]
 
 
-def run_python(code, **env):
-    """A fresh interpreter that imports the same qdispatch as this one."""
-    path = os.path.dirname(os.path.dirname(os.path.abspath(qd.__file__)))
-    env = {**os.environ, "PYTHONPATH": path, **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-
-
 def test_environment_variables_pick_isa_and_threads():
     code = "import qdispatch as qd; c = qd.info()['backends']['cpu']; print(c['isa'], c['threads'])"
-    out = run_python(code, QDISPATCH_ISA="scalar", QDISPATCH_NUM_THREADS="1")
+    out = run_python("-c", code, QDISPATCH_ISA="scalar", QDISPATCH_NUM_THREADS="1")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["scalar", "1"]
-    bad = run_python(code, QDISPATCH_ISA="avx9000")
-    assert bad.returncode != 0 and "Can't use ISA 'avx9000'" in bad.stderr
+    bad = run_python("-c", code, QDISPATCH_ISA="avx9000")
+    assert bad.returncode != 0 and "QDISPATCH_ISA=avx9000: Can't use ISA 'avx9000'" in bad.stderr
 
 
 def test_gil_is_released_during_kernels(rng, threads):

@@ -4,6 +4,7 @@ import pytest
 
 import qdispatch as qd
 from qdispatch._core import get_backend
+from helpers import run_python
 
 pytestmark = pytest.mark.skipif("cpu" not in qd.available_backends(),
                                 reason="needs two host backends (reference and cpu)")
@@ -122,12 +123,7 @@ def test_cuda_unavailable_says_why_and_how_to_rebuild(rng):
 
 
 def test_default_backend_from_the_environment():
-    import os
-    import subprocess
-    import sys
-    path = os.path.dirname(os.path.dirname(os.path.abspath(qd.__file__)))
     code = "import numpy as np, qdispatch as qd; print(qd.quantize(np.ones((2, 2), np.float32)).device)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": path, "QDISPATCH_BACKEND": "reference"})
+    out = run_python("-c", code, QDISPATCH_BACKEND="reference")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "reference"

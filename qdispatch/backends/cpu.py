@@ -45,7 +45,10 @@ class CpuBackend(HostBackend):
             return
         isa = os.environ.get("QDISPATCH_ISA")
         if isa:
-            self.set_isa(isa)
+            try:
+                self.set_isa(isa)
+            except BackendUnavailableError as exc:
+                raise BackendUnavailableError(f"QDISPATCH_ISA={isa}: {exc}") from None
         threads = os.environ.get("QDISPATCH_NUM_THREADS")
         if threads:
             self.set_num_threads(int(threads))
