@@ -49,7 +49,13 @@ def shell_env(tmp_path):
     python = bin_dir / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
-    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return dict(package_env(), PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def package_env():
+    """The environment with the qdispatch under test importable (installed or built in place)."""
+    import qdispatch
+    return dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(qdispatch.__file__))))
 
 
 def run_shell(command, cwd, env):
@@ -126,7 +132,7 @@ def cython_ext(c_compiler, tmp_path, monkeypatch):
     (tmp_path / "qd_embed.pyx").write_text(CYTHON_EXT)
     (tmp_path / "setup.py").write_text(CYTHON_SETUP)
     proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=package_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     monkeypatch.syspath_prepend(str(tmp_path))
     import qd_embed
