@@ -596,19 +596,27 @@ def fq_supported(int bits, int64_t K, int64_t block_k):
 def fq_matmul(DeviceArray x, DeviceArray w, int bits, int64_t N, int64_t K, DeviceArray scales,
               int64_t block_n, int64_t block_k):
     """x float32 [M, ld] @ dequantize(w [N, ld])^T -> float32 [M, N]."""
-    M, ld = x.shape
-    out = empty((M, N), "float32", x.device)
-    cdef int64_t m = M, l = ld
+    cdef int64_t m = x.shape[0], l = x.shape[1]
+    cdef int device = x.buffer.device, previous = 0
     cdef void *px = P(x)
     cdef void *pw = P(w)
     cdef void *ps = P(scales)
-    cdef void *po = P(out)
+    cdef void *po
     cdef qd_status st
-    with on_device(x.device):
+    # The call runs per decode step: no context-manager object, a direct allocation.
+    _check(cudaGetDevice(&previous), "cudaGetDevice")
+    if previous != device:
+        _check(cudaSetDevice(device), f"cudaSetDevice({device})")
+    try:
+        out = DeviceArray(DeviceBuffer.allocate(m * N * 4, device), 0, (m, N), "float32")
+        po = P(out)
         with nogil:
             st = qd_cuda_fq_matmul(<float *>px, m, pw, bits, N, K, l, <float *>ps, block_n,
                                    block_k, <float *>po, NULL)
         _status(st, "fq_matmul")
+    finally:
+        if previous != device:
+            cudaSetDevice(previous)
     return out
 
 

@@ -193,6 +193,28 @@ def test_fq_matches_reference(rng, scheme, M, K, N):
     assert rel_err(expect, out.numpy()) < FQ_TOL
 
 
+def _bf16_valued(x):
+    """float32 values that bf16 holds exactly (the tensor-core path's one-part case)."""
+    return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=32, store="packed_u32"),
+                                    qd.QuantScheme("q2s", block=64, store="packed_u32")], ids=repr)
+@pytest.mark.parametrize("M", [1, 9, 16])
+@pytest.mark.parametrize("bf16_x", [True, False])
+def test_fq_split_k_is_deterministic(rng, scheme, M, bf16_x):
+    # Enough K to split it over blocks, N not a multiple of a block's rows.
+    K, N = 2048, 600
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x = _bf16_valued(x) if bf16_x else x
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    xt = qd.tensor(x, device="cuda")
+    first, second = qd.q_matmul(xt, wq.T).numpy(), qd.q_matmul(xt, wq.T).numpy()
+    expect = qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy()
+    assert np.array_equal(first, second)
+    assert rel_err(expect, first) < FQ_TOL
+
+
 @pytest.mark.parametrize("K", [1, 17, 63, 65, 100])
 def test_fq_odd_k_and_storage_orientation(rng, K):
     x = rng.standard_normal((3, K)).astype(np.float32)

@@ -231,14 +231,27 @@ class CudaBackend(Backend):
         return _cuda.qq_matmul(a, bt, K, sa, bm, bka, sb, bn, bkb)
 
     def fq_matmul(self, x, w):
-        K, N = w.shape
-        bk, bn = w.layout.logical_block(w.transposed)
-        if not (_cuda.fq_supported(w.layout.bits, K, bk) or _cuda.fq_supported(8, K, bk)):
+        # The kernel's operands are derived once per weight and orientation: a call
+        # is then one dict lookup and the launch.
+        key = ("fq_call", w.transposed)
+        call = w.storage.cache.get(key)
+        if call is None:
+            call = w.storage.cache[key] = self._fq_call(w)
+        if call is False:
             return self._fq_on_host(x, w)
-        values, bits, ld, scales = self._stream_rows(w)
+        values, bits, ld, scales, N, K, bn, bk = call
         if x.shape[1] != ld:
             x = _cuda.pad_rows(x, ld)
         return _cuda.fq_matmul(x, values, bits, N, K, scales, bn, bk)
+
+    def _fq_call(self, w):
+        """The fq kernel's arguments for w, or False when its blocking needs the host."""
+        K, N = w.shape
+        bk, bn = w.layout.logical_block(w.transposed)
+        if not (_cuda.fq_supported(w.layout.bits, K, bk) or _cuda.fq_supported(8, K, bk)):
+            return False
+        values, bits, ld, scales = self._stream_rows(w)
+        return values, bits, ld, scales, N, K, bn, bk
 
     def _fq_on_host(self, x, w):
         """Blockings along K finer than the kernels' 16-value chunks: the reference math."""

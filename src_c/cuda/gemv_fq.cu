@@ -1,9 +1,10 @@
 // Weight-only products for small M (decode): x[M, K] float32 times int8, int4 or
-// int2 weights [N, K] that are dequantized as they are loaded.  The weights are
+// int2 weights [N, K] that are dequantized as they are loaded.  Devices with bf16
+// tensor cores take fq_mma.cu; this float kernel serves the older ones.  The weights are
 // read once, 16 bytes per lane per load, so the kernel runs at memory speed.
 // A block owns R weight rows; its warps and lanes split K, and the partial sums
 // meet through shuffles and shared memory.
-#include "common.cuh"
+#include "fq_mma.cuh"
 
 namespace {
 
@@ -31,11 +32,7 @@ __device__ __forceinline__ void convert_piece(const uint4 &w, float (&out)[PIECE
     }
 }
 
-struct WeightScales {
-    const float *s; int64_t ld, bn, bk;
-    bool per_chunk;  // more than one scale block along K
-    __device__ float at(int64_t n, int64_t k) const { return s[(n / bn) * ld + (per_chunk ? k / bk : 0)]; }
-};
+using WeightScales = qd::FqScales;
 
 template <int BITS, int MT, int H = 0>
 __device__ __forceinline__ void chunk_fma(const float *__restrict__ x, int M, int64_t ld,
@@ -160,11 +157,13 @@ extern "C" qd_status qd_cuda_fq_matmul(const float *x, int64_t M, const void *w,
     if (N / R >= 0x7FFFFFFF) return QD_ERR_SHAPE;
     const WeightScales ws{scales, K / block_k, block_n, block_k, block_k != K};
     cudaStream_t s = qd::as_stream(stream);
+    const bool mma = qd::fq_mma_usable();
     for (int64_t m = 0; m < M; m += MAX_M) {  // each slice streams the weights once
         const int rows = (int)(M - m < MAX_M ? M - m : MAX_M);
         const float *xs = x + m * ld;
         float *os = out + m * N;
-        qd_status st = bits == 8 ? launch_bits<8>(xs, rows, w, N, K, ld, ws, os, s)
+        qd_status st = mma ? qd::fq_mma(xs, rows, w, bits, N, ld, ws, os, s)
+                     : bits == 8 ? launch_bits<8>(xs, rows, w, N, K, ld, ws, os, s)
                      : bits == 4 ? launch_bits<4>(xs, rows, w, N, K, ld, ws, os, s)
                                  : launch_bits<2>(xs, rows, w, N, K, ld, ws, os, s);
         if (st != QD_OK) return st;
