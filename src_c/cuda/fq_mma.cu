@@ -91,7 +91,7 @@ __device__ __forceinline__ bool x_parts(const Tile &tl, int64_t k, int g, uint32
             xv[r][4 * q] = f.x; xv[r][4 * q + 1] = f.y; xv[r][4 * q + 2] = f.z; xv[r][4 * q + 3] = f.w;
         }
     }
-    bool residue = false;
+    bool residue = false;  // left in xv: what the hi parts miss
 #pragma unroll
     for (int q = 0; q < Q; ++q)
 #pragma unroll
@@ -99,17 +99,27 @@ __device__ __forceinline__ bool x_parts(const Tile &tl, int64_t k, int g, uint32
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int i = 2 * q + h, reg = r + 2 * h;
-                float lo = xv[r][i], hi = xv[r][i + HALF];
+                float &lo = xv[r][i], &hi = xv[r][i + HALF];
                 a[0][q][reg] = pack_bf16(lo, hi);
                 lo -= bf_lo(a[0][q][reg]);
                 hi -= bf_hi(a[0][q][reg]);
                 lo = isfinite(lo) ? lo : 0.0f;  // inf or NaN x: the hi part carries it
                 hi = isfinite(hi) ? hi : 0.0f;
                 residue |= lo != 0.0f || hi != 0.0f;
+            }
+    if (!__any_sync(~0u, residue)) return false;
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = 2 * q + h, reg = r + 2 * h;
+                const float lo = xv[r][i], hi = xv[r][i + HALF];
                 a[1][q][reg] = pack_bf16(lo, hi);
                 a[2][q][reg] = pack_bf16(lo - bf_lo(a[1][q][reg]), hi - bf_hi(a[1][q][reg]));
             }
-    return __any_sync(~0u, residue);
+    return true;
 }
 
 // One 64-byte step of NT weight tiles: four chunks, each one scale block.
@@ -150,7 +160,7 @@ __device__ __forceinline__ void step(const Tile &tl, int64_t k_step, int64_t chu
 }
 
 template <int BITS, int MT>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 2)  // two blocks per SM: the wave size
 fq_mma_kernel(Tile tl, const uint8_t *__restrict__ w, int64_t steps_per_split,
               float *__restrict__ out, float *__restrict__ partial, unsigned *__restrict__ tickets) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -214,14 +224,40 @@ fq_mma_kernel(Tile tl, const uint8_t *__restrict__ w, int64_t steps_per_split,
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // Four columns a thread, every split's loads of all its items in flight together.
+    constexpr int ITEMS = 16 * ROWS / 4 / (WARPS * 32);  // enough for M = 16
     const int64_t n_base = (int64_t)blockIdx.x * ROWS;
-    for (int i = threadIdx.x; i < tl.M * ROWS; i += blockDim.x) {
-        const int m = i / ROWS;
-        const int64_t n = n_base + i % ROWS;
-        if (n >= tl.N) continue;
-        float sum = 0.0f;
-        for (unsigned s = 0; s < gridDim.y; ++s) sum += __ldcg(partial + (s * tl.M + m) * tl.N + n);
-        out[m * tl.N + n] = sum;
+    float4 sum[ITEMS];
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) sum[it] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (unsigned s = 0; s < gridDim.y; ++s)
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+            const int i = threadIdx.x + it * WARPS * 32, m = i / (ROWS / 4);
+            const int64_t n = n_base + 4 * (i % (ROWS / 4));
+            if (m >= tl.M || n >= tl.N) continue;
+            const float *p = partial + (s * tl.M + m) * tl.N + n;
+            if (tl.N % 4 == 0) {
+                const float4 v = __ldcg(reinterpret_cast<const float4 *>(p));
+                sum[it].x += v.x; sum[it].y += v.y; sum[it].z += v.z; sum[it].w += v.w;
+            } else {  // rows of partial not 16-byte aligned
+                sum[it].x += __ldcg(p);
+                if (n + 1 < tl.N) sum[it].y += __ldcg(p + 1);
+                if (n + 2 < tl.N) sum[it].z += __ldcg(p + 2);
+                if (n + 3 < tl.N) sum[it].w += __ldcg(p + 3);
+            }
+        }
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        const int i = threadIdx.x + it * WARPS * 32, m = i / (ROWS / 4);
+        const int64_t n = n_base + 4 * (i % (ROWS / 4));
+        if (m >= tl.M || n >= tl.N) continue;
+        float *o = out + m * tl.N + n;
+        o[0] = sum[it].x;
+        if (n + 1 < tl.N) o[1] = sum[it].y;
+        if (n + 2 < tl.N) o[2] = sum[it].z;
+        if (n + 3 < tl.N) o[3] = sum[it].w;
     }
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
@@ -297,10 +333,11 @@ qd_status fq_mma(const float *x, int M, const void *w, int bits, int64_t N, int6
     if (st != QD_OK) return st;
     const int64_t nchunks = ld * bits / 8 / 16, nsteps = (nchunks + 3) / 4;
     const int64_t blocks = ceil_div(N, ROWS);
-    // Split K until about two blocks per SM, keeping at least two steps per split.
+    // Split K to fill one wave of two blocks per SM (a second, partial wave would
+    // double the time), keeping at least two steps per split.
     int64_t splits = 1;
-    if (blocks < 2 * d->sms && blocks <= MAX_TICKETS) {
-        splits = ceil_div(2 * d->sms, blocks);
+    if (2 * blocks <= 2 * d->sms && blocks <= MAX_TICKETS) {
+        splits = 2 * d->sms / blocks;
         if (splits > nsteps / 2) splits = nsteps / 2 > 1 ? nsteps / 2 : 1;
     }
     const int64_t sps = ceil_div(nsteps, splits);
