@@ -8,7 +8,7 @@
 #include "fq_common.h"
 
 #define FQ_MR QD_FQ_MR_YMM
-#define PARTIALS 2   /* per half: with the two halves, four chains per set */
+#define PARTIALS 2   /* per half: with the two halves, four chains per row */
 
 QD_INLINE __m256i to_signed_fields(__m256i v, int bits)
 {
@@ -23,69 +23,53 @@ QD_INLINE __m256 dequant(__m256i v, int bits, int i)
     return _mm256_cvtepi32_ps(_mm256_srai_epi32(top ? _mm256_slli_epi32(v, top) : v, 32 - bits));
 }
 
-/* mr rows against np panels (np > 1 only for one row); each (row, panel) pair is a
- * set with its own partials and accumulator. */
-QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr, const int np)
+QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
 {
-    const int ku = QD_KU(bits), sets = mr * np;
+    const int ku = QD_KU(bits);
     const uint8_t *wp = t->panel;
     float acc[FQ_MR][QD_NR];
     memset(acc, 0, sizeof acc);
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
         __m256 part[FQ_MR][2][PARTIALS];
-        for (int s = 0; s < sets; s++)
+        for (int r = 0; r < mr; r++)
             for (int h = 0; h < 2; h++)
                 for (int p = 0; p < PARTIALS; p++)
-                    part[s][h][p] = _mm256_setzero_ps();
+                    part[r][h][p] = _mm256_setzero_ps();
         for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            __m256i v[QD_FQ_NP][2];
-            for (int pn = 0; pn < np; pn++) {
-                const uint8_t *src = wp + pn * t->panel_stride;
-                _mm_prefetch((const char *)(src + QD_FQ_PREFETCH_UNITS * QD_UNIT_BYTES), _MM_HINT_T0);
-                v[pn][0] = to_signed_fields(_mm256_load_si256((const __m256i *)src), bits);
-                v[pn][1] = to_signed_fields(_mm256_load_si256((const __m256i *)(src + 32)), bits);
-            }
+            _mm_prefetch((const char *)(wp + QD_FQ_PREFETCH_UNITS * QD_UNIT_BYTES), _MM_HINT_T0);
+            __m256i v_lo = to_signed_fields(_mm256_load_si256((const __m256i *)wp), bits);
+            __m256i v_hi = to_signed_fields(_mm256_load_si256((const __m256i *)(wp + 32)), bits);
+            QD_KEEP_IN_REGISTER(v_lo);
+            QD_KEEP_IN_REGISTER(v_hi);
             /* Unrolled: shift counts and partial indices must be constants. */
 #pragma GCC unroll 16
             for (int i = 0; i < ku; i++) {
-                for (int pn = 0; pn < np; pn++) {
-                    const __m256 w_lo = dequant(v[pn][0], bits, i), w_hi = dequant(v[pn][1], bits, i);
-                    for (int r = 0; r < mr; r++) {
-                        const __m256 xb = _mm256_broadcast_ss(t->x + r * t->ldx + k0 + i);
-                        __m256 *lo = part[r * np + pn][0] + i % PARTIALS, *hi = part[r * np + pn][1] + i % PARTIALS;
-                        *lo = _mm256_fmadd_ps(xb, w_lo, *lo);
-                        *hi = _mm256_fmadd_ps(xb, w_hi, *hi);
-                    }
+                const __m256 w_lo = dequant(v_lo, bits, i), w_hi = dequant(v_hi, bits, i);
+                for (int r = 0; r < mr; r++) {
+                    const __m256 xb = _mm256_broadcast_ss(t->x + r * t->ldx + k0 + i);
+                    __m256 *lo = &part[r][0][i % PARTIALS], *hi = &part[r][1][i % PARTIALS];
+                    *lo = _mm256_fmadd_ps(xb, w_lo, *lo);
+                    *hi = _mm256_fmadd_ps(xb, w_hi, *hi);
                 }
             }
         }
-        for (int s = 0; s < sets; s++) {
-            const float *scale = t->w_scale + ((s % np) * t->ngroups + g) * QD_NR;
+        const float *scale = t->w_scale + g * QD_NR;
+        for (int r = 0; r < mr; r++)
             for (int h = 0; h < 2; h++) {
-                const __m256 sum = _mm256_add_ps(part[s][h][0], part[s][h][1]);
-                _mm256_storeu_ps(acc[s] + 8 * h, _mm256_fmadd_ps(sum, _mm256_loadu_ps(scale + 8 * h),
-                                                                 _mm256_loadu_ps(acc[s] + 8 * h)));
+                const __m256 sum = _mm256_add_ps(part[r][h][0], part[r][h][1]);
+                _mm256_storeu_ps(acc[r] + 8 * h, _mm256_fmadd_ps(sum, _mm256_loadu_ps(scale + 8 * h),
+                                                                 _mm256_loadu_ps(acc[r] + 8 * h)));
             }
-        }
     }
-    for (int s = 0; s < sets; s++) {
-        const int pn = s % np, nr = pn == np - 1 ? t->nr : QD_NR;
-        memcpy(t->out + (s / np) * t->ldo + pn * QD_NR, acc[s], (size_t)nr * sizeof(float));
-    }
+    for (int r = 0; r < mr; r++)
+        memcpy(t->out + r * t->ldo, acc[r], (size_t)t->nr * sizeof(float));
 }
 
-#define FQ_CASE(MR) fq_tile_impl(&one, bits, (MR) > FQ_MR ? FQ_MR : (MR), 1)
+#define FQ_CASE(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
 {
-    if (t->np > 1 && t->mr == 1) {
-        fq_tile_impl(t, bits, 1, QD_FQ_NP);
-        return;
-    }
-    for (int i = 0; i < t->np; i++) {
-        const qd_fq_tile one = qd_fq_panel_of(t, i);
-        QD_SWITCH_MR(one.mr, FQ_CASE)
-    }
+    QD_SWITCH_MR(t->mr, FQ_CASE)
 }
 
 void qd_fq_tile_avx2(const qd_fq_tile *t)

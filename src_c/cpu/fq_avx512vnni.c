@@ -7,7 +7,7 @@
 #include "fq_common.h"
 
 #define FQ_MR QD_FQ_MR_ZMM
-#define PARTIALS 4
+#define PARTIALS 8   /* eight chains per row: enough to hide the FMA latency at one row */
 
 /* table[i] = signed value of a stored field whose low bits are i. */
 QD_INLINE __m512 field_table(int bits)
@@ -28,65 +28,51 @@ QD_INLINE __m512 dequant(__m512i v, __m512 table, int bits, int i)
     return _mm512_permutexvar_ps(b ? _mm512_srli_epi32(v, (unsigned)b) : v, table);
 }
 
-/* mr rows against np panels (np > 1 only for one row); each (row, panel) pair is a
- * set with its own partials and accumulator. */
-QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr, const int np)
+QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
 {
-    const int ku = QD_KU(bits), sets = mr * np;
+    const int ku = QD_KU(bits);
     const __m512 table = field_table(bits == 8 ? 4 : bits);
     const uint8_t *wp = t->panel;
     __m512 acc[FQ_MR];
-    for (int s = 0; s < sets; s++)
-        acc[s] = _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm512_setzero_ps();
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
         __m512 part[FQ_MR][PARTIALS];
-        for (int s = 0; s < sets; s++)
+        for (int r = 0; r < mr; r++)
             for (int p = 0; p < PARTIALS; p++)
-                part[s][p] = _mm512_setzero_ps();
+                part[r][p] = _mm512_setzero_ps();
         for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            __m512i v[QD_FQ_NP];
-            for (int pn = 0; pn < np; pn++) {
-                const uint8_t *src = wp + pn * t->panel_stride;
-                _mm_prefetch((const char *)(src + QD_FQ_PREFETCH_UNITS * QD_UNIT_BYTES), _MM_HINT_T0);
-                v[pn] = _mm512_load_si512((const void *)src);
-            }
+            _mm_prefetch((const char *)(wp + QD_FQ_PREFETCH_UNITS * QD_UNIT_BYTES), _MM_HINT_T0);
+            __m512i v = _mm512_load_si512((const void *)wp);
+            QD_KEEP_IN_REGISTER(v);
             /* Unrolled: shift counts and partial indices must be constants. */
 #pragma GCC unroll 16
             for (int i = 0; i < ku; i++) {
-                for (int pn = 0; pn < np; pn++) {
-                    const __m512 w = dequant(v[pn], table, bits, i);
-                    for (int r = 0; r < mr; r++) {
-                        __m512 *p = &part[r * np + pn][i % PARTIALS];
-                        *p = _mm512_fmadd_ps(_mm512_set1_ps(t->x[r * t->ldx + k0 + i]), w, *p);
-                    }
+                const __m512 w = dequant(v, table, bits, i);
+                for (int r = 0; r < mr; r++) {
+                    __m512 *p = &part[r][i % PARTIALS];
+                    *p = _mm512_fmadd_ps(_mm512_set1_ps(t->x[r * t->ldx + k0 + i]), w, *p);
                 }
             }
         }
-        for (int s = 0; s < sets; s++) {
-            const __m512 scale = _mm512_load_ps(t->w_scale + ((s % np) * t->ngroups + g) * QD_NR);
-            const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[s][0], part[s][1]),
-                                             _mm512_add_ps(part[s][2], part[s][3]));
-            acc[s] = _mm512_fmadd_ps(sum, scale, acc[s]);
+        const __m512 scale = _mm512_load_ps(t->w_scale + g * QD_NR);
+        for (int r = 0; r < mr; r++) {
+            const __m512 *p = part[r];
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])),
+                                             _mm512_add_ps(_mm512_add_ps(p[4], p[5]), _mm512_add_ps(p[6], p[7])));
+            acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
         }
     }
-    for (int s = 0; s < sets; s++) {
-        const int pn = s % np, nr = pn == np - 1 ? t->nr : QD_NR;
-        _mm512_mask_storeu_ps(t->out + (s / np) * t->ldo + pn * QD_NR, (__mmask16)((1u << nr) - 1), acc[s]);
-    }
+    const __mmask16 cols = (__mmask16)((1u << t->nr) - 1);
+    for (int r = 0; r < mr; r++)
+        _mm512_mask_storeu_ps(t->out + r * t->ldo, cols, acc[r]);
 }
 
-#define FQ_CASE(MR) fq_tile_impl(&one, bits, (MR) > FQ_MR ? FQ_MR : (MR), 1)
+#define FQ_CASE(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
 {
-    if (t->np > 1 && t->mr == 1) {
-        fq_tile_impl(t, bits, 1, QD_FQ_NP);
-        return;
-    }
-    for (int i = 0; i < t->np; i++) {
-        const qd_fq_tile one = qd_fq_panel_of(t, i);
-        QD_SWITCH_MR(one.mr, FQ_CASE)
-    }
+    QD_SWITCH_MR(t->mr, FQ_CASE)
 }
 
 void qd_fq_tile_avx512(const qd_fq_tile *t)

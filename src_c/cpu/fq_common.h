@@ -19,24 +19,8 @@ QD_INLINE int qd_fq_field_bit(int bits, int i)
     return 8 * (i % 4) + (i / 4) * bits;
 }
 
-/* Panels one call takes: a one-row tile runs them together for independent
- * chains (each column's order is unchanged); more rows go panel by panel. */
-#define QD_FQ_NP 2
-
-/* Panel i of a multi-panel tile, as a one-panel tile. */
-QD_INLINE qd_fq_tile qd_fq_panel_of(const qd_fq_tile *t, int i)
-{
-    qd_fq_tile s = *t;
-    s.np = 1;
-    s.panel += i * t->panel_stride;
-    s.w_scale += i * t->ngroups * QD_NR;
-    s.out += i * QD_NR;
-    s.nr = i == t->np - 1 ? t->nr : QD_NR;
-    return s;
-}
-
 /* Rows that one kernel call shares each dequantized weight vector across. */
-#define QD_FQ_MR_ZMM 4
+#define QD_FQ_MR_ZMM 3   /* with 8 partials each: 27 of the 32 zmm */
 #define QD_FQ_MR_YMM 2
 
 /* The kernels (fq_avx512vnni.c, fq_avx2.c). */

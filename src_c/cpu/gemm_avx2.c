@@ -106,6 +106,5 @@ const qd_kernels qd_kernels_avx2 = {
     .fq_tile = qd_fq_tile_avx2,
     .qq_mr = QD_YMM_QQ_MR,
     .fq_mr = QD_FQ_MR_YMM,
-    .fq_np = QD_FQ_NP,
     .needs_rowsum = 1,
 };

@@ -78,6 +78,5 @@ const qd_kernels qd_kernels_avx512vnni = {
     .fq_tile = qd_fq_tile_avx512,
     .qq_mr = QQ_MR,
     .fq_mr = QD_FQ_MR_ZMM,
-    .fq_np = QD_FQ_NP,
     .needs_rowsum = 1,
 };

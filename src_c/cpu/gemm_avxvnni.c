@@ -53,6 +53,5 @@ const qd_kernels qd_kernels_avxvnni = {
     .fq_tile = qd_fq_tile_avx2,
     .qq_mr = QD_YMM_QQ_MR,
     .fq_mr = QD_FQ_MR_YMM,
-    .fq_np = QD_FQ_NP,
     .needs_rowsum = 1,
 };

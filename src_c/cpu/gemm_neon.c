@@ -141,6 +141,5 @@ const qd_kernels qd_kernels_neon = {
     .fq_tile = fq_tile_neon,
     .qq_mr = QQ_MR,
     .fq_mr = 1,
-    .fq_np = 1,
     .needs_rowsum = 0,
 };

@@ -52,6 +52,5 @@ const qd_kernels qd_kernels_scalar = {
     .fq_tile = fq_tile_scalar,
     .qq_mr = 4,
     .fq_mr = 4,
-    .fq_np = 1,
     .needs_rowsum = 0,
 };

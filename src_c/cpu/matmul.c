@@ -278,23 +278,19 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
     }
     const int64_t fit = FQ_ROW_BYTES / (kp * (int64_t)sizeof(float)) / kern->fq_mr * kern->fq_mr;
     const task_grid grid = make_grid(M, w->n_panels, fit > kern->fq_mr ? fit : kern->fq_mr);
-    const int64_t np = kern->fq_np, n_cols = (grid.n_panels + np - 1) / np;
-    const int64_t ntasks = n_cols * grid.n_row_blocks;
+    const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
     /* Row block outermost: a thread's row block of x stays in L2 while its panels pass. */
 #pragma omp parallel for schedule(static) num_threads(qd_threads_for(ntasks))
     for (int64_t task = 0; task < ntasks; task++) {
-        const int64_t p = task % n_cols * np, rb = task / n_cols;
+        const int64_t p = task % grid.n_panels, rb = task / grid.n_panels;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
-        const int64_t p_end = p + np < grid.n_panels ? p + np : grid.n_panels;
         qd_fq_tile t = {
             .ldx = kp,
-            .np = (int)(p_end - p),
             .panel = w->panels + p * w->panel_bytes,
-            .panel_stride = w->panel_bytes,
             .w_scale = w->panel_scales + p * w->k_groups * QD_NR,
             .bits = w->bits,
-            .nr = (int)(N - (p_end - 1) * QD_NR < QD_NR ? N - (p_end - 1) * QD_NR : QD_NR),
+            .nr = (int)(N - p * QD_NR < QD_NR ? N - p * QD_NR : QD_NR),
             .k = K,
             .group_k = group,
             .ngroups = ngroups,

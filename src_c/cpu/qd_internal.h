@@ -57,19 +57,15 @@ typedef struct qd_qq_tile {
     int64_t ldo;
 } qd_qq_tile;
 
-/* The fq (float32 x dequantized weights) microkernel: float32 accumulation.  A call
- * covers np consecutive panels (kernel fq_np at most); panel i's scales follow
- * panel i-1's, and its output columns start at i * QD_NR. */
+/* The fq (float32 x dequantized weights) microkernel: float32 accumulation. */
 typedef struct qd_fq_tile {
     const float *x;             /* rows of x, zero-padded to k_padded */
     int64_t ldx;
     int mr;
-    int np;
     const uint8_t *panel;
-    int64_t panel_stride;       /* bytes from one panel to the next */
-    const float *w_scale;       /* w_scale[(i * ngroups + g) * QD_NR + n] for panel i */
+    const float *w_scale;       /* w_scale[g * QD_NR + n] */
     int bits;
-    int nr;                     /* valid columns in the last panel, 1 .. QD_NR */
+    int nr;
     int64_t k;
     int64_t group_k, ngroups, group_units;
     float *out;
@@ -81,7 +77,6 @@ typedef struct qd_kernels {
     void (*fq_tile)(const qd_fq_tile *t);
     int qq_mr;                  /* rows one qq_tile call handles at most */
     int fq_mr;
-    int fq_np;                  /* panels one fq_tile call takes at most */
     int needs_rowsum;           /* qq_tile reads a_rowsum */
 } qd_kernels;
 

@@ -15,6 +15,10 @@ QD_INLINE int32_t qd_load_i32(const void *p)
     return v;
 }
 
+/* Keeps a loaded vector in a register: otherwise GCC may fold the load into every
+ * use, one full-width load per k-step instead of one per unit (slower). */
+#define QD_KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+
 /* The value added to a stored weight to make it unsigned: weights are stored
  * biased by this for sub-byte widths and biased in registers for 8 bits. */
 #define QD_WEIGHT_BIAS(bits) ((bits) == 8 ? 128 : 1 << ((bits) - 1))
