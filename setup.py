@@ -25,10 +25,9 @@ def extensions():
     common = dict(include_dirs=[INCLUDE, "qdispatch", numpy.get_include()], language="c")
     exts = [
         Extension("qdispatch._core", ["qdispatch/_core.pyx"], **common),
+        Extension("qdispatch._cpu", ["qdispatch/_cpu.pyx"],
+                  extra_link_args=["-fopenmp"], depends=C_SOURCES, **common),
     ]
-    if os.path.exists("qdispatch/_cpu.pyx"):  # TEMP until the kernels land
-        exts.append(Extension("qdispatch._cpu", ["qdispatch/_cpu.pyx"],
-                              extra_link_args=["-fopenmp"], depends=C_SOURCES, **common))
     if CUDA is not None:
         exts.append(CUDA.extension(common))
     from Cython.Build import cythonize
