@@ -21,8 +21,7 @@ C_SOURCES = sorted(glob.glob("src_c/**/*.[ch]", recursive=True))
 
 
 def extensions():
-    import numpy  # Cython's numpy support includes its headers
-    common = dict(include_dirs=[INCLUDE, "qdispatch", numpy.get_include()], language="c")
+    common = dict(include_dirs=[INCLUDE, "qdispatch"], language="c")
     exts = [
         Extension("qdispatch._core", ["qdispatch/_core.pyx"], **common),
         Extension("qdispatch._cpu", ["qdispatch/_cpu.pyx"],
