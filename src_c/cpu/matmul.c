@@ -276,8 +276,10 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
         memcpy(xp + m * kp, x + m * K, (size_t)K * sizeof(float));
         memset(xp + m * kp + K, 0, (size_t)(kp - K) * sizeof(float));
     }
-    const int64_t fit = FQ_ROW_BYTES / (kp * (int64_t)sizeof(float)) / kern->fq_mr * kern->fq_mr;
-    const task_grid grid = make_grid(M, w->n_panels, fit > kern->fq_mr ? fit : kern->fq_mr);
+    /* Equal row blocks, each as large as fits: unequal ones would leave a thread idle. */
+    const int64_t fit = FQ_ROW_BYTES / (kp * (int64_t)sizeof(float));
+    const int64_t n_blocks = (M + fit - 1) / (fit > 0 ? fit : 1);
+    const task_grid grid = make_grid(M, w->n_panels, (M + n_blocks - 1) / n_blocks);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
     /* Row block outermost: a thread's row block of x stays in L2 while its panels pass. */
