@@ -213,6 +213,14 @@ def _check_k(int64_t K, PackedWeights pw, name):
         raise _shape_error(f"{name} has K={K} but the weights have shape {pw.shape} (K={pw.shape[1]})")
 
 
+def _against_weights(x, dtype, pw, name, out_dtype):
+    """Validate an [M, K] operand against packed weights [N, K]; allocate [M, N]."""
+    w = _packed(pw)
+    x = _array(x, dtype, 2, name)
+    _check_k(x.shape[1], w, name)
+    return x, w, np.empty((x.shape[0], w.shape[0]), dtype=out_dtype)
+
+
 # ---- matmuls -----------------------------------------------------------------
 
 def int_matmul(a, b):
@@ -235,11 +243,9 @@ def int_matmul(a, b):
 
 def int_matmul_packed(a, pw):
     """Exact int8 a [M, K] @ w.T for packed weights w [N, K] -> int32 [M, N]."""
-    cdef PackedWeights w = _packed(pw)
-    a = _array(a, np.int8, 2, "a")
+    cdef PackedWeights w
+    a, w, c = _against_weights(a, np.int8, pw, "a", np.int32)
     cdef int64_t M = a.shape[0], K = a.shape[1]
-    _check_k(K, w, "a")
-    c = np.empty((M, w.shape[0]), dtype=np.int32)
     cdef int8_t[:, ::1] av = a
     cdef int32_t[:, ::1] cv = c
     cdef qd_status st
@@ -251,16 +257,14 @@ def int_matmul_packed(a, pw):
 
 def qq_matmul(a, a_scales, a_block_m, a_block_k, pw):
     """Quantized a [M, K] (scales grid in blocks (a_block_m, a_block_k)) @ w.T -> float32."""
-    cdef PackedWeights w = _packed(pw)
-    a = _array(a, np.int8, 2, "a")
+    cdef PackedWeights w
+    a, w, out = _against_weights(a, np.int8, pw, "a", np.float32)
     a_scales = _array(a_scales, np.float32, 2, "a_scales")
     cdef int64_t M = a.shape[0], K = a.shape[1], bm = a_block_m, bk = a_block_k
-    _check_k(K, w, "a")
     if bm <= 0 or bk <= 0 or M % bm or K % bk:
         raise _shape_error(f"Block ({bm}, {bk}) does not divide a's shape ({M}, {K})")
     if a_scales.shape != (M // bm, K // bk):
         raise _shape_error(f"a_scales must have shape {(M // bm, K // bk)}, got {a_scales.shape}")
-    out = np.empty((M, w.shape[0]), dtype=np.float32)
     cdef int8_t[:, ::1] av = a
     cdef float[:, ::1] sv = a_scales
     cdef float[:, ::1] ov = out
@@ -273,11 +277,9 @@ def qq_matmul(a, a_scales, a_block_m, a_block_k, pw):
 
 def fq_matmul(x, pw):
     """Weight-only: float32 x [M, K] @ dequantize(w).T -> float32 [M, N]."""
-    cdef PackedWeights w = _packed(pw)
-    x = _array(x, np.float32, 2, "x")
+    cdef PackedWeights w
+    x, w, out = _against_weights(x, np.float32, pw, "x", np.float32)
     cdef int64_t M = x.shape[0], K = x.shape[1]
-    _check_k(K, w, "x")
-    out = np.empty((M, w.shape[0]), dtype=np.float32)
     cdef float[:, ::1] xv = x
     cdef float[:, ::1] ov = out
     cdef qd_status st
@@ -289,15 +291,13 @@ def fq_matmul(x, pw):
 
 def w8a8_matmul(x, act_value, act_block_k, pw):
     """float32 x quantized per row in blocks of act_block_k (f32 scales), then qq."""
-    cdef PackedWeights w = _packed(pw)
-    x = _array(x, np.float32, 2, "x")
+    cdef PackedWeights w
+    x, w, out = _against_weights(x, np.float32, pw, "x", np.float32)
     cdef int64_t M = x.shape[0], K = x.shape[1], bk = act_block_k
-    _check_k(K, w, "x")
     if act_value not in _VALUE_KINDS:
         raise _error_class(QD_ERR_SCHEME)(f"Unknown value kind {act_value!r}: use one of {list(_VALUE_KINDS)}")
     if bk <= 0 or K % bk:
         raise _shape_error(f"act_block_k={bk} does not divide K={K}")
-    out = np.empty((M, w.shape[0]), dtype=np.float32)
     cdef float[:, ::1] xv = x
     cdef float[:, ::1] ov = out
     cdef int kind = _VALUE_KINDS[act_value]
