@@ -6,7 +6,10 @@
 #include "simd_common.h"
 #include "fq_common.h"
 
+/* 8 rows x 2 panels: 16 independent vpdpbusd chains hide its latency, and each
+ * broadcast of 4 activation bytes feeds two of them. */
 #define QQ_MR 8
+#define QQ_NP 2
 
 /* Sub-step s of a unit as unsigned bytes (w + bias). */
 QD_INLINE __m512i unpack_biased(__m512i v, int bits, int s)
@@ -17,48 +20,78 @@ QD_INLINE __m512i unpack_biased(__m512i v, int bits, int s)
     return _mm512_and_si512(_mm512_srli_epi16(v, (unsigned)(s * bits)), mask);
 }
 
-QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
+/* acc += dot4(w, a) in place.  Through the intrinsic GCC copies every accumulator
+ * of the tile twice per k-step (and spills some), which costs about a third. */
+QD_INLINE __m512i dpbusd(__m512i acc, __m512i w, __m512i a)
+{
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+    return acc;
+}
+
+/* The valid columns of panel p of the tile. */
+QD_INLINE __mmask16 panel_cols(const qd_qq_tile *t, int p)
+{
+    const int n = t->nr - p * QD_NR;
+    return n >= QD_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
+QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, const int np)
 {
     const int ku = QD_KU(bits), substeps = 8 / bits;
-    const __mmask16 cols = (__mmask16)((1u << t->nr) - 1);
     const uint8_t *wp = t->panel;
-    __m512 facc[QQ_MR];
+    __m512 facc[QQ_MR][QQ_NP];
     for (int r = 0; r < mr; r++)
-        facc[r] = _mm512_setzero_ps();
+        for (int p = 0; p < np; p++)
+            facc[r][p] = _mm512_setzero_ps();
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
-        __m512i iacc[QQ_MR];
+        __m512i iacc[QQ_MR][QQ_NP];
         for (int r = 0; r < mr; r++)
-            iacc[r] = _mm512_setzero_si512();
+            for (int p = 0; p < np; p++)
+                iacc[r][p] = _mm512_setzero_si512();
         for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            const __m512i v = _mm512_load_si512((const void *)wp);
+            __m512i v[QQ_NP];
+            for (int p = 0; p < np; p++)
+                v[p] = _mm512_load_si512((const void *)(wp + p * t->panel_ld));
             for (int s = 0; s < substeps; s++) {
-                const __m512i wu = unpack_biased(v, bits, s);
+                __m512i wu[QQ_NP];
+                for (int p = 0; p < np; p++)
+                    wu[p] = unpack_biased(v[p], bits, s);
                 for (int r = 0; r < mr; r++) {
                     const __m512i a4 = _mm512_set1_epi32(qd_load_i32(t->a + r * t->lda + k0 + 4 * s));
-                    iacc[r] = _mm512_dpbusd_epi32(iacc[r], wu, a4);
+                    for (int p = 0; p < np; p++)
+                        iacc[r][p] = dpbusd(iacc[r][p], wu[p], a4);
                 }
             }
         }
-        for (int r = 0; r < mr; r++)
-            iacc[r] = _mm512_sub_epi32(iacc[r], _mm512_set1_epi32(
-                qd_bias_correction(bits, t->a_rowsum[r * t->rowsum_ld + g])));
+        for (int r = 0; r < mr; r++) {
+            const __m512i corr = _mm512_set1_epi32(
+                qd_bias_correction(bits, t->a_rowsum[r * t->rowsum_ld + g]));
+            for (int p = 0; p < np; p++)
+                iacc[r][p] = _mm512_sub_epi32(iacc[r][p], corr);
+        }
         if (t->out_i32) {
             for (int r = 0; r < mr; r++)
-                _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo, cols, iacc[r]);
+                for (int p = 0; p < np; p++)
+                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, panel_cols(t, p), iacc[r][p]);
             return;
         }
-        const __m512 ws = _mm512_load_ps(t->w_scale + (g / t->w_ratio) * QD_NR);
+        /* One scale product and one fused multiply-add per output and group. */
+        __m512 ws[QQ_NP];
+        for (int p = 0; p < np; p++)
+            ws[p] = _mm512_load_ps(t->w_scale + p * t->w_scale_ld + (g / t->w_ratio) * QD_NR);
         for (int r = 0; r < mr; r++) {
-            const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]));
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r]), s, facc[r]);
+            const __m512 as = _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+            for (int p = 0; p < np; p++)
+                facc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][p]), _mm512_mul_ps(ws[p], as), facc[r][p]);
         }
     }
     for (int r = 0; r < mr; r++)
-        _mm512_mask_storeu_ps(t->out + r * t->ldo, cols, facc[r]);
+        for (int p = 0; p < np; p++)
+            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, panel_cols(t, p), facc[r][p]);
 }
 
-#define QQ_CASE(MR) qq_tile_impl(t, bits, MR)
+#define QQ_CASE(MR) (t->np == 1 ? qq_tile_impl(t, bits, MR, 1) : qq_tile_impl(t, bits, MR, QQ_NP))
 QD_INLINE void qq_tile_bits(const qd_qq_tile *t, const int bits)
 {
     QD_SWITCH_MR(t->mr, QQ_CASE)
@@ -77,6 +110,7 @@ const qd_kernels qd_kernels_avx512vnni = {
     .qq_tile = qq_tile_avx512vnni,
     .fq_tile = qd_fq_tile_avx512,
     .qq_mr = QQ_MR,
+    .qq_np = QQ_NP,
     .fq_mr = QD_FQ_MR_ZMM,
     .needs_rowsum = 1,
 };

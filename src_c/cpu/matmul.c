@@ -94,12 +94,17 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
     if (kern->needs_rowsum && !(rowsums = group_rowsums(a, M, w->k_padded, K, group)))
         return QD_ERR_NO_MEMORY;
 
-    const task_grid grid = make_grid(M, w->n_panels, ROW_BLOCK);
+    /* Tasks are (group of np panels, row block) pairs, row blocks inner: a thread
+     * keeps its panels in L2 while the row blocks pass. */
+    const int np = kern->qq_np > 0 ? kern->qq_np : 1;
+    const int64_t n_groups = (w->n_panels + np - 1) / np;
+    const task_grid grid = make_grid(M, n_groups, ROW_BLOCK);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
 #pragma omp parallel for schedule(static) num_threads(qd_threads_for(ntasks))
     for (int64_t task = 0; task < ntasks; task++) {
-        const int64_t p = task / grid.n_row_blocks, rb = task % grid.n_row_blocks;
+        const int64_t pg = task / grid.n_row_blocks, rb = task % grid.n_row_blocks;
+        const int64_t p = pg * np, n0 = p * QD_NR;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
         qd_qq_tile t = {
             .lda = w->k_padded,
@@ -107,10 +112,13 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
             .a_scale_ld = K / a_block_k,
             .a_ratio = a_block_k / group,
             .panel = w->panels + p * w->panel_bytes,
+            .panel_ld = w->panel_bytes,
+            .np = (int)(w->n_panels - p < np ? w->n_panels - p : np),
             .w_scale = w->panel_scales + p * w->k_groups * QD_NR,
+            .w_scale_ld = w->k_groups * QD_NR,
             .w_ratio = w->block_k / group,
             .bits = w->bits,
-            .nr = (int)(N - p * QD_NR < QD_NR ? N - p * QD_NR : QD_NR),
+            .nr = (int)(N - n0 < np * QD_NR ? N - n0 : np * QD_NR),
             .k = K,
             .group_k = group,
             .ngroups = ngroups,
@@ -122,8 +130,8 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
             t.a = a + m * w->k_padded;
             t.a_rowsum = rowsums ? rowsums + m * ngroups : NULL;
             t.a_scale = a_scales ? a_scales + m * t.a_scale_ld : NULL;
-            t.out = out ? out + m * N + p * QD_NR : NULL;
-            t.out_i32 = out_i32 ? out_i32 + m * N + p * QD_NR : NULL;
+            t.out = out ? out + m * N + n0 : NULL;
+            t.out_i32 = out_i32 ? out_i32 + m * N + n0 : NULL;
             kern->qq_tile(&t);
         }
     }

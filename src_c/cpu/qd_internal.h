@@ -32,7 +32,7 @@ struct qd_packed_weights {
 };
 
 /* One microkernel call of the qq (int8 x int-n) family: up to the kernel's MR rows
- * of A against one panel, all of K.  Groups are group_k long; for each group the
+ * of A against up to its NP consecutive panels, all of K.  Groups are group_k long; for each group the
  * exact int32 dot is scaled by a_scale * w_scale and accumulated in float32.
  * In integer mode (out_i32 != NULL) there is one group and the int32 dot is stored. */
 typedef struct qd_qq_tile {
@@ -43,11 +43,14 @@ typedef struct qd_qq_tile {
     int64_t rowsum_ld;
     const float *a_scale;       /* a_scale[r * a_scale_ld + g / a_ratio] */
     int64_t a_scale_ld, a_ratio;
-    const uint8_t *panel;
-    const float *w_scale;       /* w_scale[(g / w_ratio) * QD_NR + n] */
+    const uint8_t *panel;       /* first panel; panel p at panel + p * panel_ld */
+    int64_t panel_ld;
+    int np;                     /* panels in this call, 1 .. kernel NP */
+    const float *w_scale;       /* w_scale[p * w_scale_ld + (g / w_ratio) * QD_NR + n] */
+    int64_t w_scale_ld;
     int64_t w_ratio;
     int bits;
-    int nr;                     /* valid columns in the panel, 1 .. QD_NR */
+    int nr;                     /* valid columns over the np panels, 1 .. np * QD_NR */
     int64_t k;                  /* logical K */
     int64_t group_k;            /* elements per group */
     int64_t ngroups;
@@ -76,6 +79,7 @@ typedef struct qd_kernels {
     void (*qq_tile)(const qd_qq_tile *t);
     void (*fq_tile)(const qd_fq_tile *t);
     int qq_mr;                  /* rows one qq_tile call handles at most */
+    int qq_np;                  /* panels one qq_tile call handles at most (0: one) */
     int fq_mr;
     int needs_rowsum;           /* qq_tile reads a_rowsum */
 } qd_kernels;
