@@ -9,6 +9,8 @@
 #include "qd_internal.h"
 
 #define ROW_BLOCK 64   /* rows of A that one task runs against a panel held in L2 */
+/* Panels int_matmul packs per task: a whole cache line of each row of b. */
+#define INT_TASK_PANELS 4
 #define FQ_ROW_BYTES (256 << 10)   /* float rows per task: they stay in L2 across panels */
 
 static int64_t gcd64(int64_t a, int64_t b)
@@ -79,10 +81,21 @@ static task_grid make_grid(int64_t M, int64_t n_panels, int64_t row_block)
     return grid;
 }
 
-/* The qq / integer core.  a: padded [M, kp]; a_scales: [M, a_groups] per row or NULL
- * for integer mode (then out_i32 is written). */
-static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_scales,
-                        int64_t a_block_k, const qd_packed_weights *w, float *out, int32_t *out_i32)
+/* What every tile of one qq / integer call shares. */
+typedef struct {
+    const qd_kernels *kern;
+    const qd_packed_weights *w;     /* shape and scales; the panels may lie elsewhere */
+    const int8_t *a;                /* padded [M, kp] */
+    const float *a_scales;          /* [M, a_groups] per row; NULL in integer mode */
+    int32_t *rowsums;
+    int64_t M, K, a_block_k, group, ngroups;
+    int np;                         /* panels per tile */
+    float *out;
+    int32_t *out_i32;
+} qq_plan;
+
+static qd_status plan_qq(qq_plan *pl, const int8_t *a, int64_t M, int64_t K, const float *a_scales,
+                         int64_t a_block_k, const qd_packed_weights *w, float *out, int32_t *out_i32)
 {
     const int ku = QD_KU(w->bits);
     const int64_t group = out_i32 ? K : exact_group(gcd64(a_block_k, w->block_k), ku);
@@ -90,52 +103,71 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
     const qd_kernels *kern = qd_kernels_for(qd_isa_active());
     if (ngroups > 1 && group % ku != 0)
         kern = &qd_kernels_scalar;
-    int32_t *rowsums = NULL;
-    if (kern->needs_rowsum && !(rowsums = group_rowsums(a, M, w->k_padded, K, group)))
+    *pl = (qq_plan){
+        .kern = kern, .w = w, .a = a, .a_scales = a_scales, .M = M, .K = K,
+        .a_block_k = a_block_k, .group = group, .ngroups = ngroups,
+        .np = kern->qq_np > 0 ? kern->qq_np : 1, .out = out, .out_i32 = out_i32,
+    };
+    if (kern->needs_rowsum && !(pl->rowsums = group_rowsums(a, M, w->k_padded, K, group)))
         return QD_ERR_NO_MEMORY;
+    return QD_OK;
+}
 
+/* Rows m0 .. m1 - 1 against the tile's panels from panel p on, read from `panels`. */
+static void run_tiles(const qq_plan *pl, const uint8_t *panels, int64_t p, int64_t m0, int64_t m1)
+{
+    const qd_packed_weights *w = pl->w;
+    const int64_t K = pl->K, N = w->n, n0 = p * QD_NR, ngroups = pl->ngroups;
+    qd_qq_tile t = {
+        .lda = w->k_padded,
+        .rowsum_ld = ngroups,
+        .a_scale_ld = K / pl->a_block_k,
+        .a_ratio = pl->a_block_k / pl->group,
+        .panel = panels,
+        .panel_ld = w->panel_bytes,
+        .np = (int)(w->n_panels - p < pl->np ? w->n_panels - p : pl->np),
+        .w_scale = pl->a_scales ? w->panel_scales + p * w->k_groups * QD_NR : NULL,
+        .w_scale_ld = w->k_groups * QD_NR,
+        .w_ratio = w->block_k / pl->group,
+        .bits = w->bits,
+        .nr = (int)(N - n0 < pl->np * QD_NR ? N - n0 : pl->np * QD_NR),
+        .k = K,
+        .group_k = pl->group,
+        .ngroups = ngroups,
+        .group_units = ngroups == 1 ? w->k_padded / QD_KU(w->bits) : pl->group / QD_KU(w->bits),
+        .ldo = N,
+    };
+    const int mr = pl->kern->qq_mr;
+    for (int64_t m = m0; m < m1; m += mr) {
+        t.mr = (int)(m1 - m < mr ? m1 - m : mr);
+        t.a = pl->a + m * w->k_padded;
+        t.a_rowsum = pl->rowsums ? pl->rowsums + m * ngroups : NULL;
+        t.a_scale = pl->a_scales ? pl->a_scales + m * t.a_scale_ld : NULL;
+        t.out = pl->out ? pl->out + m * N + n0 : NULL;
+        t.out_i32 = pl->out_i32 ? pl->out_i32 + m * N + n0 : NULL;
+        pl->kern->qq_tile(&t);
+    }
+}
+
+/* The qq / integer core over packed weights (integer mode: a_scales NULL, out_i32 written). */
+static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_scales,
+                        int64_t a_block_k, const qd_packed_weights *w, float *out, int32_t *out_i32)
+{
+    qq_plan pl;
+    qd_status st = plan_qq(&pl, a, M, K, a_scales, a_block_k, w, out, out_i32);
+    if (st != QD_OK)
+        return st;
     /* Tasks are (group of np panels, row block) pairs, row blocks inner: a thread
      * keeps its panels in L2 while the row blocks pass. */
-    const int np = kern->qq_np > 0 ? kern->qq_np : 1;
-    const int64_t n_groups = (w->n_panels + np - 1) / np;
-    const task_grid grid = make_grid(M, n_groups, ROW_BLOCK);
+    const task_grid grid = make_grid(M, (w->n_panels + pl.np - 1) / pl.np, ROW_BLOCK);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
-    const int64_t N = w->n;
 #pragma omp parallel for schedule(static) num_threads(qd_threads_for(ntasks))
     for (int64_t task = 0; task < ntasks; task++) {
-        const int64_t pg = task / grid.n_row_blocks, rb = task % grid.n_row_blocks;
-        const int64_t p = pg * np, n0 = p * QD_NR;
+        const int64_t p = task / grid.n_row_blocks * pl.np, rb = task % grid.n_row_blocks;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
-        qd_qq_tile t = {
-            .lda = w->k_padded,
-            .rowsum_ld = ngroups,
-            .a_scale_ld = K / a_block_k,
-            .a_ratio = a_block_k / group,
-            .panel = w->panels + p * w->panel_bytes,
-            .panel_ld = w->panel_bytes,
-            .np = (int)(w->n_panels - p < np ? w->n_panels - p : np),
-            .w_scale = w->panel_scales + p * w->k_groups * QD_NR,
-            .w_scale_ld = w->k_groups * QD_NR,
-            .w_ratio = w->block_k / group,
-            .bits = w->bits,
-            .nr = (int)(N - n0 < np * QD_NR ? N - n0 : np * QD_NR),
-            .k = K,
-            .group_k = group,
-            .ngroups = ngroups,
-            .group_units = ngroups == 1 ? w->k_padded / ku : group / ku,
-            .ldo = N,
-        };
-        for (int64_t m = rb * grid.row_block; m < m_end; m += kern->qq_mr) {
-            t.mr = (int)(m_end - m < kern->qq_mr ? m_end - m : kern->qq_mr);
-            t.a = a + m * w->k_padded;
-            t.a_rowsum = rowsums ? rowsums + m * ngroups : NULL;
-            t.a_scale = a_scales ? a_scales + m * t.a_scale_ld : NULL;
-            t.out = out ? out + m * N + n0 : NULL;
-            t.out_i32 = out_i32 ? out_i32 + m * N + n0 : NULL;
-            kern->qq_tile(&t);
-        }
+        run_tiles(&pl, w->panels + p * w->panel_bytes, p, rb * grid.row_block, m_end);
     }
-    free(rowsums);
+    free(pl.rowsums);
     return QD_OK;
 }
 
@@ -173,22 +205,42 @@ qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *
         return QD_ERR_SHAPE;
     if (K > QD_INT_MATMUL_MAX_K)
         return QD_ERR_K_TOO_LARGE;
-    /* b is [K, N]; the packer wants [N, K]. */
-    int8_t *bt = malloc((size_t)(N * K));
-    if (!bt)
+    /* b comes unpacked: each thread packs one tile's panels at a time into a
+     * buffer that stays in L2 and runs all rows against it, so b is read once
+     * and no packed copy of it is ever written to memory. */
+    qd_packed_weights w;
+    qd_packed_layout(&w, N, K, 8, 1, K);
+    w.panels = NULL;
+    w.panel_scales = NULL;
+    int8_t *ap = padded_rows_s8(a, M, K, w.k_padded);
+    if (!ap)
         return QD_ERR_NO_MEMORY;
-    const int64_t tile = 64;
-    for (int64_t k0 = 0; k0 < K; k0 += tile)
-        for (int64_t n0 = 0; n0 < N; n0 += tile)
-            for (int64_t k = k0; k < K && k < k0 + tile; k++)
-                for (int64_t n = n0; n < N && n < n0 + tile; n++)
-                    bt[n * K + k] = b[k * N + n];
-    qd_packed_weights *w = NULL;
-    qd_status st = qd_pack_weights(bt, N, K, 8, NULL, 1, K, &w);
-    free(bt);
-    if (st == QD_OK)
-        st = qd_int_matmul_packed(a, M, K, w, c);
-    qd_packed_weights_free(w);
+    qq_plan pl;
+    qd_status st = plan_qq(&pl, ap, M, K, NULL, K, &w, NULL, c);
+    const int64_t task_panels = INT_TASK_PANELS / pl.np * pl.np;
+    const int64_t ntasks = (w.n_panels + task_panels - 1) / task_panels;
+    int no_memory = 0;
+    if (st == QD_OK) {
+#pragma omp parallel num_threads(qd_threads_for(ntasks)) reduction(|: no_memory)
+        {
+            uint8_t *buf = qd_aligned_alloc((size_t)(task_panels * w.panel_bytes));
+            no_memory = !buf;
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < ntasks; task++) {
+                const int64_t p0 = task * task_panels;
+                const int64_t np = w.n_panels - p0 < task_panels ? w.n_panels - p0 : task_panels;
+                if (!buf)
+                    continue;
+                qd_pack_s8_kn_panels(b, K, N, p0, (int)np, w.panel_bytes, buf);
+                for (int64_t p = p0; p < p0 + np; p += pl.np)
+                    run_tiles(&pl, buf + (p - p0) * w.panel_bytes, p, 0, M);
+            }
+            qd_aligned_free(buf);
+        }
+        st = no_memory ? QD_ERR_NO_MEMORY : QD_OK;
+    }
+    free(pl.rowsums);
+    qd_aligned_free(ap);
     return st;
 }
 

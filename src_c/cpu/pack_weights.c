@@ -36,9 +36,27 @@ qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
     if (st != QD_OK)
         return st;
 
-    qd_packed_weights *pw = calloc(1, sizeof *pw);
+    qd_packed_weights *pw = qd_packed_new(N, K, bits, scales, block_n, block_k);
     if (!pw)
         return QD_ERR_NO_MEMORY;
+    const uint8_t zero = qd_panel_zero_byte(bits);
+#pragma omp parallel for schedule(static) num_threads(qd_threads_for(pw->n_panels))
+    for (int64_t p = 0; p < pw->n_panels; p++) {
+        uint8_t *panel = pw->panels + p * pw->panel_bytes;
+        memset(panel, zero, (size_t)pw->panel_bytes);
+        for (int n = 0; n < QD_NR && p * QD_NR + n < N; n++) {
+            const int8_t *row = w + (p * QD_NR + n) * K;
+            for (int64_t k = 0; k < K; k++)
+                qd_panel_put(panel, bits, k, n, row[k]);
+        }
+    }
+    *out = pw;
+    return QD_OK;
+}
+
+void qd_packed_layout(qd_packed_weights *pw, int64_t N, int64_t K, int bits,
+                      int64_t block_n, int64_t block_k)
+{
     const int ku = QD_KU(bits);
     pw->n = N;
     pw->k = K;
@@ -49,36 +67,31 @@ qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
     pw->n_panels = (N + QD_NR - 1) / QD_NR;
     pw->panel_bytes = pw->k_padded / ku * QD_UNIT_BYTES;
     pw->k_groups = K / block_k;
+}
+
+qd_packed_weights *qd_packed_new(int64_t N, int64_t K, int bits, const float *scales,
+                                 int64_t block_n, int64_t block_k)
+{
+    qd_packed_weights *pw = calloc(1, sizeof *pw);
+    if (!pw)
+        return NULL;
+    qd_packed_layout(pw, N, K, bits, block_n, block_k);
     const int64_t grid = (N / block_n) * pw->k_groups;
     pw->panels = qd_aligned_alloc((size_t)(pw->n_panels * pw->panel_bytes));
     pw->panel_scales = qd_aligned_alloc((size_t)(pw->n_panels * pw->k_groups * QD_NR) * sizeof(float));
     pw->scales = malloc((size_t)grid * sizeof(float));
     if (!pw->panels || !pw->panel_scales || !pw->scales) {
         qd_packed_weights_free(pw);
-        return QD_ERR_NO_MEMORY;
+        return NULL;
     }
     for (int64_t i = 0; i < grid; i++)
         pw->scales[i] = scales ? scales[i] : 1.0f;
-
-    const uint8_t zero = qd_panel_zero_byte(bits);
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(pw->n_panels))
-    for (int64_t p = 0; p < pw->n_panels; p++) {
-        uint8_t *panel = pw->panels + p * pw->panel_bytes;
-        float *pscale = pw->panel_scales + p * pw->k_groups * QD_NR;
-        memset(panel, zero, (size_t)pw->panel_bytes);
-        for (int n = 0; n < QD_NR; n++) {
-            const int64_t col = p * QD_NR + n;
-            for (int64_t g = 0; g < pw->k_groups; g++)
-                pscale[g * QD_NR + n] = col < N ? pw->scales[(col / block_n) * pw->k_groups + g] : 0.0f;
-            if (col >= N)
-                continue;
-            const int8_t *row = w + col * K;
-            for (int64_t k = 0; k < K; k++)
-                qd_panel_put(panel, bits, k, n, row[k]);
-        }
+    for (int64_t col = 0; col < pw->n_panels * QD_NR; col++) {
+        float *pscale = pw->panel_scales + (col / QD_NR) * pw->k_groups * QD_NR + col % QD_NR;
+        for (int64_t g = 0; g < pw->k_groups; g++)
+            pscale[g * QD_NR] = col < N ? pw->scales[(col / block_n) * pw->k_groups + g] : 0.0f;
     }
-    *out = pw;
-    return QD_OK;
+    return pw;
 }
 
 void qd_packed_weights_free(qd_packed_weights *pw)

@@ -31,6 +31,18 @@ struct qd_packed_weights {
     float *scales;              /* the original grid [N/block_n, K/block_k] */
 };
 
+/* The shape fields of packed weights (no buffers). */
+void qd_packed_layout(qd_packed_weights *pw, int64_t N, int64_t K, int bits,
+                      int64_t block_n, int64_t block_k);
+/* A packed-weights object with its scales laid out (NULL scales: all 1) and its
+ * panels allocated but not written; NULL when out of memory. */
+qd_packed_weights *qd_packed_new(int64_t N, int64_t K, int bits, const float *scales,
+                                 int64_t block_n, int64_t block_k);
+/* Panels p0 .. p0 + np - 1 of int8 B [K, N] (row-major, the right operand of a
+ * plain matmul) taken as 8-bit weights [N, K]; panel i goes to dst + i * panel_bytes. */
+void qd_pack_s8_kn_panels(const int8_t *b, int64_t K, int64_t N, int64_t p0, int np,
+                          int64_t panel_bytes, uint8_t *dst);
+
 /* One microkernel call of the qq (int8 x int-n) family: up to the kernel's MR rows
  * of A against up to its NP consecutive panels, all of K.  Groups are group_k long; for each group the
  * exact int32 dot is scaled by a_scale * w_scale and accumulated in float32.
