@@ -3,6 +3,14 @@
 #include "simd_ymm.h"
 #include "fq_common.h"
 
+/* acc += dot4(w, a) in place: through the intrinsic GCC copies the accumulators
+ * every k-step. */
+QD_INLINE __m256i dpbusd(__m256i acc, __m256i w, __m256i a)
+{
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(a));
+    return acc;
+}
+
 QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
 {
     const int ku = QD_KU(bits), substeps = 8 / bits;
@@ -22,8 +30,8 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
                 const __m256i w_hi = qd_ymm_unpack_biased(v_hi, bits, s);
                 for (int r = 0; r < mr; r++) {
                     const __m256i a4 = _mm256_set1_epi32(qd_load_i32(t->a + r * t->lda + k0 + 4 * s));
-                    lo[r] = _mm256_dpbusd_avx_epi32(lo[r], w_lo, a4);
-                    hi[r] = _mm256_dpbusd_avx_epi32(hi[r], w_hi, a4);
+                    lo[r] = dpbusd(lo[r], w_lo, a4);
+                    hi[r] = dpbusd(hi[r], w_hi, a4);
                 }
             }
         }
