@@ -274,6 +274,14 @@ qd_status qd_qq_matmul(const int8_t *a, int64_t M, int64_t K, const float *a_sca
     return st;
 }
 
+static int row_finite(const float *x, int64_t n)
+{
+    int finite = 1;
+    for (int64_t i = 0; i < n; i++)
+        finite &= isfinite(x[i]) != 0;
+    return finite;
+}
+
 qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value_kind,
                              int64_t act_block_k, const qd_packed_weights *w, float *out)
 {
@@ -287,9 +295,6 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
         return QD_ERR_SCHEME;
     if (act_block_k <= 0 || K % act_block_k)
         return QD_ERR_SHAPE;
-    for (int64_t i = 0; i < M * K; i++)
-        if (!isfinite(x[i]))
-            return QD_ERR_NOT_FINITE;
     const int64_t kp = w->k_padded, a_groups = K / act_block_k;
     int8_t *ap = qd_aligned_alloc((size_t)(M * kp));
     float *scales = malloc((size_t)(M * a_groups) * sizeof(float));
@@ -298,9 +303,15 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
         free(scales);
         return QD_ERR_NO_MEMORY;
     }
-    int overflow = 0;
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(M * K / 65536 + 1)) reduction(|: overflow)
+    /* The finiteness check runs per row inside the parallel loop, while the row is
+     * in cache; a row that fails is not quantized. */
+    int overflow = 0, not_finite = 0;
+#pragma omp parallel for schedule(static) num_threads(qd_threads_for(M * K / 65536 + 1)) reduction(|: overflow, not_finite)
     for (int64_t m = 0; m < M; m++) {
+        if (!row_finite(x + m * K, K)) {
+            not_finite = 1;
+            continue;
+        }
         for (int64_t g = 0; g < a_groups; g++) {
             const float *seg = x + m * K + g * act_block_k;
             const float s = qd_segment_scale(seg, act_block_k, lo, hi);
@@ -310,7 +321,7 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
         }
         memset(ap + m * kp + K, 0, (size_t)(kp - K));
     }
-    st = overflow ? QD_ERR_SCALE_OVERFLOW : run_qq(ap, M, K, scales, act_block_k, w, out, NULL);
+    st = not_finite ? QD_ERR_NOT_FINITE : overflow ? QD_ERR_SCALE_OVERFLOW : run_qq(ap, M, K, scales, act_block_k, w, out, NULL);
     qd_aligned_free(ap);
     free(scales);
     return st;
