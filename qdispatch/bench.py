@@ -299,7 +299,9 @@ def _ort(signed):
         graph = helper.make_graph([node], "matmul_integer",
                                   [helper.make_tensor_value_info("A", elem, list(a.shape))],
                                   [helper.make_tensor_value_info("Y", TensorProto.INT32, None)], inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        # IR version 8 with opset 13: readable by every onnxruntime since 1.10, whatever
+        # newer IR version the installed onnx package would stamp by default
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
         options = ort.SessionOptions()
         options.intra_op_num_threads = case.threads
         options.inter_op_num_threads = 1

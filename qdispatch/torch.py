@@ -43,8 +43,13 @@ _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bflo
 def from_torch(x, device=None):
     """A qdispatch Tensor sharing x's memory (host memory, or CUDA memory when
     the cuda backend is built).  A CPU tensor goes to `device` if that is a host
-    device, else to the default backend; both views share x's memory."""
-    return tensor_api.from_dlpack(x.detach(), device=device)
+    device, else to the default backend; both views share x's memory.  A strided
+    x (an expanded gradient, say) is copied to dense rows first: the kernels read
+    rows."""
+    x = x.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return tensor_api.from_dlpack(x, device=device)
 
 
 def to_torch(t):

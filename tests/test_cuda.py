@@ -339,3 +339,22 @@ def test_dlpack_out_on_torch_side_stream(rng):
     xt = torch.from_numpy(x).cuda()
     out2 = qd.q_matmul(qd.from_dlpack(xt), wq.T)
     np.testing.assert_array_equal(out2.numpy(), out.numpy())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("value,block", [("q8s", 16), ("q4f", 32), ("q2f", 64)])
+@pytest.mark.parametrize("K", [32, 96])
+def test_fq_padded_chunks_past_k_stay_finite(rng, value, block, K):
+    """Rows are zero padded past K; the padding must never pick up a scale from
+    beyond the last row's scale grid (a NaN there turned 0 * scale into NaN)."""
+    if K % block:
+        pytest.skip("block does not divide K")
+    store = "native" if value == "q8s" else "packed_u32"
+    scheme = qd.QuantScheme(value, block=block, store=store)
+    w = rng.standard_normal((1, K)).astype(np.float32)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    for _ in range(3):  # fresh allocations each time, whatever lies past them
+        got = qd.q_matmul(x, qd.quantize(w, scheme, device="cuda").T).numpy()
+        want = qd.q_matmul(x, qd.quantize(w, scheme, device="reference").T).numpy()
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

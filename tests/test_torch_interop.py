@@ -1,7 +1,4 @@
 """qdispatch.torch: q_matmul as an autograd.Function, QLinear, DLPack crossings."""
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -10,6 +7,7 @@ torch = pytest.importorskip("torch")
 import qdispatch as qd  # noqa: E402
 from qdispatch import BackendMismatchError, QuantScheme, ShapeError  # noqa: E402
 from qdispatch.torch import QLinear, from_torch, q_matmul, to_torch  # noqa: E402
+from helpers import run_python  # noqa: E402
 
 DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
 
@@ -31,7 +29,8 @@ def dequantized(w, dtype=torch.float32):
 
 def test_importing_qdispatch_does_not_import_torch():
     code = "import sys, qdispatch; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    out = run_python("-c", code)
+    assert out.returncode == 0, out.stderr
 
 
 # ---- forward and backward --------------------------------------------------------

@@ -138,7 +138,9 @@ __device__ __forceinline__ void step(const Tile &tl, int64_t k_step, int64_t chu
         const int64_t kc = k_step + j * CH;
         uint32_t a[3][Q][4];
         const bool split = x_parts<BITS, MT>(tl, kc + t * PER, g, a);
-        const unsigned kb = tl.sc.per_chunk ? (unsigned)kc / (unsigned)tl.sc.bk : 0u;
+        // Chunks past K (rows are zero padded to whole steps) reuse the last block's
+        // scale: reading past the scale row could meet a NaN, and NaN * 0 is NaN.
+        const unsigned kb = tl.sc.per_chunk ? min((unsigned)kc / (unsigned)tl.sc.bk, (unsigned)tl.sc.ld - 1u) : 0u;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             const uint32_t wb = wj[nt][j] ^ FLIP;

@@ -7,7 +7,10 @@ namespace qd {
 struct FqScales {
     const float *s; int64_t ld, bn, bk;
     bool per_chunk;  // more than one scale block along K
-    __device__ float at(int64_t n, int64_t k) const { return s[(n / bn) * ld + (per_chunk ? k / bk : 0)]; }
+    // k past K (zero padding) reads the last block's scale, never past the row.
+    __device__ float at(int64_t n, int64_t k) const {
+        return s[(n / bn) * ld + (per_chunk ? min(k / bk, ld - 1) : 0)];
+    }
 };
 
 // 1 when the current device runs the tensor-core path.

@@ -71,6 +71,7 @@ __global__ void scale_kernel(float *scales, int64_t n, float range, int scale_dt
          i += (int64_t)gridDim.x * blockDim.x) {
         float amax = scales[i];
         float s = amax == 0.0f ? 1.0f : __fdiv_rn(__fmul_rn(2.0f, amax), range);
+        if (s == 0.0f) s = 0x1p-149f;  // a tiny amax underflows: rounding up gives the smallest subnormal
         s = round_up(s, scale_dtype);
         if (!isfinite(s)) atomicMin(bad, (unsigned long long)i);
         scales[i] = s;
