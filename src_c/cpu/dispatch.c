@@ -75,6 +75,18 @@ const qd_kernels *qd_kernels_for(qd_isa isa)
     }
 }
 
+const qd_quant_kernels *qd_quant_kernels_active(void)
+{
+    switch (qd_isa_active()) {
+#if defined(__x86_64__) || defined(_M_X64)
+    case QD_ISA_AVX2:
+    case QD_ISA_AVXVNNI: return &qd_quant_kernels_avx2;
+    case QD_ISA_AVX512VNNI: return &qd_quant_kernels_avx512vnni;
+#endif
+    default: return &qd_quant_kernels_base;
+    }
+}
+
 /* -1: no override.  Written with atomics so concurrent readers see a whole value. */
 static int isa_override = -1;
 

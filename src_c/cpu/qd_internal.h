@@ -106,6 +106,22 @@ extern const qd_kernels qd_kernels_avx512vnni;
 extern const qd_kernels qd_kernels_neon;
 #endif
 
+/* Quantize kernels of one ISA.  absmax_bits: the largest |x| as float bits, at
+ * or above 0x7F800000 when x holds NaN or Inf.  quantize: q = clamp(rint(x /
+ * scale), lo, hi) by the pinned formula (x finite). */
+typedef struct qd_quant_kernels {
+    uint32_t (*absmax_bits)(const float *x, int64_t n);
+    void (*quantize)(const float *x, int64_t n, float lo, float hi, float scale, int8_t *q);
+} qd_quant_kernels;
+
+extern const qd_quant_kernels qd_quant_kernels_base;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const qd_quant_kernels qd_quant_kernels_avx2;
+extern const qd_quant_kernels qd_quant_kernels_avx512vnni;
+#endif
+/* The quantize kernels of the active ISA. */
+const qd_quant_kernels *qd_quant_kernels_active(void);
+
 /* The kernel table of an ISA (must be built). */
 const qd_kernels *qd_kernels_for(qd_isa isa);
 /* Raw CPU feature check, without looking at what was built. */

@@ -2,6 +2,7 @@
  * specification: float32 scale 2*amax/(hi-lo), stored rounded up in its dtype,
  * IEEE division by the stored scale, round half to even, clamp. */
 #include <math.h>
+#include <stdlib.h>
 #include "qd_internal.h"
 #include "half_convert.h"
 
@@ -15,29 +16,9 @@ qd_status qd_value_range(int value_kind, int *lo, int *hi)
     return QD_OK;
 }
 
-/* rint for |y| <= 2^22 in the default rounding mode (half to even), without a
- * libm call: adding 1.5 * 2^23 pushes the fraction bits out. */
-static inline float round_half_even(float y)
-{
-    const float magic = 12582912.0f;
-    return (y + magic) - magic;
-}
-
-static inline int8_t quantize_one(float x, float scale, float lo, float hi)
-{
-    float y = x / scale;                 /* true IEEE division, never a reciprocal */
-    y = y < 256.0f ? y : 256.0f;         /* clamping first keeps the magic rounding valid */
-    y = y > -256.0f ? y : -256.0f;
-    y = round_half_even(y);
-    y = y < hi ? y : hi;
-    y = y > lo ? y : lo;
-    return (int8_t)y;
-}
-
 void qd_quantize_segment(const float *x, int64_t n, int lo, int hi, float scale, int8_t *q)
 {
-    for (int64_t i = 0; i < n; i++)
-        q[i] = quantize_one(x[i], scale, (float)lo, (float)hi);
+    qd_quant_kernels_active()->quantize(x, n, (float)lo, (float)hi, scale, q);
 }
 
 static float scale_from_amax(float amax, int lo, int hi)
@@ -51,12 +32,7 @@ static float scale_from_amax(float amax, int lo, int hi)
 
 float qd_segment_scale(const float *x, int64_t n, int lo, int hi)
 {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        const float a = fabsf(x[i]);
-        amax = a > amax ? a : amax;
-    }
-    return scale_from_amax(amax, lo, hi);
+    return scale_from_amax(qd_bits_f32(qd_quant_kernels_active()->absmax_bits(x, n)), lo, hi);
 }
 
 /* The smallest value of the dtype that is >= scale; returns 0 on overflow. */
@@ -87,6 +63,31 @@ static int64_t first_non_finite(const float *x, int64_t n)
     return -1;
 }
 
+#define NON_FINITE_BITS 0x7F800000u
+
+/* Many blocks: one task per block, its absmax and its quantize pass over data
+ * still in cache.  Returns 1 when the block holds NaN or Inf. */
+static int quantize_block(const qd_quant_kernels *kern, const float *x, int64_t cols,
+                          int64_t r0, int64_t c0, int64_t block_rows, int64_t block_cols,
+                          int lo, int hi, int scale_dtype, float *scale, int *overflow, int8_t *q)
+{
+    uint32_t amax = 0;
+    for (int64_t r = r0; r < r0 + block_rows; r++) {
+        const uint32_t m = kern->absmax_bits(x + r * cols + c0, block_cols);
+        amax = m > amax ? m : amax;
+    }
+    if (amax >= NON_FINITE_BITS)
+        return 1;
+    float stored;
+    *overflow = !store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, &stored);
+    if (*overflow)
+        return 0;
+    *scale = stored;
+    for (int64_t r = r0; r < r0 + block_rows; r++)
+        kern->quantize(x + r * cols + c0, block_cols, (float)lo, (float)hi, stored, q + r * cols + c0);
+    return 0;
+}
+
 qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
                           int64_t block_rows, int64_t block_cols, int scale_dtype,
                           float *scales, int8_t *q, int64_t *bad_index)
@@ -101,35 +102,61 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
     if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 ||
         rows % block_rows || cols % block_cols)
         return QD_ERR_SHAPE;
-    const int64_t bad = first_non_finite(x, rows * cols);
-    if (bad >= 0) {
-        if (bad_index)
-            *bad_index = bad;
-        return QD_ERR_NOT_FINITE;
-    }
+    const qd_quant_kernels *kern = qd_quant_kernels_active();
     const int64_t grid_rows = rows / block_rows, grid_cols = cols / block_cols;
     const int64_t nblocks = grid_rows * grid_cols;
+    const int threads = qd_threads_for(rows * cols / 65536 + 1);
     int64_t overflow_at = -1;
+    int not_finite = 0;
 
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(nblocks * block_rows * block_cols / 65536 + 1))
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t r0 = (b / grid_cols) * block_rows, c0 = (b % grid_cols) * block_cols;
-        float amax = 0.0f;
-        for (int64_t r = r0; r < r0 + block_rows; r++)
-            for (int64_t c = c0; c < c0 + block_cols; c++) {
-                const float a = fabsf(x[r * cols + c]);
-                amax = a > amax ? a : amax;
-            }
-        float stored;
-        if (!store_scale_rounded_up(scale_from_amax(amax, lo, hi), scale_dtype, &stored)) {
+    if (nblocks >= 4 * threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(|: not_finite)
+        for (int64_t b = 0; b < nblocks; b++) {
+            int overflow = 0;
+            not_finite |= quantize_block(kern, x, cols, (b / grid_cols) * block_rows,
+                                         (b % grid_cols) * block_cols, block_rows, block_cols,
+                                         lo, hi, scale_dtype, &scales[b], &overflow, q);
+            if (overflow) {
 #pragma omp critical(qd_quantize_overflow)
-            if (overflow_at < 0 || b < overflow_at)
-                overflow_at = b;
-            continue;
+                if (overflow_at < 0 || b < overflow_at)
+                    overflow_at = b;
+            }
         }
-        scales[b] = stored;
-        for (int64_t r = r0; r < r0 + block_rows; r++)
-            qd_quantize_segment(x + r * cols + c0, block_cols, lo, hi, stored, q + r * cols + c0);
+    } else {
+        /* Few large blocks (per tensor, say): absmax of every row segment in
+         * parallel, the scales from those, then the quantize pass in parallel. */
+        uint32_t *seg_max = malloc((size_t)(rows * grid_cols) * sizeof(uint32_t));
+        if (!seg_max)
+            return QD_ERR_NO_MEMORY;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t i = 0; i < rows * grid_cols; i++)
+            seg_max[i] = kern->absmax_bits(x + (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols);
+        for (int64_t b = 0; b < nblocks && !not_finite && overflow_at < 0; b++) {
+            const int64_t r0 = (b / grid_cols) * block_rows, gc = b % grid_cols;
+            uint32_t amax = 0;
+            for (int64_t r = r0; r < r0 + block_rows; r++)
+                amax = seg_max[r * grid_cols + gc] > amax ? seg_max[r * grid_cols + gc] : amax;
+            if (amax >= NON_FINITE_BITS)
+                not_finite = 1;
+            else if (!store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, &scales[b]))
+                overflow_at = b;
+        }
+        free(seg_max);
+        if (!not_finite && overflow_at < 0) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t i = 0; i < rows * grid_cols; i++) {
+                const int64_t r = i / grid_cols, gc = i % grid_cols;
+                const int64_t off = r * cols + gc * block_cols;
+                kern->quantize(x + off, block_cols, (float)lo, (float)hi,
+                               scales[(r / block_rows) * grid_cols + gc], q + off);
+            }
+        }
+    }
+    /* NaN or Inf wins over an overflowing scale, and names its first flat index. */
+    if (not_finite) {
+        if (bad_index)
+            *bad_index = first_non_finite(x, rows * cols);
+        return QD_ERR_NOT_FINITE;
     }
     if (overflow_at >= 0) {
         if (bad_index)
