@@ -5,21 +5,100 @@
 #include "qd_internal.h"
 #include "panel_layout.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+
+/* Weights are packed 16 rows x 16 k at a time: sixteen 16-byte loads, a 4-byte
+ * granular transpose into four 8-bit units (k quads t = 0..3), then for 4 and 2
+ * bits the quads are biased and merged into 2 or 1 sub-byte units.  Each row is
+ * read sequentially and each panel written once, in order. */
+typedef struct {
+    __m128i v[4][4];   /* [quad t][columns 4c..4c+3] */
+} quads;
+
+/* rows[n] + k0: 16 bytes of row n (rows past N and bytes past K read as 0). */
+static void load_transposed(const int8_t *w, int64_t K, int nrows, int64_t row0, int64_t k0, quads *out)
+{
+    __m128i r[QD_NR];
+    if (nrows == QD_NR && k0 + 16 <= K) {
+        for (int n = 0; n < QD_NR; n++)
+            r[n] = _mm_loadu_si128((const __m128i *)(w + (row0 + n) * K + k0));
+    } else {
+        int8_t tile[QD_NR][16] = {{0}};
+        const int64_t kn = K - k0 < 16 ? K - k0 : 16;
+        for (int n = 0; n < nrows; n++)
+            memcpy(tile[n], w + (row0 + n) * K + k0, (size_t)kn);
+        for (int n = 0; n < QD_NR; n++)
+            r[n] = _mm_loadu_si128((const __m128i *)tile[n]);
+    }
+    /* Rows 4c..4c+3: a 4 x 4 transpose of dwords gives quad t's bytes for them. */
+    for (int c = 0; c < 4; c++) {
+        const __m128i a = r[4 * c], b = r[4 * c + 1], d = r[4 * c + 2], e = r[4 * c + 3];
+        const __m128i ab_lo = _mm_unpacklo_epi32(a, b), ab_hi = _mm_unpackhi_epi32(a, b);
+        const __m128i de_lo = _mm_unpacklo_epi32(d, e), de_hi = _mm_unpackhi_epi32(d, e);
+        out->v[0][c] = _mm_unpacklo_epi64(ab_lo, de_lo);
+        out->v[1][c] = _mm_unpackhi_epi64(ab_lo, de_lo);
+        out->v[2][c] = _mm_unpacklo_epi64(ab_hi, de_hi);
+        out->v[3][c] = _mm_unpackhi_epi64(ab_hi, de_hi);
+    }
+}
+
+/* Packs one panel; returns nonzero when a value does not fit in `bits`. */
+static int pack_panel(const int8_t *w, int64_t N, int64_t K, int bits, int64_t p,
+                      int64_t panel_units, uint8_t *panel)
+{
+    const int64_t row0 = p * QD_NR;
+    const int nrows = N - row0 < QD_NR ? (int)(N - row0) : QD_NR;
+    const int per_unit = 8 / bits;                   /* quads merged into one unit */
+    const __m128i bias = _mm_set1_epi8((char)(bits == 8 ? 0 : 1 << (bits - 1)));
+    const __m128i field = _mm_set1_epi8((char)((1 << bits) - 1));
+    __m128i outside = _mm_setzero_si128();
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        quads t;
+        load_transposed(w, K, nrows, row0, k0, &t);
+        for (int i = 0; i < 4 / per_unit; i++) {
+            const int64_t unit = k0 / QD_KU(bits) + i;
+            if (unit >= panel_units)
+                break;
+            __m128i *dst = (__m128i *)(panel + unit * QD_UNIT_BYTES);
+            for (int c = 0; c < 4; c++) {
+                __m128i acc = bits == 8 ? t.v[i][c] : _mm_setzero_si128();
+                for (int s = 0; bits != 8 && s < per_unit; s++) {
+                    /* Biased values outside the field mark out-of-range input; the
+                     * masked field shifted inside its 16-bit lane never crosses a byte. */
+                    const __m128i v = _mm_add_epi8(t.v[i * per_unit + s][c], bias);
+                    outside = _mm_or_si128(outside, _mm_andnot_si128(field, v));
+                    acc = _mm_or_si128(acc, _mm_slli_epi16(_mm_and_si128(v, field), s * bits));
+                }
+                _mm_store_si128(dst + c, acc);
+            }
+        }
+    }
+    return _mm_movemask_epi8(_mm_cmpeq_epi8(outside, _mm_setzero_si128())) != 0xFFFF;
+}
+#else
 static int value_fits(int v, int bits)
 {
     const int lo = -(1 << (bits - 1)), hi = (1 << (bits - 1)) - 1;
     return v >= lo && v <= hi;
 }
 
-static qd_status check_values(const int8_t *w, int64_t count, int bits)
+/* Portable fallback: one element at a time. */
+static int pack_panel(const int8_t *w, int64_t N, int64_t K, int bits, int64_t p,
+                      int64_t panel_units, uint8_t *panel)
 {
-    if (bits == 8)
-        return QD_OK;
-    for (int64_t i = 0; i < count; i++)
-        if (!value_fits(w[i], bits))
-            return QD_ERR_ARGUMENT;
-    return QD_OK;
+    int outside = 0;
+    memset(panel, qd_panel_zero_byte(bits), (size_t)(panel_units * QD_UNIT_BYTES));
+    for (int n = 0; n < QD_NR && p * QD_NR + n < N; n++) {
+        const int8_t *row = w + (p * QD_NR + n) * K;
+        for (int64_t k = 0; k < K; k++) {
+            outside |= !value_fits(row[k], bits);
+            qd_panel_put(panel, bits, k, n, row[k]);
+        }
+    }
+    return outside;
 }
+#endif
 
 qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
                           const float *scales, int64_t block_n, int64_t block_k,
@@ -32,23 +111,18 @@ qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
         return QD_ERR_SCHEME;
     if (N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
         return QD_ERR_SHAPE;
-    qd_status st = check_values(w, N * K, bits);
-    if (st != QD_OK)
-        return st;
-
     qd_packed_weights *pw = qd_packed_new(N, K, bits, scales, block_n, block_k);
     if (!pw)
         return QD_ERR_NO_MEMORY;
-    const uint8_t zero = qd_panel_zero_byte(bits);
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(pw->n_panels))
-    for (int64_t p = 0; p < pw->n_panels; p++) {
-        uint8_t *panel = pw->panels + p * pw->panel_bytes;
-        memset(panel, zero, (size_t)pw->panel_bytes);
-        for (int n = 0; n < QD_NR && p * QD_NR + n < N; n++) {
-            const int8_t *row = w + (p * QD_NR + n) * K;
-            for (int64_t k = 0; k < K; k++)
-                qd_panel_put(panel, bits, k, n, row[k]);
-        }
+    /* Range errors are found while packing (one pass over w), then reported. */
+    int outside = 0;
+    const int64_t panel_units = pw->panel_bytes / QD_UNIT_BYTES;
+#pragma omp parallel for schedule(static) num_threads(qd_threads_for(N * K / 65536 + 1)) reduction(|: outside)
+    for (int64_t p = 0; p < pw->n_panels; p++)
+        outside |= pack_panel(w, N, K, bits, p, panel_units, pw->panels + p * pw->panel_bytes);
+    if (bits != 8 && outside) {
+        qd_packed_weights_free(pw);
+        return QD_ERR_ARGUMENT;
     }
     *out = pw;
     return QD_OK;
