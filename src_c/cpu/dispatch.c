@@ -87,6 +87,18 @@ const qd_quant_kernels *qd_quant_kernels_active(void)
     }
 }
 
+qd_pack_kn_fn qd_pack_kn_active(void)
+{
+    switch (qd_isa_active()) {
+#if defined(__x86_64__) || defined(_M_X64)
+    case QD_ISA_AVX2:
+    case QD_ISA_AVXVNNI: return qd_pack_kn_avx2;
+    case QD_ISA_AVX512VNNI: return qd_pack_kn_avx512vnni;
+#endif
+    default: return qd_pack_kn_base;
+    }
+}
+
 /* -1: no override.  Written with atomics so concurrent readers see a whole value. */
 static int isa_override = -1;
 

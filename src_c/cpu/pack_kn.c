@@ -4,31 +4,15 @@
 #include <string.h>
 #include "qd_internal.h"
 #include "panel_layout.h"
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
+#include "pack_kn_common.h"
 
-/* Unit u of panel p when all its 4 rows and 16 columns lie inside B. */
-static void pack_full_unit(const int8_t *b, int64_t N, int64_t u, int64_t p, uint8_t *unit)
+/* Units 0 .. units-1 of panels p0 .. p0+np-1, all inside B. */
+static void pack_full(const int8_t *b, int64_t N, int64_t units, int64_t p0, int np,
+                      int64_t panel_bytes, uint8_t *dst)
 {
-    const int8_t *src = b + 4 * u * N + p * QD_NR;
-#if defined(__SSE2__)
-    const __m128i r0 = _mm_loadu_si128((const __m128i *)src);
-    const __m128i r1 = _mm_loadu_si128((const __m128i *)(src + N));
-    const __m128i r2 = _mm_loadu_si128((const __m128i *)(src + 2 * N));
-    const __m128i r3 = _mm_loadu_si128((const __m128i *)(src + 3 * N));
-    /* Bytes of rows 0,1 and 2,3 paired, then the pairs paired: 4 k per column. */
-    const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), hi01 = _mm_unpackhi_epi8(r0, r1);
-    const __m128i lo23 = _mm_unpacklo_epi8(r2, r3), hi23 = _mm_unpackhi_epi8(r2, r3);
-    _mm_store_si128((__m128i *)unit, _mm_unpacklo_epi16(lo01, lo23));
-    _mm_store_si128((__m128i *)(unit + 16), _mm_unpackhi_epi16(lo01, lo23));
-    _mm_store_si128((__m128i *)(unit + 32), _mm_unpacklo_epi16(hi01, hi23));
-    _mm_store_si128((__m128i *)(unit + 48), _mm_unpackhi_epi16(hi01, hi23));
-#else
-    for (int n = 0; n < QD_NR; n++)
-        for (int j = 0; j < 4; j++)
-            unit[n * 4 + j] = (uint8_t)src[j * N + n];
-#endif
+    for (int64_t u = 0; u < units; u++)
+        for (int i = 0; i < np; i++)
+            qd_pack_kn_unit(b, N, u, p0 + i, dst + i * panel_bytes + u * QD_UNIT_BYTES);
 }
 
 /* A unit on the edge of B: zero padding beyond K and N. */
@@ -40,16 +24,16 @@ static void pack_edge_unit(const int8_t *b, int64_t K, int64_t N, int64_t u, int
             unit[n * 4 + j] = (uint8_t)b[(4 * u + j) * N + p * QD_NR + n];
 }
 
+const qd_pack_kn_fn qd_pack_kn_base = pack_full;
+
 void qd_pack_s8_kn_panels(const int8_t *b, int64_t K, int64_t N, int64_t p0, int np,
                           int64_t panel_bytes, uint8_t *dst)
 {
     const int64_t units = (K + 3) / 4, full_units = K / 4, full_panels = N / QD_NR;
-    for (int64_t u = 0; u < units; u++)
-        for (int i = 0; i < np; i++) {
-            uint8_t *unit = dst + i * panel_bytes + u * QD_UNIT_BYTES;
-            if (u < full_units && p0 + i < full_panels)
-                pack_full_unit(b, N, u, p0 + i, unit);
-            else
-                pack_edge_unit(b, K, N, u, p0 + i, unit);
-        }
+    const int nfull = p0 >= full_panels ? 0 : full_panels - p0 < np ? (int)(full_panels - p0) : np;
+    /* The inside of B by the ISA's kernel, then the edges element by element. */
+    qd_pack_kn_active()(b, N, full_units, p0, nfull, panel_bytes, dst);
+    for (int i = 0; i < np; i++)
+        for (int64_t u = i < nfull ? full_units : 0; u < units; u++)
+            pack_edge_unit(b, K, N, u, p0 + i, dst + i * panel_bytes + u * QD_UNIT_BYTES);
 }

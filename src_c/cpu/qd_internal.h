@@ -122,6 +122,17 @@ extern const qd_quant_kernels qd_quant_kernels_avx512vnni;
 /* The quantize kernels of the active ISA. */
 const qd_quant_kernels *qd_quant_kernels_active(void);
 
+/* Packs units 0 .. units-1 of panels p0 .. p0+np-1 of row-major int8 B [K, N],
+ * all inside B, into dst (panel i at dst + i * panel_bytes). */
+typedef void (*qd_pack_kn_fn)(const int8_t *b, int64_t N, int64_t units, int64_t p0, int np,
+                              int64_t panel_bytes, uint8_t *dst);
+extern const qd_pack_kn_fn qd_pack_kn_base;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const qd_pack_kn_fn qd_pack_kn_avx2;
+extern const qd_pack_kn_fn qd_pack_kn_avx512vnni;
+#endif
+qd_pack_kn_fn qd_pack_kn_active(void);
+
 /* The kernel table of an ISA (must be built). */
 const qd_kernels *qd_kernels_for(qd_isa isa);
 /* Raw CPU feature check, without looking at what was built. */
