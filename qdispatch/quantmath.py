@@ -128,18 +128,23 @@ def pack_u32(values: np.ndarray, bits: int) -> np.ndarray:
     per_word = 32 // bits
     n = values.shape[-1]
     words = -(-n // per_word)
-    padded = np.zeros(values.shape[:-1] + (words * per_word,), dtype=np.uint32)
-    padded[..., :n] = values.astype(np.int32).astype(np.uint32) & np.uint32((1 << bits) - 1)
-    lanes = padded.reshape(values.shape[:-1] + (words, per_word))
-    shifts = (np.arange(per_word, dtype=np.uint32) * np.uint32(bits))
-    return np.bitwise_or.reduce(lanes << shifts, axis=-1).astype(np.uint32)
+    lanes = np.zeros(values.shape[:-1] + (words * per_word,), dtype=np.uint8)
+    lanes[..., :n] = values.view(np.uint8) & np.uint8((1 << bits) - 1)
+    lanes = lanes.reshape(values.shape[:-1] + (words, per_word))
+    # One OR per lane position keeps the temporaries at the size of the output.
+    out = lanes[..., 0].astype(np.uint32)
+    for i in range(1, per_word):
+        out |= lanes[..., i].astype(np.uint32) << np.uint32(bits * i)
+    return out
 
 
 def unpack_u32(words: np.ndarray, bits: int, n: int) -> np.ndarray:
     """Inverse of pack_u32 for a last dim of n values."""
     per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
-    fields = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    fields = fields.reshape(words.shape[:-1] + (-1,))[..., :n].astype(np.int32)
-    sign = 1 << (bits - 1)
-    return ((fields ^ sign) - sign).astype(np.int8)
+    out = np.empty(words.shape + (per_word,), dtype=np.int8)
+    up = np.uint32(8 - bits)
+    for i in range(per_word):
+        # move the field to the top of a byte, then an arithmetic shift sign-extends it
+        field = ((words >> np.uint32(bits * i)) << up).astype(np.uint8).view(np.int8)
+        out[..., i] = field >> np.int8(8 - bits)
+    return out.reshape(words.shape[:-1] + (-1,))[..., :n]
