@@ -52,9 +52,11 @@ __device__ __forceinline__ uint32_t weight_pair(uint32_t wb, int i) {
         return pack_bf16(lo, hi);
     } else {
         constexpr uint32_t mask = ((1u << BITS) - 1u) * 0x00010001u;
-        constexpr uint32_t bias = (0x4300u + (1u << (BITS - 1))) * 0x00010001u;  // 128 + half
+        constexpr uint32_t neg_bias = (0xC300u + (1u << (BITS - 1))) * 0x00010001u;  // -(128 + half)
+        constexpr uint32_t one = 0x3F803F80u;  // bf16 1.0 in both halves
         uint32_t v = ((wb >> (BITS * i)) & mask) | 0x43004300u, r;
-        asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(bias));
+        // v * 1 - bias: exact; fma.bf16x2 exists from sm_80 on (sub.bf16x2 only from sm_90)
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(neg_bias));
         return r;
     }
 }
