@@ -92,19 +92,7 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, c
 }
 
 #define QQ_CASE(MR) (t->np == 1 ? qq_tile_impl(t, bits, MR, 1) : qq_tile_impl(t, bits, MR, QQ_NP))
-QD_INLINE void qq_tile_bits(const qd_qq_tile *t, const int bits)
-{
-    QD_SWITCH_MR(t->mr, QQ_CASE)
-}
-
-static void qq_tile_avx512vnni(const qd_qq_tile *t)
-{
-    switch (t->bits) {
-    case 8: qq_tile_bits(t, 8); break;
-    case 4: qq_tile_bits(t, 4); break;
-    default: qq_tile_bits(t, 2); break;
-    }
-}
+QD_DEFINE_QQ_TILE(qq_tile_avx512vnni, QQ_CASE)
 
 const qd_kernels qd_kernels_avx512vnni = {
     .qq_tile = qq_tile_avx512vnni,

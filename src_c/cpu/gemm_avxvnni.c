@@ -42,19 +42,7 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
 }
 
 #define QQ_CASE(MR) qq_tile_impl(t, bits, (MR) > QD_YMM_QQ_MR ? QD_YMM_QQ_MR : (MR))
-QD_INLINE void qq_tile_bits(const qd_qq_tile *t, const int bits)
-{
-    QD_SWITCH_MR(t->mr, QQ_CASE)
-}
-
-static void qq_tile_avxvnni(const qd_qq_tile *t)
-{
-    switch (t->bits) {
-    case 8: qq_tile_bits(t, 8); break;
-    case 4: qq_tile_bits(t, 4); break;
-    default: qq_tile_bits(t, 2); break;
-    }
-}
+QD_DEFINE_QQ_TILE(qq_tile_avxvnni, QQ_CASE)
 
 const qd_kernels qd_kernels_avxvnni = {
     .qq_tile = qq_tile_avxvnni,

@@ -65,19 +65,7 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
 }
 
 #define QQ_CASE(MR) qq_tile_impl(t, bits, (MR) > QQ_MR ? QQ_MR : (MR))
-QD_INLINE void qq_tile_bits(const qd_qq_tile *t, const int bits)
-{
-    QD_SWITCH_MR(t->mr, QQ_CASE)
-}
-
-static void qq_tile_neon(const qd_qq_tile *t)
-{
-    switch (t->bits) {
-    case 8: qq_tile_bits(t, 8); break;
-    case 4: qq_tile_bits(t, 4); break;
-    default: qq_tile_bits(t, 2); break;
-    }
-}
+QD_DEFINE_QQ_TILE(qq_tile_neon, QQ_CASE)
 
 /* fq, one row: each column's 4 k of a sub-step become one float32x4 multiplied
  * by x[k..k+3]; the 4 lanes of each column are summed at the end. */

@@ -43,4 +43,21 @@ QD_INLINE int32_t qd_bias_correction(int bits, int32_t rowsum)
     default: CALL(8); break;                                                          \
     }
 
+/* Defines `static void NAME(const qd_qq_tile *t)`, which dispatches on t->bits and
+ * t->mr to CASE(MR) (an expression using `t` and `bits`), so every (bits, rows)
+ * pair gets its own fully unrolled copy of the tile kernel. */
+#define QD_DEFINE_QQ_TILE(NAME, CASE)                                                 \
+    QD_INLINE void NAME##_bits(const qd_qq_tile *t, const int bits)                   \
+    {                                                                                 \
+        QD_SWITCH_MR(t->mr, CASE)                                                     \
+    }                                                                                 \
+    static void NAME(const qd_qq_tile *t)                                             \
+    {                                                                                 \
+        switch (t->bits) {                                                            \
+        case 8: NAME##_bits(t, 8); break;                                             \
+        case 4: NAME##_bits(t, 4); break;                                             \
+        default: NAME##_bits(t, 2); break;                                            \
+        }                                                                             \
+    }
+
 #endif
