@@ -33,3 +33,19 @@ def device(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def _runnable_isas():
+    cpu = qd.info()["backends"]["cpu"]
+    return [i for i in cpu.get("built", []) if i in cpu.get("supported", [])]
+
+
+RUNNABLE_ISAS = _runnable_isas()
+
+
+@pytest.fixture(params=RUNNABLE_ISAS)
+def isa(request):
+    """Each cpu ISA that is built and that this CPU runs, forced in turn."""
+    qd.set_isa(request.param)
+    yield request.param
+    qd.set_isa("auto")

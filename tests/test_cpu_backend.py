@@ -13,15 +13,7 @@ from helpers import rel_err, run_python
 pytestmark = pytest.mark.skipif("cpu" not in qd.available_backends(), reason="cpu backend not built")
 
 CPU_INFO = qd.info()["backends"]["cpu"]
-RUNNABLE_ISAS = [i for i in CPU_INFO.get("built", []) if i in CPU_INFO.get("supported", [])]
 GRID = [(1, 64, 1), (3, 33, 17), (16, 64, 65), (17, 96, 31), (1, 127, 63), (5, 160, 97), (33, 32, 2)]
-
-
-@pytest.fixture(params=RUNNABLE_ISAS)
-def isa(request):
-    qd.set_isa(request.param)
-    yield request.param
-    qd.set_isa("auto")
 
 
 @pytest.fixture

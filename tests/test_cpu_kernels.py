@@ -14,21 +14,6 @@ QRANGE = {"q8s": (-127, 127), "q8f": (-128, 127), "q4s": (-7, 7), "q4f": (-8, 7)
           "q2s": (-1, 1), "q2f": (-2, 1)}
 BITS_RANGE = {8: (-128, 127), 4: (-8, 7), 2: (-2, 1)}
 
-SUPPORTED_ISAS = _cpu.isa_info()["supported"]
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def isa(request):
-    _cpu.set_isa(request.param)
-    yield request.param
-    _cpu.set_isa("auto")
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng(1234)
-
-
 def exact_matmul(a, b):
     """int8 @ int8 in float64 BLAS: exact while K * 2^14 < 2^53."""
     return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.int64)
