@@ -42,33 +42,13 @@ QD_INLINE void qq8_rows(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int r0, const i
     }
 }
 
-QD_INLINE void qq_subbyte_impl(const qd_qq_tile *t, qd_ymm_qq_acc *acc, const int bits, const int mr)
+/* Sub-byte fields (0..15 / 0..3) x s8 through vpmaddubsw cannot saturate. */
+QD_INLINE __m256i dot_small_fields(__m256i acc, __m256i w, __m256i a)
 {
-    const int ku = QD_KU(bits), substeps = 8 / bits;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const uint8_t *wp = t->panel;
-    int64_t k0 = 0;
-    for (int64_t g = 0; g < t->ngroups; g++) {
-        __m256i lo[QD_YMM_QQ_MR], hi[QD_YMM_QQ_MR];
-        for (int r = 0; r < mr; r++)
-            lo[r] = hi[r] = _mm256_setzero_si256();
-        for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            const __m256i v_lo = _mm256_load_si256((const __m256i *)wp);
-            const __m256i v_hi = _mm256_load_si256((const __m256i *)(wp + 32));
-            for (int s = 0; s < substeps; s++) {
-                const __m256i w_lo = qd_ymm_unpack_biased(v_lo, bits, s);
-                const __m256i w_hi = qd_ymm_unpack_biased(v_hi, bits, s);
-                for (int r = 0; r < mr; r++) {
-                    const __m256i a4 = _mm256_set1_epi32(qd_load_i32(t->a + r * t->lda + k0 + 4 * s));
-                    lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w_lo, a4), ones));
-                    hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w_hi, a4), ones));
-                }
-            }
-        }
-        for (int r = 0; r < mr; r++)
-            qd_ymm_qq_group_end(t, acc, r, g, lo[r], hi[r], bits, 1);
-    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
 }
+
+QD_DEFINE_YMM_QQ_BIASED(qq_subbyte_impl, dot_small_fields)
 
 QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
 {
