@@ -5,10 +5,15 @@
 // 128-wide K slices.  Integer accumulators are exact; in the scaled mode they are
 // flushed into float accumulators at the end of each K group that shares one
 // scale pair (the gcd of the two K blocks), as the reference does.
+//
+// On Hopper (sm_90a builds) INT32_OUT and ONE_GROUP run gemm_s8_sm90.cu's wgmma
+// kernel instead; GROUPED and every other GPU use this one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "gemm_s8.cuh"
+#include "gemm_s8_sm90.cuh"
 #include "mma_s8.cuh"
 
 namespace {
@@ -23,15 +28,6 @@ constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
 constexpr int KSTEP = 32;     // K per mma
 constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
 
-struct Scales {
-    const float *a; int64_t a_ld, a_bm, a_bk;  // a: [M/a_bm, a_ld]
-    const float *b; int64_t b_ld, b_bn, b_bk;  // b: [N/b_bn, b_ld]
-    int64_t group_steps;                      // k-steps per exact group
-};
-
-// What the kernel does with its exact int32 sums.
-enum Mode { INT32_OUT = 0, ONE_GROUP = 1, GROUPED = 2 };
-
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, MODE == GROUPED ? 1 : 2)  // GROUPED keeps float sums too
 gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int M, int N,
@@ -40,12 +36,8 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;
 
-    // Grouped rasterization: GROUP_M tile rows share the B tiles they read.
-    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-    const int per_group = GROUP_M * tiles_n, group = blockIdx.x / per_group;
-    const int first_m = group * GROUP_M, rows_in_group = min(tiles_m - first_m, GROUP_M);
-    const int tm = first_m + (blockIdx.x % per_group) % rows_in_group;
-    const int tn = (blockIdx.x % per_group) / rows_in_group;
+    int tm, tn;
+    raster(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, GROUP_M, tm, tn);
     const int m0 = tm * BM, n0 = tn * BN;
 
     auto stage_a = [&](int s) { return smem + s * (BM + BN) * LDS; };
@@ -218,6 +210,10 @@ qd_status check_operands(const void *a, const void *bt, const void *out, int64_t
 template <int MODE>
 qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
                       int64_t ld, void *out, int out_dtype, const Scales &sc, void *stream) {
+    const int64_t Kp = (K + 15) / 16 * 16;  // zero padding up to the next 16 bytes is part of the rows
+    if (MODE != GROUPED && qd::gemm_s8_sm90_usable())
+        return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE),
+                                qd::as_stream(stream));
     // The shared-memory limit is a per-device attribute of the kernel; setting it
     // twice is harmless, so a racy bit per device is enough.
     static unsigned long long configured = 0;
@@ -231,7 +227,6 @@ qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, i
         if (st != QD_OK) return st;
         configured |= bit;
     }
-    const int64_t Kp = (K + 15) / 16 * 16;  // zero padding up to the next 16 bytes is part of the rows
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
     if (tiles > 0x7FFFFFFF) return QD_ERR_SHAPE;
     kernel<<<(unsigned)tiles, THREADS, SMEM_BYTES, qd::as_stream(stream)>>>(

@@ -1,0 +1,28 @@
+// What the int8 GEMM kernels (gemm_s8.cu, gemm_s8_sm90.cu) share: the scale
+// operands, what is done with the exact int32 sums, and the tile order.
+#pragma once
+#include "common.cuh"
+
+namespace qd {
+
+struct Scales {
+    const float *a; int64_t a_ld, a_bm, a_bk;  // a: [M/a_bm, a_ld]
+    const float *b; int64_t b_ld, b_bn, b_bk;  // b: [N/b_bn, b_ld]
+    int64_t group_steps;                      // k-steps per exact group
+};
+
+// What a kernel does with its exact int32 sums: store them (int_matmul), scale
+// them once by the pair of one K group covering all of K, or flush per K group.
+enum GemmMode { INT32_OUT = 0, ONE_GROUP = 1, GROUPED = 2 };
+
+// Grouped rasterization: tile t of a tiles_m x tiles_n grid, visiting group_m
+// tile rows column by column so that they share the B tiles they read in L2.
+__host__ __device__ inline void raster(int t, int tiles_m, int tiles_n, int group_m, int &tm,
+                                       int &tn) {
+    const int per_group = group_m * tiles_n, first_m = t / per_group * group_m;
+    const int rows = tiles_m - first_m < group_m ? tiles_m - first_m : group_m, i = t % per_group;
+    tm = first_m + i % rows;
+    tn = i / rows;
+}
+
+}  // namespace qd

@@ -1,0 +1,439 @@
+// int8 x int8 GEMM for Hopper (sm_90a): wgmma on tiles brought in by TMA.
+//
+// A persistent CTA of three warpgroups walks 128x256 output tiles.  Warpgroup 0
+// is the producer: one thread issues the TMA loads of 128-byte K slices of A and
+// B into a ring of STAGES shared-memory slots, each guarded by a "full" mbarrier
+// (the TMA bytes have landed) and an "empty" one (every consumer warp is done
+// reading).  Warpgroups 1 and 2 are the consumers: each multiplies 64 rows of the
+// tile by all 256 columns with wgmma m64n256k32 (both operands K-major in shared
+// memory, exact int32 sums in 128 registers per thread), then stores its rows
+// straight from the registers while the producer already loads the next tile.
+#include <cuda.h>          // CUtensorMap and its enums only: the driver is reached
+#include <cudaTypedefs.h>  // through the runtime, libcuda is not linked
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <mutex>
+#include <type_traits>
+
+#include "gemm_s8_sm90.cuh"
+#include "mma_s8.cuh"
+
+namespace {
+
+using namespace qd;
+
+constexpr int BM = 128, BN = 256, BK = 128, STAGES = 4;
+constexpr int THREADS = 384;                 // producer + 2 consumer warpgroups
+constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
+// Swizzled tiles start on 1024 bytes (the swizzle pattern repeats every 8 rows of
+// 128 bytes); dynamic shared memory is only 16-byte aligned, so keep room to round up.
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
+static_assert(STAGE_BYTES % 1024 == 0 && A_BYTES % 1024 == 0, "stages stay 1024-aligned");
+
+// sm_90a only: wgmma and setmaxnreg exist nowhere else.  The other passes (sm_80..89
+// and the compute_90 PTX) compile an empty kernel that the host never launches.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QD_SM90A_BODY 1
+
+constexpr int CONSUMER_WARPS = 8;
+constexpr int WG_ROWS = 64;                  // tile rows per consumer warpgroup
+constexpr int KSTEP = 32;                    // K bytes per wgmma
+constexpr int GROUP_M = 16;                  // tile rows per raster group (L2 reuse of B)
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128*40 + 256*232 <= 64K registers
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+// Waits until the barrier's phase of this parity has completed.  On a fresh
+// barrier, parity 1 counts as completed (the phase "before" phase 0).
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Arrives and announces `bytes` of TMA data that will complete on this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+// The box of `map` at (x = K byte, y = row) into shared memory; out-of-range
+// parts are zero-filled, and the full box size is counted on `bar`.
+__device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int x, int y,
+                                         uint64_t *bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
+        "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major tile as TMA writes it with 128-byte
+// swizzle: 128-byte rows, atoms of 8 rows (1024 bytes) stacked along M or N.  The
+// hardware swizzles on absolute address bits, so moving along K inside the row is
+// just a larger start address.
+__device__ __forceinline__ uint64_t sw128_desc(const void *tile) {
+    return uint64_t((smem_addr(tile) & 0x3FFFF) >> 4)  // start address, 16-byte units
+           | uint64_t(1) << 16                          // leading offset: unused, K fits one row
+           | uint64_t(1024 >> 4) << 32                  // stride offset: next 8-row atom
+           | uint64_t(1) << 62;                         // 128-byte swizzle
+}
+
+#define QD_D4(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3])
+#define QD_D16(i) QD_D4(i), QD_D4(i + 4), QD_D4(i + 8), QD_D4(i + 12)
+#define QD_D64(i) QD_D16(i), QD_D16(i + 16), QD_D16(i + 32), QD_D16(i + 48)
+
+// d[64x256] (+)= a[64x32] * b[256x32]^T; accumulate = 0 overwrites d.
+__device__ __forceinline__ void wgmma_m64n256k32(int32_t (&d)[128], uint64_t a, uint64_t b,
+                                                 int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p;\n}\n"
+        : QD_D64(0), QD_D64(64)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+#undef QD_D64
+#undef QD_D16
+#undef QD_D4
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most N committed wgmma groups of this warpgroup are in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// wgmma writes d asynchronously: pin every register after the wait so the compiler
+// reads none of them earlier.
+__device__ __forceinline__ void fence_registers(int32_t (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+// Output element conversions: one value, or an adjacent pair as one store.
+template <typename T> struct Out;
+template <> struct Out<int32_t> {
+    using Pair = int2;
+    static __device__ int32_t one(int32_t x) { return x; }
+    static __device__ int2 two(int32_t x, int32_t y) { return make_int2(x, y); }
+};
+template <> struct Out<float> {
+    using Pair = float2;
+    static __device__ float one(float x) { return x; }
+    static __device__ float2 two(float x, float y) { return make_float2(x, y); }
+};
+template <> struct Out<__half> {
+    using Pair = __half2;
+    static __device__ __half one(float x) { return __float2half_rn(x); }
+    static __device__ __half2 two(float x, float y) { return __floats2half2_rn(x, y); }
+};
+template <> struct Out<__nv_bfloat16> {
+    using Pair = __nv_bfloat162;
+    static __device__ __nv_bfloat16 one(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __nv_bfloat162 two(float x, float y) { return __floats2bfloat162_rn(x, y); }
+};
+
+// p[0] = x and, when `both`, p[1] = y; one store when the pair is aligned.
+template <typename T, typename V>
+__device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
+    if (both && vec) {
+        *reinterpret_cast<typename Out<T>::Pair *>(p) = Out<T>::two(x, y);
+    } else {
+        p[0] = Out<T>::one(x);
+        if (both) p[1] = Out<T>::one(y);
+    }
+}
+
+#endif  // sm_90a
+
+// T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype.
+template <typename T>
+__global__ void __launch_bounds__(THREADS, 1)
+gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
+                    const __grid_constant__ CUtensorMap map_b, int M, int N, int64_t Kp,
+                    void *out, Scales sc) {
+#ifdef QD_SM90A_BODY
+    // Static, so that only this body has static shared memory: the host reads that
+    // off the kernel to tell an sm_90a build from the empty ones (see probe()).
+    __shared__ uint64_t full[STAGES], empty[STAGES];
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
+
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+    const int64_t tiles = (int64_t)tiles_m * tiles_n;
+    const int ktiles = (int)((Kp + BK - 1) / BK);
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&full[s], 1);                // the producer's arrive; TMA adds the bytes
+            // One arrive per consumer warp, each after its own wgmma.wait_group: no
+            // warp's wait has to speak for the others of its warpgroup.
+            mbar_init(&empty[s], CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to TMA
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_a) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(&map_b) : "memory");
+    }
+    __syncthreads();
+
+    // Both roles walk the same tiles and the same ring of slots: slot `stage` is on
+    // its `phase`-parity use, counting on across tiles.
+    if (warpgroup == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+                int tm, tn;
+                raster((int)t, tiles_m, tiles_n, GROUP_M, tm, tn);
+                for (int kt = 0; kt < ktiles; ++kt) {
+                    mbar_wait(&empty[stage], phase ^ 1);  // the slot's previous use is read
+                    uint8_t *s = smem + stage * STAGE_BYTES;
+                    mbar_arrive_expect_tx(&full[stage], STAGE_BYTES);
+                    tma_load(s, &map_a, kt * BK, tm * BM, &full[stage]);
+                    tma_load(s + A_BYTES, &map_b, kt * BK, tn * BN, &full[stage]);
+                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                }
+            }
+        }
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const int wg = warpgroup - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+        constexpr bool SCALED = !std::is_same<T, int32_t>::value;
+        const unsigned a_bm = (unsigned)sc.a_bm, b_bn = (unsigned)sc.b_bn;  // <= M, N: 32 bits
+        T *o = static_cast<T *>(out);
+        const bool vec = N % 2 == 0 && reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0;
+        int32_t d[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) d[i] = 0;
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+            int tm, tn;
+            raster((int)t, tiles_m, tiles_n, GROUP_M, tm, tn);
+            // wgmma's D layout: warp w of the warpgroup holds rows 16w..16w+15; for
+            // 8-column chunk j, d[4j], d[4j+1] sit at row lane/4, columns
+            // 8j + 2*(lane%4) + {0, 1}, and d[4j+2], d[4j+3] eight rows further down.
+            const int r0 = tm * BM + wg * WG_ROWS + warp * 16 + lane / 4;
+            const int c0 = tn * BN + 2 * (lane % 4);
+
+            // The scales of those rows and columns (clamped to the last one), loaded
+            // now so that their latency hides behind the main loop.
+            float sa[2], sb[BN / 8][2];
+            if constexpr (SCALED) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    sa[h] = __ldg(sc.a + (unsigned)min(r0 + 8 * h, M - 1) / a_bm * sc.a_ld);
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        sb[j][e] = __ldg(sc.b + (unsigned)min(c0 + 8 * j + e, N - 1) / b_bn * sc.b_ld);
+            }
+
+            int prev = 0;
+            for (int kt = 0; kt < ktiles; ++kt) {
+                mbar_wait(&full[stage], phase);
+                const uint8_t *s = smem + stage * STAGE_BYTES;
+                const uint64_t da = sw128_desc(s + wg * WG_ROWS * BK), db = sw128_desc(s + A_BYTES);
+                wgmma_fence();  // orders the epilogue's register reads before the new sums
+#pragma unroll
+                for (int ks = 0; ks < BK / KSTEP; ++ks)  // start field counts 16 bytes
+                    wgmma_m64n256k32(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > 0 || ks > 0);
+                wgmma_commit();
+                // Keep this k-tile's group in flight; the previous one is done, so its
+                // slot goes back to the producer.
+                wgmma_wait<1>();
+                if (kt > 0 && lane == 0) mbar_arrive(&empty[prev]);
+                prev = stage;
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(&empty[prev]);
+            fence_registers(d);
+
+            // Epilogue straight from the registers, pairs of columns per store.
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int c = c0 + 8 * j;
+                if (c >= N) continue;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = r0 + 8 * h;
+                    if (r >= M) continue;
+                    const int32_t x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
+                    T *p = o + (int64_t)r * N + c;
+                    if constexpr (SCALED)  // as gemm_s8.cu's ONE_GROUP, bit for bit
+                        store2(p, __fmul_rn(__fmul_rn(sa[h], sb[j][0]), (float)x),
+                               __fmul_rn(__fmul_rn(sa[h], sb[j][1]), (float)y), c + 1 < N, vec);
+                    else
+                        store2(p, x, y, c + 1 < N, vec);
+                }
+            }
+        }
+    }
+#endif  // QD_SM90A_BODY
+}
+
+using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t>);
+// Indexed by kernel_index().
+constexpr Kernel KERNELS[] = {gemm_s8_sm90_kernel<int32_t>, gemm_s8_sm90_kernel<float>,
+                              gemm_s8_sm90_kernel<__half>, gemm_s8_sm90_kernel<__nv_bfloat16>};
+
+int kernel_index(GemmMode mode, int out_dtype) {
+    if (mode == INT32_OUT) return 0;
+    if (mode != ONE_GROUP) return -1;
+    switch (out_dtype) {
+    case QD_CUDA_F32: return 1;
+    case QD_CUDA_F16: return 2;
+    case QD_CUDA_BF16: return 3;
+    default: return -1;
+    }
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (the driver
+// library is loaded by the runtime anyway), looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+        cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                           cudaEnableDefault, &found);
+#else
+        cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &found);
+#endif
+        if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();  // not the caller's error: leave none behind
+            p = nullptr;
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+    }();
+    return fn;
+}
+
+// rows x Kp bytes, rows `ld` apart, read in boxes of box_rows x BK with 128-byte
+// swizzle; everything past Kp or past the last row reads as zeros.
+bool encode(CUtensorMap *map, const int8_t *p, int64_t rows, int64_t Kp, int64_t ld, int box_rows) {
+    const cuuint64_t dims[2] = {(cuuint64_t)Kp, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)ld};
+    const cuuint32_t box[2] = {BK, (cuuint32_t)box_rows}, elem_strides[2] = {1, 1};
+    return encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<int8_t *>(p), dims,
+                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+struct Device {
+    qd_status status = QD_OK;
+    bool usable = false;
+    int sms = 0;
+};
+constexpr int MAX_DEVICES = 64;
+Device devices[MAX_DEVICES];
+std::once_flag probed[MAX_DEVICES];
+
+// Whether the device runs the sm_90a kernel, and its launch setup, once per device.
+//
+// Compute capability 9.0 alone is not enough: a build without the sm_90a target
+// runs the compute_90 PTX (or sm_90 code) there, whose kernel body is empty, and
+// binaryVersion reads 90 either way.  Only the sm_90a body has static shared
+// memory (its barriers), so the kernel the runtime picked for this device says.
+qd_status probe(int dev, Device &d) {
+    int major = 0, minor = 0, smem_optin = 0;
+    qd_status st;
+    if ((st = check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev))) != QD_OK ||
+        (st = check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))) != QD_OK ||
+        (st = check(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev))) != QD_OK ||
+        (st = check(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev))) != QD_OK)
+        return st;
+    if (major != 9 || minor != 0 || !encode_tiled()) return QD_OK;
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, KERNELS[0]) != cudaSuccess) {  // no code for this device
+        cudaGetLastError();
+        return QD_OK;
+    }
+    if (attr.sharedSizeBytes == 0 || attr.sharedSizeBytes + SMEM_BYTES > (size_t)smem_optin) return QD_OK;
+    for (Kernel k : KERNELS)
+        if ((st = check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES))) != QD_OK)
+            return st;
+    d.usable = true;
+    return QD_OK;
+}
+
+qd_status current_device(Device **out) {
+    int dev = 0;
+    qd_status st = check(cudaGetDevice(&dev));
+    if (st != QD_OK) return st;
+    if (dev < 0 || dev >= MAX_DEVICES) return QD_ERR_ARGUMENT;
+    std::call_once(probed[dev], [dev] { devices[dev].status = probe(dev, devices[dev]); });
+    *out = &devices[dev];
+    return devices[dev].status;
+}
+
+}  // namespace
+
+namespace qd {
+
+bool gemm_s8_sm90_usable() {
+    Device *d = nullptr;
+    return current_device(&d) == QD_OK && d->usable;
+}
+
+qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t Kp,
+                       int64_t ld, void *out, int out_dtype, const Scales &sc, GemmMode mode,
+                       cudaStream_t stream) {
+    Device *d = nullptr;
+    qd_status st = current_device(&d);
+    if (st != QD_OK) return st;
+    if (!d->usable) return QD_ERR_CUDA_UNAVAILABLE;
+    const int k = kernel_index(mode, out_dtype);
+    if (k < 0 || Kp % 16) return QD_ERR_ARGUMENT;
+    const int64_t tiles = ceil_div(M, BM) * ceil_div(N, BN);
+    if (M > INT_MAX || N > INT_MAX || tiles > INT_MAX) return QD_ERR_SHAPE;
+    CUtensorMap map_a, map_b;  // the encoder checks alignment (16 bytes) and strides
+    if (!encode(&map_a, a, M, Kp, ld, BM) || !encode(&map_b, bt, N, Kp, ld, BN)) return QD_ERR_ARGUMENT;
+    const unsigned grid = (unsigned)(tiles < d->sms ? tiles : d->sms);  // persistent
+    KERNELS[k]<<<grid, THREADS, SMEM_BYTES, stream>>>(map_a, map_b, (int)M, (int)N, Kp, out, sc);
+    return launched();
+}
+
+}  // namespace qd
