@@ -33,6 +33,15 @@ _SPEED_RANK = {QD_BACKEND_REFERENCE: 0, QD_BACKEND_CPU: 1, QD_BACKEND_CUDA: 2}
 # The dispatch table: one backend object per kind, registered by each backend's
 # module; the dispatcher never changes when a backend is added.
 cdef list _table = [None] * QD_BACKEND_COUNT
+cdef object _ops = None  # qdispatch.ops, imported on first use (it imports this module)
+
+
+cdef object ops_module():
+    global _ops
+    if _ops is None:
+        from . import ops
+        _ops = ops
+    return _ops
 
 
 def register_backend(backend):
@@ -294,9 +303,7 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
     r = _operand(rhs, l)
     if l.kind != r.kind or l.index != r.index:
         l, r = _reconcile("q_matmul", l, r, transfer)
-    backend = <object>_table[l.kind]
-    from . import ops
-    return ops.q_matmul(backend, l, r, out_dtype, requantize, activation_scheme)
+    return ops_module().q_matmul(<object>_table[l.kind], l, r, out_dtype, requantize, activation_scheme)
 
 
 def int_matmul(a, b, *, transfer=None):
@@ -310,16 +317,16 @@ def int_matmul(a, b, *, transfer=None):
     r = _operand(b, l)
     if l.kind != r.kind or l.index != r.index:
         l, r = _reconcile("int_matmul", l, r, transfer)
-    backend = <object>_table[l.kind]
-    from . import ops
-    return ops.int_matmul(backend, l, r)
+    return ops_module().int_matmul(<object>_table[l.kind], l, r)
 
 
 def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_scheme=None):
     """`x @ w.T + bias` for a weight stored [out_features, in_features]."""
     if not isinstance(w, QTensor):
         raise TypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
-    out = q_matmul(x, (<QTensor>w).T, out_dtype="float32", transfer=transfer,
-                   activation_scheme=activation_scheme)
-    from . import ops
-    return ops.add_bias(out, bias, out_dtype)
+    # Without a bias the product is the result: the kernel writes out_dtype itself.
+    out = q_matmul(x, (<QTensor>w).T, out_dtype="float32" if bias is not None else out_dtype,
+                   transfer=transfer, activation_scheme=activation_scheme)
+    if bias is None:
+        return out
+    return ops_module().add_bias(out, bias, out_dtype)

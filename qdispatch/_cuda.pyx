@@ -93,9 +93,13 @@ cdef extern from "qdispatch.h" nogil:
                                 int64_t ld, const float *a_scales, int64_t a_block_m,
                                 int64_t a_block_k, const float *b_scales, int64_t b_block_n,
                                 int64_t b_block_k, void *out, int out_dtype, void *stream)
-    qd_status qd_cuda_fq_matmul(const float *x, int64_t M, const void *w, int bits, int64_t N,
-                                int64_t K, int64_t ld, const float *scales, int64_t block_n,
-                                int64_t block_k, float *out, void *stream)
+    int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits)
+    qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
+                                      void *tiles, void *stream)
+    qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
+                                const void *tiles, int bits, int64_t N, int64_t K,
+                                const float *scales, int64_t block_n, int64_t block_k,
+                                void *out, int out_dtype, void *stream)
     int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k)
 
 
@@ -593,13 +597,33 @@ def fq_supported(int bits, int64_t K, int64_t block_k):
     return bool(qd_cuda_fq_supported(bits, K, block_k))
 
 
-def fq_matmul(DeviceArray x, DeviceArray w, int bits, int64_t N, int64_t K, DeviceArray scales,
-              int64_t block_n, int64_t block_k):
-    """x float32 [M, ld] @ dequantize(w [N, ld])^T -> float32 [M, N]."""
+def fq_tile_weights(DeviceArray q, int64_t K, int bits):
+    """int8 q [N, ld] (K-contiguous) -> the tiled form fq_matmul streams (uint32 words)."""
+    N, ld = q.shape
+    out = empty((qd_cuda_fq_tiles_bytes(N, K, bits) // 4,), "uint32", q.device)
+    cdef int64_t n = N, l = ld
+    cdef void *pq = P(q)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(q.device):
+        with nogil:
+            st = qd_cuda_fq_tile_weights(<int8_t *>pq, n, K, l, bits, po, NULL)
+        _status(st, "fq_tile_weights")
+    return out
+
+
+def fq_matmul(DeviceArray x, DeviceArray tiles, int bits, int64_t N, int64_t K,
+              DeviceArray scales, int64_t block_n, int64_t block_k, str out_dtype="float32"):
+    """x [M, ldx] (float32/float16/bfloat16) @ dequantize(w [N, K])^T -> out_dtype [M, N];
+    `tiles` from fq_tile_weights."""
+    cdef int64_t per16 = 16 // ITEMSIZE[x.dtype]
+    if x.shape[1] % per16 or <uintptr_t>P(x) % 16:  # rows are copied in aligned 16-byte pieces
+        x = pad_rows(x, -(-x.shape[1] // per16) * per16)
     cdef int64_t m = x.shape[0], l = x.shape[1]
     cdef int device = x.buffer.device, previous = 0
+    cdef int xd = DTYPES[x.dtype], od = DTYPES[out_dtype]
     cdef void *px = P(x)
-    cdef void *pw = P(w)
+    cdef void *pw = P(tiles)
     cdef void *ps = P(scales)
     cdef void *po
     cdef qd_status st
@@ -608,11 +632,12 @@ def fq_matmul(DeviceArray x, DeviceArray w, int bits, int64_t N, int64_t K, Devi
     if previous != device:
         _check(cudaSetDevice(device), f"cudaSetDevice({device})")
     try:
-        out = DeviceArray(DeviceBuffer.allocate(m * N * 4, device), 0, (m, N), "float32")
+        out = DeviceArray(DeviceBuffer.allocate(m * N * ITEMSIZE[out_dtype], device), 0, (m, N),
+                          out_dtype)
         po = P(out)
         with nogil:
-            st = qd_cuda_fq_matmul(<float *>px, m, pw, bits, N, K, l, <float *>ps, block_n,
-                                   block_k, <float *>po, NULL)
+            st = qd_cuda_fq_matmul(px, xd, m, l, pw, bits, N, K, <float *>ps, block_n, block_k,
+                                   po, od, NULL)
         _status(st, "fq_matmul")
     finally:
         if previous != device:

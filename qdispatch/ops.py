@@ -27,6 +27,8 @@ def _shapes(lhs, rhs, op):
     if ls[-1] != rs[-2]:
         raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: lhs has K={ls[-1]} columns but "
                          f"rhs has K={rs[-2]} rows")
+    if len(rs) == 2:  # a plain weight: lhs's batch dims are the batch (the decode case, kept cheap)
+        return ls, rs, ls[:-2]
     try:
         batch = np.broadcast_shapes(ls[:-2], rs[:-2])
     except ValueError:
@@ -68,25 +70,30 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
             if not rq:
                 rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs))
             lq = rq = True
+    kernel_dtype = "float32"  # what the kernel writes
     if fused is not None:
         kernel = lambda x, w: fused(_as_f32(backend, x), w)
     elif lq and rq:
         kernel = backend.qq_matmul
     elif rq:
-        kernel = lambda x, w: backend.fq_matmul(_as_f32(backend, x), w)
+        # Backends that read 16-bit activations and write 16-bit results directly
+        # save a conversion pass on each side (decode steps are that short).
+        if requantize is None and out_dtype in backend.fq_dtypes:
+            kernel_dtype = out_dtype
+        kernel = lambda x, w: backend.fq_matmul(_fq_input(backend, x), w, kernel_dtype)
     else:  # qf: w @ x == (x.T @ w.T).T
         kernel = lambda w, x: backend.transpose2(
             backend.fq_matmul(_as_f32(backend, x, transpose=True), w.T))
     out_shape = batch + (ls[-2], rs[-1])
-    payload = _batched(backend, kernel, lhs, rhs, batch, out_shape)
+    payload = _batched(backend, kernel, lhs, rhs, batch, out_shape, kernel_dtype)
     if squeeze:  # drop the 1-row dim a vector lhs was given
         out_shape = out_shape[:-2] + out_shape[-1:]
         payload = backend.reshape(payload, out_shape)
-    out = Tensor(payload, "float32", out_shape, lhs.kind, lhs.index)
+    out = Tensor(payload, kernel_dtype, out_shape, lhs.kind, lhs.index)
     if requantize is not None:
         return quantize(out, requantize)
-    if out_dtype != "float32":
-        out = Tensor(backend.cast(out.payload, "float32", out_dtype), out_dtype, out.shape,
+    if out_dtype != kernel_dtype:
+        out = Tensor(backend.cast(out.payload, kernel_dtype, out_dtype), out_dtype, out.shape,
                      out.kind, out.index)
     return out
 
@@ -103,16 +110,25 @@ def _fused_w8a8(backend, scheme, x_shape):
     return lambda x, w: fused(x, w, scheme.value, block[-1])
 
 
+def _fq_input(backend, t):
+    """x's payload in a dtype the backend's fq kernel reads."""
+    return t.payload if t.dtype in backend.fq_dtypes else _as_f32(backend, t)
+
+
 def _as_f32(backend, t, transpose=False):
     payload = t.payload if t.dtype == "float32" else backend.cast(t.payload, t.dtype, "float32")
     return backend.transpose2(payload) if transpose else payload
 
 
-def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype=np.float32):
+_HOST_ZEROS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,  # bf16 as bits
+               "int32": np.int32}
+
+
+def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype="float32"):
     """Run a 2-D kernel over broadcast batch dims.  A float lhs against a 2-D
     rhs folds its batch dims into M: one kernel call, one weight pass."""
     if 0 in out_shape or lhs.shape[-1] == 0:  # nothing to run: an empty sum is zero
-        return backend.from_host(np.zeros(out_shape, dtype), lhs.index)
+        return backend.from_host(np.zeros(out_shape, _HOST_ZEROS[dtype]), lhs.index)
     if not batch:
         return kernel(lhs, rhs)
     if not isinstance(lhs, QTensor) and len(rhs.shape) == 2:
@@ -153,7 +169,7 @@ def int_matmul(backend, a, b):
             f"split K into chunks and add the int32 results in int64")
     out_shape = batch + (ls[-2], rs[-1])
     payload = _batched(backend, lambda x, y: backend.int_matmul(x.payload, y.payload), a, b,
-                       batch, out_shape, dtype=np.int32)
+                       batch, out_shape, dtype="int32")
     if squeeze and not batch:
         out_shape = out_shape[1:]
         payload = backend.reshape(payload, out_shape)

@@ -236,6 +236,54 @@ def test_fq_half_activations_and_linear(rng, dtype):
     assert rel_err(expect.numpy(), out.numpy()) < 1e-2  # one rounding to a half dtype
 
 
+DECODE_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128, store="packed_u32"),
+                  qd.QuantScheme("q4s", block=32, store="packed_u32"), qd.QuantScheme("q2f", block=64, store="packed_u32")]
+
+
+@pytest.mark.parametrize("scheme", DECODE_SCHEMES, ids=repr)
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("M,K,N", [(1, 1024, 520), (5, 512, 96), (16, 2048, 33), (17, 256, 64), (3, 17, 40)])
+def test_fq_half_activations_read_directly(rng, scheme, x_dtype, out_dtype, M, K, N):
+    """16-bit x goes to the kernel as it is and the kernel writes out_dtype: the
+    same values as the reference converting around a float32 product."""
+    if K % 32 and scheme.block is not None:
+        pytest.skip("blocks along K must divide K")
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    out = qd.q_matmul(qd.tensor(x, device="cuda", dtype=x_dtype), wq.T, out_dtype=out_dtype)
+    expect = qd.q_matmul(qd.tensor(x, device="reference", dtype=x_dtype), ref(wq).T).numpy()
+    assert out.dtype == out_dtype and out.shape == (M, N)
+    got = out.numpy().astype(np.float32)
+    assert rel_err(expect, got) < (FQ_TOL if out_dtype == "float32" else 4e-3)  # one 16-bit rounding
+
+
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", block=48), qd.QuantScheme("q4s", block=16, store="packed_u32"),
+                                    qd.QuantScheme("q2s", block=80, store="packed_u32")], ids=repr)
+@pytest.mark.parametrize("M", [1, 12])
+def test_fq_scale_blocks_ending_inside_a_weight_tile(rng, scheme, M):
+    K, N = 480, 40  # tiles hold 32 (int8), 64 (int4) or 128 (int2) values of K
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    for dtype in ("float32", "bfloat16"):
+        out = qd.q_matmul(qd.tensor(x, device="cuda", dtype=dtype), wq.T).numpy()
+        expect = qd.q_matmul(qd.tensor(x, device="reference", dtype=dtype), ref(wq).T).numpy()
+        assert rel_err(expect, out) < FQ_TOL
+
+
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float32"])
+def test_fq_non_finite_activations_propagate(rng, x_dtype):
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[1, 7], x[2, 100] = np.inf, np.nan
+    wq = qd.quantize(rng.standard_normal((48, 256)).astype(np.float32), qd.QuantScheme("q4s", block=32, store="packed_u32"))
+    got = qd.q_matmul(qd.tensor(x, device="cuda", dtype=x_dtype), wq.to("cuda").T).numpy()
+    expect = qd.q_matmul(qd.tensor(x, device="reference", dtype=x_dtype), wq.to("reference").T).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expect))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expect))
+    finite = np.isfinite(expect)
+    assert rel_err(expect[finite], got[finite]) < FQ_TOL
+
+
 def test_qf_arm(rng):
     wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
     x = rng.standard_normal((64, 3)).astype(np.float32)

@@ -47,8 +47,13 @@ class Backend:
     def qq_matmul(self, lhs, rhs):
         raise NotImplementedError
 
-    def fq_matmul(self, x, w):
-        """float32 x [M, K] payload times QTensor w [K, N] (weight-only)."""
+    # The float dtypes fq_matmul reads x in and writes its result in; q_matmul
+    # converts anything else to and from float32 around the call.
+    fq_dtypes = ("float32",)
+
+    def fq_matmul(self, x, w, out_dtype="float32"):
+        """x [M, K] payload (one of fq_dtypes) times QTensor w [K, N] (weight-only),
+        as out_dtype (one of fq_dtypes)."""
         raise NotImplementedError
 
 

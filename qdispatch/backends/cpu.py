@@ -137,7 +137,7 @@ class CpuBackend(HostBackend):
         return _cpu.qq_matmul(np.ascontiguousarray(a), np.ascontiguousarray(sa, dtype=np.float32),
                               int(bm), int(bk), self.weight_panels(rhs))
 
-    def fq_matmul(self, x, w):
+    def fq_matmul(self, x, w, out_dtype="float32"):  # fq_dtypes: float32 only
         return _cpu.fq_matmul(np.ascontiguousarray(x, dtype=np.float32), self.weight_panels(w))
 
     def w8a8_matmul(self, x, w, value, block_k):

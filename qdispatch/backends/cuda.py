@@ -29,7 +29,6 @@ except ImportError as exc:  # built without CUDA
 REBUILD = ("To rebuild with it, install the CUDA toolkit (nvcc) and run "
            "QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
 GEMM_ALIGN = 16  # bytes: rows of int8 GEMM operands start on 16-byte boundaries
-FQ_ALIGN = 64    # values: rows of weight-streaming operands hold whole 16-byte chunks
 _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
                np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
@@ -60,6 +59,7 @@ class CudaQStorage:
 class CudaBackend(Backend):
     kind = BackendKind.CUDA
     name = "cuda"
+    fq_dtypes = ("float32", "float16", "bfloat16")
 
     # ---- availability ----
     def unavailable_reason(self, index=0):
@@ -139,14 +139,16 @@ class CudaBackend(Backend):
             values = q.view(layout.shape)
         return CudaQStorage(values, scales.view(layout.grid))
 
-    def _int8_values(self, storage, layout):
-        """The values as int8 in storage orientation (unpacked once when packed)."""
+    def _int8_values(self, storage, layout, cache=True):
+        """The values as int8 in storage orientation (unpacked, once when cached)."""
         if layout.scheme.store != "packed_u32":
             return storage.values
-        key = "int8"
-        if key not in storage.cache:
-            storage.cache[key] = _cuda.unpack_u32(storage.values, layout.bits, layout.shape[-1])
-        return storage.cache[key]
+        if "int8" in storage.cache:
+            return storage.cache["int8"]
+        values = _cuda.unpack_u32(storage.values, layout.bits, layout.shape[-1])
+        if cache:
+            storage.cache["int8"] = values
+        return values
 
     def dequantize(self, q):
         layout = q.layout
@@ -176,42 +178,25 @@ class CudaBackend(Backend):
     # ---- operand forms for the kernels ----
     def _k_rows(self, q, k_last):
         """(int8 [rows, ld] with K along rows, padded; float32 scales [rows/b, K/bk]) for a
-        2-D QTensor.  `k_last`: K is the logical last dim (lhs) rather than the first (rhs)."""
+        2-D QTensor, cached in its storage.  `k_last`: K is the logical last dim (lhs)
+        rather than the first (rhs)."""
+        key = ("k_rows", q.transposed == k_last)
+        if key not in q.storage.cache:
+            q.storage.cache[key] = self._k_major(q, k_last, cache=True)
+        return q.storage.cache[key]
+
+    def _k_major(self, q, k_last, cache):
+        """_k_rows's operands, computed; `cache`: keep the unpacked values for reuse."""
         storage, layout = q.storage, q.layout
         # Storage holds K along its last dim when the logical and storage orientations agree
         # for lhs, or disagree for rhs.
-        needs_transpose = q.transposed == k_last
-        key = ("k_rows", needs_transpose)
-        if key not in storage.cache:
-            values, scales = self._int8_values(storage, layout), storage.scales
-            if needs_transpose:
-                values, scales = _cuda.transpose2(values), _cuda.transpose2(scales)
-            K = values.shape[1]
-            if K % GEMM_ALIGN:
-                values = _cuda.pad_rows(values, _round_up(K, GEMM_ALIGN))
-            storage.cache[key] = (values, scales)
-        return storage.cache[key]
-
-    def _stream_rows(self, w):
-        """(values [N, ld] in the store the weight-streaming kernel reads, bits, ld, scales
-        [N/bn, K/bk]) for a logical [K, N] weight."""
-        storage, layout = w.storage, w.layout
-        if "stream_rows" not in storage.cache:
-            K = w.shape[0]
-            bk = layout.logical_block(w.transposed)[0]
-            # Blocks along K finer than a 16-byte chunk of packed values: read int8 instead.
-            bits = layout.bits if _cuda.fq_supported(layout.bits, K, bk) else 8
-            ld = _round_up(K, FQ_ALIGN)
-            if w.transposed and K == ld and bits == layout.bits:  # storage is [N, K] already
-                values, scales = storage.values, storage.scales
-            else:
-                values, scales = self._k_rows(w, k_last=False)
-                if values.shape[1] != ld:  # its padding is zeros, so padding further is exact
-                    values = _cuda.pad_rows(values, ld)
-                if bits < 8:
-                    values = _cuda.pack_u32(values, bits)
-            storage.cache["stream_rows"] = (values, bits, ld, scales)
-        return storage.cache["stream_rows"]
+        values, scales = self._int8_values(storage, layout, cache), storage.scales
+        if q.transposed == k_last:
+            values, scales = _cuda.transpose2(values), _cuda.transpose2(scales)
+        K = values.shape[1]
+        if K % GEMM_ALIGN:
+            values = _cuda.pad_rows(values, _round_up(K, GEMM_ALIGN))
+        return values, scales
 
     # ---- kernels on 2-D logical operands ----
     def int_matmul(self, a, b):
@@ -230,7 +215,7 @@ class CudaBackend(Backend):
         bkb, bn = rhs.layout.logical_block(rhs.transposed)
         return _cuda.qq_matmul(a, bt, K, sa, bm, bka, sb, bn, bkb)
 
-    def fq_matmul(self, x, w):
+    def fq_matmul(self, x, w, out_dtype="float32"):
         # The kernel's operands are derived once per weight and orientation: a call
         # is then one dict lookup and the launch.
         key = ("fq_call", w.transposed)
@@ -238,20 +223,19 @@ class CudaBackend(Backend):
         if call is None:
             call = w.storage.cache[key] = self._fq_call(w)
         if call is False:
-            return self._fq_on_host(x, w)
-        values, bits, ld, scales, N, K, bn, bk = call
-        if x.shape[1] != ld:
-            x = _cuda.pad_rows(x, ld)
-        return _cuda.fq_matmul(x, values, bits, N, K, scales, bn, bk)
+            return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
+        return _cuda.fq_matmul(x, *call, out_dtype)
 
     def _fq_call(self, w):
-        """The fq kernel's arguments for w, or False when its blocking needs the host."""
+        """fq_matmul's weight arguments for w (the tiled weights are laid out here,
+        once), or False when its blocking along K needs the host."""
         K, N = w.shape
         bk, bn = w.layout.logical_block(w.transposed)
-        if not (_cuda.fq_supported(w.layout.bits, K, bk) or _cuda.fq_supported(8, K, bk)):
+        bits = w.layout.bits
+        if not _cuda.fq_supported(bits, K, bk):
             return False
-        values, bits, ld, scales = self._stream_rows(w)
-        return values, bits, ld, scales, N, K, bn, bk
+        values, scales = self._k_major(w, k_last=False, cache=False)
+        return _cuda.fq_tile_weights(values, K, bits), bits, N, K, scales, bn, bk
 
     def _fq_on_host(self, x, w):
         """Blockings along K finer than the kernels' 16-value chunks: the reference math."""

@@ -50,7 +50,7 @@ class ReferenceBackend(HostBackend):
             out += scale * acc
         return out
 
-    def fq_matmul(self, x, w):
+    def fq_matmul(self, x, w, out_dtype="float32"):  # fq_dtypes: float32 only
         return np.asarray(x, dtype=np.float32) @ self.dequantize(w)
 
 

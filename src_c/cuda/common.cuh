@@ -23,6 +23,20 @@ inline cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(s
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Raises a kernel's dynamic shared-memory limit on the current device, once per
+// device: `configured` holds a bit per device (setting it twice is harmless, so
+// a racy bit is enough).
+inline qd_status allow_dynamic_smem(const void *kernel, int bytes, unsigned long long *configured) {
+    int device = 0;
+    qd_status st = check(cudaGetDevice(&device));
+    if (st != QD_OK) return st;
+    const unsigned long long bit = 1ULL << (device & 63);
+    if (device < 64 && (*configured & bit)) return QD_OK;
+    st = check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    if (st == QD_OK) *configured |= bit;
+    return st;
+}
+
 // A grid for a grid-stride loop over n items.
 inline unsigned grid_for(int64_t n, int threads) {
     int64_t blocks = ceil_div(n, threads);

@@ -1,0 +1,516 @@
+// fq for small M (decode): x [M <= 16, K] in float32, float16 or bfloat16 times
+// integer weights [N, K] dequantized as they stream in, on the bf16 tensor cores.
+//
+// The weights are laid out once (qd_cuda_fq_tile_weights) in tiles of 16 rows
+// by 256/bits values of K, 512 bytes: lane i of a warp owns the 16 bytes that
+// hold exactly its mma A fragments, so a warp's copy is one contiguous 512-byte
+// stretch and needs no shuffles.  Weights are the A operand (16 rows of N) and x
+// the B operand (8 rows of M per mma), so M <= 8 wastes no tensor-core work.
+// Within each 16-value step of K, lane t's four values of x are adjacent (the
+// weights are laid out in the same order), so one shared-memory load gives them.
+//
+// A block of WARPS warps owns WARPS bands of 16 weight rows and a split of K.
+// Its x slice is copied to shared memory once; each warp streams its band's
+// tiles through a ring of RING asynchronous copies (cp.async: no registers held
+// while they fly), so the memory system always has the next tiles in flight.
+//
+// Integer weights of up to 8 bits are exact in bf16, and products of bf16 values
+// are exact in the float32 accumulators.  bf16 x is one operand; float32 and
+// float16 x are cut into up to three bf16 parts (hi + mid + lo holds a float32
+// exactly) and the extra parts are multiplied only when some value needs them.
+//
+// When K is split over blockIdx.y, the last block of a band group adds the
+// splits' partial sums in split order, so the result does not depend on
+// scheduling.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <mutex>
+
+#include "common.cuh"
+#include "mma_s8.cuh"
+
+namespace {
+
+using qd::ceil_div;
+
+constexpr int WARPS = 8, THREADS = WARPS * 32;
+constexpr int RING = 6;                  // tiles in flight per warp
+constexpr int RING_BYTES = WARPS * RING * 512;
+constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma tiles)
+constexpr int X_SLICE_BYTES = 24 << 10;  // most shared memory a block's x slice takes
+constexpr int SMEM_BYTES = RING_BYTES + X_SLICE_BYTES + MAX_M * 192;  // + row padding
+constexpr int BLOCKS_PER_SM = 4;         // 32 warps: enough to hide the latency of each step
+constexpr int MAX_TICKETS = 1 << 16;
+
+// Tile geometry for `bits`-bit weights: a lane's 16 bytes are 4 words of V values.
+template <int BITS>
+struct Tiling {
+    static constexpr int V = 32 / BITS;   // values per word
+    static constexpr int HALF = V / 2;    // value pairs per word
+    static constexpr int STEPS = V / 2;   // mma k16 steps per tile (8 values per lane each)
+    static constexpr int KT = 16 * STEPS; // K values per tile
+};
+
+// Where value f of word `wi` of lane (g, t) sits in its tile: pair P of the lane
+// is A-fragment register P % 4 of k-step P / 4; a register holds (row, k) and
+// (row, k + 1), the first in field `slot`, the second in field `slot + HALF`.
+// Registers 0, 1 meet x's first B register (mma k 2t, 2t + 1), 2, 3 its second
+// (k 2t + 8, 2t + 9); both are read from x at 4t .. 4t + 3 of the step.
+template <int BITS>
+__host__ __device__ inline void tile_position(int wi, int f, int g, int t, int *row, int *k) {
+    using T = Tiling<BITS>;
+    const int P = wi * T::HALF + f % T::HALF, s = P / 4, r = P % 4;
+    *row = g + 8 * (r & 1);
+    *k = 16 * s + 4 * t + 2 * (r >> 1) + f / T::HALF;
+}
+
+template <int BITS>
+__global__ void tile_weights_kernel(const int8_t *__restrict__ q, int64_t N, int64_t K, int64_t ld,
+                                    int64_t tiles_per_band, int64_t words, uint32_t *__restrict__ out) {
+    using T = Tiling<BITS>;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < words;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int wi = (int)(i & 3), lane = (int)((i >> 2) & 31);
+        const int64_t tile = i >> 7, band = tile / tiles_per_band, kt = tile % tiles_per_band;
+        uint32_t word = 0;
+#pragma unroll
+        for (int f = 0; f < T::V; ++f) {
+            int r, c;
+            tile_position<BITS>(wi, f, lane >> 2, lane & 3, &r, &c);
+            const int64_t row = 16 * band + r, k = T::KT * kt + c;
+            const int v = row < N && k < K ? q[row * ld + k] : 0;
+            // stored with a +2^(bits-1) bias: the kernel turns fields into floats without sign logic
+            word |= (uint32_t)((v + (1 << (BITS - 1))) & ((1 << BITS) - 1)) << (BITS * f);
+        }
+        out[i] = word;
+    }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ __forceinline__ float bf_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// c[16x8] += a[16x16] * b[16x8], bf16 operands, float32 accumulators.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Fields i and i + HALF of a biased word as a bf16 pair (low half first): 8-bit
+// fields through float (bf16 has 7 mantissa bits), narrower ones placed in the
+// mantissa of 128.0 directly.  Exact either way.
+template <int BITS>
+__device__ __forceinline__ uint32_t weight_pair(uint32_t wb, int i) {
+    if constexpr (BITS == 8) {
+        const float lo = __uint_as_float(__byte_perm(wb, 0x4B000000u, 0x7440 | i)) - 8388736.0f;
+        const float hi = __uint_as_float(__byte_perm(wb, 0x4B000000u, 0x7440 | (i + 2))) - 8388736.0f;
+        return pack_bf16(lo, hi);
+    } else {
+        constexpr uint32_t mask = ((1u << BITS) - 1u) * 0x00010001u;
+        constexpr uint32_t neg_bias = (0xC300u + (1u << (BITS - 1))) * 0x00010001u;  // -(128 + half)
+        constexpr uint32_t one = 0x3F803F80u;  // bf16 1.0 in both halves
+        uint32_t v = ((wb >> (BITS * i)) & mask) | 0x43004300u, r;
+        // v * 1 - bias: exact; fma.bf16x2 exists from sm_80 on (sub.bf16x2 only from sm_90)
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(neg_bias));
+        return r;
+    }
+}
+
+// The operands every step reads.
+struct Operand {
+    const void *x; int x_dtype, M; int64_t ldx, K;
+    const uint4 *w; int64_t bands, tiles_per_band, N;
+    const float *s; int64_t s_ld, bn;
+    unsigned bk, steps_per_block;  // K < 2^31: block arithmetic in 32 bits
+};
+
+// B fragments of one k16 step for MT n8 tiles of x from the shared slice:
+// b[part][tile][reg], from the lane's 4 adjacent values in row g.  Returns whether parts 1 and 2 are needed (never for bf16 x).
+template <bool SPLIT, int MT>
+__device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_bytes, int at,
+                                            int x_dtype, int g, uint32_t (&b)[SPLIT ? 3 : 1][MT][2]) {
+    // at: index of the lane's first value in the slice's rows
+    if constexpr (!SPLIT) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const uint2 v = *reinterpret_cast<const uint2 *>(xs + (8 * mt + g) * row_bytes + 2 * at);
+            b[0][mt][0] = v.x;
+            b[0][mt][1] = v.y;
+        }
+        return false;
+    } else {
+        float v[MT][4];
+        bool residue = false;  // left in v: what the hi parts miss
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const unsigned char *p = xs + (8 * mt + g) * row_bytes;
+            if (x_dtype == QD_CUDA_F32) {
+                const float4 f = *reinterpret_cast<const float4 *>(p + 4 * at);
+                v[mt][0] = f.x; v[mt][1] = f.y; v[mt][2] = f.z; v[mt][3] = f.w;
+            } else {
+                const uint2 h = *reinterpret_cast<const uint2 *>(p + 2 * at);
+                const float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
+                const float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
+                v[mt][0] = lo.x; v[mt][1] = lo.y; v[mt][2] = hi.x; v[mt][3] = hi.y;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float &x0 = v[mt][2 * h], &x1 = v[mt][2 * h + 1];
+                const uint32_t top = b[0][mt][h] = pack_bf16(x0, x1);
+                x0 -= bf_lo(top);
+                x1 -= bf_hi(top);
+                x0 = isfinite(x0) ? x0 : 0.f;  // inf or NaN x: the hi part carries it
+                x1 = isfinite(x1) ? x1 : 0.f;
+                residue |= x0 != 0.f || x1 != 0.f;
+            }
+        }
+        if (!__any_sync(~0u, residue)) return false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float x0 = v[mt][2 * h], x1 = v[mt][2 * h + 1];
+                const uint32_t mid = b[1][mt][h] = pack_bf16(x0, x1);
+                b[2][mt][h] = pack_bf16(x0 - bf_lo(mid), x1 - bf_hi(mid));
+            }
+        return true;
+    }
+}
+
+// Where a warp's stream of K stands against the scale blocks: the products of
+// each block collect in c and are added into acc times the block's scales when
+// the block ends.
+template <int MT>
+struct ScaleRun {
+    const float *s[2];  // this lane's scale rows (weight rows g and g + 8), at the current block
+    unsigned left;      // k16 steps until the current block ends
+    int64_t blocks_left;  // blocks after the current one in the scale row (past K: stay on the last)
+    float c[MT][4], acc[MT][4];
+
+    __device__ __forceinline__ void flush() {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float scale = __ldg(s[h]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    acc[mt][e] = fmaf(scale, c[mt][e], acc[mt][e]);
+                    c[mt][e] = 0.f;
+                }
+        }
+    }
+    __device__ __forceinline__ void step_done(unsigned steps_per_block) {
+        if (--left) return;
+        flush();
+        left = steps_per_block;
+        if (blocks_left > 0) {  // steps past K (zero tiles) keep the last block's scale
+            --blocks_left;
+            ++s[0];
+            ++s[1];
+        }
+    }
+};
+
+// One tile of the warp's stream: its STEPS k16 steps into run.c.
+template <int BITS, bool SPLIT, int MT>
+__device__ __forceinline__ void tile_product(const Operand &op, int local_k, uint4 wv,
+                                             const unsigned char *xs, int row_bytes, int g, int t,
+                                             ScaleRun<MT> &run) {
+    using T = Tiling<BITS>;
+    const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+    for (int s = 0; s < T::STEPS; ++s) {
+        uint32_t b[SPLIT ? 3 : 1][MT][2];
+        const bool parts = x_fragments<SPLIT, MT>(xs, row_bytes, local_k + 16 * s + 4 * t, op.x_dtype, g, b);
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int P = 4 * s + r;
+            a[r] = weight_pair<BITS>(words[P / T::HALF], P % T::HALF);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            mma(run.c[mt], a, b[0][mt][0], b[0][mt][1]);
+            if constexpr (SPLIT) {
+                if (parts) {
+                    mma(run.c[mt], a, b[1][mt][0], b[1][mt][1]);
+                    mma(run.c[mt], a, b[2][mt][0], b[2][mt][1]);
+                }
+            }
+        }
+        run.step_done(op.steps_per_block);
+    }
+}
+
+// 16 bytes global -> shared, of which the first `bytes` are read and the rest zeroed.
+__device__ __forceinline__ void cp_async_bytes(void *dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(qd::smem_addr(dst)),
+                 "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void store(void *out, int dtype, int64_t i, float v) {
+    if (dtype == QD_CUDA_F32) static_cast<float *>(out)[i] = v;
+    else if (dtype == QD_CUDA_F16) static_cast<__half *>(out)[i] = __float2half_rn(v);
+    else static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(v);
+}
+
+template <int BITS, bool SPLIT, int MT>
+__global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
+fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out, int out_dtype,
+          float *__restrict__ partial, unsigned *__restrict__ tickets) {
+    using T = Tiling<BITS>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4 *ring = reinterpret_cast<uint4 *>(smem);  // [WARPS][RING][32 lanes]
+    unsigned char *xs = smem + RING_BYTES;           // [MT * 8][row_bytes]: x slice, zero filled
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t band = (int64_t)blockIdx.x * WARPS + warp;
+    const int kt_begin = blockIdx.y * tiles_per_split;
+    const int kt_end = (int)min((int64_t)kt_begin + tiles_per_split, op.tiles_per_band);
+    const int tiles = band < op.bands ? kt_end - kt_begin : 0;
+
+    // The x slice: K from kt_begin's first value, rows past M and values past K zero.
+    const int x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2, per_chunk = 16 / x_size;
+    const int64_t k0 = (int64_t)kt_begin * T::KT;
+    const int chunks = (kt_end - kt_begin) * T::KT / per_chunk;
+    for (int i = threadIdx.x; i < MT * 8 * chunks; i += THREADS) {
+        const int m = i / chunks, c = i % chunks;
+        const int64_t k = k0 + (int64_t)c * per_chunk;
+        const int64_t left = m < op.M ? (op.K - k) * x_size : 0;
+        const int bytes = left < 0 ? 0 : left > 16 ? 16 : (int)left;
+        const char *src = static_cast<const char *>(op.x) + (bytes ? (m * op.ldx + k) * x_size : 0);
+        cp_async_bytes(xs + m * row_bytes + 16 * c, src, bytes);
+    }
+    qd::cp_async_commit();
+
+    // This warp's tiles, RING of them in flight from the start.
+    const uint4 *src = op.w + ((band < op.bands ? band : 0) * op.tiles_per_band + kt_begin) * 32 + lane;
+    uint4 *slots = ring + warp * RING * 32 + lane;
+#pragma unroll
+    for (int d = 0; d < RING; ++d) {
+        if (d < tiles) cp_async_bytes(slots + d * 32, src + d * 32, 16);
+        qd::cp_async_commit();
+    }
+
+    ScaleRun<MT> run;
+    {
+        const int64_t k_first = k0 / op.bk, last = op.s_ld - 1;
+        const int64_t kb = k_first < last ? k_first : last;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int64_t n = min(16 * band + g + 8 * h, op.N - 1);
+            run.s[h] = op.s + (n / op.bn) * op.s_ld + kb;
+        }
+        run.blocks_left = last - kb;
+        run.left = op.steps_per_block - (unsigned)(k0 / 16) % op.steps_per_block;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) run.c[mt][e] = run.acc[mt][e] = 0.f;
+    }
+
+    qd::cp_async_wait<RING>();  // the x slice (every thread's part of it)
+    __syncthreads();
+    for (int i0 = 0; i0 < tiles; i0 += RING) {
+#pragma unroll
+        for (int d = 0; d < RING; ++d) {  // ring slot d: a constant offset
+            const int i = i0 + d;
+            if (i >= tiles) break;
+            qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
+            const uint4 wv = slots[d * 32];
+            tile_product<BITS, SPLIT, MT>(op, i * T::KT, wv, xs, row_bytes, g, t, run);
+            if (i + RING < tiles) cp_async_bytes(slots + d * 32, src + (int64_t)(i + RING) * 32, 16);
+            qd::cp_async_commit();
+        }
+    }
+    qd::cp_async_wait<0>();
+    run.flush();  // the block the stream ends in
+    const auto &acc = run.acc;
+
+    // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
+    const bool split = gridDim.y > 1;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int m = 8 * mt + 2 * t + (e & 1);
+            const int64_t n = 16 * band + g + 8 * (e >> 1);
+            if (m >= op.M || n >= op.N) continue;
+            if (split) partial[(blockIdx.y * op.M + m) * op.N + n] = acc[mt][e];
+            else store(out, out_dtype, m * op.N + n, acc[mt][e]);
+        }
+    if (!split) return;
+
+    __shared__ bool last;
+    __threadfence();  // this block's partial sums before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.x], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int64_t n0 = (int64_t)blockIdx.x * WARPS * 16;
+    for (int i = threadIdx.x; i < op.M * WARPS * 16; i += THREADS) {
+        const int m = i / (WARPS * 16);
+        const int64_t n = n0 + i % (WARPS * 16);
+        if (n >= op.N) continue;
+        float total = 0.f;
+        for (unsigned y = 0; y < gridDim.y; ++y) total += __ldcg(partial + (y * op.M + m) * op.N + n);
+        store(out, out_dtype, m * op.N + n, total);
+    }
+    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
+}
+
+// Per device: multiprocessor count and the split-K scratch (partial sums and
+// tickets).  Work is queued on one stream per device, so launches never share it.
+struct DeviceState {
+    int sms = 0;
+    float *partial = nullptr;
+    size_t cap = 0;
+    unsigned *tickets = nullptr;
+};
+constexpr int MAX_DEVICES = 64;
+DeviceState states[MAX_DEVICES];
+std::mutex state_mutex;
+
+qd_status device_state(DeviceState **out) {
+    int dev = 0;
+    qd_status st = qd::check(cudaGetDevice(&dev));
+    if (st != QD_OK) return st;
+    if (dev < 0 || dev >= MAX_DEVICES) return QD_ERR_ARGUMENT;
+    DeviceState &d = states[dev];
+    if (d.sms == 0) {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        int sms = 0;
+        if ((st = qd::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))) != QD_OK)
+            return st;
+        d.sms = sms;
+    }
+    *out = &d;
+    return QD_OK;
+}
+
+qd_status scratch(DeviceState &d, size_t floats) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    qd_status st;
+    if (!d.tickets) {
+        if ((st = qd::check(cudaMalloc(&d.tickets, MAX_TICKETS * sizeof(unsigned)))) != QD_OK) return st;
+        if ((st = qd::check(cudaMemset(d.tickets, 0, MAX_TICKETS * sizeof(unsigned)))) != QD_OK) return st;
+    }
+    if (d.cap < floats) {
+        if (d.partial) cudaFree(d.partial);  // synchronizes: no launch still reads it
+        d.partial = nullptr;
+        d.cap = 0;
+        if ((st = qd::check(cudaMalloc(&d.partial, floats * sizeof(float)))) != QD_OK) return st;
+        d.cap = floats;
+    }
+    return QD_OK;
+}
+
+int64_t tile_k(int bits) { return 16 * (16 / bits); }
+
+bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
+
+template <int BITS, bool SPLIT, int MT>
+qd_status launch(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
+                 int out_dtype, DeviceState &d, cudaStream_t s) {
+    static unsigned long long configured = 0;
+    auto kernel = fq_kernel<BITS, SPLIT, MT>;
+    qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
+    if (st != QD_OK) return st;
+    kernel<<<grid, THREADS, smem, s>>>(op, tps, row_bytes, out, out_dtype, d.partial, d.tickets);
+    return qd::launched();
+}
+
+template <int BITS>
+qd_status launch_bits(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
+                      int out_dtype, DeviceState &d, cudaStream_t s) {
+    const bool split = op.x_dtype != QD_CUDA_BF16;
+    if (op.M <= 8)
+        return split ? launch<BITS, true, 1>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s)
+                     : launch<BITS, false, 1>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+    return split ? launch<BITS, true, 2>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s)
+                 : launch<BITS, false, 2>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+}
+
+// One launch for up to MAX_M rows of x.
+qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t s) {
+    DeviceState *d = nullptr;
+    qd_status st = device_state(&d);
+    if (st != QD_OK) return st;
+    const int64_t blocks = ceil_div(op.bands, WARPS), tpb = op.tiles_per_band, kt = tile_k(bits);
+    if (blocks > MAX_TICKETS) return QD_ERR_SHAPE;
+    const int rows = op.M <= 8 ? 8 : 16, x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
+    // Split K so that the x slice fits and one round of blocks fills every SM:
+    // each warp then streams one long run of tiles.
+    const int64_t fit = X_SLICE_BYTES / (rows * x_size * kt);  // tiles of K a slice holds
+    int64_t splits = ceil_div(tpb, fit > 0 ? fit : 1);
+    const int64_t fill = BLOCKS_PER_SM * d->sms / blocks;
+    if (splits < fill) splits = fill < tpb ? fill : tpb;
+    const int64_t tps = ceil_div(tpb, splits);
+    splits = ceil_div(tpb, tps);
+    // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
+    // warp's loads of 8 rows x 4 lanes hit distinct banks.
+    const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
+    const int smem = RING_BYTES + rows * row_bytes;
+    if (splits > 1 && (st = scratch(*d, (size_t)(splits * op.M * op.N))) != QD_OK) return st;
+    const dim3 grid((unsigned)blocks, (unsigned)splits);
+    if (bits == 8) return launch_bits<8>(grid, smem, op, (int)tps, row_bytes, out, out_dtype, *d, s);
+    if (bits == 4) return launch_bits<4>(grid, smem, op, (int)tps, row_bytes, out, out_dtype, *d, s);
+    return launch_bits<2>(grid, smem, op, (int)tps, row_bytes, out, out_dtype, *d, s);
+}
+
+}  // namespace
+
+extern "C" int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
+    if (bits != 8 && bits != 4 && bits != 2) return 0;
+    return block_k == K || (block_k > 0 && block_k % 16 == 0);
+}
+
+extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld,
+                                             int bits, void *tiles, void *stream) {
+    if (!q || !tiles) return QD_ERR_NULL;
+    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
+    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
+    const int64_t words = qd_cuda_fq_tiles_bytes(N, K, bits) / 4;
+    const int64_t tpb = ceil_div(K, tile_k(bits));
+    cudaStream_t s = qd::as_stream(stream);
+    auto *w = static_cast<uint32_t *>(tiles);
+    const unsigned grid = qd::grid_for(words, 256);
+    if (bits == 8) tile_weights_kernel<8><<<grid, 256, 0, s>>>(q, N, K, ld, tpb, words, w);
+    else if (bits == 4) tile_weights_kernel<4><<<grid, 256, 0, s>>>(q, N, K, ld, tpb, words, w);
+    else tile_weights_kernel<2><<<grid, 256, 0, s>>>(q, N, K, ld, tpb, words, w);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
+                                       const void *tiles, int bits, int64_t N, int64_t K,
+                                       const float *scales, int64_t block_n, int64_t block_k,
+                                       void *out, int out_dtype, void *stream) {
+    if (!x || !tiles || !scales || !out) return QD_ERR_NULL;
+    if (M <= 0 || N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
+        return QD_ERR_SHAPE;
+    if (K > 0x7FFFFFFF) return QD_ERR_SHAPE;
+    const int x_size = x_dtype == QD_CUDA_F32 ? 4 : 2, out_size = out_dtype == QD_CUDA_F32 ? 4 : 2;
+    // x is copied in 16-byte pieces: rows start on 16-byte boundaries
+    if (!float_dtype(x_dtype) || !float_dtype(out_dtype) || ldx < K || ldx * x_size % 16 ||
+        reinterpret_cast<uintptr_t>(x) % 16 || !qd_cuda_fq_supported(bits, K, block_k))
+        return QD_ERR_ARGUMENT;
+    Operand op{x, x_dtype, 0, ldx, K,
+               static_cast<const uint4 *>(tiles), ceil_div(N, 16), ceil_div(K, tile_k(bits)), N,
+               scales, K / block_k, block_n, (unsigned)block_k,
+               block_k == K ? 1u << 30 : (unsigned)(block_k / 16)};  // one block: never a boundary
+    cudaStream_t s = qd::as_stream(stream);
+    for (int64_t m = 0; m < M; m += MAX_M) {  // each slice streams the weights once
+        op.M = (int)(M - m < MAX_M ? M - m : MAX_M);
+        op.x = static_cast<const char *>(x) + m * ldx * x_size;
+        qd_status st = fq_slice(op, static_cast<char *>(out) + m * N * out_size, out_dtype, bits, s);
+        if (st != QD_OK) return st;
+    }
+    return QD_OK;
+}
