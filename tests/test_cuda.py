@@ -271,6 +271,19 @@ def test_fq_scale_blocks_ending_inside_a_weight_tile(rng, scheme, M):
         assert rel_err(expect, out) < FQ_TOL
 
 
+@pytest.mark.parametrize("scale", [1e6, 1e-7])
+def test_fq_bf16_activations_beyond_f16(rng, scale):
+    """bf16 x that f16 can't hold exactly (huge or tiny) takes the bf16 operands:
+    the result keeps full accuracy either way."""
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    x[1] *= scale
+    wq = qd.quantize(rng.standard_normal((64, 512)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    out = qd.q_matmul(qd.tensor(x, device="cuda", dtype="bfloat16"), wq.T).numpy()
+    expect = qd.q_matmul(qd.tensor(x, device="reference", dtype="bfloat16"), ref(wq).T).numpy()
+    for row in range(4):
+        assert rel_err(expect[row], out[row]) < FQ_TOL
+
+
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float32"])
 def test_fq_non_finite_activations_propagate(rng, x_dtype):
     x = rng.standard_normal((4, 256)).astype(np.float32)

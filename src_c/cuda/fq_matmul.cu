@@ -40,7 +40,7 @@ constexpr int RING_BYTES = WARPS * RING * 512;
 constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma tiles)
 constexpr int X_SLICE_BYTES = 24 << 10;  // most shared memory a block's x slice takes
 constexpr int SMEM_BYTES = RING_BYTES + X_SLICE_BYTES + MAX_M * 192;  // + row padding
-constexpr int BLOCKS_PER_SM = 4;         // 32 warps: enough to hide the latency of each step
+constexpr int BLOCKS_PER_SM = 3;         // up to 24 warps: their steps hide each other's latency
 constexpr int MAX_TICKETS = 1 << 16;
 
 // Tile geometry for `bits`-bit weights: a lane's 16 bytes are 4 words of V values.
@@ -94,32 +94,72 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 __device__ __forceinline__ float bf_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
-// c[16x8] += a[16x16] * b[16x8], bf16 operands, float32 accumulators.
+// How a kernel multiplies: bf16 or f16 operands (x read as it is), or float32 x
+// cut into three bf16 parts.
+enum Mode { BF16 = 0, F16 = 1, SPLIT = 2 };
+
+// c[16x8] += a[16x16] * b[16x8], 16-bit operands, float32 accumulators.
+template <int MODE>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (MODE == F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Fields i and i + HALF of a biased word as a bf16 pair (low half first): 8-bit
-// fields through float (bf16 has 7 mantissa bits), narrower ones placed in the
-// mantissa of 128.0 directly.  Exact either way.
-template <int BITS>
+// Fields i and i + HALF of a biased word as a 16-bit pair (low half first), exact:
+// in f16 any field goes into the mantissa of 1024.0 (10 bits) and the bias comes
+// off in one half2 subtraction; in bf16 (7 mantissa bits) 8-bit fields go through
+// float and narrower ones into the mantissa of 128.0.
+template <int BITS, int MODE>
 __device__ __forceinline__ uint32_t weight_pair(uint32_t wb, int i) {
-    if constexpr (BITS == 8) {
+    constexpr uint32_t half = 1u << (BITS - 1);
+    if constexpr (MODE == F16) {
+        uint32_t v;
+        if constexpr (BITS == 8) v = __byte_perm(wb, 0x6464u, 0x5040 | i | ((i + 2) << 8));
+        else v = ((wb >> (BITS * i)) & (((1u << BITS) - 1u) * 0x00010001u)) | 0x64006400u;
+        const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&v), __half2half2(__ushort_as_half(
+                                      (unsigned short)(0x6400u + half))));
+        return *reinterpret_cast<const uint32_t *>(&r);
+    } else if constexpr (BITS == 8) {
         const float lo = __uint_as_float(__byte_perm(wb, 0x4B000000u, 0x7440 | i)) - 8388736.0f;
         const float hi = __uint_as_float(__byte_perm(wb, 0x4B000000u, 0x7440 | (i + 2))) - 8388736.0f;
         return pack_bf16(lo, hi);
     } else {
         constexpr uint32_t mask = ((1u << BITS) - 1u) * 0x00010001u;
-        constexpr uint32_t neg_bias = (0xC300u + (1u << (BITS - 1))) * 0x00010001u;  // -(128 + half)
+        constexpr uint32_t neg_bias = (0xC300u + half) * 0x00010001u;  // -(128 + half)
         constexpr uint32_t one = 0x3F803F80u;  // bf16 1.0 in both halves
         uint32_t v = ((wb >> (BITS * i)) & mask) | 0x43004300u, r;
         // v * 1 - bias: exact; fma.bf16x2 exists from sm_80 on (sub.bf16x2 only from sm_90)
         asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(neg_bias));
         return r;
     }
+}
+
+// bf16 x whose values f16 also holds exactly (zero, or 2^-14 <= |x| <= 65280) can
+// use the f16 path, where 8-bit weights convert in two operations instead of five.
+__device__ __forceinline__ bool bf16_fits_f16(uint32_t pair) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t a = (pair >> (16 * h)) & 0x7FFFu;
+        if (a != 0 && a - 0x3880u > 0x477Fu - 0x3880u) return false;
+    }
+    return true;
+}
+__device__ __forceinline__ uint32_t bf16_to_f16(uint32_t pair) {
+    uint32_t out = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t b = (pair >> (16 * h)) & 0xFFFFu, a = b & 0x7FFFu;
+        out |= ((b & 0x8000u) | (a ? (a - 0x3800u) << 3 : 0u)) << (16 * h);  // rebias 127 -> 15
+    }
+    return out;
 }
 
 // The operands every step reads.
@@ -131,12 +171,12 @@ struct Operand {
 };
 
 // B fragments of one k16 step for MT n8 tiles of x from the shared slice:
-// b[part][tile][reg], from the lane's 4 adjacent values in row g.  Returns whether parts 1 and 2 are needed (never for bf16 x).
-template <bool SPLIT, int MT>
-__device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_bytes, int at,
-                                            int x_dtype, int g, uint32_t (&b)[SPLIT ? 3 : 1][MT][2]) {
-    // at: index of the lane's first value in the slice's rows
-    if constexpr (!SPLIT) {
+// b[part][tile][reg], from the lane's 4 adjacent values (index `at`) in row g.
+// Returns whether parts 1 and 2 are needed (only float32 x has them).
+template <int MODE, int MT>
+__device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_bytes, int at, int g,
+                                            uint32_t (&b)[MODE == SPLIT ? 3 : 1][MT][2]) {
+    if constexpr (MODE != SPLIT) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const uint2 v = *reinterpret_cast<const uint2 *>(xs + (8 * mt + g) * row_bytes + 2 * at);
@@ -149,16 +189,8 @@ __device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_byt
         bool residue = false;  // left in v: what the hi parts miss
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const unsigned char *p = xs + (8 * mt + g) * row_bytes;
-            if (x_dtype == QD_CUDA_F32) {
-                const float4 f = *reinterpret_cast<const float4 *>(p + 4 * at);
-                v[mt][0] = f.x; v[mt][1] = f.y; v[mt][2] = f.z; v[mt][3] = f.w;
-            } else {
-                const uint2 h = *reinterpret_cast<const uint2 *>(p + 2 * at);
-                const float2 lo = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
-                const float2 hi = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
-                v[mt][0] = lo.x; v[mt][1] = lo.y; v[mt][2] = hi.x; v[mt][3] = hi.y;
-            }
+            const float4 f = *reinterpret_cast<const float4 *>(xs + (8 * mt + g) * row_bytes + 4 * at);
+            v[mt][0] = f.x; v[mt][1] = f.y; v[mt][2] = f.z; v[mt][3] = f.w;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float &x0 = v[mt][2 * h], &x1 = v[mt][2 * h + 1];
@@ -219,7 +251,7 @@ struct ScaleRun {
 };
 
 // One tile of the warp's stream: its STEPS k16 steps into run.c.
-template <int BITS, bool SPLIT, int MT>
+template <int BITS, int MODE, int MT>
 __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uint4 wv,
                                              const unsigned char *xs, int row_bytes, int g, int t,
                                              ScaleRun<MT> &run) {
@@ -227,21 +259,21 @@ __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uin
     const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
     for (int s = 0; s < T::STEPS; ++s) {
-        uint32_t b[SPLIT ? 3 : 1][MT][2];
-        const bool parts = x_fragments<SPLIT, MT>(xs, row_bytes, local_k + 16 * s + 4 * t, op.x_dtype, g, b);
+        uint32_t b[MODE == SPLIT ? 3 : 1][MT][2];
+        const bool parts = x_fragments<MODE, MT>(xs, row_bytes, local_k + 16 * s + 4 * t, g, b);
         uint32_t a[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int P = 4 * s + r;
-            a[r] = weight_pair<BITS>(words[P / T::HALF], P % T::HALF);
+            a[r] = weight_pair<BITS, MODE>(words[P / T::HALF], P % T::HALF);
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            mma(run.c[mt], a, b[0][mt][0], b[0][mt][1]);
-            if constexpr (SPLIT) {
+            mma<MODE>(run.c[mt], a, b[0][mt][0], b[0][mt][1]);
+            if constexpr (MODE == SPLIT) {
                 if (parts) {
-                    mma(run.c[mt], a, b[1][mt][0], b[1][mt][1]);
-                    mma(run.c[mt], a, b[2][mt][0], b[2][mt][1]);
+                    mma<MODE>(run.c[mt], a, b[1][mt][0], b[1][mt][1]);
+                    mma<MODE>(run.c[mt], a, b[2][mt][0], b[2][mt][1]);
                 }
             }
         }
@@ -261,7 +293,43 @@ __device__ __forceinline__ void store(void *out, int dtype, int64_t i, float v) 
     else static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(v);
 }
 
-template <int BITS, bool SPLIT, int MT>
+// The warp's tiles through its ring slots, RING copies ahead of use.
+template <int BITS, int MODE, int MT>
+__device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
+                                             const unsigned char *xs, int row_bytes, int g, int t,
+                                             ScaleRun<MT> &run) {
+    using T = Tiling<BITS>;
+    for (int i0 = 0; i0 < tiles; i0 += RING) {
+#pragma unroll
+        for (int d = 0; d < RING; ++d) {  // ring slot d: a constant offset
+            const int i = i0 + d;
+            if (i >= tiles) break;
+            qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
+            const uint4 wv = slots[d * 32];
+            tile_product<BITS, MODE, MT>(op, i * T::KT, wv, xs, row_bytes, g, t, run);
+            if (i + RING < tiles) cp_async_bytes(slots + d * 32, src + (int64_t)(i + RING) * 32, 16);
+            qd::cp_async_commit();
+        }
+    }
+}
+
+// Rewrites a bf16 x slice as f16 when every value fits f16 exactly; says whether it did.
+__device__ __forceinline__ bool slice_to_f16(unsigned char *xs, int rows, int row_bytes, int bytes) {
+    const int words = bytes / 4;
+    bool fits = true;
+    for (int i = threadIdx.x; i < rows * words; i += THREADS)
+        fits &= bf16_fits_f16(reinterpret_cast<uint32_t *>(xs + (i / words) * row_bytes)[i % words]);
+    if (!__syncthreads_and(fits)) return false;
+    for (int i = threadIdx.x; i < rows * words; i += THREADS) {
+        uint32_t &w = reinterpret_cast<uint32_t *>(xs + (i / words) * row_bytes)[i % words];
+        w = bf16_to_f16(w);
+    }
+    __syncthreads();
+    return true;
+}
+
+// XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).
+template <int BITS, int XIN, int MT>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out, int out_dtype,
           float *__restrict__ partial, unsigned *__restrict__ tickets) {
@@ -276,7 +344,7 @@ fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out
     const int tiles = band < op.bands ? kt_end - kt_begin : 0;
 
     // The x slice: K from kt_begin's first value, rows past M and values past K zero.
-    const int x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2, per_chunk = 16 / x_size;
+    constexpr int x_size = XIN == QD_CUDA_F32 ? 4 : 2, per_chunk = 16 / x_size;
     const int64_t k0 = (int64_t)kt_begin * T::KT;
     const int chunks = (kt_end - kt_begin) * T::KT / per_chunk;
     for (int i = threadIdx.x; i < MT * 8 * chunks; i += THREADS) {
@@ -317,17 +385,17 @@ fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out
 
     qd::cp_async_wait<RING>();  // the x slice (every thread's part of it)
     __syncthreads();
-    for (int i0 = 0; i0 < tiles; i0 += RING) {
-#pragma unroll
-        for (int d = 0; d < RING; ++d) {  // ring slot d: a constant offset
-            const int i = i0 + d;
-            if (i >= tiles) break;
-            qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
-            const uint4 wv = slots[d * 32];
-            tile_product<BITS, SPLIT, MT>(op, i * T::KT, wv, xs, row_bytes, g, t, run);
-            if (i + RING < tiles) cp_async_bytes(slots + d * 32, src + (int64_t)(i + RING) * 32, 16);
-            qd::cp_async_commit();
-        }
+    if constexpr (XIN == QD_CUDA_F32) {
+        stream_tiles<BITS, SPLIT, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+    } else if constexpr (XIN == QD_CUDA_F16) {
+        stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+    } else if constexpr (BITS == 8) {
+        if (slice_to_f16(xs, op.M, row_bytes, chunks * 16))
+            stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+        else
+            stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+    } else {
+        stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
     }
     qd::cp_async_wait<0>();
     run.flush();  // the block the stream ends in
@@ -354,14 +422,24 @@ fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const int64_t n0 = (int64_t)blockIdx.x * WARPS * 16;
-    for (int i = threadIdx.x; i < op.M * WARPS * 16; i += THREADS) {
-        const int m = i / (WARPS * 16);
-        const int64_t n = n0 + i % (WARPS * 16);
-        if (n >= op.N) continue;
-        float total = 0.f;
-        for (unsigned y = 0; y < gridDim.y; ++y) total += __ldcg(partial + (y * op.M + m) * op.N + n);
-        store(out, out_dtype, m * op.N + n, total);
+    // The splits' sums in split order; a thread's items load together (one round trip a split).
+    constexpr int ROWS = WARPS * 16, ITEMS = MT * 8 * ROWS / THREADS;
+    const int64_t n0 = (int64_t)blockIdx.x * ROWS;
+    float total[ITEMS];
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) total[it] = 0.f;
+    for (unsigned y = 0; y < gridDim.y; ++y)
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+            const int i = threadIdx.x + it * THREADS, m = i / ROWS;
+            const int64_t n = n0 + i % ROWS;
+            if (m < op.M && n < op.N) total[it] += __ldcg(partial + (y * op.M + m) * op.N + n);
+        }
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+        const int i = threadIdx.x + it * THREADS, m = i / ROWS;
+        const int64_t n = n0 + i % ROWS;
+        if (m < op.M && n < op.N) store(out, out_dtype, m * op.N + n, total[it]);
     }
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
@@ -416,26 +494,32 @@ int64_t tile_k(int bits) { return 16 * (16 / bits); }
 
 bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
 
-template <int BITS, bool SPLIT, int MT>
+template <int BITS, int XIN, int MT>
 qd_status launch(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
                  int out_dtype, DeviceState &d, cudaStream_t s) {
     static unsigned long long configured = 0;
-    auto kernel = fq_kernel<BITS, SPLIT, MT>;
+    auto kernel = fq_kernel<BITS, XIN, MT>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
     if (st != QD_OK) return st;
     kernel<<<grid, THREADS, smem, s>>>(op, tps, row_bytes, out, out_dtype, d.partial, d.tickets);
     return qd::launched();
 }
 
+template <int BITS, int XIN>
+qd_status launch_rows(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
+                      int out_dtype, DeviceState &d, cudaStream_t s) {
+    return op.M <= 8 ? launch<BITS, XIN, 1>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s)
+                     : launch<BITS, XIN, 2>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+}
+
 template <int BITS>
 qd_status launch_bits(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
                       int out_dtype, DeviceState &d, cudaStream_t s) {
-    const bool split = op.x_dtype != QD_CUDA_BF16;
-    if (op.M <= 8)
-        return split ? launch<BITS, true, 1>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s)
-                     : launch<BITS, false, 1>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
-    return split ? launch<BITS, true, 2>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s)
-                 : launch<BITS, false, 2>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+    if (op.x_dtype == QD_CUDA_BF16)
+        return launch_rows<BITS, QD_CUDA_BF16>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+    if (op.x_dtype == QD_CUDA_F16)
+        return launch_rows<BITS, QD_CUDA_F16>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+    return launch_rows<BITS, QD_CUDA_F32>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
 }
 
 // One launch for up to MAX_M rows of x.
@@ -446,11 +530,11 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     const int64_t blocks = ceil_div(op.bands, WARPS), tpb = op.tiles_per_band, kt = tile_k(bits);
     if (blocks > MAX_TICKETS) return QD_ERR_SHAPE;
     const int rows = op.M <= 8 ? 8 : 16, x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
-    // Split K so that the x slice fits and one round of blocks fills every SM:
-    // each warp then streams one long run of tiles.
+    // Split K so that the x slice fits and two blocks per SM fill the machine: each
+    // warp then streams one long run of tiles, and the split sums stay few.
     const int64_t fit = X_SLICE_BYTES / (rows * x_size * kt);  // tiles of K a slice holds
     int64_t splits = ceil_div(tpb, fit > 0 ? fit : 1);
-    const int64_t fill = BLOCKS_PER_SM * d->sms / blocks;
+    const int64_t fill = 2 * d->sms / blocks;
     if (splits < fill) splits = fill < tpb ? fill : tpb;
     const int64_t tps = ceil_div(tpb, splits);
     splits = ceil_div(tpb, tps);
