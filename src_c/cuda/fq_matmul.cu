@@ -38,7 +38,7 @@ constexpr int WARPS = 8, THREADS = WARPS * 32;
 constexpr int RING = 6;                  // tiles in flight per warp
 constexpr int RING_BYTES = WARPS * RING * 512;
 constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma tiles)
-constexpr int X_SLICE_BYTES = 24 << 10;  // most shared memory a block's x slice takes
+constexpr int X_SLICE_BYTES = 40 << 10;  // most shared memory a block's x slice takes
 constexpr int SMEM_BYTES = RING_BYTES + X_SLICE_BYTES + MAX_M * 192;  // + row padding
 constexpr int BLOCKS_PER_SM = 3;         // up to 24 warps: their steps hide each other's latency
 constexpr int MAX_TICKETS = 1 << 16;
@@ -174,12 +174,13 @@ struct Operand {
 // b[part][tile][reg], from the lane's 4 adjacent values (index `at`) in row g.
 // Returns whether parts 1 and 2 are needed (only float32 x has them).
 template <int MODE, int MT>
-__device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_bytes, int at, int g,
+__device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_bytes, int at, int g, int M,
                                             uint32_t (&b)[MODE == SPLIT ? 3 : 1][MT][2]) {
     if constexpr (MODE != SPLIT) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const uint2 v = *reinterpret_cast<const uint2 *>(xs + (8 * mt + g) * row_bytes + 2 * at);
+            const int m = 8 * mt + g;  // rows past M are not in the slice: zero
+            const uint2 v = m < M ? *reinterpret_cast<const uint2 *>(xs + m * row_bytes + 2 * at) : make_uint2(0, 0);
             b[0][mt][0] = v.x;
             b[0][mt][1] = v.y;
         }
@@ -189,7 +190,9 @@ __device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_byt
         bool residue = false;  // left in v: what the hi parts miss
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const float4 f = *reinterpret_cast<const float4 *>(xs + (8 * mt + g) * row_bytes + 4 * at);
+            const int m = 8 * mt + g;
+            const float4 f = m < M ? *reinterpret_cast<const float4 *>(xs + m * row_bytes + 4 * at)
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
             v[mt][0] = f.x; v[mt][1] = f.y; v[mt][2] = f.z; v[mt][3] = f.w;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -260,7 +263,7 @@ __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uin
 #pragma unroll
     for (int s = 0; s < T::STEPS; ++s) {
         uint32_t b[MODE == SPLIT ? 3 : 1][MT][2];
-        const bool parts = x_fragments<MODE, MT>(xs, row_bytes, local_k + 16 * s + 4 * t, g, b);
+        const bool parts = x_fragments<MODE, MT>(xs, row_bytes, local_k + 16 * s + 4 * t, g, op.M, b);
         uint32_t a[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -296,8 +299,8 @@ __device__ __forceinline__ void store(void *out, int dtype, int64_t i, float v) 
 // The warp's tiles through its ring slots, RING copies ahead of use.
 template <int BITS, int MODE, int MT>
 __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
-                                             const unsigned char *xs, int row_bytes, int g, int t,
-                                             ScaleRun<MT> &run) {
+                                             const unsigned char *xs, int local0, int row_bytes, int g,
+                                             int t, ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
     for (int i0 = 0; i0 < tiles; i0 += RING) {
 #pragma unroll
@@ -306,7 +309,7 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
             if (i >= tiles) break;
             qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
             const uint4 wv = slots[d * 32];
-            tile_product<BITS, MODE, MT>(op, i * T::KT, wv, xs, row_bytes, g, t, run);
+            tile_product<BITS, MODE, MT>(op, local0 + i * T::KT, wv, xs, row_bytes, g, t, run);
             if (i + RING < tiles) cp_async_bytes(slots + d * 32, src + (int64_t)(i + RING) * 32, 16);
             qd::cp_async_commit();
         }
@@ -317,66 +320,75 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
 __device__ __forceinline__ bool slice_to_f16(unsigned char *xs, int rows, int row_bytes, int bytes) {
     const int words = bytes / 4;
     bool fits = true;
-    for (int i = threadIdx.x; i < rows * words; i += THREADS)
-        fits &= bf16_fits_f16(reinterpret_cast<uint32_t *>(xs + (i / words) * row_bytes)[i % words]);
+    for (int m = 0; m < rows; ++m)
+        for (int i = threadIdx.x; i < words; i += THREADS)
+            fits &= bf16_fits_f16(reinterpret_cast<const uint32_t *>(xs + m * row_bytes)[i]);
     if (!__syncthreads_and(fits)) return false;
-    for (int i = threadIdx.x; i < rows * words; i += THREADS) {
-        uint32_t &w = reinterpret_cast<uint32_t *>(xs + (i / words) * row_bytes)[i % words];
-        w = bf16_to_f16(w);
-    }
+    for (int m = 0; m < rows; ++m)
+        for (int i = threadIdx.x; i < words; i += THREADS) {
+            uint32_t &w = reinterpret_cast<uint32_t *>(xs + m * row_bytes)[i];
+            w = bf16_to_f16(w);
+        }
     __syncthreads();
     return true;
 }
 
-// XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).
+// XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).  A block's warps are
+// WARPS / kw bands times kw parts of the block's K range (kw: 1, 2, 4 or 8).
 template <int BITS, int XIN, int MT>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out, int out_dtype,
-          float *__restrict__ partial, unsigned *__restrict__ tickets) {
+fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restrict__ out,
+          int out_dtype, float *__restrict__ partial, unsigned *__restrict__ tickets) {
     using T = Tiling<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
     uint4 *ring = reinterpret_cast<uint4 *>(smem);  // [WARPS][RING][32 lanes]
-    unsigned char *xs = smem + RING_BYTES;           // [MT * 8][row_bytes]: x slice, zero filled
+    unsigned char *xs = smem + RING_BYTES;           // [M][row_bytes]: x slice, zero past K
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int64_t band = (int64_t)blockIdx.x * WARPS + warp;
+    const int bands_per_block = WARPS / kw, part = warp % kw;
+    const int64_t band = (int64_t)blockIdx.x * bands_per_block + warp / kw;
     const int kt_begin = blockIdx.y * tiles_per_split;
     const int kt_end = (int)min((int64_t)kt_begin + tiles_per_split, op.tiles_per_band);
-    const int tiles = band < op.bands ? kt_end - kt_begin : 0;
+    const int per_part = (kt_end - kt_begin + kw - 1) / kw;
+    const int my_begin = min(kt_begin + part * per_part, kt_end);
+    const int tiles = band < op.bands ? min(per_part, kt_end - my_begin) : 0;
 
-    // The x slice: K from kt_begin's first value, rows past M and values past K zero.
+    // The x slice: the block's K range from kt_begin on, values past K zero.
     constexpr int x_size = XIN == QD_CUDA_F32 ? 4 : 2, per_chunk = 16 / x_size;
     const int64_t k0 = (int64_t)kt_begin * T::KT;
     const int chunks = (kt_end - kt_begin) * T::KT / per_chunk;
-    for (int i = threadIdx.x; i < MT * 8 * chunks; i += THREADS) {
-        const int m = i / chunks, c = i % chunks;
-        const int64_t k = k0 + (int64_t)c * per_chunk;
-        const int64_t left = m < op.M ? (op.K - k) * x_size : 0;
-        const int bytes = left < 0 ? 0 : left > 16 ? 16 : (int)left;
-        const char *src = static_cast<const char *>(op.x) + (bytes ? (m * op.ldx + k) * x_size : 0);
-        cp_async_bytes(xs + m * row_bytes + 16 * c, src, bytes);
-    }
+    for (int m = 0; m < op.M; ++m)
+        for (int c = threadIdx.x; c < chunks; c += THREADS) {
+            const int64_t k = k0 + (int64_t)c * per_chunk;
+            const int64_t left = (op.K - k) * x_size;
+            const int bytes = left < 0 ? 0 : left > 16 ? 16 : (int)left;
+            const char *src = static_cast<const char *>(op.x) + (bytes ? (m * op.ldx + k) * x_size : 0);
+            cp_async_bytes(xs + m * row_bytes + 16 * c, src, bytes);
+        }
     qd::cp_async_commit();
 
     // This warp's tiles, RING of them in flight from the start.
-    const uint4 *src = op.w + ((band < op.bands ? band : 0) * op.tiles_per_band + kt_begin) * 32 + lane;
+    const uint4 *src = op.w + ((band < op.bands ? band : 0) * op.tiles_per_band + my_begin) * 32 + lane;
     uint4 *slots = ring + warp * RING * 32 + lane;
 #pragma unroll
     for (int d = 0; d < RING; ++d) {
         if (d < tiles) cp_async_bytes(slots + d * 32, src + d * 32, 16);
         qd::cp_async_commit();
     }
+    const int64_t kw0 = (int64_t)my_begin * T::KT;  // first K value of this warp's run
+    const int local0 = (my_begin - kt_begin) * T::KT;  // ... in the slice
 
     ScaleRun<MT> run;
     {
-        const int64_t k_first = k0 / op.bk, last = op.s_ld - 1;
+        // K and N are below 2^31 (checked on entry): 32-bit division is enough
+        const int64_t k_first = (unsigned)kw0 / op.bk, last = op.s_ld - 1;
         const int64_t kb = k_first < last ? k_first : last;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int64_t n = min(16 * band + g + 8 * h, op.N - 1);
-            run.s[h] = op.s + (n / op.bn) * op.s_ld + kb;
+            const unsigned n = (unsigned)min(16 * band + g + 8 * h, op.N - 1);
+            run.s[h] = op.s + (int64_t)(n / (unsigned)op.bn) * op.s_ld + kb;
         }
         run.blocks_left = last - kb;
-        run.left = op.steps_per_block - (unsigned)(k0 / 16) % op.steps_per_block;
+        run.left = op.steps_per_block - ((unsigned)kw0 / 16) % op.steps_per_block;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -386,32 +398,43 @@ fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out
     qd::cp_async_wait<RING>();  // the x slice (every thread's part of it)
     __syncthreads();
     if constexpr (XIN == QD_CUDA_F32) {
-        stream_tiles<BITS, SPLIT, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+        stream_tiles<BITS, SPLIT, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
     } else if constexpr (XIN == QD_CUDA_F16) {
-        stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+        stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
     } else if constexpr (BITS == 8) {
         if (slice_to_f16(xs, op.M, row_bytes, chunks * 16))
-            stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+            stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
         else
-            stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+            stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
     } else {
-        stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, row_bytes, g, t, run);
+        stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
     }
     qd::cp_async_wait<0>();
     run.flush();  // the block the stream ends in
     const auto &acc = run.acc;
 
+    // The kw parts of a band meet in shared memory (the ring's space), in part order.
     // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
-    const bool split = gridDim.y > 1;
+    constexpr int RED = MT * 8 * 16;  // one warp's sums: [m][row]
+    float *red = reinterpret_cast<float *>(smem);
+    __syncthreads();  // every warp is done with its ring
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int m = 8 * mt + 2 * t + (e & 1);
-            const int64_t n = 16 * band + g + 8 * (e >> 1);
-            if (m >= op.M || n >= op.N) continue;
-            if (split) partial[(blockIdx.y * op.M + m) * op.N + n] = acc[mt][e];
-            else store(out, out_dtype, m * op.N + n, acc[mt][e]);
+        for (int e = 0; e < 4; ++e)
+            red[warp * RED + (8 * mt + 2 * t + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[mt][e];
+    __syncthreads();
+    // Thread r of the first `rows` owns output column n0 + r for every row of x.
+    const bool split = gridDim.y > 1;
+    const int rows = bands_per_block * 16, r = threadIdx.x;
+    const int64_t n = (int64_t)blockIdx.x * rows + r;
+    const bool owner = r < rows && n < op.N;
+    if (owner)
+        for (int m = 0; m < op.M; ++m) {
+            float sum = 0.f;
+            for (int p = 0; p < kw; ++p) sum += red[((r / 16) * kw + p) * RED + m * 16 + r % 16];
+            if (split) partial[(blockIdx.y * op.M + m) * op.N + n] = sum;
+            else store(out, out_dtype, m * op.N + n, sum);
         }
     if (!split) return;
 
@@ -422,24 +445,18 @@ fq_kernel(Operand op, int tiles_per_split, int row_bytes, void *__restrict__ out
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // The splits' sums in split order; a thread's items load together (one round trip a split).
-    constexpr int ROWS = WARPS * 16, ITEMS = MT * 8 * ROWS / THREADS;
-    const int64_t n0 = (int64_t)blockIdx.x * ROWS;
-    float total[ITEMS];
+    // The splits' sums in split order; a split's rows of x load together (one round trip).
+    if (owner) {
+        float total[MT * 8];
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) total[it] = 0.f;
-    for (unsigned y = 0; y < gridDim.y; ++y)
+        for (int m = 0; m < MT * 8; ++m) total[m] = 0.f;
+        for (unsigned y = 0; y < gridDim.y; ++y)
 #pragma unroll
-        for (int it = 0; it < ITEMS; ++it) {
-            const int i = threadIdx.x + it * THREADS, m = i / ROWS;
-            const int64_t n = n0 + i % ROWS;
-            if (m < op.M && n < op.N) total[it] += __ldcg(partial + (y * op.M + m) * op.N + n);
-        }
+            for (int m = 0; m < MT * 8; ++m)
+                if (m < op.M) total[m] += __ldcg(partial + (y * op.M + m) * op.N + n);
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-        const int i = threadIdx.x + it * THREADS, m = i / ROWS;
-        const int64_t n = n0 + i % ROWS;
-        if (m < op.M && n < op.N) store(out, out_dtype, m * op.N + n, total[it]);
+        for (int m = 0; m < MT * 8; ++m)
+            if (m < op.M) store(out, out_dtype, m * op.N + n, total[m]);
     }
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
@@ -494,32 +511,37 @@ int64_t tile_k(int bits) { return 16 * (16 / bits); }
 
 bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
 
+// How a launch cuts the work: grid (band groups x splits of K), tiles per split,
+// warps per band, bytes per x slice row and dynamic shared memory.
+struct Plan {
+    dim3 grid;
+    int tiles_per_split, kw, row_bytes, smem;
+};
+
 template <int BITS, int XIN, int MT>
-qd_status launch(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
-                 int out_dtype, DeviceState &d, cudaStream_t s) {
+qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d, cudaStream_t s) {
     static unsigned long long configured = 0;
     auto kernel = fq_kernel<BITS, XIN, MT>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
     if (st != QD_OK) return st;
-    kernel<<<grid, THREADS, smem, s>>>(op, tps, row_bytes, out, out_dtype, d.partial, d.tickets);
+    kernel<<<p.grid, THREADS, p.smem, s>>>(op, p.tiles_per_split, p.kw, p.row_bytes, out, out_dtype,
+                                           d.partial, d.tickets);
     return qd::launched();
 }
 
 template <int BITS, int XIN>
-qd_status launch_rows(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
-                      int out_dtype, DeviceState &d, cudaStream_t s) {
-    return op.M <= 8 ? launch<BITS, XIN, 1>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s)
-                     : launch<BITS, XIN, 2>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+qd_status launch_rows(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d,
+                      cudaStream_t s) {
+    return op.M <= 8 ? launch<BITS, XIN, 1>(p, op, out, out_dtype, d, s)
+                     : launch<BITS, XIN, 2>(p, op, out, out_dtype, d, s);
 }
 
 template <int BITS>
-qd_status launch_bits(dim3 grid, int smem, const Operand &op, int tps, int row_bytes, void *out,
-                      int out_dtype, DeviceState &d, cudaStream_t s) {
-    if (op.x_dtype == QD_CUDA_BF16)
-        return launch_rows<BITS, QD_CUDA_BF16>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
-    if (op.x_dtype == QD_CUDA_F16)
-        return launch_rows<BITS, QD_CUDA_F16>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
-    return launch_rows<BITS, QD_CUDA_F32>(grid, smem, op, tps, row_bytes, out, out_dtype, d, s);
+qd_status launch_bits(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d,
+                      cudaStream_t s) {
+    if (op.x_dtype == QD_CUDA_BF16) return launch_rows<BITS, QD_CUDA_BF16>(p, op, out, out_dtype, d, s);
+    if (op.x_dtype == QD_CUDA_F16) return launch_rows<BITS, QD_CUDA_F16>(p, op, out, out_dtype, d, s);
+    return launch_rows<BITS, QD_CUDA_F32>(p, op, out, out_dtype, d, s);
 }
 
 // One launch for up to MAX_M rows of x.
@@ -527,26 +549,38 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     DeviceState *d = nullptr;
     qd_status st = device_state(&d);
     if (st != QD_OK) return st;
-    const int64_t blocks = ceil_div(op.bands, WARPS), tpb = op.tiles_per_band, kt = tile_k(bits);
-    if (blocks > MAX_TICKETS) return QD_ERR_SHAPE;
-    const int rows = op.M <= 8 ? 8 : 16, x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
-    // Split K so that the x slice fits and two blocks per SM fill the machine: each
-    // warp then streams one long run of tiles, and the split sums stay few.
-    const int64_t fit = X_SLICE_BYTES / (rows * x_size * kt);  // tiles of K a slice holds
+    const int64_t tpb = op.tiles_per_band, kt = tile_k(bits);
+    const int x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
+    // Enough warps that their rings keep the memory system busy: more warps per band
+    // (sums meet in shared memory) first, then splits of K across blocks (their sums
+    // meet in device memory), at least as many as the x slice needs to fit.
+    const int64_t target = 16 * (int64_t)d->sms;
+    const int64_t fit = X_SLICE_BYTES / (op.M * x_size * kt);  // tiles of K a slice holds
     int64_t splits = ceil_div(tpb, fit > 0 ? fit : 1);
-    const int64_t fill = 2 * d->sms / blocks;
-    if (splits < fill) splits = fill < tpb ? fill : tpb;
+    // Each block reads its slice of x from L2: fewer bands per block (more warps per
+    // band) multiply that traffic, so it stays under a quarter of the weight bytes.
+    const int64_t kw_max = 4 * bits / (op.M * x_size);
+    int kw = 1;
+    while (kw < WARPS && 2 * kw <= kw_max && op.bands * kw * splits < target &&
+           2 * kw <= ceil_div(tpb, splits))
+        kw *= 2;
+    if (op.bands * kw * splits < target) {
+        const int64_t more = target / (op.bands * kw);
+        splits = more > tpb ? tpb : more > splits ? more : splits;
+    }
     const int64_t tps = ceil_div(tpb, splits);
     splits = ceil_div(tpb, tps);
+    const int64_t blocks = ceil_div(op.bands, WARPS / kw);
+    if (blocks > 0x7FFFFFFF || (splits > 1 && blocks > MAX_TICKETS)) return QD_ERR_SHAPE;
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
-    const int smem = RING_BYTES + rows * row_bytes;
+    const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, kw, row_bytes,
+                    RING_BYTES + op.M * row_bytes};
     if (splits > 1 && (st = scratch(*d, (size_t)(splits * op.M * op.N))) != QD_OK) return st;
-    const dim3 grid((unsigned)blocks, (unsigned)splits);
-    if (bits == 8) return launch_bits<8>(grid, smem, op, (int)tps, row_bytes, out, out_dtype, *d, s);
-    if (bits == 4) return launch_bits<4>(grid, smem, op, (int)tps, row_bytes, out, out_dtype, *d, s);
-    return launch_bits<2>(grid, smem, op, (int)tps, row_bytes, out, out_dtype, *d, s);
+    if (bits == 8) return launch_bits<8>(plan, op, out, out_dtype, *d, s);
+    if (bits == 4) return launch_bits<4>(plan, op, out, out_dtype, *d, s);
+    return launch_bits<2>(plan, op, out, out_dtype, *d, s);
 }
 
 }  // namespace
@@ -579,7 +613,7 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
     if (!x || !tiles || !scales || !out) return QD_ERR_NULL;
     if (M <= 0 || N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
         return QD_ERR_SHAPE;
-    if (K > 0x7FFFFFFF) return QD_ERR_SHAPE;
+    if (K > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
     const int x_size = x_dtype == QD_CUDA_F32 ? 4 : 2, out_size = out_dtype == QD_CUDA_F32 ? 4 : 2;
     // x is copied in 16-byte pieces: rows start on 16-byte boundaries
     if (!float_dtype(x_dtype) || !float_dtype(out_dtype) || ldx < K || ldx * x_size % 16 ||
