@@ -214,19 +214,10 @@ qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, i
     if (MODE != GROUPED && qd::gemm_s8_sm90_usable())
         return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE),
                                 qd::as_stream(stream));
-    // The shared-memory limit is a per-device attribute of the kernel; setting it
-    // twice is harmless, so a racy bit per device is enough.
     static unsigned long long configured = 0;
     auto kernel = gemm_s8_kernel<MODE>;
-    int device = 0;
-    qd_status st = qd::check(cudaGetDevice(&device));
+    qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
     if (st != QD_OK) return st;
-    const unsigned long long bit = 1ULL << (device & 63);
-    if (device >= 64 || !(configured & bit)) {
-        st = qd::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-        if (st != QD_OK) return st;
-        configured |= bit;
-    }
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
     if (tiles > 0x7FFFFFFF) return QD_ERR_SHAPE;
     kernel<<<(unsigned)tiles, THREADS, SMEM_BYTES, qd::as_stream(stream)>>>(
