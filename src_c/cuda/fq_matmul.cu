@@ -241,7 +241,8 @@ struct ScaleRun {
                 }
         }
     }
-    __device__ __forceinline__ void block_end(unsigned steps_per_block) {
+    __device__ __forceinline__ void step_done(unsigned steps_per_block) {
+        if (--left) return;
         flush();
         left = steps_per_block;
         if (blocks_left > 0) {  // steps past K (zero tiles) keep the last block's scale
@@ -252,12 +253,11 @@ struct ScaleRun {
     }
 };
 
-// One tile of the warp's stream: its STEPS k16 steps into run.c.  CHECKED: a scale
-// block may end after any step (else the caller settles the block after the tile).
-template <int BITS, int MODE, int MT, bool CHECKED>
-__device__ __forceinline__ void tile_steps(const Operand &op, int local_k, uint4 wv,
-                                           const unsigned char *xs, int row_bytes, int g, int t,
-                                           ScaleRun<MT> &run) {
+// One tile of the warp's stream: its STEPS k16 steps into run.c.
+template <int BITS, int MODE, int MT>
+__device__ __forceinline__ void tile_product(const Operand &op, int local_k, uint4 wv,
+                                             const unsigned char *xs, int row_bytes, int g, int t,
+                                             ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
     const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
@@ -280,23 +280,7 @@ __device__ __forceinline__ void tile_steps(const Operand &op, int local_k, uint4
                 }
             }
         }
-        if constexpr (CHECKED) {
-            if (--run.left == 0) run.block_end(op.steps_per_block);
-        }
-    }
-}
-
-template <int BITS, int MODE, int MT>
-__device__ __forceinline__ void tile_product(const Operand &op, int local_k, uint4 wv,
-                                             const unsigned char *xs, int row_bytes, int g, int t,
-                                             ScaleRun<MT> &run) {
-    using T = Tiling<BITS>;
-    if (run.left >= T::STEPS) {  // no scale block ends inside the tile: no test per step
-        tile_steps<BITS, MODE, MT, false>(op, local_k, wv, xs, row_bytes, g, t, run);
-        run.left -= T::STEPS;
-        if (run.left == 0) run.block_end(op.steps_per_block);
-    } else {
-        tile_steps<BITS, MODE, MT, true>(op, local_k, wv, xs, row_bytes, g, t, run);
+        run.step_done(op.steps_per_block);
     }
 }
 
@@ -318,7 +302,6 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
                                              const unsigned char *xs, int local0, int row_bytes, int g,
                                              int t, ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
-    const uint4 *next = src + RING * 32;  // the tile that refills the slot just used
     for (int i0 = 0; i0 < tiles; i0 += RING) {
 #pragma unroll
         for (int d = 0; d < RING; ++d) {  // ring slot d: a constant offset
@@ -327,8 +310,7 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
             qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
             const uint4 wv = slots[d * 32];
             tile_product<BITS, MODE, MT>(op, local0 + i * T::KT, wv, xs, row_bytes, g, t, run);
-            if (i + RING < tiles) cp_async_bytes(slots + d * 32, next, 16);
-            next += 32;
+            if (i + RING < tiles) cp_async_bytes(slots + d * 32, src + (int64_t)(i + RING) * 32, 16);
             qd::cp_async_commit();
         }
     }
