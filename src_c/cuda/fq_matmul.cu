@@ -1,5 +1,5 @@
 // fq for small M (decode): x [M <= 16, K] in float32, float16 or bfloat16 times
-// integer weights [N, K] dequantized as they stream in, on the bf16 tensor cores.
+// integer weights [N, K] dequantized as they stream in, on the 16-bit tensor cores.
 //
 // The weights are laid out once (qd_cuda_fq_tile_weights) in tiles of 16 rows
 // by 256/bits values of K, 512 bytes: lane i of a warp owns the 16 bytes that
@@ -9,17 +9,21 @@
 // Within each 16-value step of K, lane t's four values of x are adjacent (the
 // weights are laid out in the same order), so one shared-memory load gives them.
 //
-// A block of WARPS warps owns WARPS bands of 16 weight rows and a split of K.
-// Its x slice is copied to shared memory once; each warp streams its band's
-// tiles through a ring of RING asynchronous copies (cp.async: no registers held
-// while they fly), so the memory system always has the next tiles in flight.
+// A block of WARPS warps covers WARPS / kw bands of 16 weight rows, kw warps per
+// band splitting the block's range of K; their sums meet in shared memory in a
+// fixed order.  The block's x slice is copied to shared memory once; each warp
+// streams its tiles through a ring of RING asynchronous copies (cp.async: no
+// registers held while they fly), so the memory system always has the next
+// tiles in flight.
 //
-// Integer weights of up to 8 bits are exact in bf16, and products of bf16 values
-// are exact in the float32 accumulators.  bf16 x is one operand; float32 and
-// float16 x are cut into up to three bf16 parts (hi + mid + lo holds a float32
-// exactly) and the extra parts are multiplied only when some value needs them.
+// Integer weights of up to 8 bits are exact in bf16 and f16, and products of
+// 16-bit values are exact in the float32 accumulators.  f16 x, and bf16 x whose
+// values f16 holds exactly, multiply in f16 (8-bit weights convert in two
+// operations there); other bf16 x in bf16; float32 x is cut into up to three
+// bf16 parts (hi + mid + lo holds a float32 exactly), the extra parts multiplied
+// only when some value needs them.
 //
-// When K is split over blockIdx.y, the last block of a band group adds the
+// When K is also split over blockIdx.y, the last block of a band group adds the
 // splits' partial sums in split order, so the result does not depend on
 // scheduling.
 #include <cuda_bf16.h>
