@@ -11,7 +11,7 @@ from ._core import QTensor, Tensor
 from .backends.base import INT32_EXACT_K
 from .errors import ShapeError
 from .scheme import QuantScheme, as_scheme
-from .tensor_api import FLOAT_DTYPES, check_dtype, quantize, quantize_activation
+from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation
 
 
 def _check_float(t, side):
@@ -120,15 +120,11 @@ def _as_f32(backend, t, transpose=False):
     return backend.transpose2(payload) if transpose else payload
 
 
-_HOST_ZEROS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,  # bf16 as bits
-               "int32": np.int32}
-
-
 def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype="float32"):
     """Run a 2-D kernel over broadcast batch dims.  A float lhs against a 2-D
     rhs folds its batch dims into M: one kernel call, one weight pass."""
     if 0 in out_shape or lhs.shape[-1] == 0:  # nothing to run: an empty sum is zero
-        return backend.from_host(np.zeros(out_shape, _HOST_ZEROS[dtype]), lhs.index)
+        return backend.from_host(np.zeros(out_shape, DTYPES[dtype]), lhs.index)
     if not batch:
         return kernel(lhs, rhs)
     if not isinstance(lhs, QTensor) and len(rhs.shape) == 2:
