@@ -140,6 +140,15 @@ def rewrite_metadata(path, change):
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
 
 
+def rewrite_scheme(path, name, field, value):
+    """Set one field of tensor `name`'s recorded scheme."""
+    def change(h):
+        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
+        records[name]["scheme"][field] = value
+        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
+    rewrite_metadata(path, change)
+
+
 def test_truncated_file_names_the_tensor(saved):
     raw = saved.read_bytes()
     saved.write_bytes(raw[:-10])
@@ -175,11 +184,7 @@ def test_not_a_qdispatch_file(tmp_path):
 
 
 def test_scheme_that_does_not_match_the_bytes(saved):
-    def to_packed(h):
-        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
-        records["weight"]["scheme"]["store"] = "packed_u32"
-        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
-    rewrite_metadata(saved, to_packed)
+    rewrite_scheme(saved, "weight", "store", "packed_u32")
     with pytest.raises(SerializationError, match="'weight'.*I8.*U32"):
         qd.load(saved)
 
@@ -189,12 +194,7 @@ def test_values_outside_the_scheme_range(tmp_path):
                               device="reference")
     path = tmp_path / "q.st"
     qd.save(path, {"w": q})
-
-    def narrow(h):
-        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
-        records["w"]["scheme"]["value"] = "q8s"
-        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
-    rewrite_metadata(path, narrow)
+    rewrite_scheme(path, "w", "value", "q8s")
     with pytest.raises(SerializationError, match="'w'.*range"):
         qd.load(path)
 
@@ -218,10 +218,6 @@ def test_save_rejects_bad_input(tmp_path):
 
 
 def test_invalid_scheme_record(saved):
-    def bad_value(h):
-        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
-        records["weight"]["scheme"]["value"] = "q9z"
-        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
-    rewrite_metadata(saved, bad_value)
+    rewrite_scheme(saved, "weight", "value", "q9z")
     with pytest.raises(SerializationError, match="'weight'.*q9z"):
         qd.load(saved)
