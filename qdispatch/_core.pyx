@@ -198,13 +198,13 @@ cdef class QTensor(TensorBase):
     Storage belongs to the backend (it may keep pre-packed weight panels);
     `.values` and `.scales` always give the logical values as numpy arrays."""
 
-    def __cinit__(self, storage, layout, bint transposed, int kind, int index=0):
+    def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
         self.storage = storage
         self.layout = layout
         self.transposed = transposed
         self.kind = kind
         self.index = index
-        self.shape = tuple(layout.logical_shape(transposed))
+        self.shape = tuple(layout.logical_shape(transposed)) if shape is None else shape
 
     @property
     def scheme(self):
@@ -248,7 +248,8 @@ cdef class QTensor(TensorBase):
         """A free transpose of the last two dims (block dims swap with them)."""
         if len(self.shape) < 2:
             return self
-        return QTensor(self.storage, self.layout, not self.transposed, self.kind, self.index)
+        return QTensor(self.storage, self.layout, not self.transposed, self.kind, self.index,
+                       self.shape[:-2] + (self.shape[-1], self.shape[-2]))
 
     def __len__(self):
         return self.shape[0]
@@ -303,7 +304,28 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
     r = _operand(rhs, l)
     if l.kind != r.kind or l.index != r.index:
         l, r = _reconcile("q_matmul", l, r, transfer)
-    return ops_module().q_matmul(<object>_table[l.kind], l, r, out_dtype, requantize, activation_scheme)
+    backend = <object>_table[l.kind]
+    if requantize is None and activation_scheme is None:
+        out = _decode_step(backend, l, r, out_dtype)
+        if out is not None:
+            return out
+    return ops_module().q_matmul(backend, l, r, out_dtype, requantize, activation_scheme)
+
+
+cdef object _decode_step(object backend, TensorBase lhs, TensorBase rhs, object out_dtype):
+    """x[M, K] @ w[K, N] for a 2-D QTensor w, straight to the backend's fq kernel
+    when it reads x's dtype and writes out_dtype itself: the product ops.q_matmul
+    would run, without its general checks, since it runs once per layer per
+    generated token.  None when anything else is asked (ops.q_matmul takes it)."""
+    if type(lhs) is not Tensor or type(rhs) is not QTensor:
+        return None
+    cdef Tensor x = <Tensor>lhs
+    cdef tuple xs = x.shape, ws = rhs.shape
+    fq_dtypes = backend.fq_dtypes
+    if (len(xs) != 2 or len(ws) != 2 or xs[1] != ws[0] or not xs[0] or not xs[1] or not ws[1]
+            or x.dtype not in fq_dtypes or out_dtype not in fq_dtypes):
+        return None
+    return Tensor(backend.fq_matmul(x.payload, rhs, out_dtype), out_dtype, (xs[0], ws[1]), x.kind, x.index)
 
 
 def int_matmul(a, b, *, transfer=None):

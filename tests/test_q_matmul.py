@@ -158,3 +158,31 @@ def test_zero_rows(device, rng):
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
     out = qd.q_matmul(np.zeros((0, 64), np.float32), wq.T)
     assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_decode_step_goes_straight_to_the_kernel(device, rng, monkeypatch, x_dtype):
+    """x[M, K] @ w.T with a 2-D weight, in a dtype the backend's kernel reads and
+    writes, skips ops.q_matmul's general path: the same values, and every other
+    call (or a bad one) still reaches the general path and its errors."""
+    from qdispatch import ops
+    from qdispatch._core import get_backend
+    backend = get_backend(device)
+    x = qd.tensor(rng.standard_normal((3, 64)).astype(np.float32), device=device, dtype=x_dtype)
+    w = qd.quantize(rng.standard_normal((40, 64)).astype(np.float32), qd.QuantScheme("q4s", block=32, store="packed_u32"),
+                    device=device)
+    out_dtype = x_dtype if x_dtype in backend.fq_dtypes else "float32"
+    general = ops.q_matmul(backend, x, w.T, out_dtype, None, None)
+    direct = x_dtype in backend.fq_dtypes
+    if direct:
+        def general_path(*args):
+            raise AssertionError("a decode step took the general path")
+        monkeypatch.setattr(ops, "q_matmul", general_path)
+    got = qd.q_matmul(x, w.T, out_dtype=out_dtype)
+    assert got.dtype == general.dtype and got.shape == general.shape == (3, 40)
+    np.testing.assert_array_equal(got.numpy(), general.numpy())
+    monkeypatch.undo()
+    with pytest.raises(qd.ShapeError):
+        qd.q_matmul(x, w, out_dtype=out_dtype)  # K = 64 against 40 rows
+    with pytest.raises(TypeError):
+        qd.q_matmul(x, w.T, out_dtype="int8")
