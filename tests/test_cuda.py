@@ -202,9 +202,11 @@ def _bf16_valued(x):
                                     qd.QuantScheme("q2s", block=64, store="packed_u32")], ids=repr)
 @pytest.mark.parametrize("M", [1, 9, 16])
 @pytest.mark.parametrize("bf16_x", [True, False])
-def test_fq_split_k_is_deterministic(rng, scheme, M, bf16_x):
-    # Enough K to split it over blocks, N not a multiple of a block's rows.
-    K, N = 2048, 600
+@pytest.mark.parametrize("K", [2048, 12288])
+def test_fq_split_k_is_deterministic(rng, scheme, M, bf16_x, K):
+    # Enough K to split it over blocks (many splits at M = 16, K = 12288), N not a
+    # multiple of a block's rows.
+    N = 600
     x = rng.standard_normal((M, K)).astype(np.float32)
     x = _bf16_valued(x) if bf16_x else x
     wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
@@ -295,6 +297,44 @@ def test_fq_non_finite_activations_propagate(rng, x_dtype):
     np.testing.assert_array_equal(np.isinf(got), np.isinf(expect))
     finite = np.isfinite(expect)
     assert rel_err(expect[finite], got[finite]) < FQ_TOL
+
+
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128, store="packed_u32")],
+                         ids=repr)
+@pytest.mark.parametrize("M", [1, 16])
+def test_fq_decode_chain_reads_each_steps_result(rng, scheme, M):
+    """Back-to-back decode steps, each reading the step before's output (the decode
+    kernels may start while the previous one runs): every step sees its input
+    complete, with intermediate results freed and their memory reused on the way."""
+    K = 1024
+    weights = [qd.quantize(rng.standard_normal((K, K)).astype(np.float32) / 32, scheme, device="cuda")
+               for _ in range(6)]
+    x0 = rng.standard_normal((M, K)).astype(np.float32)
+    y = qd.tensor(x0, device="cuda", dtype="bfloat16")
+    for _ in range(3):
+        for w in weights:
+            y = qd.q_matmul(y, w.T, out_dtype="bfloat16")  # the previous y is freed here
+    got = y.numpy().astype(np.float32)
+    want = qd.tensor(x0, device="reference", dtype="bfloat16")
+    for _ in range(3):
+        for w in weights:
+            want = qd.q_matmul(want, ref(w).T, out_dtype="bfloat16")
+    assert rel_err(want.numpy().astype(np.float32), got) < 2e-2  # 18 bf16 roundings
+
+
+def test_fq_sees_a_torch_write_just_before(rng):
+    """A torch kernel writing x right before the decode kernel on the same stream."""
+    torch = pytest.importorskip("torch")
+    K, N = 2048, 4096
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    xt = torch.zeros(1, K, device="cuda", dtype=torch.bfloat16)
+    x = qd.from_dlpack(xt)
+    qd.q_matmul(x, wq.T)  # the weights' tiles are laid out
+    for step in range(1, 6):
+        xt.fill_(step)  # a torch kernel, then ours
+        got = qd.q_matmul(x, wq.T, out_dtype="bfloat16").numpy().astype(np.float32)
+        want = qd.q_matmul(qd.tensor(np.full((1, K), step, np.float32), device="reference"), ref(wq).T).numpy()
+        assert rel_err(want, got) < 4e-3
 
 
 def test_qf_arm(rng):

@@ -37,6 +37,47 @@ inline qd_status allow_dynamic_smem(const void *kernel, int bytes, unsigned long
     return st;
 }
 
+// Programmatic dependent launch (sm_90 on): a kernel launched with it may start
+// while the kernel before it in the stream still runs.  Such a kernel does only
+// work that no earlier kernel can affect before wait_for_prior_grids(), which
+// returns once every earlier grid has finished and its writes are visible.
+// allow_dependent_launch() lets the next such kernel start (it waits in turn).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Whether `kernel`, as it runs on the current device, was compiled for sm_90 or
+// newer (PTX 9.0 on): only then does it wait as above, so only then may it be
+// launched early.
+inline bool runs_sm90_code(const void *kernel) {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90;
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), early (see above) when `early`.
+template <typename... Params, typename... Args>
+qd_status launch(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                 bool early, Args... args) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = (size_t)smem;
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = early ? 1 : 0;
+    return check(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
 // A grid for a grid-stride loop over n items.
 inline unsigned grid_for(int64_t n, int threads) {
     int64_t blocks = ceil_div(n, threads);

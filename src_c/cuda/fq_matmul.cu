@@ -17,11 +17,10 @@
 // tiles in flight.
 //
 // Integer weights of up to 8 bits are exact in bf16 and f16, and products of
-// 16-bit values are exact in the float32 accumulators.  f16 x, and bf16 x whose
-// values f16 holds exactly, multiply in f16 (8-bit weights convert in two
-// operations there); other bf16 x in bf16; float32 x is cut into up to three
-// bf16 parts (hi + mid + lo holds a float32 exactly), the extra parts multiplied
-// only when some value needs them.
+// 16-bit values are exact in the float32 accumulators.  f16 x multiplies in f16,
+// bf16 x in bf16; float32 x is cut into up to three bf16 parts (hi + mid + lo
+// holds a float32 exactly), the extra parts multiplied only when some value
+// needs them.
 //
 // When K is also split over blockIdx.y, the last block of a band group adds the
 // splits' partial sums in split order, so the result does not depend on
@@ -146,26 +145,6 @@ __device__ __forceinline__ uint32_t weight_pair(uint32_t wb, int i) {
     }
 }
 
-// bf16 x whose values f16 also holds exactly (zero, or 2^-14 <= |x| <= 65280) can
-// use the f16 path, where 8-bit weights convert in two operations instead of five.
-__device__ __forceinline__ bool bf16_fits_f16(uint32_t pair) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const uint32_t a = (pair >> (16 * h)) & 0x7FFFu;
-        if (a != 0 && a - 0x3880u > 0x477Fu - 0x3880u) return false;
-    }
-    return true;
-}
-__device__ __forceinline__ uint32_t bf16_to_f16(uint32_t pair) {
-    uint32_t out = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const uint32_t b = (pair >> (16 * h)) & 0xFFFFu, a = b & 0x7FFFu;
-        out |= ((b & 0x8000u) | (a ? (a - 0x3800u) << 3 : 0u)) << (16 * h);  // rebias 127 -> 15
-    }
-    return out;
-}
-
 // The operands every step reads.
 struct Operand {
     const void *x; int x_dtype, M; int64_t ldx, K;
@@ -228,22 +207,25 @@ __device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_byt
 template <int MT>
 struct ScaleRun {
     const float *s[2];  // this lane's scale rows (weight rows g and g + 8), at the current block
+    float scale[2];     // their values, loaded when their block begins
     unsigned left;      // k16 steps until the current block ends
     int64_t blocks_left;  // blocks after the current one in the scale row (past K: stay on the last)
     float c[MT][4], acc[MT][4];
 
+    __device__ __forceinline__ void load() {
+        scale[0] = __ldg(s[0]);
+        scale[1] = __ldg(s[1]);
+    }
     __device__ __forceinline__ void flush() {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float scale = __ldg(s[h]);
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                    acc[mt][e] = fmaf(scale, c[mt][e], acc[mt][e]);
+                    acc[mt][e] = fmaf(scale[h], c[mt][e], acc[mt][e]);
                     c[mt][e] = 0.f;
                 }
-        }
     }
     __device__ __forceinline__ void step_done(unsigned steps_per_block) {
         if (--left) return;
@@ -253,6 +235,7 @@ struct ScaleRun {
             --blocks_left;
             ++s[0];
             ++s[1];
+            load();
         }
     }
 };
@@ -300,6 +283,14 @@ __device__ __forceinline__ void store(void *out, int dtype, int64_t i, float v) 
     else static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(v);
 }
 
+// Counts a finished block in: release for this block's writes (ordered before by
+// a barrier), acquire for the other blocks' when this is the last one.
+__device__ __forceinline__ unsigned ticket_arrive(unsigned *ticket) {
+    unsigned old;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+    return old;
+}
+
 // The warp's tiles through its ring slots, RING copies ahead of use.
 template <int BITS, int MODE, int MT>
 __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
@@ -318,23 +309,6 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
             qd::cp_async_commit();
         }
     }
-}
-
-// Rewrites a bf16 x slice as f16 when every value fits f16 exactly; says whether it did.
-__device__ __forceinline__ bool slice_to_f16(unsigned char *xs, int rows, int row_bytes, int bytes) {
-    const int words = bytes / 4;
-    bool fits = true;
-    for (int m = 0; m < rows; ++m)
-        for (int i = threadIdx.x; i < words; i += THREADS)
-            fits &= bf16_fits_f16(reinterpret_cast<const uint32_t *>(xs + m * row_bytes)[i]);
-    if (!__syncthreads_and(fits)) return false;
-    for (int m = 0; m < rows; ++m)
-        for (int i = threadIdx.x; i < words; i += THREADS) {
-            uint32_t &w = reinterpret_cast<uint32_t *>(xs + m * row_bytes)[i];
-            w = bf16_to_f16(w);
-        }
-    __syncthreads();
-    return true;
 }
 
 // XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).  A block's warps are
@@ -356,21 +330,13 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     const int my_begin = min(kt_begin + part * per_part, kt_end);
     const int tiles = band < op.bands ? min(per_part, kt_end - my_begin) : 0;
 
-    // The x slice: the block's K range from kt_begin on, values past K zero.
-    constexpr int x_size = XIN == QD_CUDA_F32 ? 4 : 2, per_chunk = 16 / x_size;
-    const int64_t k0 = (int64_t)kt_begin * T::KT;
-    const int chunks = (kt_end - kt_begin) * T::KT / per_chunk;
-    for (int m = 0; m < op.M; ++m)
-        for (int c = threadIdx.x; c < chunks; c += THREADS) {
-            const int64_t k = k0 + (int64_t)c * per_chunk;
-            const int64_t left = (op.K - k) * x_size;
-            const int bytes = left < 0 ? 0 : left > 16 ? 16 : (int)left;
-            const char *src = static_cast<const char *>(op.x) + (bytes ? (m * op.ldx + k) * x_size : 0);
-            cp_async_bytes(xs + m * row_bytes + 16 * c, src, bytes);
-        }
-    qd::cp_async_commit();
+    // The next decode step's kernel may start now: it streams its first tiles
+    // while this one finishes (see qd::wait_for_prior_grids).
+    qd::allow_dependent_launch();
 
-    // This warp's tiles, RING of them in flight from the start.
+    // This warp's tiles, RING of them in flight from the start.  The tiles are
+    // complete before any launch (qd_cuda_fq_tile_weights), so they may be read
+    // before earlier grids finish.
     const uint4 *src = op.w + ((band < op.bands ? band : 0) * op.tiles_per_band + my_begin) * 32 + lane;
     uint4 *slots = ring + warp * RING * 32 + lane;
 #pragma unroll
@@ -399,17 +365,28 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
             for (int e = 0; e < 4; ++e) run.c[mt][e] = run.acc[mt][e] = 0.f;
     }
 
-    qd::cp_async_wait<RING>();  // the x slice (every thread's part of it)
+    // x, the scales and every output may belong to earlier kernels: from here on.
+    qd::wait_for_prior_grids();
+    run.load();  // in flight while x arrives
+    // The x slice: the block's K range from kt_begin on, values past K zero.
+    // Thread c copies chunk c of every row: K arithmetic once, then row strides.
+    constexpr int x_size = XIN == QD_CUDA_F32 ? 4 : 2, per_chunk = 16 / x_size;
+    const int chunks = (kt_end - kt_begin) * T::KT / per_chunk;
+    for (int c = threadIdx.x; c < chunks; c += THREADS) {
+        const int64_t k = (int64_t)kt_begin * T::KT + (int64_t)c * per_chunk, left = (op.K - k) * x_size;
+        const int bytes = left < 0 ? 0 : left > 16 ? 16 : (int)left;
+        const char *xsrc = static_cast<const char *>(op.x) + (bytes ? k * x_size : 0);
+        unsigned char *dst = xs + 16 * c;
+        for (int m = 0; m < op.M; ++m, dst += row_bytes, xsrc += bytes ? op.ldx * x_size : 0)
+            cp_async_bytes(dst, xsrc, bytes);
+    }
+    qd::cp_async_commit();
+    qd::cp_async_wait<0>();  // the x slice (every thread's part of it), and the first tiles
     __syncthreads();
     if constexpr (XIN == QD_CUDA_F32) {
         stream_tiles<BITS, SPLIT, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
     } else if constexpr (XIN == QD_CUDA_F16) {
         stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
-    } else if constexpr (BITS == 8) {
-        if (slice_to_f16(xs, op.M, row_bytes, chunks * 16))
-            stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
-        else
-            stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
     } else {
         stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
     }
@@ -419,56 +396,63 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
 
     // The kw parts of a band meet in shared memory (the ring's space), in part order.
     // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
-    constexpr int RED = MT * 8 * 16;  // one warp's sums: [m][row]
+    constexpr int RS = 20;            // floats per x row: lanes of one g store to distinct banks
+    constexpr int RED = MT * 8 * RS;  // one warp's sums: [m][row]
     float *red = reinterpret_cast<float *>(smem);
     __syncthreads();  // every warp is done with its ring
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            red[warp * RED + (8 * mt + 2 * t + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[mt][e];
+            red[warp * RED + (8 * mt + 2 * t + (e & 1)) * RS + g + 8 * (e >> 1)] = acc[mt][e];
     __syncthreads();
-    // Thread r of the first `rows` owns output column n0 + r for every row of x.
+    // Thread i adds up outputs i, i + THREADS, ... (OUTPUTS at most): output o is x
+    // row o / rows and weight row o % rows of the block (rows: a power of two), so
+    // stores coalesce.
+    constexpr int OUTPUTS = MAX_M * WARPS * 16 / THREADS;
     const bool split = gridDim.y > 1;
-    const int rows = bands_per_block * 16, r = threadIdx.x;
-    const int64_t n = (int64_t)blockIdx.x * rows + r;
-    const bool owner = r < rows && n < op.N;
-    if (owner)
-        for (int m = 0; m < op.M; ++m) {
-            float sum = 0.f;
-            for (int p = 0; p < kw; ++p) sum += red[((r / 16) * kw + p) * RED + m * 16 + r % 16];
-            if (split) partial[(blockIdx.y * op.M + m) * op.N + n] = sum;
-            else store(out, out_dtype, m * op.N + n, sum);
-        }
+    const int rows = bands_per_block * 16, shift = __ffs(rows) - 1, outputs = op.M * rows;
+    int64_t at[OUTPUTS];  // where output j goes in out (m * N + n), or -1: none
+#pragma unroll
+    for (int j = 0; j < OUTPUTS; ++j) {
+        const int o = threadIdx.x + j * THREADS, m = o >> shift, r = o & (rows - 1);
+        const int64_t n = (int64_t)blockIdx.x * rows + r;
+        at[j] = o < outputs && n < op.N ? m * op.N + n : -1;
+        if (at[j] < 0) continue;
+        float sum = 0.f;
+        for (int p = 0; p < kw; ++p) sum += red[((r >> 4) * kw + p) * RED + m * RS + (r & 15)];
+        if (split) partial[(int64_t)blockIdx.y * op.M * op.N + at[j]] = sum;
+        else store(out, out_dtype, at[j], sum);
+    }
     if (!split) return;
 
+    // The last block of the band group to finish adds the splits' sums, in split
+    // order; each thread's loads of a split are in flight together.
     __shared__ bool last;
-    __threadfence();  // this block's partial sums before its ticket
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&tickets[blockIdx.x], 1u) == gridDim.y - 1;
+    __syncthreads();  // the block's partial sums are written; the ticket releases them
+    if (threadIdx.x == 0) last = ticket_arrive(&tickets[blockIdx.x]) == gridDim.y - 1;
     __syncthreads();
     if (!last) return;
-    __threadfence();
-    // The splits' sums in split order; a split's rows of x load together (one round trip).
-    if (owner) {
-        float total[MT * 8];
+    float total[OUTPUTS] = {};
+    for (unsigned y = 0; y < gridDim.y; ++y) {
+        const float *split_sums = partial + (int64_t)y * op.M * op.N;
 #pragma unroll
-        for (int m = 0; m < MT * 8; ++m) total[m] = 0.f;
-        for (unsigned y = 0; y < gridDim.y; ++y)
-#pragma unroll
-            for (int m = 0; m < MT * 8; ++m)
-                if (m < op.M) total[m] += __ldcg(partial + (y * op.M + m) * op.N + n);
-#pragma unroll
-        for (int m = 0; m < MT * 8; ++m)
-            if (m < op.M) store(out, out_dtype, m * op.N + n, total[m]);
+        for (int j = 0; j < OUTPUTS; ++j)
+            if (at[j] >= 0) total[j] += __ldcg(split_sums + at[j]);
     }
+#pragma unroll
+    for (int j = 0; j < OUTPUTS; ++j)
+        if (at[j] >= 0) store(out, out_dtype, at[j], total[j]);
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
 
-// Per device: multiprocessor count and the split-K scratch (partial sums and
-// tickets).  Work is queued on one stream per device, so launches never share it.
+// Per device: multiprocessor count, whether the kernels may launch early (they
+// run sm_90 code), and the split-K scratch (partial sums and tickets).  Kernels
+// touch the scratch only after earlier grids finish, so launches on one stream
+// never share it.
 struct DeviceState {
     int sms = 0;
+    bool early = false;
     float *partial = nullptr;
     size_t cap = 0;
     unsigned *tickets = nullptr;
@@ -488,6 +472,7 @@ qd_status device_state(DeviceState **out) {
         int sms = 0;
         if ((st = qd::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))) != QD_OK)
             return st;
+        d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1>);
         d.sms = sms;
     }
     *out = &d;
@@ -528,9 +513,8 @@ qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, Dev
     auto kernel = fq_kernel<BITS, XIN, MT>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
     if (st != QD_OK) return st;
-    kernel<<<p.grid, THREADS, p.smem, s>>>(op, p.tiles_per_split, p.kw, p.row_bytes, out, out_dtype,
-                                           d.partial, d.tickets);
-    return qd::launched();
+    return qd::launch(kernel, p.grid, THREADS, p.smem, s, d.early, op, p.tiles_per_split, p.kw,
+                      p.row_bytes, out, out_dtype, d.partial, d.tickets);
 }
 
 template <int BITS, int XIN>
@@ -607,7 +591,9 @@ extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t
     if (bits == 8) tile_weights_kernel<8><<<grid, 256, 0, s>>>(q, N, K, ld, tpb, words, w);
     else if (bits == 4) tile_weights_kernel<4><<<grid, 256, 0, s>>>(q, N, K, ld, tpb, words, w);
     else tile_weights_kernel<2><<<grid, 256, 0, s>>>(q, N, K, ld, tpb, words, w);
-    return qd::launched();
+    // fq kernels read tiles before they wait for earlier grids: the tiles are
+    // finished here, once per weight.
+    return qd::check(cudaStreamSynchronize(s));
 }
 
 extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,

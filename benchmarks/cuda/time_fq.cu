@@ -1,0 +1,143 @@
+// GPU time per call of the decode kernel (qd_cuda_fq_matmul) without Python in
+// the way: bf16 x, bf16 out, weights rotated over more than 200 MB, launched back
+// to back with and without early launch (programmatic dependent launch), and the
+// host time per call.
+//
+// Build and run from the repo root (H100/H200):
+//   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
+//     -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
+//     benchmarks/cuda/time_fq.cu src_c/cuda/runtime.cu -o build/time_fq && build/time_fq
+//
+// fq_matmul.cu is included so that early launch can be switched off.
+#include "fq_matmul.cu"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                                  \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            std::exit(2);                                                                      \
+        }                                                                                      \
+    } while (0)
+#define QK(x)                                                                                  \
+    do {                                                                                       \
+        qd_status s_ = (x);                                                                    \
+        if (s_ != QD_OK) {                                                                     \
+            std::fprintf(stderr, "%s:%d: %s: status %d %s\n", __FILE__, __LINE__, #x, (int)s_,  \
+                         qd_cuda_last_error());                                                \
+            std::exit(2);                                                                      \
+        }                                                                                      \
+    } while (0)
+
+namespace {
+
+struct Weight {
+    void *tiles;
+    float *scales;
+};
+
+// `count` weights laid out as the kernel reads them (the same random values in
+// each: only their addresses need to differ), with scales of one block_k.
+std::vector<Weight> make_weights(int count, int64_t N, int64_t K, int bits, int64_t block_k) {
+    std::vector<int8_t> q(N * K);
+    const int hi = (1 << (bits - 1)) - 1;
+    for (auto &v : q) v = (int8_t)(std::rand() % (2 * hi + 1) - hi);
+    std::vector<float> s(N * (K / block_k));
+    for (auto &v : s) v = 0.01f + 0.001f * (std::rand() % 7);
+    int8_t *dq;
+    CK(cudaMalloc(&dq, q.size()));
+    CK(cudaMemcpy(dq, q.data(), q.size(), cudaMemcpyHostToDevice));
+    std::vector<Weight> ws(count);
+    for (Weight &w : ws) {
+        CK(cudaMalloc(&w.tiles, qd_cuda_fq_tiles_bytes(N, K, bits)));
+        QK(qd_cuda_fq_tile_weights(dq, N, K, K, bits, w.tiles, nullptr));
+        CK(cudaMalloc(&w.scales, s.size() * 4));
+        CK(cudaMemcpy(w.scales, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
+    }
+    CK(cudaFree(dq));
+    return ws;
+}
+
+// Median us per call over 5 runs of `calls` back-to-back calls.
+template <typename F>
+float time_us(F call, int calls = 50) {
+    call(0);
+    CK(cudaDeviceSynchronize());
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    std::vector<float> ts;
+    for (int r = 0; r < 5; ++r) {
+        CK(cudaEventRecord(a));
+        for (int i = 0; i < calls; ++i) call(i);
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        ts.push_back(ms * 1000 / calls);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[2];
+}
+
+// Host us per call, queued without waiting (the GPU drains the queue afterwards).
+template <typename F>
+float host_us(F call, int calls = 400) {
+    CK(cudaDeviceSynchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) call(i);
+    const auto t1 = std::chrono::steady_clock::now();
+    CK(cudaDeviceSynchronize());
+    return std::chrono::duration<float, std::micro>(t1 - t0).count() / calls;
+}
+
+}  // namespace
+
+int main() {
+    struct Case { int64_t M, K, N; int bits; int64_t block_k; const char *name; };
+    const Case cases[] = {
+        {1, 4096, 4096, 8, 4096, "int8"},   {4, 4096, 4096, 8, 4096, "int8"},
+        {16, 4096, 4096, 8, 4096, "int8"},  {16, 4096, 11008, 8, 4096, "int8"},
+        {1, 4096, 4096, 4, 128, "int4 b128"}, {4, 4096, 4096, 4, 128, "int4 b128"},
+        {16, 4096, 4096, 4, 128, "int4 b128"}, {16, 4096, 11008, 4, 128, "int4 b128"},
+        {1, 4096, 4096, 4, 32, "int4 b32"},  {16, 4096, 11008, 4, 32, "int4 b32"},
+    };
+    std::printf("%-10s %-18s %10s %10s %10s %10s\n", "weights", "M,K,N", "us", "us early", "GB/s early",
+                "host us");
+    for (const Case &c : cases) {
+        const int64_t wbytes = qd_cuda_fq_tiles_bytes(c.N, c.K, c.bits);
+        const int count = (int)std::max<int64_t>(3, (200LL << 20) / wbytes + 1);
+        std::vector<Weight> ws = make_weights(count, c.N, c.K, c.bits, c.block_k);
+        std::vector<uint16_t> hx(c.M * c.K, 0x3F80);  // bf16 1.0
+        void *x, *out;
+        CK(cudaMalloc(&x, hx.size() * 2));
+        CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&out, c.M * c.N * 2));
+        auto call = [&](int i) {
+            const Weight &w = ws[i % count];
+            QK(qd_cuda_fq_matmul(x, QD_CUDA_BF16, c.M, c.K, w.tiles, c.bits, c.N, c.K, w.scales, 1,
+                                 c.block_k, out, QD_CUDA_BF16, nullptr));
+        };
+        DeviceState *d = nullptr;
+        QK(device_state(&d));
+        const bool early = d->early;
+        d->early = false;
+        const float plain = time_us(call);
+        d->early = early;
+        const float fast = time_us(call), host = host_us(call);
+        char shape[32];
+        std::snprintf(shape, sizeof shape, "%lld,%lld,%lld", (long long)c.M, (long long)c.K, (long long)c.N);
+        std::printf("%-10s %-18s %10.2f %10.2f %10.0f %10.2f%s\n", c.name, shape, plain, fast,
+                    wbytes / fast / 1e3, host, early ? "" : "  (no early launch on this device)");
+        for (auto &w : ws) { cudaFree(w.tiles); cudaFree(w.scales); }
+        cudaFree(x);
+        cudaFree(out);
+    }
+    return 0;
+}
