@@ -194,7 +194,11 @@ qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_
                             int64_t b_block_k, void *out, int out_dtype, void *stream);
 /* Weight-only products stream the weights in a tiled form, laid out once per
  * weight: qd_cuda_fq_tiles_bytes(N, K, bits) bytes, written by
- * qd_cuda_fq_tile_weights from int8 values q [N, ld] (K-contiguous, ld >= K). */
+ * qd_cuda_fq_tile_weights from int8 values q [N, ld] (K-contiguous, ld >= K), which
+ * returns once they are written (it synchronizes `stream`).  On sm_90 GPUs
+ * qd_cuda_fq_matmul starts reading the tiles while the kernel before it on the
+ * stream still runs (it waits for that kernel before reading x or the scales or
+ * writing out), so tiles must not be written by work still queued. */
 static inline int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits) {
     const int64_t tile_k = 16 * (16 / bits);  /* 512-byte tiles of 16 rows */
     return (N + 15) / 16 * ((K + tile_k - 1) / tile_k) * 512;
