@@ -58,7 +58,11 @@ __device__ __forceinline__ void wait_for_prior_grids() {
 // launched early.
 inline bool runs_sm90_code(const void *kernel) {
     cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaGetLastError();  // not this call's to report: the launch says what is wrong
+        return false;
+    }
+    return attr.ptxVersion >= 90;
 }
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...), early (see above) when `early`.
