@@ -275,8 +275,8 @@ def test_fq_scale_blocks_ending_inside_a_weight_tile(rng, scheme, M):
 
 @pytest.mark.parametrize("scale", [1e6, 1e-7])
 def test_fq_bf16_activations_beyond_f16(rng, scale):
-    """bf16 x that f16 can't hold exactly (huge or tiny) takes the bf16 operands:
-    the result keeps full accuracy either way."""
+    """bf16 x that f16 can't hold (huge or tiny values) keeps full accuracy: bf16
+    activations multiply as bf16, never through f16."""
     x = rng.standard_normal((4, 512)).astype(np.float32)
     x[1] *= scale
     wq = qd.quantize(rng.standard_normal((64, 512)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
