@@ -28,6 +28,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "common.cuh"
@@ -41,9 +42,12 @@ constexpr int WARPS = 8, THREADS = WARPS * 32;
 constexpr int RING = 6;                  // tiles in flight per warp
 constexpr int RING_BYTES = WARPS * RING * 512;
 constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma tiles)
-constexpr int X_SLICE_BYTES = 40 << 10;  // most shared memory a block's x slice takes
-constexpr int SMEM_BYTES = RING_BYTES + X_SLICE_BYTES + MAX_M * 192;  // + row padding
-constexpr int BLOCKS_PER_SM = 3;         // up to 24 warps: their steps hide each other's latency
+// Two blocks share an SM: one of this kernel and, while it finishes, one of the
+// next decode step's kernel, which starts early.  Every launch takes half the
+// SM's shared memory (the ring and the x slice in it) so that no SM ever holds
+// a third: blocks go wherever room frees up as the kernel before ends, and an SM
+// with three blocks of one kernel would take half as long again as the others.
+constexpr int BLOCKS_PER_SM = 2;
 constexpr int MAX_TICKETS = 1 << 16;
 
 // Tile geometry for `bits`-bit weights: a lane's 16 bytes are 4 words of V values.
@@ -427,18 +431,29 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     if (!split) return;
 
     // The last block of the band group to finish adds the splits' sums, in split
-    // order; each thread's loads of a split are in flight together.
+    // order.  A thread's loads of SPLIT_BATCH splits are in flight together: the
+    // splits cost one trip to L2 per batch, not one each.
     __shared__ bool last;
     __syncthreads();  // the block's partial sums are written; the ticket releases them
     if (threadIdx.x == 0) last = ticket_arrive(&tickets[blockIdx.x]) == gridDim.y - 1;
     __syncthreads();
     if (!last) return;
+    constexpr int SPLIT_BATCH = 8;
+    const int64_t split_stride = (int64_t)op.M * op.N;
     float total[OUTPUTS] = {};
-    for (unsigned y = 0; y < gridDim.y; ++y) {
-        const float *split_sums = partial + (int64_t)y * op.M * op.N;
+    for (unsigned y0 = 0; y0 < gridDim.y; y0 += SPLIT_BATCH) {
+        float v[SPLIT_BATCH][OUTPUTS];
 #pragma unroll
-        for (int j = 0; j < OUTPUTS; ++j)
-            if (at[j] >= 0) total[j] += __ldcg(split_sums + at[j]);
+        for (int b = 0; b < SPLIT_BATCH; ++b)
+#pragma unroll
+            for (int j = 0; j < OUTPUTS; ++j)
+                v[b][j] = y0 + b < gridDim.y && at[j] >= 0
+                              ? __ldcg(partial + (int64_t)(y0 + b) * split_stride + at[j]) : 0.f;
+#pragma unroll
+        for (int b = 0; b < SPLIT_BATCH; ++b)
+#pragma unroll
+            for (int j = 0; j < OUTPUTS; ++j)
+                if (y0 + b < gridDim.y) total[j] += v[b][j];
     }
 #pragma unroll
     for (int j = 0; j < OUTPUTS; ++j)
@@ -452,6 +467,7 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
 // never share it.
 struct DeviceState {
     int sms = 0;
+    int block_smem = 0;  // dynamic shared memory per block: half an SM's
     bool early = false;
     float *partial = nullptr;
     size_t cap = 0;
@@ -469,9 +485,17 @@ qd_status device_state(DeviceState **out) {
     DeviceState &d = states[dev];
     if (d.sms == 0) {
         std::lock_guard<std::mutex> lock(state_mutex);
-        int sms = 0;
-        if ((st = qd::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))) != QD_OK)
+        int sms = 0, per_sm = 0, reserved = 0, per_block = 0;
+        if ((st = qd::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))) != QD_OK ||
+            (st = qd::check(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev))) !=
+                QD_OK ||
+            (st = qd::check(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev))) !=
+                QD_OK ||
+            (st = qd::check(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev))) !=
+                QD_OK)
             return st;
+        // less the runtime's reserve and room for the kernel's static shared memory
+        d.block_smem = std::min(per_sm / BLOCKS_PER_SM - reserved - 1024, per_block);
         d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1>);
         d.sms = sms;
     }
@@ -511,7 +535,7 @@ template <int BITS, int XIN, int MT>
 qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d, cudaStream_t s) {
     static unsigned long long configured = 0;
     auto kernel = fq_kernel<BITS, XIN, MT>;
-    qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
+    qd_status st = qd::allow_dynamic_smem((const void *)kernel, d.block_smem, &configured);
     if (st != QD_OK) return st;
     return qd::launch(kernel, p.grid, THREADS, p.smem, s, d.early, op, p.tiles_per_split, p.kw,
                       p.row_bytes, out, out_dtype, d.partial, d.tickets);
@@ -539,17 +563,20 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     if (st != QD_OK) return st;
     const int64_t tpb = op.tiles_per_band, kt = tile_k(bits);
     const int x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
-    // Enough warps that their rings keep the memory system busy: more warps per band
+    // Enough warps that their rings keep the memory system busy, in at most one
+    // block per SM slot, so that every SM gets the same work: more warps per band
     // (sums meet in shared memory) first, then splits of K across blocks (their sums
     // meet in device memory), at least as many as the x slice needs to fit.
-    const int64_t target = 16 * (int64_t)d->sms;
-    const int64_t fit = X_SLICE_BYTES / (op.M * x_size * kt);  // tiles of K a slice holds
-    int64_t splits = ceil_div(tpb, fit > 0 ? fit : 1);
+    const int64_t target = (int64_t)BLOCKS_PER_SM * WARPS * d->sms;
+    // tiles of K a slice holds: rows are padded by up to 191 bytes (see row_bytes)
+    const int64_t fit = ((d->block_smem - RING_BYTES) / op.M - 191) / (x_size * kt);
+    if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
+    int64_t splits = ceil_div(tpb, fit);
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
     // band) multiply that traffic, so it stays under a quarter of the weight bytes.
     const int64_t kw_max = 4 * bits / (op.M * x_size);
     int kw = 1;
-    while (kw < WARPS && 2 * kw <= kw_max && op.bands * kw * splits < target &&
+    while (kw < WARPS && 2 * kw <= kw_max && op.bands * 2 * kw * splits <= target &&
            2 * kw <= ceil_div(tpb, splits))
         kw *= 2;
     if (op.bands * kw * splits < target) {
@@ -564,7 +591,7 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
     const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, kw, row_bytes,
-                    RING_BYTES + op.M * row_bytes};
+                    d->block_smem};
     if (splits > 1 && (st = scratch(*d, (size_t)(splits * op.M * op.N))) != QD_OK) return st;
     if (bits == 8) return launch_bits<8>(plan, op, out, out_dtype, *d, s);
     if (bits == 4) return launch_bits<4>(plan, op, out, out_dtype, *d, s);
