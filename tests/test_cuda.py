@@ -260,6 +260,20 @@ def test_fq_half_activations_read_directly(rng, scheme, x_dtype, out_dtype, M, K
     assert rel_err(expect, got) < (FQ_TOL if out_dtype == "float32" else 4e-3)  # one 16-bit rounding
 
 
+@pytest.mark.parametrize("scheme", DECODE_SCHEMES[:3], ids=repr)
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)])
+def test_fq_decode_shapes_match_reference(rng, scheme, M, K, N):
+    """The benchmark's decode shapes, whose launches cut the work into warps per
+    band and splits of K by the GPU's size: the values the benchmark times."""
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05, scheme, device="cuda")
+    xt = qd.tensor(x, device="cuda", dtype="bfloat16")
+    out = qd.q_matmul(xt, wq.T, out_dtype="float32").numpy()
+    expect = qd.q_matmul(qd.tensor(x, device="reference", dtype="bfloat16"), ref(wq).T).numpy()
+    assert rel_err(expect, out) < FQ_TOL
+    assert np.array_equal(out, qd.q_matmul(xt, wq.T, out_dtype="float32").numpy())  # split sums in a fixed order
+
+
 @pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", block=48), qd.QuantScheme("q4s", block=16, store="packed_u32"),
                                     qd.QuantScheme("q2s", block=80, store="packed_u32")], ids=repr)
 @pytest.mark.parametrize("M", [1, 12])

@@ -574,7 +574,7 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     int64_t splits = ceil_div(tpb, fit);
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
     // band) multiply that traffic, so it stays under a quarter of the weight bytes.
-    const int64_t kw_max = 4 * bits / (op.M * x_size);
+    const int64_t kw_max = std::max<int64_t>(2, 4 * bits / (op.M * x_size));
     int kw = 1;
     while (kw < WARPS && 2 * kw <= kw_max && op.bands * 2 * kw * splits <= target &&
            2 * kw <= ceil_div(tpb, splits))
