@@ -404,6 +404,17 @@ def test_two_gpus_device_mismatch(rng):
     on1 = qd.q_matmul(q0.to("cuda:1"), q1)
     assert on1.device == "cuda:1"
     np.testing.assert_array_equal(on1.numpy(), out)
+    # The decode kernel plans per device and keeps split-K scratch per device: both in turn.
+    xs = rng.standard_normal((16, 4096)).astype(np.float32)
+    w0 = qd.quantize(rng.standard_normal((600, 4096)).astype(np.float32),
+                     qd.QuantScheme("q4s", block=128, store="packed_u32"), device="cuda:0")
+    w1 = w0.to("cuda:1")
+    d0 = qd.q_matmul(qd.tensor(xs, device="cuda:0", dtype="bfloat16"), w0.T, out_dtype="float32")
+    d1 = qd.q_matmul(qd.tensor(xs, device="cuda:1", dtype="bfloat16"), w1.T, out_dtype="float32")
+    assert d1.device == "cuda:1"
+    np.testing.assert_array_equal(d0.numpy(), d1.numpy())
+    expect = qd.q_matmul(qd.tensor(xs, device="reference", dtype="bfloat16"), ref(w0).T).numpy()
+    assert rel_err(expect, d1.numpy()) < FQ_TOL
 
 
 def test_out_of_memory_is_recoverable():
