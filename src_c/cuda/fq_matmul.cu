@@ -461,8 +461,9 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
 
-// Per device: multiprocessor count, whether the kernels may launch early (they
-// run sm_90 code), and the split-K scratch (partial sums and tickets).  Kernels
+// Per device: multiprocessor count, shared memory per block, whether the kernels
+// may launch early (they run sm_90 code), and the split-K scratch (partial sums
+// and tickets).  Kernels
 // touch the scratch only after earlier grids finish, so launches on one stream
 // never share it.
 struct DeviceState {
@@ -573,7 +574,9 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
     int64_t splits = ceil_div(tpb, fit);
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
-    // band) multiply that traffic, so it stays under a quarter of the weight bytes.
+    // band) multiply that traffic, so it stays under a quarter of the weight bytes,
+    // except that two warps per band are always allowed: at M = 16 they halve the
+    // splits whose sums cross device memory, which costs more than the x traffic.
     const int64_t kw_max = std::max<int64_t>(2, 4 * bits / (op.M * x_size));
     int kw = 1;
     while (kw < WARPS && 2 * kw <= kw_max && op.bands * 2 * kw * splits <= target &&
