@@ -463,9 +463,8 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
 
 // Per device: multiprocessor count, shared memory per block, whether the kernels
 // may launch early (they run sm_90 code), and the split-K scratch (partial sums
-// and tickets).  Kernels
-// touch the scratch only after earlier grids finish, so launches on one stream
-// never share it.
+// and tickets).  Kernels touch the scratch only after earlier grids finish, so
+// launches on one stream never share it.
 struct DeviceState {
     int sms = 0;
     int block_smem = 0;  // dynamic shared memory per block: half an SM's
@@ -526,10 +525,11 @@ int64_t tile_k(int bits) { return 16 * (16 / bits); }
 bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
 
 // How a launch cuts the work: grid (band groups x splits of K), tiles per split,
-// warps per band, bytes per x slice row and dynamic shared memory.
+// warps per band and bytes per x slice row.  Every launch takes the device's
+// block_smem of dynamic shared memory.
 struct Plan {
     dim3 grid;
-    int tiles_per_split, kw, row_bytes, smem;
+    int tiles_per_split, kw, row_bytes;
 };
 
 template <int BITS, int XIN, int MT>
@@ -538,7 +538,7 @@ qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, Dev
     auto kernel = fq_kernel<BITS, XIN, MT>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, d.block_smem, &configured);
     if (st != QD_OK) return st;
-    return qd::launch(kernel, p.grid, THREADS, p.smem, s, d.early, op, p.tiles_per_split, p.kw,
+    return qd::launch(kernel, p.grid, THREADS, d.block_smem, s, d.early, op, p.tiles_per_split, p.kw,
                       p.row_bytes, out, out_dtype, d.partial, d.tickets);
 }
 
@@ -593,8 +593,7 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
-    const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, kw, row_bytes,
-                    d->block_smem};
+    const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, kw, row_bytes};
     if (splits > 1 && (st = scratch(*d, (size_t)(splits * op.M * op.N))) != QD_OK) return st;
     if (bits == 8) return launch_bits<8>(plan, op, out, out_dtype, *d, s);
     if (bits == 4) return launch_bits<4>(plan, op, out, out_dtype, *d, s);
