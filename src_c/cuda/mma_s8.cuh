@@ -16,8 +16,9 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool vali
                  "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// The memory clobber keeps the compiler from moving reads of the copied bytes above the wait.
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // Four 8x8 b16 matrices (8 rows x 16 bytes each); lane i addresses row i%8 of matrix i/8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
