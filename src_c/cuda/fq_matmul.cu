@@ -39,8 +39,11 @@ namespace {
 using qd::ceil_div;
 
 constexpr int WARPS = 8, THREADS = WARPS * 32;
-constexpr int RING = 4;                  // tiles in flight per warp (3-4 measured best; 6-10 slower)
-constexpr int RING_BYTES = WARPS * RING * 512;
+// Tiles in flight per warp.  An int8 tile is 2 k16 steps of work, a 4-bit one 4
+// (2-bit: 8), so narrower weights keep the memory as busy with fewer: 4 and 3
+// measured best (2, 5, 6, 8 and 10 slower).
+constexpr int ring_tiles(int bits) { return bits == 8 ? 4 : 3; }
+constexpr int ring_bytes(int bits) { return WARPS * ring_tiles(bits) * 512; }
 constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma tiles)
 // Two blocks share an SM: one of this kernel and, while it finishes, one of the
 // next decode step's kernel, which starts early.  Every launch takes half the
@@ -314,6 +317,7 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
                                              const unsigned char *xs, int local0, int row_bytes, int g,
                                              int t, ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
+    constexpr int RING = ring_tiles(BITS);
     for (int i0 = 0; i0 < tiles; i0 += RING) {
 #pragma unroll
         for (int d = 0; d < RING; ++d) {  // ring slot d: a constant offset
@@ -336,8 +340,9 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
           int out_dtype, float *__restrict__ partial, unsigned *__restrict__ tickets) {
     using T = Tiling<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int RING = ring_tiles(BITS);
     uint4 *ring = reinterpret_cast<uint4 *>(smem);  // [WARPS][RING][32 lanes]
-    unsigned char *xs = smem + RING_BYTES;           // [M][row_bytes]: x slice, zero past K
+    unsigned char *xs = smem + ring_bytes(BITS);     // [M][row_bytes]: x slice, zero past K
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bands_per_block = WARPS / kw, part = warp % kw;
     const int64_t band = (int64_t)blockIdx.x * bands_per_block + warp / kw;
@@ -593,7 +598,7 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     // meet in device memory), at least as many as the x slice needs to fit.
     const int64_t target = (int64_t)BLOCKS_PER_SM * WARPS * d->sms;
     // tiles of K a slice holds: rows are padded by up to 191 bytes (see row_bytes)
-    const int64_t fit = ((d->block_smem - RING_BYTES) / op.M - 191) / (x_size * kt);
+    const int64_t fit = ((d->block_smem - ring_bytes(bits)) / op.M - 191) / (x_size * kt);
     if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
     int64_t splits = ceil_div(tpb, fit);
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
