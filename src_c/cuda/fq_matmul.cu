@@ -286,8 +286,8 @@ __device__ __forceinline__ void store(void *out, int dtype, int64_t i, float v) 
 
 // The 16 bytes of x that hold the end of K: the first `bytes` (a multiple of SIZE,
 // less than 16) read, the rest zero.  x is read with plain loads, not cp.async:
-// waiting for copies waits for the ring's too, and x arrived 1.2-1.5 us sooner
-// this way (1.3-2.6 us less per call).
+// waiting for copies waits for the ring's too, and x arrived 1.5 us sooner
+// this way on average (0.5-2.3 us less per call).
 template <int SIZE>
 __device__ __forceinline__ uint4 x_tail(const char *src, int bytes) {
     uint32_t w[4];
