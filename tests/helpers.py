@@ -14,6 +14,14 @@ def rel_err(reference, approx):
         np.linalg.norm(reference), 1e-300)
 
 
+def product_err(a, b, approx):
+    """Error of approx against a @ b, relative to |a| @ |b|: float sums are accurate to
+    that size, not to the result's own, which cancellation can make as small as it likes."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return np.linalg.norm(a @ b - np.asarray(approx, dtype=np.float64)) / max(
+        np.linalg.norm(np.abs(a) @ np.abs(b)), 1e-300)
+
+
 def run_python(*args, **env):
     """A fresh interpreter that imports the same qdispatch as the tests: it runs
     beside the package under test, never in a source tree that would shadow it."""
