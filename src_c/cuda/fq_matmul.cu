@@ -430,6 +430,7 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
     constexpr int RS = 20;            // floats per x row: lanes of one g store to distinct banks
     constexpr int RED = MT * 8 * RS;  // one warp's sums: [m][row]
+    static_assert(WARPS * RED * sizeof(float) <= ring_bytes(BITS), "the sums fit in the ring's space");
     float *red = reinterpret_cast<float *>(smem);
     __syncthreads();  // every warp is done with its ring
 #pragma unroll
