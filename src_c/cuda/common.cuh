@@ -1,5 +1,7 @@
 // Shared by the CUDA kernels: status handling and small helpers.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -80,6 +82,22 @@ qd_status launch(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cud
     config.attrs = &attr;
     config.numAttrs = early ? 1 : 0;
     return check(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
+// Element i of a float32 / float16 / bfloat16 array `dst` set from a float,
+// rounded to nearest even.  A bfloat16 NaN keeps a canonical quiet pattern, as
+// the host conversion does.
+__device__ inline void store_from_f32(void *dst, int dtype, int64_t i, float v) {
+    switch (dtype) {
+        case QD_CUDA_F16: static_cast<__half *>(dst)[i] = __float2half_rn(v); break;
+        case QD_CUDA_BF16: {
+            __nv_bfloat16_raw raw;
+            raw.x = isnan(v) ? 0x7FC0 : __bfloat16_as_ushort(__float2bfloat16_rn(v));
+            static_cast<__nv_bfloat16 *>(dst)[i] = raw;
+            break;
+        }
+        default: static_cast<float *>(dst)[i] = v;
+    }
 }
 
 // A grid for a grid-stride loop over n items.

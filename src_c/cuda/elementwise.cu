@@ -17,19 +17,7 @@ __device__ float load_as_f32(const void *src, int dtype, int64_t i) {
     }
 }
 
-__device__ void store_from_f32(void *dst, int dtype, int64_t i, float v) {
-    switch (dtype) {
-        case QD_CUDA_F16: static_cast<__half *>(dst)[i] = __float2half_rn(v); break;
-        case QD_CUDA_BF16: {
-            // NaN keeps a canonical quiet pattern, as the host conversion does.
-            __nv_bfloat16_raw raw;
-            raw.x = isnan(v) ? 0x7FC0 : __bfloat16_as_ushort(__float2bfloat16_rn(v));
-            static_cast<__nv_bfloat16 *>(dst)[i] = raw;
-            break;
-        }
-        default: static_cast<float *>(dst)[i] = v;
-    }
-}
+using qd::store_from_f32;
 
 __global__ void cast_kernel(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;

@@ -278,12 +278,6 @@ __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uin
     }
 }
 
-__device__ __forceinline__ void store(void *out, int dtype, int64_t i, float v) {
-    if (dtype == QD_CUDA_F32) static_cast<float *>(out)[i] = v;
-    else if (dtype == QD_CUDA_F16) static_cast<__half *>(out)[i] = __float2half_rn(v);
-    else static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(v);
-}
-
 // The 16 bytes of x that hold the end of K: the first `bytes` (a multiple of SIZE,
 // less than 16) read, the rest zero.  x is read with plain loads, not cp.async:
 // waiting for copies waits for the ring's too, and x arrived 1.5 us sooner
@@ -455,7 +449,7 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
         float sum = 0.f;
         for (int p = 0; p < kw; ++p) sum += red[((r >> 4) * kw + p) * RED + m * RS + (r & 15)];
         if (split) partial[(int64_t)blockIdx.y * op.M * op.N + at[j]] = sum;
-        else store(out, out_dtype, at[j], sum);
+        else qd::store_from_f32(out, out_dtype, at[j], sum);
     }
     if (!split) return;
 
@@ -486,7 +480,7 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     }
 #pragma unroll
     for (int j = 0; j < OUTPUTS; ++j)
-        if (at[j] >= 0) store(out, out_dtype, at[j], total[j]);
+        if (at[j] >= 0) qd::store_from_f32(out, out_dtype, at[j], total[j]);
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
 

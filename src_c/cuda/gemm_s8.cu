@@ -166,9 +166,7 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
                     float v;
                     if constexpr (MODE == GROUPED) v = facc[i][j][e];
                     else v = __int_as_float(acc[i][j][e]);
-                    if (out_dtype == QD_CUDA_F32) static_cast<float *>(out)[o] = v;
-                    else if (out_dtype == QD_CUDA_F16) static_cast<__half *>(out)[o] = __float2half_rn(v);
-                    else static_cast<__nv_bfloat16 *>(out)[o] = __float2bfloat16_rn(v);
+                    qd::store_from_f32(out, out_dtype, o, v);
                 }
             }
 }
@@ -188,9 +186,7 @@ __global__ void qq_simple_kernel(const int8_t *a, const int8_t *bt, int M, int N
                                 sc.b[(n / sc.b_bn) * sc.b_ld + k0 / sc.b_bk]);
             sum = __fadd_rn(sum, __fmul_rn(s, (float)dot));
         }
-        if (out_dtype == QD_CUDA_F32) static_cast<float *>(out)[i] = sum;
-        else if (out_dtype == QD_CUDA_F16) static_cast<__half *>(out)[i] = __float2half_rn(sum);
-        else static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(sum);
+        qd::store_from_f32(out, out_dtype, i, sum);
     }
 }
 
