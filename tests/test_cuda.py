@@ -217,6 +217,22 @@ def test_fq_split_k_is_deterministic(rng, scheme, M, bf16_x, K):
     assert rel_err(expect, first) < FQ_TOL
 
 
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128, store="packed_u32")],
+                         ids=repr)
+@pytest.mark.parametrize("M", [4, 16])
+def test_fq_split_k_in_clusters(rng, scheme, M):
+    # 256 bands of 16 weight rows: on a GPU of 64-191 SMs (an H100 or H200 has 132)
+    # K is cut in two, and the two splits add their sums in each other's shared memory.
+    K = N = 4096
+    x = _bf16_valued(rng.standard_normal((M, K)).astype(np.float32))
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    xt = qd.tensor(x, device="cuda", dtype="bfloat16")
+    first, second = qd.q_matmul(xt, wq.T).numpy(), qd.q_matmul(xt, wq.T).numpy()
+    expect = qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy()
+    assert np.array_equal(first, second)
+    assert rel_err(expect, first) < FQ_TOL
+
+
 @pytest.mark.parametrize("K", [1, 17, 63, 65, 100])
 def test_fq_odd_k_and_storage_orientation(rng, K):
     x = rng.standard_normal((3, K)).astype(np.float32)

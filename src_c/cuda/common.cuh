@@ -55,6 +55,41 @@ __device__ __forceinline__ void wait_for_prior_grids() {
 #endif
 }
 
+// Thread-block clusters (sm_90 on): the blocks of a cluster run at the same time
+// and may write each other's shared memory.  Every thread of every block of the
+// cluster passes each barrier phase: arrive, then wait.
+__device__ __forceinline__ unsigned cluster_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+#else
+    return 1;
+#endif
+}
+// Arrives at the cluster barrier; with `release`, this thread's writes before it
+// (to any block's shared memory) are visible to threads after their wait.
+template <bool RELEASE>
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (RELEASE) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    else asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// *p = v in block `rank`'s shared memory, p being this block's address of the same variable.
+__device__ __forceinline__ void store_in_block(float *p, unsigned rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote, local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+#endif
+}
+
 // Whether `kernel`, as it runs on the current device, was compiled for sm_90 or
 // newer (PTX 9.0 on): only then does it wait as above, so only then may it be
 // launched early.
@@ -67,20 +102,26 @@ inline bool runs_sm90_code(const void *kernel) {
     return attr.ptxVersion >= 90;
 }
 
-// Launches kernel<<<grid, block, smem, stream>>>(args...), early (see above) when `early`.
+// Launches kernel<<<grid, block, smem, stream>>>(args...), early (see above) when
+// `early`, in clusters of `cluster` blocks unless that is 1 x 1 x 1.
 template <typename... Params, typename... Args>
 qd_status launch(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                 bool early, Args... args) {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
+                 bool early, dim3 cluster, Args... args) {
+    cudaLaunchAttribute attrs[2]{};
     cudaLaunchConfig_t config{};
+    config.attrs = attrs;
+    if (early) {
+        attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster.x * cluster.y * cluster.z > 1) {
+        attrs[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+        attrs[config.numAttrs++].val.clusterDim = {cluster.x, cluster.y, cluster.z};
+    }
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = (size_t)smem;
     config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = early ? 1 : 0;
     return check(cudaLaunchKernelEx(&config, kernel, args...));
 }
 

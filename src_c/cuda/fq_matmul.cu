@@ -22,9 +22,11 @@
 // holds a float32 exactly), the extra parts multiplied only when some value
 // needs them.
 //
-// When K is also split over blockIdx.y, the last block of a band group adds the
-// splits' partial sums in split order, so the result does not depend on
-// scheduling.
+// When K is also split over blockIdx.y, the splits' partial sums are added in
+// split order, so the result does not depend on scheduling: on sm_90 the splits
+// of a band group form a cluster and send their sums to each other's shared
+// memory; otherwise the last block of the group to finish adds them up from
+// device memory.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -52,6 +54,15 @@ constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma til
 // with three blocks of one kernel would take half as long again as the others.
 constexpr int BLOCKS_PER_SM = 2;
 constexpr int MAX_TICKETS = 1 << 16;
+// On sm_90 two splits of K of a band group form one cluster and their sums meet
+// in shared memory.  Clusters of 3 or 4 took 3-12 us longer when launched early
+// (see qd::wait_for_prior_grids), likely waiting for room for all their blocks
+// at once.
+constexpr int MAX_CLUSTER = 2;
+// Bytes each block keeps for the other splits' sums: a share of the block's
+// outputs (at most M x WARPS x 16) from each split, rounded up per split, and
+// to 128 bytes (the x slice follows: its rows' bank pattern starts on a line).
+__host__ __device__ constexpr int received_bytes(int M) { return (M * WARPS * 16 + MAX_CLUSTER + 31) / 32 * 128; }
 
 // Tile geometry for `bits`-bit weights: a lane's 16 bytes are 4 words of V values.
 template <int BITS>
@@ -305,6 +316,10 @@ __device__ __forceinline__ unsigned ticket_arrive(unsigned *ticket) {
     return old;
 }
 
+// Whether the launch's splits of K form one cluster (read afresh where needed,
+// not held in a register through the tile loop).
+__device__ __forceinline__ bool splits_in_cluster() { return gridDim.y > 1 && qd::cluster_blocks() == gridDim.y; }
+
 // The warp's tiles through its ring slots, RING copies ahead of use.
 template <int BITS, int MODE, int MT>
 __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
@@ -336,7 +351,8 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int RING = ring_tiles(BITS);
     uint4 *ring = reinterpret_cast<uint4 *>(smem);  // [WARPS][RING][32 lanes]
-    unsigned char *xs = smem + ring_bytes(BITS);     // [M][row_bytes]: x slice, zero past K
+    float *received = reinterpret_cast<float *>(smem + ring_bytes(BITS));  // [split][share]
+    unsigned char *xs = smem + ring_bytes(BITS) + received_bytes(op.M);    // [M][row_bytes]: x slice, zero past K
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bands_per_block = WARPS / kw, part = warp % kw;
     const int64_t band = (int64_t)blockIdx.x * bands_per_block + warp / kw;
@@ -349,6 +365,9 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     // The next decode step's kernel may start now: it streams its first tiles
     // while this one finishes (see qd::wait_for_prior_grids).
     qd::allow_dependent_launch();
+    // Splits in one cluster write their sums into each other's shared memory,
+    // which may be written only once every block has started: this block has.
+    if (splits_in_cluster()) qd::cluster_arrive<false>();
 
     // This warp's tiles, RING of them in flight from the start.  The tiles are
     // complete before any launch (qd_cuda_fq_tile_weights), so they may be read
@@ -436,9 +455,14 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     // Thread i adds up outputs i, i + THREADS, ... (OUTPUTS at most): output o is x
     // row o / rows and weight row o % rows of the block (rows: a power of two), so
     // stores coalesce.
+    // In a cluster, block y adds up outputs y * share ... (y + 1) * share - 1 of the
+    // group (every split's sums for them are sent to it).
     constexpr int OUTPUTS = MAX_M * WARPS * 16 / THREADS;
     const bool split = gridDim.y > 1;
     const int rows = bands_per_block * 16, shift = __ffs(rows) - 1, outputs = op.M * rows;
+    const int share = (outputs + gridDim.y - 1) / gridDim.y;
+    const bool in_cluster = splits_in_cluster();
+    if (in_cluster) qd::cluster_wait();  // every block of the cluster has started
     int64_t at[OUTPUTS];  // where output j goes in out (m * N + n), or -1: none
 #pragma unroll
     for (int j = 0; j < OUTPUTS; ++j) {
@@ -448,10 +472,25 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
         if (at[j] < 0) continue;
         float sum = 0.f;
         for (int p = 0; p < kw; ++p) sum += red[((r >> 4) * kw + p) * RED + m * RS + (r & 15)];
-        if (split) partial[(int64_t)blockIdx.y * op.M * op.N + at[j]] = sum;
+        if (in_cluster) qd::store_in_block(received + blockIdx.y * share + o % share, o / share, sum);
+        else if (split) partial[(int64_t)blockIdx.y * op.M * op.N + at[j]] = sum;
         else qd::store_from_f32(out, out_dtype, at[j], sum);
     }
     if (!split) return;
+
+    if (in_cluster) {  // the block's share, from every split in split order
+        qd::cluster_arrive<true>();
+        qd::cluster_wait();
+        for (int i = threadIdx.x; i < share; i += THREADS) {
+            const int o = blockIdx.y * share + i, m = o >> shift, r = o & (rows - 1);
+            const int64_t n = (int64_t)blockIdx.x * rows + r;
+            if (o >= outputs || n >= op.N) continue;
+            float total = 0.f;
+            for (unsigned y = 0; y < gridDim.y; ++y) total += received[y * share + i];
+            qd::store_from_f32(out, out_dtype, m * op.N + n, total);
+        }
+        return;
+    }
 
     // The last block of the band group to finish adds the splits' sums, in split
     // order.  A thread's loads of SPLIT_BATCH splits are in flight together: the
@@ -543,6 +582,9 @@ qd_status scratch(DeviceState &d, size_t floats) {
     return QD_OK;
 }
 
+// Whether the splits of K form clusters: sm_90 code (d.early) and few enough.
+bool clustered(const DeviceState &d, int64_t splits) { return d.early && splits > 1 && splits <= MAX_CLUSTER; }
+
 int64_t tile_k(int bits) { return 16 * (16 / bits); }
 
 bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
@@ -561,7 +603,8 @@ qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, Dev
     auto kernel = fq_kernel<BITS, XIN, MT>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, d.block_smem, &configured);
     if (st != QD_OK) return st;
-    return qd::launch(kernel, p.grid, THREADS, d.block_smem, s, d.early, op, p.tiles_per_split, p.kw,
+    const dim3 cluster(1, clustered(d, p.grid.y) ? p.grid.y : 1);
+    return qd::launch(kernel, p.grid, THREADS, d.block_smem, s, d.early, cluster, op, p.tiles_per_split, p.kw,
                       p.row_bytes, out, out_dtype, d.partial, d.tickets);
 }
 
@@ -587,37 +630,45 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     if (st != QD_OK) return st;
     const int64_t tpb = op.tiles_per_band, kt = tile_k(bits);
     const int x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
-    // Enough warps that their rings keep the memory system busy, in at most one
-    // block per SM slot, so that every SM gets the same work: more warps per band
-    // (sums meet in shared memory) first, then splits of K across blocks (their sums
-    // meet in device memory), at least as many as the x slice needs to fit.
-    const int64_t target = (int64_t)BLOCKS_PER_SM * WARPS * d->sms;
     // tiles of K a slice holds: rows are padded by up to 191 bytes (see row_bytes)
-    const int64_t fit = ((d->block_smem - ring_bytes(bits)) / op.M - 191) / (x_size * kt);
+    const int64_t fit = ((d->block_smem - ring_bytes(bits) - received_bytes(op.M)) / op.M - 191) / (x_size * kt);
     if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
-    int64_t splits = ceil_div(tpb, fit);
+    const int64_t min_splits = ceil_div(tpb, fit), slots = (int64_t)BLOCKS_PER_SM * d->sms;
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
     // band) multiply that traffic, so it stays under a quarter of the weight bytes,
-    // except that two warps per band are always allowed: at M = 16 they halve the
-    // splits whose sums cross device memory, which costs more than the x traffic.
-    const int64_t kw_max = std::max<int64_t>(2, 4 * bits / (op.M * x_size));
+    // except that four warps per band are always allowed: at M = 16 they halve the
+    // splits, which cost more than the x traffic (1.2 us less at M = 16, K = N = 4096).
+    const int64_t kw_max = std::max<int64_t>(4, 4 * bits / (op.M * x_size));
+    // Of the ways to cut the work into kw warps per band and splits of K, the one
+    // with the most warps at work while every block has an SM slot of its own (so
+    // every SM gets the same work); ties go to fewer splits, whose sums cost more
+    // than those of one block.  When no cut fits the slots, the fewest blocks.
     int kw = 1;
-    while (kw < WARPS && 2 * kw <= kw_max && op.bands * 2 * kw * splits <= target &&
-           2 * kw <= ceil_div(tpb, splits))
-        kw *= 2;
-    if (op.bands * kw * splits < target) {
-        const int64_t more = target / (op.bands * kw);
-        splits = more > tpb ? tpb : more > splits ? more : splits;
+    int64_t splits = min_splits, best_warps = -1, best_blocks = 0;
+    for (int k = 1; k <= WARPS && k <= kw_max; k *= 2) {
+        const int64_t per_split = ceil_div(op.bands, WARPS / k);
+        int64_t sp = std::min(tpb, std::max(min_splits, slots / per_split));
+        sp = ceil_div(tpb, ceil_div(tpb, sp));  // whole tiles per split
+        if (k > 1 && k > ceil_div(tpb, sp)) break;  // every warp of a band needs a tile
+        const int64_t blocks = per_split * sp, warps = blocks <= slots ? op.bands * k * sp : 0;
+        const bool better = warps > best_warps || (warps == best_warps && (warps ? sp < splits : blocks < best_blocks));
+        if (better) {
+            kw = k;
+            splits = sp;
+            best_warps = warps;
+            best_blocks = blocks;
+        }
     }
     const int64_t tps = ceil_div(tpb, splits);
     splits = ceil_div(tpb, tps);
     const int64_t blocks = ceil_div(op.bands, WARPS / kw);
-    if (blocks > 0x7FFFFFFF || (splits > 1 && blocks > MAX_TICKETS)) return QD_ERR_SHAPE;
+    if (blocks > 0x7FFFFFFF || (splits > 1 && !clustered(*d, splits) && blocks > MAX_TICKETS)) return QD_ERR_SHAPE;
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
     const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, kw, row_bytes};
-    if (splits > 1 && (st = scratch(*d, (size_t)(splits * op.M * op.N))) != QD_OK) return st;
+    if (splits > 1 && !clustered(*d, splits) && (st = scratch(*d, (size_t)(splits * op.M * op.N))) != QD_OK)
+        return st;
     if (bits == 8) return launch_bits<8>(plan, op, out, out_dtype, *d, s);
     if (bits == 4) return launch_bits<4>(plan, op, out, out_dtype, *d, s);
     return launch_bits<2>(plan, op, out, out_dtype, *d, s);
