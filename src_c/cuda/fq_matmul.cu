@@ -659,8 +659,7 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
             best_blocks = blocks;
         }
     }
-    const int64_t tps = ceil_div(tpb, splits);
-    splits = ceil_div(tpb, tps);
+    const int64_t tps = ceil_div(tpb, splits);  // ceil_div(tpb, tps) == splits: normalized above
     const int64_t blocks = ceil_div(op.bands, WARPS / kw);
     if (blocks > 0x7FFFFFFF || (splits > 1 && !clustered(*d, splits) && blocks > MAX_TICKETS)) return QD_ERR_SHAPE;
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
