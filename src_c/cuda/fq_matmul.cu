@@ -157,31 +157,43 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Fields i and i + HALF of a biased word as a 16-bit pair (low half first), exact:
-// in f16 any field goes into the mantissa of 1024.0 (10 bits) and the bias comes
-// off in one half2 subtraction; in bf16 (7 mantissa bits) 8-bit fields go through
-// float and narrower ones into the mantissa of 128.0.
+// (a & b) | c and (a & b) ^ c, one instruction each (given two constants, the
+// compiler spends two).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ uint32_t and_xor(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Fields i and i + HALF of a biased word as a 16-bit pair (low half first), exact.
+// In f16 any field goes into the mantissa of 1024.0 (10 bits) and the bias comes
+// off in one half2 subtraction.  In bf16 (7 mantissa bits) a field goes into the
+// mantissa of 128.0, 4- and 2-bit fields whole, less their constant bias; of an
+// 8-bit field u the low 7 bits, less 256 or, when u's top bit is set, 128.
 template <int BITS, int MODE>
 __device__ __forceinline__ uint32_t weight_pair(uint32_t wb, int i) {
     constexpr uint32_t half = 1u << (BITS - 1);
     if constexpr (MODE == F16) {
         uint32_t v;
         if constexpr (BITS == 8) v = __byte_perm(wb, 0x6464u, 0x5040 | i | ((i + 2) << 8));
-        else v = ((wb >> (BITS * i)) & (((1u << BITS) - 1u) * 0x00010001u)) | 0x64006400u;
+        else v = and_or(wb >> (BITS * i), ((1u << BITS) - 1u) * 0x00010001u, 0x64006400u);
         const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&v), __half2half2(__ushort_as_half(
                                       (unsigned short)(0x6400u + half))));
         return *reinterpret_cast<const uint32_t *>(&r);
-    } else if constexpr (BITS == 8) {
-        const float lo = __uint_as_float(__byte_perm(wb, 0x4B000000u, 0x7440 | i)) - 8388736.0f;
-        const float hi = __uint_as_float(__byte_perm(wb, 0x4B000000u, 0x7440 | (i + 2))) - 8388736.0f;
-        return pack_bf16(lo, hi);
     } else {
-        constexpr uint32_t mask = ((1u << BITS) - 1u) * 0x00010001u;
-        constexpr uint32_t neg_bias = (0xC300u + half) * 0x00010001u;  // -(128 + half)
-        constexpr uint32_t one = 0x3F803F80u;  // bf16 1.0 in both halves
-        uint32_t v = ((wb >> (BITS * i)) & mask) | 0x43004300u, r;
-        // v * 1 - bias: exact; fma.bf16x2 exists from sm_80 on (sub.bf16x2 only from sm_90)
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(one), "r"(neg_bias));
+        constexpr int LOW = BITS < 8 ? BITS : 7;  // bits that go into the mantissa
+        const uint32_t f = wb >> (BITS * i);     // the pair's fields at bits 0 and 16
+        const uint32_t v = and_or(f, ((1u << LOW) - 1u) * 0x00010001u, 0x43004300u);
+        const uint32_t bias = BITS == 8 ? and_xor(f, 0x00800080u, 0xC380C380u)  // -256, or -128
+                                        : (0xC300u + half) * 0x00010001u;        // -(128 + half)
+        uint32_t r;
+        // v * 1 + bias: fma.bf16x2 exists from sm_80 on (sub.bf16x2 only from sm_90)
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(bias));
         return r;
     }
 }
