@@ -206,17 +206,28 @@ struct Operand {
     unsigned bk, steps_per_block;  // K < 2^31: block arithmetic in 32 bits
 };
 
+// The lane's rows of the x slice, one per n8 tile: row 8 mt + g, or for rows past
+// M (not in the slice) row M - 1.  Those rows meet only outputs past M, which
+// are never stored, and the loads need no predicate.
+template <int MT>
+struct XRows {
+    const unsigned char *row[MT];
+    __device__ XRows(const unsigned char *xs, int row_bytes, int g, int M) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) row[mt] = xs + min(8 * mt + g, M - 1) * row_bytes;
+    }
+};
+
 // B fragments of one k16 step for MT n8 tiles of x from the shared slice:
-// b[part][tile][reg], from the lane's 4 adjacent values (index `at`) in row g.
+// b[part][tile][reg], from the lane's 4 adjacent values (index `at`) of its rows.
 // Returns whether parts 1 and 2 are needed (only float32 x has them).
 template <int MODE, int MT>
-__device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_bytes, int at, int g, int M,
+__device__ __forceinline__ bool x_fragments(const XRows<MT> &xr, int at,
                                             uint32_t (&b)[MODE == SPLIT ? 3 : 1][MT][2]) {
     if constexpr (MODE != SPLIT) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const int m = 8 * mt + g;  // rows past M are not in the slice: zero
-            const uint2 v = m < M ? *reinterpret_cast<const uint2 *>(xs + m * row_bytes + 2 * at) : make_uint2(0, 0);
+            const uint2 v = *reinterpret_cast<const uint2 *>(xr.row[mt] + 2 * at);
             b[0][mt][0] = v.x;
             b[0][mt][1] = v.y;
         }
@@ -226,9 +237,7 @@ __device__ __forceinline__ bool x_fragments(const unsigned char *xs, int row_byt
         bool residue = false;  // left in v: what the hi parts miss
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const int m = 8 * mt + g;
-            const float4 f = m < M ? *reinterpret_cast<const float4 *>(xs + m * row_bytes + 4 * at)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+            const float4 f = *reinterpret_cast<const float4 *>(xr.row[mt] + 4 * at);
             v[mt][0] = f.x; v[mt][1] = f.y; v[mt][2] = f.z; v[mt][3] = f.w;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -280,8 +289,10 @@ struct ScaleRun {
                     c[mt][e] = 0.f;
                 }
     }
-    __device__ __forceinline__ void step_done(unsigned steps_per_block) {
-        if (--left) return;
+    // `steps` k16 steps are done: at most to the end of the current block.
+    __device__ __forceinline__ void steps_done(unsigned steps, unsigned steps_per_block) {
+        left -= steps;
+        if (left) return;
         flush();
         left = steps_per_block;
         if (blocks_left > 0) {  // steps past K (zero tiles) keep the last block's scale
@@ -293,17 +304,18 @@ struct ScaleRun {
     }
 };
 
-// One tile of the warp's stream: its STEPS k16 steps into run.c.
-template <int BITS, int MODE, int MT>
-__device__ __forceinline__ void tile_product(const Operand &op, int local_k, uint4 wv,
-                                             const unsigned char *xs, int row_bytes, int g, int t,
-                                             ScaleRun<MT> &run) {
+// One tile of the warp's stream: its STEPS k16 steps into run.c.  Scale blocks
+// may end after any step (EACH_STEP) or, when their K is a multiple of the
+// tile's, only after the tile's last (one check instead of STEPS).
+template <int BITS, int MODE, int MT, bool EACH_STEP>
+__device__ __forceinline__ void tile_product(const Operand &op, int local_k, uint4 wv, const XRows<MT> &xr,
+                                             int t, ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
     const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
     for (int s = 0; s < T::STEPS; ++s) {
         uint32_t b[MODE == SPLIT ? 3 : 1][MT][2];
-        const bool parts = x_fragments<MODE, MT>(xs, row_bytes, local_k + 16 * s + 4 * t, g, op.M, b);
+        const bool parts = x_fragments<MODE, MT>(xr, local_k + 16 * s + 4 * t, b);
         uint32_t a[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -320,8 +332,9 @@ __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uin
                 }
             }
         }
-        run.step_done(op.steps_per_block);
+        if (EACH_STEP) run.steps_done(1, op.steps_per_block);
     }
+    if (!EACH_STEP) run.steps_done(T::STEPS, op.steps_per_block);
 }
 
 // The 16 bytes of x that hold the end of K: the first `bytes` (a multiple of SIZE,
@@ -356,10 +369,9 @@ __device__ __forceinline__ unsigned ticket_arrive(unsigned *ticket) {
 __device__ __forceinline__ bool splits_in_cluster() { return gridDim.y > 1 && qd::cluster_blocks() == gridDim.y; }
 
 // The warp's tiles through its ring slots, RING copies ahead of use.
-template <int BITS, int MODE, int MT>
+template <int BITS, int MODE, int MT, bool EACH_STEP>
 __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
-                                             const unsigned char *xs, int local0, int row_bytes, int g,
-                                             int t, ScaleRun<MT> &run) {
+                                             const XRows<MT> &xr, int local0, int t, ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
     constexpr int RING = ring_tiles(BITS);
     const int64_t step = TileOrder<BITS>{op.bands, op.tiles_per_band}.stride() * 32;
@@ -370,7 +382,7 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
             if (i >= tiles) break;
             qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
             const uint4 wv = slots[d * 32];
-            tile_product<BITS, MODE, MT>(op, local0 + i * T::KT, wv, xs, row_bytes, g, t, run);
+            tile_product<BITS, MODE, MT, EACH_STEP>(op, local0 + i * T::KT, wv, xr, t, run);
             if (i + RING < tiles) qd::cp_async16(slots + d * 32, src + (i + RING) * step, true);
             qd::cp_async_commit();
         }
@@ -465,13 +477,11 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
             *reinterpret_cast<uint4 *>(dst) = x_tail<x_size>(xsrc, bytes);
     }
     __syncthreads();
-    if constexpr (XIN == QD_CUDA_F32) {
-        stream_tiles<BITS, SPLIT, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
-    } else if constexpr (XIN == QD_CUDA_F16) {
-        stream_tiles<BITS, F16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
-    } else {
-        stream_tiles<BITS, BF16, MT>(op, tiles, src, slots, xs, local0, row_bytes, g, t, run);
-    }
+    constexpr int MODE = XIN == QD_CUDA_F32 ? SPLIT : XIN == QD_CUDA_F16 ? F16 : BF16;
+    const XRows<MT> xr(xs, row_bytes, g, op.M);
+    // A warp's run starts on a tile: when blocks hold whole tiles they end on one.
+    if (op.steps_per_block % T::STEPS) stream_tiles<BITS, MODE, MT, true>(op, tiles, src, slots, xr, local0, t, run);
+    else stream_tiles<BITS, MODE, MT, false>(op, tiles, src, slots, xr, local0, t, run);
     qd::cp_async_wait<0>();
     run.flush();  // the block the stream ends in
     const auto &acc = run.acc;
@@ -525,12 +535,11 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
         qd::cluster_arrive<true>();
         qd::cluster_wait();
         for (int i = threadIdx.x; i < share; i += THREADS) {
-            const int o = blockIdx.y * share + i, m = o >> shift, r = o & (rows - 1);
-            const int64_t n = (int64_t)blockIdx.x * rows + r;
-            if (o >= outputs || n >= op.N) continue;
+            const int64_t at = where(blockIdx.y * share + i);
+            if (at < 0) continue;
             float total = 0.f;
             for (unsigned y = 0; y < gridDim.y; ++y) total += received[y * share + i];
-            qd::store_from_f32(out, out_dtype, m * op.N + n, total);
+            qd::store_from_f32(out, out_dtype, at, total);
         }
         return;
     }
