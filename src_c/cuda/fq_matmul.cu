@@ -499,32 +499,32 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
         for (int e = 0; e < 4; ++e)
             red[warp * RED + (8 * mt + 2 * t + (e & 1)) * RS + g + 8 * (e >> 1)] = acc[mt][e];
     __syncthreads();
-    // Thread i adds up outputs i, i + THREADS, ... (OUTPUTS at most): output o is x
-    // row o / rows and weight row o % rows of the block (rows: a power of two), so
-    // stores coalesce.
+    // Output o of the block is x row o / rows and weight row o % rows (rows: a
+    // power of two, at most 128 < THREADS).  Thread i adds up outputs i, i + THREADS,
+    // ...: weight row r = i % rows of x rows m0, m0 + m_step, ..., so stores coalesce.
     // In a cluster, block y adds up outputs y * share ... (y + 1) * share - 1 of the
     // group (every split's sums for them are sent to it).
     // The loops from here on run once per block and stay rolled where they can:
     // their code is fetched cold at the kernel's end, and unrolled copies of it
     // made each block's end 1-2 us longer.
-    constexpr int OUTPUTS = MAX_M * WARPS * 16 / THREADS;
+    constexpr int OUTPUTS = MAX_M * WARPS * 16 / THREADS;  // x rows per thread, at most
+    static_assert(WARPS * 16 <= THREADS, "every thread keeps one weight row");
     const bool split = gridDim.y > 1;
     const int rows = bands_per_block * 16, shift = __ffs(rows) - 1, outputs = op.M * rows;
     const int share = (outputs + gridDim.y - 1) / gridDim.y;
+    const int r = threadIdx.x & (rows - 1), m0 = threadIdx.x >> shift, m_step = THREADS >> shift;
+    const int64_t n = (int64_t)blockIdx.x * rows + r;
+    const int my_rows = n < op.N ? op.M : 0;  // x rows m < my_rows have an output in row n
     const bool in_cluster = splits_in_cluster();
     if (in_cluster) qd::cluster_wait();  // every block of the cluster has started
-    auto where = [&](int o) -> int64_t {  // output o's place in out (m * N + n), or -1: none
-        const int64_t n = (int64_t)blockIdx.x * rows + (o & (rows - 1));
-        return o < outputs && n < op.N ? (o >> shift) * op.N + n : -1;
-    };
+    const float *sums = red + (r >> 4) * kw * RED + (r & 15);  // row r's sums from its band's part 0
 #pragma unroll 1
-    for (int o = threadIdx.x; o < outputs; o += THREADS) {
-        const int64_t at = where(o);
-        if (at < 0) continue;
-        const int m = o >> shift, r = o & (rows - 1);
+    for (int m = m0; m < my_rows; m += m_step) {
         float sum = 0.f;
 #pragma unroll 1
-        for (int p = 0; p < kw; ++p) sum += red[((r >> 4) * kw + p) * RED + m * RS + (r & 15)];
+        for (int p = 0; p < kw; ++p) sum += sums[p * RED + m * RS];
+        const int64_t at = m * op.N + n;
+        const int o = m * rows + r;
         if (in_cluster) qd::store_in_block(received + blockIdx.y * share + o % share, o / share, sum);
         else if (split) partial[(int64_t)blockIdx.y * op.M * op.N + at] = sum;
         else qd::store_from_f32(out, out_dtype, at, sum);
@@ -535,11 +535,12 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
         qd::cluster_arrive<true>();
         qd::cluster_wait();
         for (int i = threadIdx.x; i < share; i += THREADS) {
-            const int64_t at = where(blockIdx.y * share + i);
-            if (at < 0) continue;
+            const int o = blockIdx.y * share + i;
+            const int64_t col = (int64_t)blockIdx.x * rows + (o & (rows - 1));
+            if (o >= outputs || col >= op.N) continue;
             float total = 0.f;
             for (unsigned y = 0; y < gridDim.y; ++y) total += received[y * share + i];
-            qd::store_from_f32(out, out_dtype, at, total);
+            qd::store_from_f32(out, out_dtype, (o >> shift) * op.N + col, total);
         }
         return;
     }
@@ -556,17 +557,17 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     float total[OUTPUTS] = {};
 #pragma unroll 1
     for (unsigned y = 0; y < gridDim.y; ++y) {
-        const float *sums = partial + y * split_stride;
+        const float *split_sums = partial + y * split_stride + n;
 #pragma unroll
         for (int j = 0; j < OUTPUTS; ++j) {
-            const int64_t at = where(threadIdx.x + j * THREADS);
-            if (at >= 0) total[j] += __ldcg(sums + at);
+            const int m = m0 + j * m_step;
+            if (m < my_rows) total[j] += __ldcg(split_sums + m * op.N);
         }
     }
 #pragma unroll
     for (int j = 0; j < OUTPUTS; ++j) {
-        const int64_t at = where(threadIdx.x + j * THREADS);
-        if (at >= 0) qd::store_from_f32(out, out_dtype, at, total[j]);
+        const int m = m0 + j * m_step;
+        if (m < my_rows) qd::store_from_f32(out, out_dtype, m * op.N + n, total[j]);
     }
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
