@@ -268,15 +268,15 @@ __device__ __forceinline__ bool x_fragments(const XRows<MT> &xr, int at,
 // the block ends.
 template <int MT>
 struct ScaleRun {
-    const float *s[2];  // this lane's scale rows (weight rows g and g + 8), at the current block
-    float scale[2];     // their values, loaded when their block begins
-    unsigned left;      // k16 steps until the current block ends
-    int64_t blocks_left;  // blocks after the current one in the scale row (past K: stay on the last)
+    const float *row[2];  // this lane's scale rows (weight rows g and g + 8)
+    unsigned block, last; // the current block along K, and the rows' last
+    float scale[2];       // the current block's scales
+    unsigned left;        // k16 steps until the current block ends
     float c[MT][4], acc[MT][4];
 
     __device__ __forceinline__ void load() {
-        scale[0] = __ldg(s[0]);
-        scale[1] = __ldg(s[1]);
+        scale[0] = __ldg(row[0] + block);
+        scale[1] = __ldg(row[1] + block);
     }
     __device__ __forceinline__ void flush() {
 #pragma unroll
@@ -290,17 +290,16 @@ struct ScaleRun {
                 }
     }
     // `steps` k16 steps are done: at most to the end of the current block.
+    // No branch on whether a block follows (with one, the compiler copied the
+    // sums' registers on both paths: 49 instructions per block end, now 35):
+    // steps past K (zero tiles) keep the last block.
     __device__ __forceinline__ void steps_done(unsigned steps, unsigned steps_per_block) {
         left -= steps;
         if (left) return;
         flush();
         left = steps_per_block;
-        if (blocks_left > 0) {  // steps past K (zero tiles) keep the last block's scale
-            --blocks_left;
-            ++s[0];
-            ++s[1];
-            load();
-        }
+        block = min(block + 1, last);
+        load();
     }
 };
 
@@ -383,7 +382,9 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
             qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
             const uint4 wv = slots[d * 32];
             tile_product<BITS, MODE, MT, EACH_STEP>(op, local0 + i * T::KT, wv, xr, t, run);
-            if (i + RING < tiles) qd::cp_async16(slots + d * 32, src + (i + RING) * step, true);
+            // past the warp's tiles: an empty copy (no branch), from its last tile
+            const bool more = i + RING < tiles;
+            qd::cp_async16(slots + d * 32, src + (more ? i + RING : tiles - 1) * step, more);
             qd::cp_async_commit();
         }
     }
@@ -434,14 +435,13 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     ScaleRun<MT> run;
     {
         // K and N are below 2^31 (checked on entry): 32-bit division is enough
-        const int64_t k_first = (unsigned)kw0 / op.bk, last = op.s_ld - 1;
-        const int64_t kb = k_first < last ? k_first : last;
+        run.last = (unsigned)op.s_ld - 1;
+        run.block = min((unsigned)kw0 / op.bk, run.last);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const unsigned n = (unsigned)min(16 * band + g + 8 * h, op.N - 1);
-            run.s[h] = op.s + (int64_t)(n / (unsigned)op.bn) * op.s_ld + kb;
+            run.row[h] = op.s + (int64_t)(n / (unsigned)op.bn) * op.s_ld;
         }
-        run.blocks_left = last - kb;
         run.left = op.steps_per_block - ((unsigned)kw0 / 16) % op.steps_per_block;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
