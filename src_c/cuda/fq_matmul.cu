@@ -303,10 +303,13 @@ struct ScaleRun {
     }
 };
 
-// One tile of the warp's stream: its STEPS k16 steps into run.c.  Scale blocks
-// may end after any step (EACH_STEP) or, when their K is a multiple of the
-// tile's, only after the tile's last (one check instead of STEPS).
-template <int BITS, int MODE, int MT, bool EACH_STEP>
+// Where the stream checks for the end of a scale block: after every k16 step,
+// only after a tile's last (when blocks hold whole tiles), or never (one block
+// along K: the sums are scaled once, after the stream).
+enum BlockEnds { EACH_STEP, EACH_TILE, NONE };
+
+// One tile of the warp's stream: its STEPS k16 steps into run.c.
+template <int BITS, int MODE, int MT, int ENDS>
 __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uint4 wv, const XRows<MT> &xr,
                                              int t, ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
@@ -331,9 +334,9 @@ __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uin
                 }
             }
         }
-        if (EACH_STEP) run.steps_done(1, op.steps_per_block);
+        if (ENDS == EACH_STEP) run.steps_done(1, op.steps_per_block);
     }
-    if (!EACH_STEP) run.steps_done(T::STEPS, op.steps_per_block);
+    if (ENDS == EACH_TILE) run.steps_done(T::STEPS, op.steps_per_block);
 }
 
 // The 16 bytes of x that hold the end of K: the first `bytes` (a multiple of SIZE,
@@ -368,26 +371,29 @@ __device__ __forceinline__ unsigned ticket_arrive(unsigned *ticket) {
 __device__ __forceinline__ bool splits_in_cluster() { return gridDim.y > 1 && qd::cluster_blocks() == gridDim.y; }
 
 // The warp's tiles through its ring slots, RING copies ahead of use.
-template <int BITS, int MODE, int MT, bool EACH_STEP>
+template <int BITS, int MODE, int MT, int ENDS>
 __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
                                              const XRows<MT> &xr, int local0, int t, ScaleRun<MT> &run) {
     using T = Tiling<BITS>;
     constexpr int RING = ring_tiles(BITS);
     const int64_t step = TileOrder<BITS>{op.bands, op.tiles_per_band}.stride() * 32;
-    for (int i0 = 0; i0 < tiles; i0 += RING) {
+    // Tile i from ring slot d (a constant offset), and its slot refilled.
+    auto tile = [&](int i, int d) {
+        qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
+        const uint4 wv = slots[d * 32];
+        tile_product<BITS, MODE, MT, ENDS>(op, local0 + i * T::KT, wv, xr, t, run);
+        // past the warp's tiles: an empty copy (no branch), from its last tile
+        const bool more = i + RING < tiles;
+        qd::cp_async16(slots + d * 32, src + (more ? i + RING : tiles - 1) * step, more);
+        qd::cp_async_commit();
+    };
+    int i0 = 0;
+    for (; i0 + RING <= tiles; i0 += RING)  // whole turns of the ring: no test per tile
 #pragma unroll
-        for (int d = 0; d < RING; ++d) {  // ring slot d: a constant offset
-            const int i = i0 + d;
-            if (i >= tiles) break;
-            qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
-            const uint4 wv = slots[d * 32];
-            tile_product<BITS, MODE, MT, EACH_STEP>(op, local0 + i * T::KT, wv, xr, t, run);
-            // past the warp's tiles: an empty copy (no branch), from its last tile
-            const bool more = i + RING < tiles;
-            qd::cp_async16(slots + d * 32, src + (more ? i + RING : tiles - 1) * step, more);
-            qd::cp_async_commit();
-        }
-    }
+        for (int d = 0; d < RING; ++d) tile(i0 + d, d);
+#pragma unroll
+    for (int d = 0; d < RING - 1; ++d)  // the rest
+        if (i0 + d < tiles) tile(i0 + d, d);
 }
 
 // XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).  A block's warps are
@@ -480,8 +486,12 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     constexpr int MODE = XIN == QD_CUDA_F32 ? SPLIT : XIN == QD_CUDA_F16 ? F16 : BF16;
     const XRows<MT> xr(xs, row_bytes, g, op.M);
     // A warp's run starts on a tile: when blocks hold whole tiles they end on one.
-    if (op.steps_per_block % T::STEPS) stream_tiles<BITS, MODE, MT, true>(op, tiles, src, slots, xr, local0, t, run);
-    else stream_tiles<BITS, MODE, MT, false>(op, tiles, src, slots, xr, local0, t, run);
+    if (op.s_ld == 1)
+        stream_tiles<BITS, MODE, MT, NONE>(op, tiles, src, slots, xr, local0, t, run);
+    else if (op.steps_per_block % T::STEPS)
+        stream_tiles<BITS, MODE, MT, EACH_STEP>(op, tiles, src, slots, xr, local0, t, run);
+    else
+        stream_tiles<BITS, MODE, MT, EACH_TILE>(op, tiles, src, slots, xr, local0, t, run);
     qd::cp_async_wait<0>();
     run.flush();  // the block the stream ends in
     const auto &acc = run.acc;
