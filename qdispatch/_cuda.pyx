@@ -96,10 +96,12 @@ cdef extern from "qdispatch.h" nogil:
     int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits)
     qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
                                       void *tiles, void *stream)
+    int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k)
+    qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
+                                     int64_t block_k, void *scale_tiles, void *stream)
     qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
-                                const void *tiles, int bits, int64_t N, int64_t K,
-                                const float *scales, int64_t block_n, int64_t block_k,
-                                void *out, int out_dtype, void *stream)
+                                const void *tiles, const void *scale_tiles, int bits, int64_t N,
+                                int64_t K, int64_t block_k, void *out, int out_dtype, void *stream)
     int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k)
 
 
@@ -612,10 +614,23 @@ def fq_tile_weights(DeviceArray q, int64_t K, int bits):
     return out
 
 
-def fq_matmul(DeviceArray x, DeviceArray tiles, int bits, int64_t N, int64_t K,
-              DeviceArray scales, int64_t block_n, int64_t block_k, str out_dtype="float32"):
+def fq_tile_scales(DeviceArray scales, int64_t N, int64_t K, int64_t block_n, int64_t block_k):
+    """float32 scales [N/block_n, K/block_k] (row-major) -> the tiled form fq_matmul reads."""
+    out = empty((qd_cuda_fq_scale_tiles_bytes(N, K, block_k) // 4,), "float32", scales.device)
+    cdef void *ps = P(scales)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(scales.device):
+        with nogil:
+            st = qd_cuda_fq_tile_scales(<float *>ps, N, K, block_n, block_k, po, NULL)
+        _status(st, "fq_tile_scales")
+    return out
+
+
+def fq_matmul(DeviceArray x, DeviceArray tiles, DeviceArray scale_tiles, int bits, int64_t N,
+              int64_t K, int64_t block_k, str out_dtype="float32"):
     """x [M, ldx] (float32/float16/bfloat16) @ dequantize(w [N, K])^T -> out_dtype [M, N];
-    `tiles` from fq_tile_weights."""
+    `tiles` from fq_tile_weights, `scale_tiles` from fq_tile_scales."""
     cdef int64_t per16 = 16 // ITEMSIZE[x.dtype]
     if x.shape[1] % per16 or <uintptr_t>P(x) % 16:  # rows are copied in aligned 16-byte pieces
         x = pad_rows(x, -(-x.shape[1] // per16) * per16)
@@ -624,7 +639,7 @@ def fq_matmul(DeviceArray x, DeviceArray tiles, int bits, int64_t N, int64_t K,
     cdef int xd = DTYPES[x.dtype], od = DTYPES[out_dtype]
     cdef void *px = P(x)
     cdef void *pw = P(tiles)
-    cdef void *ps = P(scales)
+    cdef void *ps = P(scale_tiles)
     cdef void *po
     cdef qd_status st
     # The call runs per decode step: no context-manager object, a direct allocation.
@@ -636,8 +651,7 @@ def fq_matmul(DeviceArray x, DeviceArray tiles, int bits, int64_t N, int64_t K,
                           out_dtype)
         po = P(out)
         with nogil:
-            st = qd_cuda_fq_matmul(px, xd, m, l, pw, bits, N, K, <float *>ps, block_n, block_k,
-                                   po, od, NULL)
+            st = qd_cuda_fq_matmul(px, xd, m, l, pw, ps, bits, N, K, block_k, po, od, NULL)
         _status(st, "fq_matmul")
     finally:
         if previous != device:

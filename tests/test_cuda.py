@@ -303,6 +303,21 @@ def test_fq_scale_blocks_ending_inside_a_weight_tile(rng, scheme, M):
         assert rel_err(expect, out) < FQ_TOL
 
 
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s"), qd.QuantScheme("q8s", block=(4, 32)),
+                                    qd.QuantScheme("q4s", block=(8, 64), store="packed_u32")], ids=repr)
+@pytest.mark.parametrize("M", [1, 16])
+def test_fq_scales_shared_by_rows(rng, scheme, M):
+    """One scale for many weight rows (per tensor, 2-D blocks): the kernel's scale
+    tiles give every row of a 16-row band its own copy."""
+    K, N = 512, 200  # 12.5 bands of 16 rows
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    xt = qd.tensor(x, device="cuda", dtype="bfloat16")
+    out = qd.q_matmul(xt, wq.T).numpy()
+    expect = qd.q_matmul(qd.tensor(x, device="reference", dtype="bfloat16"), ref(wq).T).numpy()
+    assert rel_err(expect, out) < FQ_TOL
+
+
 @pytest.mark.parametrize("scale", [1e6, 1e-7])
 def test_fq_bf16_activations_beyond_f16(rng, scale):
     """bf16 x that f16 can't hold (huge or tiny values) keeps full accuracy: bf16

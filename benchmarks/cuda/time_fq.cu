@@ -23,7 +23,7 @@ namespace {
 
 struct Weight {
     void *tiles;
-    float *scales;
+    void *scales;  // scale tiles
 };
 
 // `count` weights laid out as the kernel reads them (the same random values in
@@ -35,16 +35,20 @@ std::vector<Weight> make_weights(int count, int64_t N, int64_t K, int bits, int6
     std::vector<float> s(N * (K / block_k));
     for (auto &v : s) v = 0.01f + 0.001f * (std::rand() % 7);
     int8_t *dq;
+    float *ds;
     CK(cudaMalloc(&dq, q.size()));
     CK(cudaMemcpy(dq, q.data(), q.size(), cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&ds, s.size() * 4));
+    CK(cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
     std::vector<Weight> ws(count);
     for (Weight &w : ws) {
         CK(cudaMalloc(&w.tiles, qd_cuda_fq_tiles_bytes(N, K, bits)));
         QK(qd_cuda_fq_tile_weights(dq, N, K, K, bits, w.tiles, nullptr));
-        CK(cudaMalloc(&w.scales, s.size() * 4));
-        CK(cudaMemcpy(w.scales, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&w.scales, qd_cuda_fq_scale_tiles_bytes(N, K, block_k)));
+        QK(qd_cuda_fq_tile_scales(ds, N, K, 1, block_k, w.scales, nullptr));
     }
     CK(cudaFree(dq));
+    CK(cudaFree(ds));
     return ws;
 }
 
@@ -107,7 +111,7 @@ int main() {
         CK(cudaMalloc(&out, c.M * c.N * 2));
         auto call = [&](int i) {
             const Weight &w = ws[i % count];
-            QK(qd_cuda_fq_matmul(x, QD_CUDA_BF16, c.M, c.K, w.tiles, c.bits, c.N, c.K, w.scales, 1,
+            QK(qd_cuda_fq_matmul(x, QD_CUDA_BF16, c.M, c.K, w.tiles, w.scales, c.bits, c.N, c.K,
                                  c.block_k, out, QD_CUDA_BF16, nullptr));
         };
         DeviceState *d = nullptr;

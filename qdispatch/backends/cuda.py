@@ -235,7 +235,8 @@ class CudaBackend(Backend):
         if not _cuda.fq_supported(bits, K, bk):
             return False
         values, scales = self._k_major(w, k_last=False, cache=False)
-        return _cuda.fq_tile_weights(values, K, bits), bits, N, K, scales, bn, bk
+        return (_cuda.fq_tile_weights(values, K, bits), _cuda.fq_tile_scales(scales, N, K, bn, bk),
+                bits, N, K, bk)
 
     def _fq_on_host(self, x, w):
         """Blockings along K finer than the kernels' 16-value chunks: the reference math."""

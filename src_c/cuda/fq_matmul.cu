@@ -131,6 +131,16 @@ __global__ void tile_weights_kernel(const int8_t *__restrict__ q, int64_t N, int
     }
 }
 
+// Scale tiles: [band][block along K][g][rows g, g + 8], rows past N as row N - 1.
+__global__ void tile_scales_kernel(const float *__restrict__ s, int64_t N, int64_t bn, int64_t blocks,
+                                   int64_t count, float *__restrict__ out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = std::min<int64_t>(16 * (i / (16 * blocks)) + ((i >> 1) & 7) + 8 * (i & 1), N - 1);
+        out[i] = s[row / bn * blocks + (i >> 4) % blocks];
+    }
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&v);
@@ -202,8 +212,8 @@ __device__ __forceinline__ uint32_t weight_pair(uint32_t wb, int i) {
 struct Operand {
     const void *x; int x_dtype, M; int64_t ldx, K;
     const uint4 *w; int64_t bands, tiles_per_band, N;
-    const float *s; int64_t s_ld, bn;
-    unsigned bk, steps_per_block;  // K < 2^31: block arithmetic in 32 bits
+    const float2 *s;                       // scale tiles (qd_cuda_fq_tile_scales)
+    unsigned blocks, bk, steps_per_block;  // K < 2^31: block arithmetic in 32 bits
 };
 
 // The lane's rows of the x slice, one per n8 tile: row 8 mt + g, or for rows past
@@ -266,17 +276,24 @@ __device__ __forceinline__ bool x_fragments(const XRows<MT> &xr, int at,
 // Where a warp's stream of K stands against the scale blocks: the products of
 // each block collect in c and are added into acc times the block's scales when
 // the block ends.
+// The scales come in tiles (qd_cuda_fq_tile_scales): for each band and block
+// along K, the 16 rows' scales as 8 pairs (rows g and g + 8), 64 bytes.  A block
+// copies its bands' scales for its range of K into shared memory with its first
+// copies, so a block's end reads them there.  Read from device memory at each
+// block's end, they cost int4 block 32 6.7 us of 23 at (16, 4096, 11008) on an
+// H200: the load's latency, exposed every few steps.
 template <int MT>
 struct ScaleRun {
-    const float *row[2];  // this lane's scale rows (weight rows g and g + 8)
-    unsigned block, last; // the current block along K, and the rows' last
+    const float2 *pair;   // this lane's scale pairs (weight rows g and g + 8) in shared memory
+    unsigned block, last; // the current block along K, and the last, counted from the slice's first
     float scale[2];       // the current block's scales
     unsigned left;        // k16 steps until the current block ends
     float c[MT][4], acc[MT][4];
 
     __device__ __forceinline__ void load() {
-        scale[0] = __ldg(row[0] + block);
-        scale[1] = __ldg(row[1] + block);
+        const float2 v = pair[8 * block];
+        scale[0] = v.x;
+        scale[1] = v.y;
     }
     __device__ __forceinline__ void flush() {
 #pragma unroll
@@ -408,6 +425,7 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     uint4 *ring = reinterpret_cast<uint4 *>(smem);  // [WARPS][RING][32 lanes]
     float *received = reinterpret_cast<float *>(smem + ring_bytes(BITS));  // [split][share]
     unsigned char *xs = smem + ring_bytes(BITS) + received_bytes(op.M);    // [M][row_bytes]: x slice, zero past K
+    float2 *scales = reinterpret_cast<float2 *>(xs + op.M * row_bytes);    // [band][block][8 pairs]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bands_per_block = WARPS / kw, part = warp % kw;
     const int64_t band = (int64_t)blockIdx.x * bands_per_block + warp / kw;
@@ -424,9 +442,25 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     // which may be written only once every block has started: this block has.
     if (splits_in_cluster()) qd::cluster_arrive<false>();
 
-    // This warp's tiles, RING of them in flight from the start.  The tiles are
-    // complete before any launch (qd_cuda_fq_tile_weights), so they may be read
-    // before earlier grids finish.
+    // The scale tiles of the block's bands and range of K, blocks first_block ..
+    // first_block + blocks - 1, in a copy group of their own ahead of the ring's.
+    // They and the weight tiles are complete before any launch (qd_cuda_fq_tile_scales,
+    // qd_cuda_fq_tile_weights), so they may be read before earlier grids finish.
+    const unsigned first_block = (unsigned)kt_begin * T::KT / op.bk;
+    const unsigned scale_blocks = min(((unsigned)kt_end * T::KT + op.bk - 1) / op.bk, op.blocks) - first_block;
+    {
+        const int chunks = bands_per_block * scale_blocks * 4;  // 16-byte pieces
+        const int64_t band0 = (int64_t)blockIdx.x * bands_per_block;
+        for (int c = threadIdx.x; c < chunks; c += THREADS) {
+            const int b = c / (scale_blocks * 4), piece = c - b * scale_blocks * 4;
+            const int64_t src_band = min(band0 + b, op.bands - 1);
+            qd::cp_async16(reinterpret_cast<uint4 *>(scales) + c,
+                           reinterpret_cast<const uint4 *>(op.s + (src_band * op.blocks + first_block) * 8) + piece,
+                           true);
+        }
+        qd::cp_async_commit();
+    }
+    // This warp's tiles, RING of them in flight from the start.
     const TileOrder<BITS> order{op.bands, op.tiles_per_band};
     const uint4 *src = op.w + order.index(band < op.bands ? band : 0, my_begin) * 32 + lane;
     uint4 *slots = ring + warp * RING * 32 + lane;
@@ -440,14 +474,10 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
 
     ScaleRun<MT> run;
     {
-        // K and N are below 2^31 (checked on entry): 32-bit division is enough
-        run.last = (unsigned)op.s_ld - 1;
-        run.block = min((unsigned)kw0 / op.bk, run.last);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned n = (unsigned)min(16 * band + g + 8 * h, op.N - 1);
-            run.row[h] = op.s + (int64_t)(n / (unsigned)op.bn) * op.s_ld;
-        }
+        // K is below 2^31 (checked on entry): 32-bit division is enough
+        run.last = scale_blocks - 1;
+        run.block = min((unsigned)kw0 / op.bk - first_block, run.last);
+        run.pair = scales + (warp / kw) * scale_blocks * 8 + g;
         run.left = op.steps_per_block - ((unsigned)kw0 / 16) % op.steps_per_block;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -455,9 +485,8 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
             for (int e = 0; e < 4; ++e) run.c[mt][e] = run.acc[mt][e] = 0.f;
     }
 
-    // x, the scales and every output may belong to earlier kernels: from here on.
+    // x and every output may belong to earlier kernels: from here on.
     qd::wait_for_prior_grids();
-    run.load();  // in flight while x arrives
     // The x slice: the block's K range from kt_begin on, values past K zero.
     // Thread c copies chunk c of every row: K arithmetic once, then row strides.
     // Chunks wholly inside K first, in a loop of plain 16-byte loads (with the
@@ -482,11 +511,13 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
         for (int m = 0; m < op.M; ++m, dst += row_bytes, xsrc += bytes ? row_stride : 0)
             *reinterpret_cast<uint4 *>(dst) = x_tail<x_size>(xsrc, bytes);
     }
-    __syncthreads();
+    qd::cp_async_wait<RING>();  // this thread's copies of the scales
+    __syncthreads();            // x and the scales are in
+    run.load();
     constexpr int MODE = XIN == QD_CUDA_F32 ? SPLIT : XIN == QD_CUDA_F16 ? F16 : BF16;
     const XRows<MT> xr(xs, row_bytes, g, op.M);
     // A warp's run starts on a tile: when blocks hold whole tiles they end on one.
-    if (op.s_ld == 1)
+    if (op.blocks == 1)
         stream_tiles<BITS, MODE, MT, NONE>(op, tiles, src, slots, xr, local0, t, run);
     else if (op.steps_per_block % T::STEPS)
         stream_tiles<BITS, MODE, MT, EACH_STEP>(op, tiles, src, slots, xr, local0, t, run);
@@ -689,8 +720,17 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     if (st != QD_OK) return st;
     const int64_t tpb = op.tiles_per_band, kt = tile_k(bits);
     const int x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
-    // tiles of K a slice holds: rows are padded by up to 191 bytes (see row_bytes)
-    const int64_t fit = ((d->block_smem - ring_bytes(bits) - received_bytes(op.M)) / op.M - 191) / (x_size * kt);
+    // A block's shared memory for a slice of `tiles` tiles of K: the ring, the sums
+    // received, the x slice (rows padded by up to 191 bytes, see row_bytes) and up
+    // to WARPS bands' scales (64 bytes a block along K; the slice may start and end
+    // inside a block).
+    auto smem_for = [&](int64_t tiles) {
+        const int64_t blocks = std::min<int64_t>(op.blocks, ceil_div(tiles * kt, op.bk) + 1);
+        return ring_bytes(bits) + received_bytes(op.M) + op.M * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
+    };
+    int64_t fit = 0;  // the most tiles of K a slice holds
+    for (int64_t step = int64_t(1) << 40; step; step >>= 1)
+        if (fit + step <= tpb && smem_for(fit + step) <= d->block_smem) fit += step;
     if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
     const int64_t min_splits = ceil_div(tpb, fit), slots = (int64_t)BLOCKS_PER_SM * d->sms;
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
@@ -757,13 +797,23 @@ extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t
     return qd::check(cudaStreamSynchronize(s));
 }
 
+extern "C" qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
+                                            int64_t block_k, void *scale_tiles, void *stream) {
+    if (!scales || !scale_tiles) return QD_ERR_NULL;
+    if (N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k) return QD_ERR_SHAPE;
+    const int64_t count = qd_cuda_fq_scale_tiles_bytes(N, K, block_k) / 4;
+    cudaStream_t s = qd::as_stream(stream);
+    tile_scales_kernel<<<qd::grid_for(count, 256), 256, 0, s>>>(scales, N, block_n, K / block_k, count,
+                                                                static_cast<float *>(scale_tiles));
+    // fq kernels read them before they wait for earlier grids, as the weight tiles
+    return qd::check(cudaStreamSynchronize(s));
+}
+
 extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
-                                       const void *tiles, int bits, int64_t N, int64_t K,
-                                       const float *scales, int64_t block_n, int64_t block_k,
-                                       void *out, int out_dtype, void *stream) {
-    if (!x || !tiles || !scales || !out) return QD_ERR_NULL;
-    if (M <= 0 || N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
-        return QD_ERR_SHAPE;
+                                       const void *tiles, const void *scale_tiles, int bits, int64_t N,
+                                       int64_t K, int64_t block_k, void *out, int out_dtype, void *stream) {
+    if (!x || !tiles || !scale_tiles || !out) return QD_ERR_NULL;
+    if (M <= 0 || N <= 0 || K <= 0 || block_k <= 0 || K % block_k) return QD_ERR_SHAPE;
     if (K > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
     const int x_size = x_dtype == QD_CUDA_F32 ? 4 : 2, out_size = out_dtype == QD_CUDA_F32 ? 4 : 2;
     // x is copied in 16-byte pieces: rows start on 16-byte boundaries
@@ -772,7 +822,7 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
         return QD_ERR_ARGUMENT;
     Operand op{x, x_dtype, 0, ldx, K,
                static_cast<const uint4 *>(tiles), ceil_div(N, 16), ceil_div(K, tile_k(bits)), N,
-               scales, K / block_k, block_n, (unsigned)block_k,
+               static_cast<const float2 *>(scale_tiles), (unsigned)(K / block_k), (unsigned)block_k,
                block_k == K ? 1u << 30 : (unsigned)(block_k / 16)};  // one block: never a boundary
     cudaStream_t s = qd::as_stream(stream);
     for (int64_t m = 0; m < M; m += MAX_M) {  // each slice streams the weights once

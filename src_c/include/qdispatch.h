@@ -192,28 +192,34 @@ qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_
                             int64_t ld, const float *a_scales, int64_t a_block_m,
                             int64_t a_block_k, const float *b_scales, int64_t b_block_n,
                             int64_t b_block_k, void *out, int out_dtype, void *stream);
-/* Weight-only products stream the weights in a tiled form, laid out once per
- * weight: qd_cuda_fq_tiles_bytes(N, K, bits) bytes, written by
- * qd_cuda_fq_tile_weights from int8 values q [N, ld] (K-contiguous, ld >= K), which
- * returns once they are written (it synchronizes `stream`).  On sm_90 GPUs
+/* Weight-only products stream the weights and their scales in tiled forms, laid
+ * out once per weight: qd_cuda_fq_tiles_bytes(N, K, bits) bytes, written by
+ * qd_cuda_fq_tile_weights from int8 values q [N, ld] (K-contiguous, ld >= K), and
+ * qd_cuda_fq_scale_tiles_bytes(N, K, block_k) bytes, written by
+ * qd_cuda_fq_tile_scales from float32 scales [N/block_n, K/block_k] (row-major).
+ * Both return once the tiles are written (they synchronize `stream`).  On sm_90 GPUs
  * qd_cuda_fq_matmul starts reading the tiles while the kernel before it on the
- * stream still runs (it waits for that kernel before reading x or the scales or
- * writing out), so tiles must not be written by work still queued. */
+ * stream still runs (it waits for that kernel before reading x or writing out), so
+ * tiles must not be written by work still queued. */
 static inline int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits) {
     const int64_t tile_k = 16 * (16 / bits);  /* 512-byte tiles of 16 rows */
     return (N + 15) / 16 * ((K + tile_k - 1) / tile_k) * 512;
 }
+static inline int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k) {
+    return (N + 15) / 16 * (K / block_k) * 64;  /* 16 rows' float32 scales per block */
+}
 qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
                                   void *tiles, void *stream);
+qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
+                                 int64_t block_k, void *scale_tiles, void *stream);
 /* Weight-only small-M product: out[M, N] = x[M, K] @ dequantize(w)^T with float32
  * accumulation, for M <= 16 (larger M runs in slices of 16 rows).  x: [M, ldx] of
  * x_dtype (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16), its rows 16-byte aligned (x too);
- * tiles: the weights laid out by qd_cuda_fq_tile_weights; scales [N/block_n,
- * K/block_k] float32; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16. */
+ * tiles and scale_tiles: the weight laid out as above, block_k its scales' block
+ * along K; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16. */
 qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
-                            const void *tiles, int bits, int64_t N, int64_t K,
-                            const float *scales, int64_t block_n, int64_t block_k,
-                            void *out, int out_dtype, void *stream);
+                            const void *tiles, const void *scale_tiles, int bits, int64_t N,
+                            int64_t K, int64_t block_k, void *out, int out_dtype, void *stream);
 /* 1 if qd_cuda_fq_matmul takes this weight blocking (bits 8, 4 or 2; block_k a
  * multiple of 16, or one block along K). */
 int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
