@@ -310,20 +310,25 @@ struct ScaleRun {
     // No branch on whether a block follows (with one, the compiler copied the
     // sums' registers on both paths: 49 instructions per block end, now 35):
     // steps past K (zero tiles) keep the last block.
+    __device__ __forceinline__ void next_block() {
+        flush();
+        block = min(block + 1, last);
+        load();
+    }
     __device__ __forceinline__ void steps_done(unsigned steps, unsigned steps_per_block) {
         left -= steps;
         if (left) return;
-        flush();
         left = steps_per_block;
-        block = min(block + 1, last);
-        load();
+        next_block();
     }
 };
 
 // Where the stream checks for the end of a scale block: after every k16 step,
 // only after a tile's last (when blocks hold whole tiles), or never (one block
-// along K: the sums are scaled once, after the stream).
-enum BlockEnds { EACH_STEP, EACH_TILE, NONE };
+// along K: the sums are scaled once, after the stream).  A positive value k:
+// tiles hold whole blocks of k steps, which end after every k-th step of a tile,
+// known when compiled (no count, no check).
+enum BlockEnds { EACH_STEP = -3, EACH_TILE = -2, NONE = -1 };
 
 // One tile of the warp's stream: its STEPS k16 steps into run.c.
 template <int BITS, int MODE, int MT, int ENDS>
@@ -351,9 +356,12 @@ __device__ __forceinline__ void tile_product(const Operand &op, int local_k, uin
                 }
             }
         }
-        if (ENDS == EACH_STEP) run.steps_done(1, op.steps_per_block);
+        if constexpr (ENDS == EACH_STEP) run.steps_done(1, op.steps_per_block);
+        if constexpr (ENDS > 0) {
+            if ((s + 1) % ENDS == 0) run.next_block();
+        }
     }
-    if (ENDS == EACH_TILE) run.steps_done(T::STEPS, op.steps_per_block);
+    if constexpr (ENDS == EACH_TILE) run.steps_done(T::STEPS, op.steps_per_block);
 }
 
 // The 16 bytes of x that hold the end of K: the first `bytes` (a multiple of SIZE,
@@ -411,6 +419,17 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
 #pragma unroll
     for (int d = 0; d < RING - 1; ++d)  // the rest
         if (i0 + d < tiles) tile(i0 + d, d);
+}
+
+// The stream for blocks of `steps_per_block` k16 steps that tiles hold whole (K: 1, 2, 4, ...).
+template <int BITS, int MODE, int MT, int K = 1>
+__device__ __forceinline__ void stream_blocks_within_tiles(unsigned steps_per_block, const Operand &op, int tiles,
+                                                           const uint4 *src, uint4 *slots, const XRows<MT> &xr,
+                                                           int local0, int t, ScaleRun<MT> &run) {
+    if constexpr (K < Tiling<BITS>::STEPS) {
+        if (steps_per_block == K) stream_tiles<BITS, MODE, MT, K>(op, tiles, src, slots, xr, local0, t, run);
+        else stream_blocks_within_tiles<BITS, MODE, MT, 2 * K>(steps_per_block, op, tiles, src, slots, xr, local0, t, run);
+    }
 }
 
 // XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).  A block's warps are
@@ -519,10 +538,12 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     // A warp's run starts on a tile: when blocks hold whole tiles they end on one.
     if (op.blocks == 1)
         stream_tiles<BITS, MODE, MT, NONE>(op, tiles, src, slots, xr, local0, t, run);
-    else if (op.steps_per_block % T::STEPS)
-        stream_tiles<BITS, MODE, MT, EACH_STEP>(op, tiles, src, slots, xr, local0, t, run);
-    else
+    else if (op.steps_per_block % T::STEPS == 0)
         stream_tiles<BITS, MODE, MT, EACH_TILE>(op, tiles, src, slots, xr, local0, t, run);
+    else if (T::STEPS % op.steps_per_block == 0)
+        stream_blocks_within_tiles<BITS, MODE, MT>(op.steps_per_block, op, tiles, src, slots, xr, local0, t, run);
+    else
+        stream_tiles<BITS, MODE, MT, EACH_STEP>(op, tiles, src, slots, xr, local0, t, run);
     qd::cp_async_wait<0>();
     run.flush();  // the block the stream ends in
     const auto &acc = run.acc;
