@@ -461,8 +461,8 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     // which may be written only once every block has started: this block has.
     if (splits_in_cluster()) qd::cluster_arrive<false>();
 
-    // The scale tiles of the block's bands and range of K, blocks first_block ..
-    // first_block + blocks - 1, in a copy group of their own ahead of the ring's.
+    // The scale tiles of the block's bands and range of K (scale_blocks blocks from
+    // first_block on), in a copy group of their own ahead of the ring's.
     // They and the weight tiles are complete before any launch (qd_cuda_fq_tile_scales,
     // qd_cuda_fq_tile_weights), so they may be read before earlier grids finish.
     const unsigned first_block = (unsigned)kt_begin * T::KT / op.bk;
