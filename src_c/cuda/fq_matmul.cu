@@ -25,8 +25,8 @@
 // When K is also split over blockIdx.y, the splits' partial sums are added in
 // split order, so the result does not depend on scheduling: on sm_90 the splits
 // of a band group form a cluster and send their sums to each other's shared
-// memory; otherwise the last block of the group to finish adds them up from
-// device memory.
+// memory; otherwise every warp stores its sums to device memory as its lanes
+// hold them, and the last warp of the band to finish adds them up.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -53,7 +53,7 @@ constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma til
 // a third: blocks go wherever room frees up as the kernel before ends, and an SM
 // with three blocks of one kernel would take half as long again as the others.
 constexpr int BLOCKS_PER_SM = 2;
-constexpr int MAX_TICKETS = 1 << 16;
+constexpr int MAX_TICKETS = 1 << 18;  // bands of a launch whose splits meet in device memory
 // On sm_90 two splits of K of a band group form one cluster and their sums meet
 // in shared memory.  Clusters of 3 or 4 took 3-12 us longer when launched early
 // (see qd::wait_for_prior_grids), likely waiting for room for all their blocks
@@ -391,6 +391,50 @@ __device__ __forceinline__ unsigned ticket_arrive(unsigned *ticket) {
     return old;
 }
 
+// When K is split over blocks (and they do not form a cluster), each warp is one
+// split of its band: split blockIdx.y * kw + part of gridDim.y * kw.  A warp
+// stores its sums as its lanes hold them (one 16-byte store per n8 tile, no pass
+// through shared memory, no wait for the block's other warps), and the band's
+// last warp to finish adds every split's sums in split order and stores the
+// outputs.  At (16, 4096, 11008) the block-wide pass this replaces took 2 us after
+// the slowest warp's tiles.
+template <int MT>
+__device__ __forceinline__ void band_split_sums(const float (&acc)[MT][4], const Operand &op, int64_t band,
+                                                int split, int splits, int lane, void *out, int out_dtype,
+                                                float *__restrict__ partial, unsigned *__restrict__ tickets) {
+    float4 *band_sums = reinterpret_cast<float4 *>(partial) + band * splits * 32 * MT + lane;  // [split][mt][lane]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        band_sums[(split * MT + mt) * 32] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    __syncwarp();  // the lanes' sums are written; lane 0's ticket releases them
+    unsigned last = 0;
+    if (lane == 0) last = ticket_arrive(&tickets[band]) == (unsigned)splits - 1;
+    __syncwarp();  // ... and acquires the other warps' for every lane
+    if (!__shfl_sync(~0u, last, 0)) return;
+    float total[MT][4] = {};
+#pragma unroll 1
+    for (int y = 0; y < splits; ++y)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float4 v = __ldcg(band_sums + (y * MT + mt) * 32);
+            total[mt][0] += v.x;
+            total[mt][1] += v.y;
+            total[mt][2] += v.z;
+            total[mt][3] += v.w;
+        }
+    // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int m = 8 * mt + 2 * t + (e & 1);
+            const int64_t n = 16 * band + g + 8 * (e >> 1);
+            if (m < op.M && n < op.N) qd::store_from_f32(out, out_dtype, m * op.N + n, total[mt][e]);
+        }
+    if (lane == 0) tickets[band] = 0;  // ready for the next launch
+}
+
 // Whether the launch's splits of K form one cluster (read afresh where needed,
 // not held in a register through the tile loop).
 __device__ __forceinline__ bool splits_in_cluster() { return gridDim.y > 1 && qd::cluster_blocks() == gridDim.y; }
@@ -547,6 +591,13 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     qd::cp_async_wait<0>();
     run.flush();  // the block the stream ends in
     const auto &acc = run.acc;
+    const bool split = gridDim.y > 1, in_cluster = splits_in_cluster();
+    if (split && !in_cluster) {
+        if (band < op.bands)
+            band_split_sums<MT>(acc, op, band, blockIdx.y * kw + part, gridDim.y * kw, lane, out, out_dtype,
+                                partial, tickets);
+        return;
+    }
 
     // The kw parts of a band meet in shared memory (the ring's space), in part order.
     // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
@@ -569,15 +620,12 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     // The loops from here on run once per block and stay rolled where they can:
     // their code is fetched cold at the kernel's end, and unrolled copies of it
     // made each block's end 1-2 us longer.
-    constexpr int OUTPUTS = MAX_M * WARPS * 16 / THREADS;  // x rows per thread, at most
     static_assert(WARPS * 16 <= THREADS, "every thread keeps one weight row");
-    const bool split = gridDim.y > 1;
     const int rows = bands_per_block * 16, shift = __ffs(rows) - 1, outputs = op.M * rows;
     const int share = (outputs + gridDim.y - 1) / gridDim.y;
     const int r = threadIdx.x & (rows - 1), m0 = threadIdx.x >> shift, m_step = THREADS >> shift;
     const int64_t n = (int64_t)blockIdx.x * rows + r;
     const int my_rows = n < op.N ? op.M : 0;  // x rows m < my_rows have an output in row n
-    const bool in_cluster = splits_in_cluster();
     if (in_cluster) qd::cluster_wait();  // every block of the cluster has started
     const float *sums = red + (r >> 4) * kw * RED + (r & 15);  // row r's sums from its band's part 0
 #pragma unroll 1
@@ -588,50 +636,21 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
         const int64_t at = m * op.N + n;
         const int o = m * rows + r;
         if (in_cluster) qd::store_in_block(received + blockIdx.y * share + o % share, o / share, sum);
-        else if (split) partial[(int64_t)blockIdx.y * op.M * op.N + at] = sum;
         else qd::store_from_f32(out, out_dtype, at, sum);
     }
-    if (!split) return;
+    if (!in_cluster) return;
 
-    if (in_cluster) {  // the block's share, from every split in split order
-        qd::cluster_arrive<true>();
-        qd::cluster_wait();
-        for (int i = threadIdx.x; i < share; i += THREADS) {
-            const int o = blockIdx.y * share + i;
-            const int64_t col = (int64_t)blockIdx.x * rows + (o & (rows - 1));
-            if (o >= outputs || col >= op.N) continue;
-            float total = 0.f;
-            for (unsigned y = 0; y < gridDim.y; ++y) total += received[y * share + i];
-            qd::store_from_f32(out, out_dtype, (o >> shift) * op.N + col, total);
-        }
-        return;
+    // The cluster: the block's share of the outputs, from every split in split order.
+    qd::cluster_arrive<true>();
+    qd::cluster_wait();
+    for (int i = threadIdx.x; i < share; i += THREADS) {
+        const int o = blockIdx.y * share + i;
+        const int64_t col = (int64_t)blockIdx.x * rows + (o & (rows - 1));
+        if (o >= outputs || col >= op.N) continue;
+        float total = 0.f;
+        for (unsigned y = 0; y < gridDim.y; ++y) total += received[y * share + i];
+        qd::store_from_f32(out, out_dtype, (o >> shift) * op.N + col, total);
     }
-
-    // The last block of the band group to finish adds the splits' sums, in split
-    // order.  A thread's loads of one split are in flight together: a trip to L2
-    // per split.
-    __shared__ bool last;
-    __syncthreads();  // the block's partial sums are written; the ticket releases them
-    if (threadIdx.x == 0) last = ticket_arrive(&tickets[blockIdx.x]) == gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    const int64_t split_stride = (int64_t)op.M * op.N;
-    float total[OUTPUTS] = {};
-#pragma unroll 1
-    for (unsigned y = 0; y < gridDim.y; ++y) {
-        const float *split_sums = partial + y * split_stride + n;
-#pragma unroll
-        for (int j = 0; j < OUTPUTS; ++j) {
-            const int m = m0 + j * m_step;
-            if (m < my_rows) total[j] += __ldcg(split_sums + m * op.N);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < OUTPUTS; ++j) {
-        const int m = m0 + j * m_step;
-        if (m < my_rows) qd::store_from_f32(out, out_dtype, m * op.N + n, total[j]);
-    }
-    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;  // ready for the next launch
 }
 
 // Per device: multiprocessor count, shared memory per block, whether the kernels
@@ -781,13 +800,15 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     }
     const int64_t tps = ceil_div(tpb, splits);  // ceil_div(tpb, tps) == splits: normalized above
     const int64_t blocks = ceil_div(op.bands, WARPS / kw);
-    if (blocks > 0x7FFFFFFF || (splits > 1 && !clustered(*d, splits) && blocks > MAX_TICKETS)) return QD_ERR_SHAPE;
+    const bool split_in_memory = splits > 1 && !clustered(*d, splits);  // a ticket per band
+    if (blocks > 0x7FFFFFFF || (split_in_memory && op.bands > MAX_TICKETS)) return QD_ERR_SHAPE;
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
     const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, kw, row_bytes};
-    if (splits > 1 && !clustered(*d, splits) && (st = scratch(*d, (size_t)(splits * op.M * op.N))) != QD_OK)
-        return st;
+    // every warp's sums as its lanes hold them: 32 x 4 floats per n8 tile of x
+    const size_t partial_floats = (size_t)(op.bands * splits * kw) * 32 * 4 * (op.M <= 8 ? 1 : 2);
+    if (split_in_memory && (st = scratch(*d, partial_floats)) != QD_OK) return st;
     if (bits == 8) return launch_bits<8>(plan, op, out, out_dtype, *d, s);
     if (bits == 4) return launch_bits<4>(plan, op, out, out_dtype, *d, s);
     return launch_bits<2>(plan, op, out, out_dtype, *d, s);
