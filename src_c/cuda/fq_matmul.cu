@@ -411,17 +411,27 @@ __device__ __forceinline__ void band_split_sums(const float (&acc)[MT][4], const
     if (lane == 0) last = ticket_arrive(&tickets[band]) == (unsigned)splits - 1;
     __syncwarp();  // ... and acquires the other warps' for every lane
     if (!__shfl_sync(~0u, last, 0)) return;
+    // Four splits' loads in flight at a time (a trip to L2 each otherwise); the
+    // zeros past the last split change no sum.
     float total[MT][4] = {};
 #pragma unroll 1
-    for (int y = 0; y < splits; ++y)
+    for (int y0 = 0; y0 < splits; y0 += 4) {
+        float4 v[4][MT];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float4 v = __ldcg(band_sums + (y * MT + mt) * 32);
-            total[mt][0] += v.x;
-            total[mt][1] += v.y;
-            total[mt][2] += v.z;
-            total[mt][3] += v.w;
-        }
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                v[j][mt] = y0 + j < splits ? __ldcg(band_sums + ((y0 + j) * MT + mt) * 32) : float4{};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                total[mt][0] += v[j][mt].x;
+                total[mt][1] += v[j][mt].y;
+                total[mt][2] += v[j][mt].z;
+                total[mt][3] += v[j][mt].w;
+            }
+    }
     // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -774,10 +784,13 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
     const int64_t min_splits = ceil_div(tpb, fit), slots = (int64_t)BLOCKS_PER_SM * d->sms;
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
-    // band) multiply that traffic, so it stays under a quarter of the weight bytes,
-    // except that four warps per band are always allowed: at M = 16 they halve the
-    // splits, which cost more than the x traffic (1.2 us less at M = 16, K = N = 4096).
-    const int64_t kw_max = std::max<int64_t>(4, 4 * bits / (op.M * x_size));
+    // band) multiply that traffic, so it stays under a quarter of the weight bytes.
+    // Up to 8 rows of x four warps per band are always allowed: they halve the splits
+    // (at M = 4, K = N = 4096 on an H200, 0.2-0.4 us less than one warp per band and
+    // 8 splits).  At M = 16 the x traffic costs more than the splits' sums (one warp
+    // per band and 8 splits, not 4 and 2: 0.4 us less).
+    const int64_t x_bound = 4 * bits / (op.M * x_size);
+    const int64_t kw_max = op.M <= 8 ? std::max<int64_t>(4, x_bound) : std::max<int64_t>(1, x_bound);
     // Of the ways to cut the work into kw warps per band and splits of K, the one
     // with the most warps at work while every block has an SM slot of its own (so
     // every SM gets the same work); ties go to fewer splits, whose sums cost more
