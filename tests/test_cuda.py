@@ -221,10 +221,10 @@ def test_fq_split_k_is_deterministic(rng, scheme, M, bf16_x, K):
                          ids=repr)
 @pytest.mark.parametrize("M", [4, 8, 16])
 def test_fq_split_k_in_clusters(rng, scheme, M):
-    # 256 bands of 16 weight rows: on a GPU of 64-191 SMs (an H100 or H200 has 132)
-    # at M <= 8 K is cut in two, and the two splits add their sums in each other's
+    # 256 bands of 16 weight rows on a GPU of 64-191 SMs (an H100 or H200 has 132):
+    # at M = 8 K is cut in two, and the two splits add their sums in each other's
     # shared memory; at M = 16 it is cut in eight, one warp per band, and the
-    # splits' sums meet in device memory.
+    # splits' sums meet in device memory; at M = 4 eight warps share each band.
     K = N = 4096
     x = _bf16_valued(rng.standard_normal((M, K)).astype(np.float32))
     wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")

@@ -784,13 +784,14 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
     const int64_t min_splits = ceil_div(tpb, fit), slots = (int64_t)BLOCKS_PER_SM * d->sms;
     // Each block reads its slice of x from L2: fewer bands per block (more warps per
-    // band) multiply that traffic, so it stays under a quarter of the weight bytes.
-    // Up to 8 rows of x four warps per band are always allowed: they halve the splits
-    // (at M = 4, K = N = 4096 on an H200, 0.2-0.4 us less than one warp per band and
-    // 8 splits).  At M = 16 the x traffic costs more than the splits' sums (one warp
-    // per band and 8 splits, not 4 and 2: 0.4 us less).
+    // band) multiply that traffic, so it stays under a quarter of the weight bytes,
+    // except that fewer splits are worth more at few rows of x.  Measured at
+    // K = N = 4096 on an H200: at M = 4, eight warps per band and no split take
+    // 0.2 us less than four and two splits, and those 0.2-0.4 us less than one and
+    // eight; at M = 16 one warp per band and eight splits take 0.4 us less than
+    // four and two (the x traffic costs more than the splits' sums).
     const int64_t x_bound = 4 * bits / (op.M * x_size);
-    const int64_t kw_max = op.M <= 8 ? std::max<int64_t>(4, x_bound) : std::max<int64_t>(1, x_bound);
+    const int64_t kw_max = std::max<int64_t>(op.M <= 4 ? 8 : op.M <= 8 ? 4 : 1, x_bound);
     // Of the ways to cut the work into kw warps per band and splits of K, the one
     // with the most warps at work while every block has an SM slot of its own (so
     // every SM gets the same work); ties go to fewer splits, whose sums cost more
