@@ -15,6 +15,17 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool vali
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
                  "l"(src), "r"(valid ? 16 : 0));
 }
+// The same, with an L2 eviction policy (from l2_evict_first()).
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid, uint64_t policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(valid ? 16 : 0), "l"(policy));
+}
+// A policy for bytes read once: first to leave L2, so that what is read again stays.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // The memory clobber keeps the compiler from moving reads of the copied bytes above the wait.
 template <int N>
