@@ -56,8 +56,8 @@ constexpr int BLOCKS_PER_SM = 2;
 constexpr int MAX_TICKETS = 1 << 18;  // bands of a launch whose splits meet in device memory
 // On sm_90 two splits of K of a band group form one cluster and their sums meet
 // in shared memory.  Clusters of 3 or 4 took 3-12 us longer when launched early
-// (see qd::wait_for_prior_grids), likely waiting for room for all their blocks
-// at once.
+// (see qd::wait_for_prior_grids), and clusters of 3 or 8 launched without it
+// took about twice as long, likely waiting for room for all their blocks at once.
 constexpr int MAX_CLUSTER = 2;
 // Bytes each block keeps for the other splits' sums: a share of the block's
 // outputs (at most M x WARPS x 16) from each split, rounded up per split, and
