@@ -13,7 +13,9 @@ import subprocess
 from setuptools import Extension
 
 # Target architectures, each with why it is in the list.  `QDISPATCH_CUDA_ARCHS`
-# overrides it with a comma list such as "80,90a".
+# overrides it with a comma list such as "80,90a"; an entry "compute_80" embeds
+# PTX for that virtual architecture instead of machine code (newer GPUs compile it
+# when the module loads, so an H100 can run the sm_80 code paths).
 DEFAULT_ARCHS = [
     "80",   # A100 / A30: int8 mma.sync m16n8k32, cp.async
     "86",   # RTX 30xx / A10 / A40: same instructions as sm_80, smaller shared memory
@@ -87,7 +89,8 @@ def archs():
 
 
 def gencode_flags():
-    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs()]
+    flags = [f"-gencode=arch={a},code={a}" if a.startswith("compute_") else
+             f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs()]
     if not os.environ.get("QDISPATCH_CUDA_ARCHS"):
         flags.append(f"-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}")
     return flags
