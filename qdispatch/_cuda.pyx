@@ -96,6 +96,8 @@ cdef extern from "qdispatch.h" nogil:
     int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits)
     qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
                                       void *tiles, void *stream)
+    qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
+                                        int64_t ld, void *stream)
     int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k)
     qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
                                      int64_t block_k, void *scale_tiles, void *stream)
@@ -611,6 +613,19 @@ def fq_tile_weights(DeviceArray q, int64_t K, int bits):
         with nogil:
             st = qd_cuda_fq_tile_weights(<int8_t *>pq, n, K, l, bits, po, NULL)
         _status(st, "fq_tile_weights")
+    return out
+
+
+def fq_untile_weights(DeviceArray tiles, int64_t N, int64_t K, int bits):
+    """The tiled form back to int8 q [N, K] (the inverse of fq_tile_weights)."""
+    out = empty((N, K), "int8", tiles.device)
+    cdef void *pt = P(tiles)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(tiles.device):
+        with nogil:
+            st = qd_cuda_fq_untile_weights(pt, N, K, bits, <int8_t *>po, K, NULL)
+        _status(st, "fq_untile_weights")
     return out
 
 

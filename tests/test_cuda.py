@@ -235,6 +235,38 @@ def test_fq_split_k_in_clusters(rng, scheme, M):
     assert rel_err(expect, first) < FQ_TOL
 
 
+@pytest.mark.parametrize("scheme,transposed", [
+    (qd.QuantScheme("q8s", axis=0), True), (qd.QuantScheme("q4f", block=32, store="packed_u32"), True),
+    (qd.QuantScheme("q2s", block=16, store="packed_u32"), True),
+    (qd.QuantScheme("q8s", axis=1), False), (qd.QuantScheme("q4s", block=(32, 1), store="packed_u32"), False),
+], ids=repr)
+def test_fq_weight_store_given_to_its_tiles(rng, scheme, transposed):
+    # The decode tiles hold every value, so the first decode product frees the
+    # store: the weight takes its size once on the GPU.  Whatever reads the values
+    # afterwards (values, moves, dequantize, the other orientation, qq) gets them back.
+    # transposed: stored [N, K] and used as w.T, else stored [K, N].
+    K, N = 96, 64
+    w = rng.standard_normal((N, K) if transposed else (K, N)).astype(np.float32)
+    wq = qd.quantize(w, scheme, device="cuda")
+    expect = ref(wq)
+    values = wq.values
+    operand, other = (wq.T, wq) if transposed else (wq, wq.T)  # [K, N], [N, K]
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    out = qd.q_matmul(qd.tensor(x, device="cuda"), operand).numpy()
+    assert not wq.storage.holds_values
+    assert rel_err(qd.q_matmul(qd.tensor(x, device="reference"), ref(operand)).numpy(), out) < FQ_TOL
+    np.testing.assert_array_equal(wq.values, values)
+    np.testing.assert_array_equal(wq.to("cpu").values, values)
+    np.testing.assert_array_equal(wq.dequantize().numpy(), expect.dequantize().numpy())
+    x_other = rng.standard_normal((2, N)).astype(np.float32)
+    assert rel_err(qd.q_matmul(qd.tensor(x_other, device="reference"), ref(other)).numpy(),
+                   qd.q_matmul(qd.tensor(x_other, device="cuda"), other).numpy()) < FQ_TOL
+    a8 = qd.quantize(rng.standard_normal((5, K)).astype(np.float32), "q8s", device="cuda")
+    assert rel_err(qd.q_matmul(ref(a8), ref(operand)).numpy(), qd.q_matmul(a8, operand).numpy()) < QQ_TOL
+    assert not wq.storage.holds_values
+    np.testing.assert_array_equal(qd.q_matmul(qd.tensor(x, device="cuda"), operand).numpy(), out)
+
+
 @pytest.mark.parametrize("K", [1, 17, 63, 65, 100])
 def test_fq_odd_k_and_storage_orientation(rng, K):
     x = rng.standard_normal((3, K)).astype(np.float32)

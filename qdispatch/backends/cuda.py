@@ -6,7 +6,10 @@ backend stays registered, so every use says why it can't run and what to do.
 Quantized storage keeps the values in the scheme's store (int8, or packed
 uint32 words) plus a float32 scale grid, like the host backends.  The operand
 forms the kernels read (K-contiguous rows, zero padded) are derived on first
-use and cached in the storage, so a weight is re-laid out once, not per call."""
+use and cached in the storage, so a weight is re-laid out once, not per call.
+Once a weight is laid out for the decode kernel, its tiles hold every value:
+the store is freed, so a decode weight takes its size once on the GPU, and is
+read back from the tiles whenever something else needs it."""
 import math
 
 import numpy as np
@@ -46,14 +49,54 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
-class CudaQStorage:
-    """Values in the scheme's store and the float32 scale grid, on one GPU."""
-    __slots__ = ("values", "scales", "cache")
+def _in_store(q, layout):
+    """int8 values q [rows, cols] (2-D, storage orientation) in the scheme's store."""
+    if layout.scheme.store == "packed_u32":
+        q = _cuda.pack_u32(q, layout.bits)
+        return q.view(layout.shape[:-1] + (q.shape[-1],))
+    return q.view(layout.shape)
 
-    def __init__(self, values, scales):
-        self.values = values
+
+class _StoreFromTiles:
+    """Rebuilds a 2-D weight's store from its decode tiles.  It holds the tiles and
+    the layout only, never the QTensor or its storage (no reference cycle)."""
+    __slots__ = ("tiles", "layout", "N", "K", "flip")
+
+    def __init__(self, tiles, layout, N, K, flip):
+        self.tiles, self.layout, self.N, self.K, self.flip = tiles, layout, N, K, flip
+
+    def __call__(self):
+        q = _cuda.fq_untile_weights(self.tiles, self.N, self.K, self.layout.bits)  # [N, K]
+        return _in_store(_cuda.transpose2(q) if self.flip else q, self.layout)
+
+
+class CudaQStorage:
+    """Values in the scheme's store and the float32 scale grid, on one GPU.
+
+    `owns`: the values are this storage's own memory, not a view into another's
+    (only then does releasing them free anything)."""
+    __slots__ = ("_values", "_read_back", "scales", "cache", "owns")
+
+    def __init__(self, values, scales, owns=True):
+        self._values, self._read_back = values, None
         self.scales = scales
         self.cache = {}
+        self.owns = owns
+
+    @property
+    def values(self):
+        # read back for each use, so the weight keeps its size once
+        return self._values if self._values is not None else self._read_back()
+
+    @property
+    def holds_values(self):
+        """Whether the store is in memory (False once released to decode tiles)."""
+        return self._values is not None
+
+    def release_values(self, read_back):
+        """Frees the store when `read_back()` can rebuild it (from tiles that hold it)."""
+        if self.owns and self._values is not None:
+            self._values, self._read_back = None, read_back
 
 
 class CudaBackend(Backend):
@@ -132,12 +175,7 @@ class CudaBackend(Backend):
                 f"The scale of block {exc.index} (flat index in the scale grid) overflows "
                 f"scale_dtype={layout.scheme.scale_dtype!r}: use scale_dtype='f32' or rescale "
                 f"the input") from None
-        if layout.scheme.store == "packed_u32":
-            q = _cuda.pack_u32(q, layout.bits)
-            values = q.view(layout.shape[:-1] + (q.shape[-1],))
-        else:
-            values = q.view(layout.shape)
-        return CudaQStorage(values, scales.view(layout.grid))
+        return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
     def _int8_values(self, storage, layout, cache=True):
         """The values as int8 in storage orientation (unpacked, once when cached)."""
@@ -172,7 +210,7 @@ class CudaBackend(Backend):
         layout = QLayout(q.layout.scheme.with_(block=block[len(index):], axis=None),
                          q.layout.shape[len(index):], block[len(index):])
         storage = CudaQStorage(self.index(q.storage.values, index),
-                               self.index(q.storage.scales, scale_index))
+                               self.index(q.storage.scales, scale_index), owns=False)
         return QTensor(storage, layout, q.transposed, q.kind, q.index)
 
     # ---- operand forms for the kernels ----
@@ -235,8 +273,11 @@ class CudaBackend(Backend):
         if not _cuda.fq_supported(bits, K, bk):
             return False
         values, scales = self._k_major(w, k_last=False, cache=False)
-        return (_cuda.fq_tile_weights(values, K, bits), _cuda.fq_tile_scales(scales, N, K, bn, bk),
-                bits, N, K, bk)
+        tiles = _cuda.fq_tile_weights(values, K, bits)
+        # The tiles hold every value: the store can go (see the module's docstring).
+        # _k_major turned the store's [K, N] into [N, K] unless w is a transposed view.
+        w.storage.release_values(_StoreFromTiles(tiles, w.layout, N, K, flip=not w.transposed))
+        return tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk
 
     def _fq_on_host(self, x, w):
         """Blockings along K finer than the kernels' 16-value chunks: the reference math."""

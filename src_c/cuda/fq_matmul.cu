@@ -108,27 +108,46 @@ struct TileOrder {
     }
 };
 
-template <int BITS>
-__global__ void tile_weights_kernel(const int8_t *__restrict__ q, int64_t N, int64_t K, int64_t ld,
-                                    TileOrder<BITS> order, int64_t words, uint32_t *__restrict__ out) {
+// int8 values q [N, ld] <-> tiles: TO_TILES lays q out, otherwise the tiles are
+// read back into q (positions past N or K, zero in the tiles, are not written).
+template <int BITS, bool TO_TILES>
+__global__ void tile_weights_kernel(int8_t *__restrict__ q, int64_t N, int64_t K, int64_t ld,
+                                    TileOrder<BITS> order, int64_t words, uint32_t *__restrict__ tiles) {
     using T = Tiling<BITS>;
+    constexpr int BIAS = 1 << (BITS - 1), MASK = (1 << BITS) - 1;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < words;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int wi = (int)(i & 3), lane = (int)((i >> 2) & 31);
         int64_t band, kt;
         order.locate(i >> 7, &band, &kt);
-        uint32_t word = 0;
+        uint32_t word = TO_TILES ? 0 : tiles[i];
 #pragma unroll
         for (int f = 0; f < T::V; ++f) {
             int r, c;
             tile_position<BITS>(wi, f, lane >> 2, lane & 3, &r, &c);
             const int64_t row = 16 * band + r, k = T::KT * kt + c;
-            const int v = row < N && k < K ? q[row * ld + k] : 0;
+            const bool inside = row < N && k < K;
             // stored with a +2^(bits-1) bias: the kernel turns fields into floats without sign logic
-            word |= (uint32_t)((v + (1 << (BITS - 1))) & ((1 << BITS) - 1)) << (BITS * f);
+            if constexpr (TO_TILES)
+                word |= (uint32_t)(((inside ? q[row * ld + k] : 0) + BIAS) & MASK) << (BITS * f);
+            else if (inside)
+                q[row * ld + k] = (int8_t)((int)((word >> (BITS * f)) & MASK) - BIAS);
         }
-        out[i] = word;
+        if constexpr (TO_TILES) tiles[i] = word;
     }
+}
+
+int64_t tile_k(int bits) { return 16 * (16 / bits); }  // K values per tile
+
+// Launches tile_weights_kernel over all of a weight's tiles.
+template <bool TO_TILES>
+void tile_weights(int8_t *q, int64_t N, int64_t K, int64_t ld, int bits, uint32_t *tiles, cudaStream_t s) {
+    const int64_t words = qd_cuda_fq_tiles_bytes(N, K, bits) / 4;
+    const int64_t bands = ceil_div(N, 16), tpb = ceil_div(K, tile_k(bits));
+    const unsigned grid = qd::grid_for(words, 256);
+    if (bits == 8) tile_weights_kernel<8, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
+    else if (bits == 4) tile_weights_kernel<4, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
+    else tile_weights_kernel<2, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
 }
 
 // Scale tiles: [band][block along K][g][rows g, g + 8], rows past N as row N - 1.
@@ -745,8 +764,6 @@ qd_status scratch(DeviceState &d, size_t floats) {
 // Whether the splits of K form clusters: sm_90 code (d.early) and few enough.
 bool clustered(const DeviceState &d, int64_t splits) { return d.early && splits > 1 && splits <= MAX_CLUSTER; }
 
-int64_t tile_k(int bits) { return 16 * (16 / bits); }
-
 bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
 
 // How a launch cuts the work: grid (band groups x splits of K), tiles per split,
@@ -860,17 +877,20 @@ extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t
     if (!q || !tiles) return QD_ERR_NULL;
     if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
     if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
-    const int64_t words = qd_cuda_fq_tiles_bytes(N, K, bits) / 4;
-    const int64_t bands = ceil_div(N, 16), tpb = ceil_div(K, tile_k(bits));
     cudaStream_t s = qd::as_stream(stream);
-    auto *w = static_cast<uint32_t *>(tiles);
-    const unsigned grid = qd::grid_for(words, 256);
-    if (bits == 8) tile_weights_kernel<8><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, w);
-    else if (bits == 4) tile_weights_kernel<4><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, w);
-    else tile_weights_kernel<2><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, w);
+    tile_weights<true>(const_cast<int8_t *>(q), N, K, ld, bits, static_cast<uint32_t *>(tiles), s);
     // fq kernels read tiles before they wait for earlier grids: the tiles are
     // finished here, once per weight.
     return qd::check(cudaStreamSynchronize(s));
+}
+
+extern "C" qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
+                                               int64_t ld, void *stream) {
+    if (!q || !tiles) return QD_ERR_NULL;
+    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
+    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
+    tile_weights<false>(q, N, K, ld, bits, static_cast<uint32_t *>(const_cast<void *>(tiles)), qd::as_stream(stream));
+    return qd::launched();
 }
 
 extern "C" qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,

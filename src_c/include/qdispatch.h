@@ -212,6 +212,10 @@ qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t
                                   void *tiles, void *stream);
 qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
                                  int64_t block_k, void *scale_tiles, void *stream);
+/* The int8 values q [N, ld] back from their tiles (the inverse of
+ * qd_cuda_fq_tile_weights), queued on `stream`. */
+qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
+                                    int64_t ld, void *stream);
 /* Weight-only small-M product: out[M, N] = x[M, K] @ dequantize(w)^T with float32
  * accumulation, for M <= 16 (larger M runs in slices of 16 rows).  x: [M, ldx] of
  * x_dtype (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16), its rows 16-byte aligned (x too);
