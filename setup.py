@@ -44,9 +44,7 @@ class BuildExt(build_ext):
             if ext.name == "qdispatch._cpu":
                 ext.extra_objects = list(self.kernel_objects)
             elif ext.name == "qdispatch._cuda":
-                # relinked whenever an object is rebuilt (a .cu source or header changed)
-                ext.extra_objects = list(cuda_objects)
-                ext.depends = list(ext.depends) + list(cuda_objects)
+                CUDA.link_into(ext, cuda_objects)
         super().build_extensions()
         self.ship_c_library()
         self.write_build_config()
