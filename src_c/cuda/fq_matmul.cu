@@ -139,15 +139,23 @@ __global__ void tile_weights_kernel(int8_t *__restrict__ q, int64_t N, int64_t K
 
 int64_t tile_k(int bits) { return 16 * (16 / bits); }  // K values per tile
 
-// Launches tile_weights_kernel over all of a weight's tiles.
+// Checks the arguments and launches tile_weights_kernel over all of a weight's tiles.
 template <bool TO_TILES>
-void tile_weights(int8_t *q, int64_t N, int64_t K, int64_t ld, int bits, uint32_t *tiles, cudaStream_t s) {
+qd_status tile_weights(const int8_t *values, int64_t N, int64_t K, int64_t ld, int bits, const void *tile_words,
+                       cudaStream_t s) {
+    if (!values || !tile_words) return QD_ERR_NULL;
+    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
+    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
+    // one kernel for both directions: the side it writes is the side it was given to write
+    int8_t *q = const_cast<int8_t *>(values);
+    uint32_t *tiles = static_cast<uint32_t *>(const_cast<void *>(tile_words));
     const int64_t words = qd_cuda_fq_tiles_bytes(N, K, bits) / 4;
     const int64_t bands = ceil_div(N, 16), tpb = ceil_div(K, tile_k(bits));
     const unsigned grid = qd::grid_for(words, 256);
     if (bits == 8) tile_weights_kernel<8, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
     else if (bits == 4) tile_weights_kernel<4, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
     else tile_weights_kernel<2, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
+    return qd::launched();
 }
 
 // Scale tiles: [band][block along K][g][rows g, g + 8], rows past N as row N - 1.
@@ -469,8 +477,8 @@ __device__ __forceinline__ void band_split_sums(const float (&acc)[MT][4], const
 __device__ __forceinline__ bool splits_in_cluster() { return gridDim.y > 1 && qd::cluster_blocks() == gridDim.y; }
 
 // Copies of weight tiles.  8-bit tiles leave L2 first: every byte of them is read
-// once, and x and the splits' sums, read again, stay (0.25 us less at
-// (16, 4096, 11008) on an H200).  4-bit tiles measured no better that way.
+// once, and x and the splits' sums, read again, stay (0.3 us less at
+// N = 11008 on an H200).  4-bit tiles measured no better that way.
 template <int BITS>
 struct TileCopy {
     uint64_t policy;
@@ -874,11 +882,9 @@ extern "C" int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
 
 extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld,
                                              int bits, void *tiles, void *stream) {
-    if (!q || !tiles) return QD_ERR_NULL;
-    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
-    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
     cudaStream_t s = qd::as_stream(stream);
-    tile_weights<true>(const_cast<int8_t *>(q), N, K, ld, bits, static_cast<uint32_t *>(tiles), s);
+    const qd_status st = tile_weights<true>(q, N, K, ld, bits, tiles, s);
+    if (st != QD_OK) return st;
     // fq kernels read tiles before they wait for earlier grids: the tiles are
     // finished here, once per weight.
     return qd::check(cudaStreamSynchronize(s));
@@ -886,11 +892,7 @@ extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t
 
 extern "C" qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
                                                int64_t ld, void *stream) {
-    if (!q || !tiles) return QD_ERR_NULL;
-    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
-    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
-    tile_weights<false>(q, N, K, ld, bits, static_cast<uint32_t *>(const_cast<void *>(tiles)), qd::as_stream(stream));
-    return qd::launched();
+    return tile_weights<false>(q, N, K, ld, bits, tiles, qd::as_stream(stream));
 }
 
 extern "C" qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
