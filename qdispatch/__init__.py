@@ -18,6 +18,7 @@ from .backends import cuda as _cuda_backend  # noqa: F401
 from .policy import default_device, set_default_backend, transfer_policy
 from .tensor_api import dequantize, from_dlpack, quantize, qtensor_from_parts, tensor
 from .io import load, save  # safetensors is imported on first use
+from .memory import empty_cache, memory_info
 from .info import available_backends, get_include, get_library_dir, info, set_isa, \
     set_num_threads, get_num_threads
 
@@ -27,7 +28,7 @@ __all__ = [
     "q_matmul", "int_matmul", "linear", "save", "load",
     "transfer_policy", "set_default_backend", "default_device",
     "info", "available_backends", "get_include", "get_library_dir",
-    "set_isa", "set_num_threads", "get_num_threads",
+    "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "NonFiniteError", "ScaleOverflowError",
     "BackendUnavailableError", "KernelError", "SerializationError",

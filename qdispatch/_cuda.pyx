@@ -218,11 +218,17 @@ cdef void _release_cache(int device):
             _cached_bytes -= key[1]
 
 
-def empty_cache():
-    """Give every cached block back to the driver."""
+def empty_cache(int device=-1):
+    """Give the cached blocks of one device (-1: of every device) back to the driver."""
     for dev in {k[0] for k in _free_blocks}:
-        with on_device(dev):
-            _release_cache(dev)
+        if device < 0 or dev == device:
+            with on_device(dev):
+                _release_cache(dev)
+
+
+def cached_bytes(int device):
+    """Bytes of freed blocks kept for reuse on one device."""
+    return sum(size * len(blocks) for (dev, size), blocks in _free_blocks.items() if dev == device)
 
 
 cdef class DeviceBuffer:
@@ -395,7 +401,7 @@ def memory_info(int device):
     cdef size_t free_b = 0, total_b = 0
     with on_device(device):
         _check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo")
-    return {"free": int(free_b), "total": int(total_b), "cached": int(_cached_bytes)}
+    return {"free": int(free_b), "total": int(total_b), "cached": cached_bytes(device)}
 
 
 # ---- dense kernels -------------------------------------------------------------

@@ -492,6 +492,23 @@ def test_out_of_memory_is_recoverable():
     assert (out.numpy() == 40).all()
 
 
+def test_freed_memory_is_cached_until_empty_cache():
+    qd.empty_cache()
+    before = qd.memory_info("cuda:0")
+    assert before["cached"] == 0 and 0 < before["free"] <= before["total"]
+    t = qd.tensor(np.ones((1 << 20,), np.float32), device="cuda")  # 4 MiB
+    del t
+    assert qd.memory_info("cuda")["cached"] >= 4 << 20
+    again = qd.tensor(np.full((1 << 20,), 2, np.float32), device="cuda")  # reuses the block
+    assert qd.memory_info("cuda")["cached"] < 4 << 20
+    del again
+    qd.empty_cache("cuda:0")
+    assert qd.memory_info("cuda:0")["cached"] == 0
+    out = qd.int_matmul(qd.tensor(np.ones((2, 8), np.int8), device="cuda"),
+                        qd.tensor(np.ones((8, 3), np.int8), device="cuda"))
+    assert (out.numpy() == 8).all()  # allocation goes on after the cache is emptied
+
+
 def test_numpy_view_of_cuda_tensor_is_refused():
     t = qd.tensor(np.ones(3, np.float32), device="cuda")
     with pytest.raises(qd.WrongBackendError):

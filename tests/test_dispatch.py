@@ -122,6 +122,23 @@ def test_cuda_unavailable_says_why_and_how_to_rebuild(rng):
     assert "pip install" in str(err.value) or "GPU" in str(err.value) or "driver" in str(err.value)
 
 
+@pytest.mark.skipif("cuda" in qd.available_backends(), reason="cuda is built and present")
+def test_gpu_memory_calls_without_cuda():
+    with pytest.raises(qd.BackendUnavailableError, match="cuda"):
+        qd.memory_info("cuda")
+    qd.empty_cache()  # nothing is cached: a no-op, as on any machine without a GPU
+    with pytest.raises(qd.BackendUnavailableError, match="cuda"):
+        qd.empty_cache("cuda:0")
+
+
+def test_gpu_memory_calls_refuse_host_devices():
+    for call in (qd.memory_info, qd.empty_cache):
+        with pytest.raises(ValueError, match="'cpu' is host memory.*'cuda'"):
+            call("cpu")
+    with pytest.raises(ValueError, match="Unknown device"):
+        qd.memory_info("gpu")
+
+
 def test_default_backend_from_the_environment():
     code = "import numpy as np, qdispatch as qd; print(qd.quantize(np.ones((2, 2), np.float32)).device)"
     out = run_python("-c", code, QDISPATCH_BACKEND="reference")

@@ -134,6 +134,14 @@ class CudaBackend(Backend):
             d["devices"].append(_cuda.device_properties(i))
         return d
 
+    # ---- memory ----
+    def memory_info(self, index):
+        return _cuda.memory_info(index)
+
+    def empty_cache(self, index=-1):
+        if _cuda is not None:
+            _cuda.empty_cache(index)
+
     # ---- dense data ----
     def from_host(self, array, index):
         array = np.ascontiguousarray(array)

@@ -1,0 +1,34 @@
+"""GPU memory: what a device has free, and the freed blocks qdispatch keeps.
+
+Device memory a tensor frees stays in qdispatch's cache (up to 8 GiB) and is
+reused by the next allocation of its size, as framework allocators do:
+cudaMalloc and cudaFree synchronise the device.  `empty_cache` gives it back
+to the driver, for other libraries or processes sharing the GPU."""
+from ._core import BackendKind, Device, get_backend
+from .tensor_api import backend_for
+
+
+def _gpu(device):
+    dev = Device.parse(device)
+    if dev.is_host:
+        raise ValueError(f"'{dev}' is host memory: memory_info and empty_cache take a GPU, "
+                         f"such as 'cuda' or 'cuda:1'")
+    return dev
+
+
+def memory_info(device="cuda"):
+    """{'free', 'total', 'cached'} in bytes for one GPU: the driver's free and total
+    memory, and what qdispatch holds freed for reuse (counted as used by the driver)."""
+    dev, backend = backend_for(_gpu(device))
+    return backend.memory_info(dev.index)
+
+
+def empty_cache(device=None):
+    """Give the freed device memory qdispatch keeps for reuse back to the driver, on
+    every GPU or on `device`.  Tensors in use are untouched.  Without a usable cuda
+    backend there is nothing cached and this does nothing."""
+    if device is None:
+        get_backend(BackendKind.CUDA).empty_cache()
+        return
+    dev, backend = backend_for(_gpu(device))
+    backend.empty_cache(dev.index)
