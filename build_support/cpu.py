@@ -8,6 +8,7 @@ best kernel is chosen at run time.
 import glob
 import os
 import platform
+import re
 
 COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-fPIC", "-fopenmp",
                 "-Wall", "-Wno-unknown-pragmas"]
@@ -58,12 +59,19 @@ def flags_by_isa():
     return table
 
 
+def package_version(root):
+    """The version from qdispatch/_version.py, the one place it is written."""
+    with open(os.path.join(root, "qdispatch", "_version.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
 def compile_objects(compiler, root, build_temp):
     """Compile the kernel library; returns the object files."""
     objects = []
     include = os.path.join(root, "src_c", "include")
+    version = [("QD_VERSION_STRING", f'"{package_version(root)}"')]  # what qd_version() returns
     for path, extra in sources(root):
-        objects += compiler.compile([path], output_dir=build_temp,
+        objects += compiler.compile([path], output_dir=build_temp, macros=version,
                                     include_dirs=[include, os.path.join(root, "src_c", "cpu")],
                                     extra_postargs=COMMON_FLAGS + extra)
     return objects

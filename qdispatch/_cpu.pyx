@@ -91,6 +91,11 @@ def isa_info():
     )
 
 
+def library_version():
+    """dict(version=the release libqdispatch was built from, abi=its ABI version)."""
+    return dict(version=qd_version().decode(), abi=qd_abi_version())
+
+
 def set_isa(name):
     """Forces an ISA by name ('scalar', 'avx2', ...); 'auto' goes back to the best one."""
     cdef qd_isa isa

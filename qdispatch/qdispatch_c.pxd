@@ -23,6 +23,10 @@ cdef extern from "qdispatch.h" nogil:
         QD_ERR_CUDA_UNAVAILABLE
         QD_ERR_CUDA
 
+    int QD_ABI_VERSION
+    int qd_abi_version() noexcept
+    const char *qd_version() noexcept
+
     const char *qd_status_string(qd_status status) noexcept
     int QD_INT_MATMUL_MAX_K
 

@@ -199,3 +199,12 @@ def test_gil_is_released_during_kernels(rng, threads):
         sys.setswitchinterval(interval)
         t.join()
     assert max(during) > 100
+
+
+def test_c_library_matches_the_package_and_its_header():
+    """The shipped libqdispatch reports this release, and the ABI of the shipped header."""
+    import os
+    import re
+    with open(os.path.join(qd.get_include(), "qdispatch.h")) as f:
+        header_abi = int(re.search(r"#define QD_ABI_VERSION (\d+)", f.read()).group(1))
+    assert CPU_INFO["library"] == {"version": qd.__version__, "abi": header_abi}

@@ -69,6 +69,7 @@ def run_shell(command, cwd, env):
 def test_c_example_builds_and_passes(c_compiler, shell_env, tmp_path, command):
     shutil.copytree(EXAMPLES, tmp_path / "examples" / "c")
     out = run_shell(command, tmp_path, shell_env)
+    assert f"qdispatch {qd.__version__} kernels" in out  # the library knows its release
     assert "all checks passed" in out
     assert "the input holds NaN or Inf" in out  # bad input came back as a status
 

@@ -137,8 +137,13 @@ int main(void)
     static int8_t a[M * K], w[N * K];
     qd_packed_weights *pw = NULL;
 
-    printf("qdispatch kernels: isa %s, %d threads\n", qd_isa_name(qd_isa_active()),
-           qd_get_num_threads());
+    if (qd_abi_version() != QD_ABI_VERSION) { /* a different library than the header */
+        fprintf(stderr, "libqdispatch has ABI %d, qdispatch.h has %d: rebuild against the "
+                "installed package\n", qd_abi_version(), QD_ABI_VERSION);
+        return 1;
+    }
+    printf("qdispatch %s kernels: isa %s, %d threads\n", qd_version(),
+           qd_isa_name(qd_isa_active()), qd_get_num_threads());
     fill(x, M * K, 1);
     fill(wf, N * K, 2);
     /* Activations full-range int8 (q8f reaches -128), weights symmetric, one scale

@@ -81,6 +81,7 @@ class CpuBackend(HostBackend):
         d = dict(_cpu.isa_info())
         d["isa"] = d.pop("active")
         d["threads"] = _cpu.get_num_threads()
+        d["library"] = _cpu.library_version()
         return d
 
     # ---- quantized storage ----

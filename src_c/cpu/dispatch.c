@@ -175,6 +175,21 @@ void qd_aligned_free(void *p)
     free(p);
 }
 
+/* ---- version ---- */
+#ifndef QD_VERSION_STRING
+#define QD_VERSION_STRING "unknown" /* built outside setup.py, which passes the release */
+#endif
+
+int qd_abi_version(void)
+{
+    return QD_ABI_VERSION;
+}
+
+const char *qd_version(void)
+{
+    return QD_VERSION_STRING;
+}
+
 /* ---- status ---- */
 const char *qd_status_string(qd_status status)
 {

@@ -15,6 +15,17 @@
 extern "C" {
 #endif
 
+/* ---- version ----
+ * QD_ABI_VERSION goes up whenever an entry point's arguments or meaning change.  A program
+ * should check qd_abi_version() == QD_ABI_VERSION before its first call: that catches a
+ * different libqdispatch found at run time than the header it was compiled against. */
+#define QD_ABI_VERSION 1
+
+/* The ABI version of the library linked in. */
+int qd_abi_version(void);
+/* The qdispatch release the library was built from, such as "0.1.0"; never NULL. */
+const char *qd_version(void);
+
 /* ---- backends ---- */
 typedef enum qd_backend { QD_BACKEND_REFERENCE = 0, QD_BACKEND_CPU = 1, QD_BACKEND_CUDA = 2, QD_BACKEND_COUNT = 3 } qd_backend;
 
