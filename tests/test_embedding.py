@@ -88,6 +88,30 @@ def test_config_points_at_the_installed_files():
         assert os.path.isfile(os.path.join(qd.get_library_dir(), name))
 
 
+def header_functions():
+    """The names of the functions qdispatch.h declares (static inline ones aside)."""
+    import re
+    with open(os.path.join(qd.get_include(), "qdispatch.h")) as f:
+        text = re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+    inline = set(re.findall(r"static inline[^(]*?\b(qd_\w+)\(", text))
+    return sorted(set(re.findall(r"\b(qd_\w+)\(", text)) - inline)
+
+
+@pytest.mark.parametrize("link", ["--libs", "--libs --static"], ids=["shared", "static"])
+def test_every_declared_function_links(c_compiler, shell_env, tmp_path, link):
+    """Each function of the header is in both libraries (the CUDA ones as stubs that
+    report QD_ERR_CUDA_UNAVAILABLE), so no embedder meets an undefined symbol."""
+    names = header_functions()
+    assert "qd_abi_version" in names and "qd_cuda_fq_untile_weights" in names
+    refs = ",\n    ".join(f"(fn){n}" for n in names)
+    (tmp_path / "all.c").write_text(
+        "#include <qdispatch.h>\ntypedef void (*fn)(void);\n"
+        f"static fn functions[] = {{\n    {refs}\n}};\n"
+        "int main(void) { return functions[0] == 0 || qd_abi_version() != QD_ABI_VERSION; }\n")
+    run_shell(f"{c_compiler} all.c $(python -m qdispatch config --cflags {link}) -lm -o all && ./all",
+              tmp_path, shell_env)
+
+
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
     texts = [open(p).read() for p in DOCS if os.path.exists(p)]

@@ -39,6 +39,8 @@ qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_
                             int64_t b_block_k, void *out, int out_dtype, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
                                   void *tiles, void *stream) UNAVAILABLE
+qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
+                                    int64_t ld, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
                                  int64_t block_k, void *scale_tiles, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
