@@ -15,7 +15,7 @@ from .scheme import QuantScheme
 from .backends import reference as _reference  # noqa: F401  (registers the backend)
 from .backends import cpu as _cpu_backend  # noqa: F401
 from .backends import cuda as _cuda_backend  # noqa: F401
-from .policy import default_device, set_default_backend, transfer_policy
+from .policy import batch_invariant, default_device, set_batch_invariant, set_default_backend, transfer_policy
 from .tensor_api import dequantize, from_dlpack, quantize, qtensor_from_parts, tensor
 from .io import load, save  # safetensors is imported on first use
 from .memory import empty_cache, memory_info
@@ -26,7 +26,7 @@ __all__ = [
     "__version__", "BackendKind", "Device", "QTensor", "Tensor", "QuantScheme",
     "quantize", "dequantize", "tensor", "from_dlpack", "qtensor_from_parts",
     "q_matmul", "int_matmul", "linear", "save", "load",
-    "transfer_policy", "set_default_backend", "default_device",
+    "transfer_policy", "set_default_backend", "default_device", "set_batch_invariant", "batch_invariant",
     "info", "available_backends", "get_include", "get_library_dir",
     "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",

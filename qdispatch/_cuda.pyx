@@ -105,6 +105,8 @@ cdef extern from "qdispatch.h" nogil:
                                 const void *tiles, const void *scale_tiles, int bits, int64_t N,
                                 int64_t K, int64_t block_k, void *out, int out_dtype, void *stream)
     int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k)
+    void qd_cuda_set_batch_invariant(int on)
+    int qd_cuda_batch_invariant()
 
 
 DTYPES = {"float32": QD_CUDA_F32, "float16": QD_CUDA_F16, "bfloat16": QD_CUDA_BF16,
@@ -605,6 +607,14 @@ def qq_matmul(DeviceArray a, DeviceArray bt, int64_t K, DeviceArray sa, int64_t 
 
 def fq_supported(int bits, int64_t K, int64_t block_k):
     return bool(qd_cuda_fq_supported(bits, K, block_k))
+
+
+def set_batch_invariant(bint on):
+    qd_cuda_set_batch_invariant(on)
+
+
+def batch_invariant():
+    return bool(qd_cuda_batch_invariant())
 
 
 def fq_tile_weights(DeviceArray q, int64_t K, int bits):

@@ -1,4 +1,4 @@
-"""Process-wide choices: the transfer policy and the default backend."""
+"""Process-wide choices: the transfer policy, the default backend and batch invariance."""
 import contextlib
 import contextvars
 import os
@@ -60,3 +60,23 @@ def _has(name):
         return get_backend(name).unavailable_reason(0) is None
     except BackendUnavailableError:
         return False
+
+
+def set_batch_invariant(on=True):
+    """Make each row of a product come out the same, bit for bit, whatever batch it
+    is in (off by default; `QDISPATCH_BATCH_INVARIANT=1` turns it on at import).
+
+    The cpu backend always is.  Off, the cuda backend's decode kernels (float
+    activations of up to 16 rows per launch times quantized weights) cut K the
+    fastest way for each batch size, and the reference backend's float products go
+    through numpy's BLAS, so a row's last bits may change with the rows it comes
+    with.  On, the decode kernels cut K as for 16 rows whatever the batch (which
+    takes longer on large weights at few rows) and the reference multiplies one
+    row at a time.  Process-wide: every thread and GPU."""
+    get_backend("cuda").set_batch_invariant(on)
+
+
+def batch_invariant():
+    """Whether set_batch_invariant is on."""
+    return get_backend("cuda").batch_invariant()
+

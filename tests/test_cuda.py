@@ -2,6 +2,8 @@
 int_matmul and quantization bit-identical, qq/fq within named tolerances, on
 shapes that hit the kernels' tiles and tails; transfers, dispatch errors,
 out-of-memory, several GPUs and DLPack."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -233,6 +235,44 @@ def test_fq_split_k_in_clusters(rng, scheme, M):
     expect = qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy()
     assert np.array_equal(first, second)
     assert rel_err(expect, first) < FQ_TOL
+
+
+@functools.lru_cache(maxsize=1)
+def _weights_for_batch_tests(K, N):
+    return np.random.default_rng(K + N).standard_normal((N, K), dtype=np.float32)
+
+
+@pytest.fixture
+def batch_invariant():
+    qd.set_batch_invariant(True)
+    yield
+    qd.set_batch_invariant(False)
+
+
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128, store="packed_u32"),
+                                    qd.QuantScheme("q4s", block=32, store="packed_u32"),
+                                    qd.QuantScheme("q2s", block=64, store="packed_u32")], ids=repr)
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("K,N", [(4096, 4096), (4096, 11008), (12288, 600)])
+def test_fq_batch_invariant(rng, batch_invariant, scheme, x_dtype, K, N):
+    # A row's result is the same whatever batch it comes in.  M decides how the
+    # parts of K are dealt out (4096 x 4096: eight parts, one block's eight warps
+    # per band at M <= 4, two splits of four warps at M = 5-8, eight splits at
+    # M = 9-16; 4096 x 11008: three splits; 12288 x 600: 48 parts in six or twelve
+    # splits of several warps), and rows past 16 go in further launches, but the
+    # parts and the order their sums are added in stay the same.
+    xs = rng.standard_normal((40, K)).astype(np.float32)
+    wq = qd.quantize(_weights_for_batch_tests(K, N), scheme, device="cuda")
+
+    def rows(lo, hi):
+        return qd.q_matmul(qd.tensor(xs[lo:hi], device="cuda", dtype=x_dtype), wq.T).numpy()
+
+    full = rows(0, 40)
+    for M in list(range(1, 17)) + [23, 33]:
+        np.testing.assert_array_equal(rows(0, M), full[:M], err_msg=f"rows 0..{M - 1}")
+        np.testing.assert_array_equal(rows(40 - M, 40), full[40 - M:], err_msg=f"rows {40 - M}..39")
+    expect = qd.q_matmul(qd.tensor(xs[:4], device="reference", dtype=x_dtype), ref(wq).T).numpy()
+    assert rel_err(expect, full[:4]) < (FQ_TOL if x_dtype == "float32" else 4e-3)  # one 16-bit rounding
 
 
 @pytest.mark.parametrize("scheme,transposed", [

@@ -139,6 +139,38 @@ def test_gpu_memory_calls_refuse_host_devices():
         qd.memory_info("gpu")
 
 
+def test_batch_invariance_setting():
+    assert not qd.batch_invariant()  # off by default: the fastest cut of K for each batch size
+    try:
+        qd.set_batch_invariant(True)
+        assert qd.batch_invariant()
+        try:
+            from qdispatch import _cuda
+        except ImportError:  # built without CUDA: the setting is kept on the Python side only
+            _cuda = None
+        assert _cuda is None or _cuda.batch_invariant()  # the C library's, which the kernels read
+    finally:
+        qd.set_batch_invariant(False)
+    assert not qd.batch_invariant()
+    code = "import qdispatch as qd; print(qd.batch_invariant())"
+    assert run_python("-c", code, QDISPATCH_BATCH_INVARIANT="1").stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("device", [d for d in ("reference", "cpu") if d in qd.available_backends()])
+def test_host_backends_batch_invariant(rng, device):
+    # The cpu backend always; the reference one when asked (numpy's BLAS sums a
+    # product's rows in an order that depends on how many there are).
+    x = rng.standard_normal((40, 512)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((96, 512)).astype(np.float32), "q4s", device=device)
+    try:
+        qd.set_batch_invariant(True)
+        full = qd.q_matmul(qd.tensor(x, device=device), wq.T).numpy()
+        for M in (1, 2, 5, 16, 17, 39):
+            np.testing.assert_array_equal(qd.q_matmul(qd.tensor(x[:M], device=device), wq.T).numpy(), full[:M])
+    finally:
+        qd.set_batch_invariant(False)
+
+
 def test_default_backend_from_the_environment():
     code = "import numpy as np, qdispatch as qd; print(qd.quantize(np.ones((2, 2), np.float32)).device)"
     out = run_python("-c", code, QDISPATCH_BACKEND="reference")

@@ -3,6 +3,9 @@
 // to back with and without early launch (programmatic dependent launch), and the
 // host time per call.
 //
+// Arguments M,K,N,bits[,block_k] time those shapes instead of the usual ones;
+// a first argument --batch-invariant times the batch-invariant cut of K.
+//
 // Build and run from the repo root (H100/H200):
 //   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
 //     -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
@@ -15,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "check.cuh"
@@ -87,9 +91,9 @@ float host_us(F call, int calls = 400) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char **argv) {
     struct Case { int64_t M, K, N; int bits; int64_t block_k; const char *name; };
-    const Case cases[] = {
+    std::vector<Case> cases = {
         {1, 4096, 4096, 8, 4096, "int8"},   {4, 4096, 4096, 8, 4096, "int8"},
         {16, 4096, 4096, 8, 4096, "int8"},  {1, 4096, 11008, 8, 4096, "int8"},
         {16, 4096, 11008, 8, 4096, "int8"},
@@ -98,6 +102,23 @@ int main() {
         {16, 4096, 11008, 4, 128, "int4 b128"},
         {1, 4096, 4096, 4, 32, "int4 b32"},  {16, 4096, 11008, 4, 32, "int4 b32"},
     };
+    // Other shapes instead: arguments M,K,N,bits[,block_k] (block_k: K by default);
+    // --batch-invariant times the batch-invariant cut of K.
+    int first = 1;
+    if (argc > 1 && std::strcmp(argv[1], "--batch-invariant") == 0) {
+        qd_cuda_set_batch_invariant(1);
+        first = 2;
+    }
+    if (argc > first) cases.clear();
+    for (int i = first; i < argc; ++i) {
+        long long M, K, N, block_k = 0;
+        int bits;
+        if (std::sscanf(argv[i], "%lld,%lld,%lld,%d,%lld", &M, &K, &N, &bits, &block_k) < 4) {
+            std::fprintf(stderr, "expected M,K,N,bits[,block_k], got %s\n", argv[i]);
+            return 2;
+        }
+        cases.push_back({M, K, N, bits, block_k ? block_k : K, bits == 8 ? "int8" : bits == 4 ? "int4" : "int2"});
+    }
     std::printf("%-10s %-18s %10s %10s %10s %10s\n", "weights", "M,K,N", "us", "us early", "GB/s early",
                 "host us");
     for (const Case &c : cases) {

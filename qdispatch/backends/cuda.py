@@ -11,6 +11,7 @@ Once a weight is laid out for the decode kernel, its tiles hold every value:
 the store is freed, so a decode weight takes its size once on the GPU, and is
 read back from the tiles whenever something else needs it."""
 import math
+import os
 
 import numpy as np
 
@@ -104,6 +105,10 @@ class CudaBackend(Backend):
     name = "cuda"
     fq_dtypes = ("float32", "float16", "bfloat16")
 
+    def __init__(self):
+        env = os.environ.get("QDISPATCH_BATCH_INVARIANT", "0")
+        self.set_batch_invariant(env.strip().lower() in ("1", "true", "yes", "on"))
+
     # ---- availability ----
     def unavailable_reason(self, index=0):
         if _cuda is None:
@@ -133,6 +138,16 @@ class CudaBackend(Backend):
         for i in range(_cuda.device_count()):
             d["devices"].append(_cuda.device_properties(i))
         return d
+
+    # ---- numerics ----
+    def set_batch_invariant(self, on):
+        # kept here too, so that it reads back where CUDA is not built
+        self._batch_invariant = bool(on)
+        if _cuda is not None:
+            _cuda.set_batch_invariant(self._batch_invariant)
+
+    def batch_invariant(self):
+        return self._batch_invariant
 
     # ---- memory ----
     def memory_info(self, index):

@@ -51,7 +51,13 @@ class ReferenceBackend(HostBackend):
         return out
 
     def fq_matmul(self, x, w, out_dtype="float32"):  # fq_dtypes: float32 only
-        return np.asarray(x, dtype=np.float32) @ self.dequantize(w)
+        from ..policy import batch_invariant
+        x, deq = np.asarray(x, dtype=np.float32), self.dequantize(w)
+        if batch_invariant() and len(x) > 1:
+            # BLAS sums a matrix product in an order that depends on its rows; one
+            # row at a time, every row takes the same path.
+            return np.stack([row @ deq for row in x])
+        return x @ deq
 
 
 register_backend(ReferenceBackend())

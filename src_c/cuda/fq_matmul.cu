@@ -23,14 +23,20 @@
 // needs them.
 //
 // When K is also split over blockIdx.y, the splits' partial sums are added in
-// split order, so the result does not depend on scheduling: on sm_90 the splits
+// split order, so the result does not depend on scheduling: on sm_90 two splits
 // of a band group form a cluster and send their sums to each other's shared
 // memory; otherwise every warp stores its sums to device memory as its lanes
 // hold them, and the last warp of the band to finish adds them up.
+//
+// How K is cut follows M by default (the fastest cut for those rows), so a row's
+// last bits may depend on the batch it comes in.  With batch invariance on
+// (qd_cuda_set_batch_invariant) the cut into parts is that for MAX_M rows
+// whatever M, and their sums are added in part order, so they do not.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 
 #include "common.cuh"
@@ -532,10 +538,11 @@ __device__ __forceinline__ void stream_blocks_within_tiles(unsigned steps_per_bl
 }
 
 // XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).  A block's warps are
-// WARPS / kw bands times kw parts of the block's K range (kw: 1, 2, 4 or 8).
+// WARPS / kw bands times kw parts of the block's K range (kw: 1, 2, 4 or 8), of
+// tiles_per_part tiles each (0: the range spread evenly).
 template <int BITS, int XIN, int MT>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restrict__ out,
+fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_bytes, void *__restrict__ out,
           int out_dtype, float *__restrict__ partial, unsigned *__restrict__ tickets) {
     using T = Tiling<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -549,7 +556,7 @@ fq_kernel(Operand op, int tiles_per_split, int kw, int row_bytes, void *__restri
     const int64_t band = (int64_t)blockIdx.x * bands_per_block + warp / kw;
     const int kt_begin = blockIdx.y * tiles_per_split;
     const int kt_end = (int)min((int64_t)kt_begin + tiles_per_split, op.tiles_per_band);
-    const int per_part = (kt_end - kt_begin + kw - 1) / kw;
+    const int per_part = tiles_per_part ? tiles_per_part : (kt_end - kt_begin + kw - 1) / kw;
     const int my_begin = min(kt_begin + part * per_part, kt_end);
     const int tiles = band < op.bands ? min(per_part, kt_end - my_begin) : 0;
 
@@ -769,17 +776,24 @@ qd_status scratch(DeviceState &d, size_t floats) {
     return QD_OK;
 }
 
-// Whether the splits of K form clusters: sm_90 code (d.early) and few enough.
-bool clustered(const DeviceState &d, int64_t splits) { return d.early && splits > 1 && splits <= MAX_CLUSTER; }
+// Whether the decode launches cut K the same way for every M (see the top of the file).
+std::atomic<bool> batch_invariant{false};
 
 bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
 
-// How a launch cuts the work: grid (band groups x splits of K), tiles per split,
-// warps per band and bytes per x slice row.  Every launch takes the device's
-// block_smem of dynamic shared memory.
+// How a launch cuts K: kw warps per band, splits over blocks, tiles per split and
+// per warp (0: a split's tiles spread evenly over its kw warps).
+struct Cut {
+    int64_t kw, splits, tiles_per_split, tiles_per_part;
+};
+
+// How a launch cuts the work: grid (band groups x splits of K), the cut, bytes
+// per x slice row, and whether the splits form a cluster.  Every launch takes
+// the device's block_smem of dynamic shared memory.
 struct Plan {
     dim3 grid;
-    int tiles_per_split, kw, row_bytes;
+    int tiles_per_split, tiles_per_part, kw, row_bytes;
+    bool cluster;
 };
 
 template <int BITS, int XIN, int MT>
@@ -788,9 +802,9 @@ qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, Dev
     auto kernel = fq_kernel<BITS, XIN, MT>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, d.block_smem, &configured);
     if (st != QD_OK) return st;
-    const dim3 cluster(1, clustered(d, p.grid.y) ? p.grid.y : 1);
-    return qd::launch(kernel, p.grid, THREADS, d.block_smem, s, d.early, cluster, op, p.tiles_per_split, p.kw,
-                      p.row_bytes, out, out_dtype, d.partial, d.tickets);
+    const dim3 cluster(1, p.cluster ? p.grid.y : 1);
+    return qd::launch(kernel, p.grid, THREADS, d.block_smem, s, d.early, cluster, op, p.tiles_per_split,
+                      p.tiles_per_part, p.kw, p.row_bytes, out, out_dtype, d.partial, d.tickets);
 }
 
 template <int BITS, int XIN>
@@ -808,42 +822,43 @@ qd_status launch_bits(const Plan &p, const Operand &op, void *out, int out_dtype
     return launch_rows<BITS, QD_CUDA_F32>(p, op, out, out_dtype, d, s);
 }
 
-// One launch for up to MAX_M rows of x.
-qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t s) {
-    DeviceState *d = nullptr;
-    qd_status st = device_state(&d);
-    if (st != QD_OK) return st;
-    const int64_t tpb = op.tiles_per_band, kt = tile_k(bits);
-    const int x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
-    // A block's shared memory for a slice of `tiles` tiles of K: the ring, the sums
-    // received, the x slice (rows padded by up to 191 bytes, see row_bytes) and up
-    // to WARPS bands' scales (64 bytes a block along K; the slice may start and end
-    // inside a block).
+// The most tiles of K a block's slice holds for `rows` rows of x: the ring, the
+// sums received, the x slice (rows padded by up to 191 bytes, see row_bytes) and
+// up to WARPS bands' scales (64 bytes a block along K; the slice may start and
+// end inside a block) in the device's block_smem.
+int64_t slice_tiles(const Operand &op, int rows, int bits, const DeviceState &d) {
+    const int64_t kt = tile_k(bits), x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
     auto smem_for = [&](int64_t tiles) {
         const int64_t blocks = std::min<int64_t>(op.blocks, ceil_div(tiles * kt, op.bk) + 1);
-        return ring_bytes(bits) + received_bytes(op.M) + op.M * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
+        return ring_bytes(bits) + received_bytes(rows) + rows * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
     };
-    int64_t fit = 0;  // the most tiles of K a slice holds
+    int64_t fit = 0;
     for (int64_t step = int64_t(1) << 40; step; step >>= 1)
-        if (fit + step <= tpb && smem_for(fit + step) <= d->block_smem) fit += step;
-    if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
-    const int64_t min_splits = ceil_div(tpb, fit), slots = (int64_t)BLOCKS_PER_SM * d->sms;
-    // Each block reads its slice of x from L2: fewer bands per block (more warps per
-    // band) multiply that traffic, so it stays under a quarter of the weight bytes,
-    // except that fewer splits are worth more at few rows of x.  Measured at
-    // K = N = 4096 on an H200: at M = 4, eight warps per band and no split take
-    // 0.2 us less than four and two splits, and those 0.2-0.4 us less than one and
-    // eight; at M = 16 one warp per band and eight splits take 0.4 us less than
-    // four and two (the x traffic costs more than the splits' sums).
-    const int64_t x_bound = 4 * bits / (op.M * x_size);
-    const int64_t kw_max = std::max<int64_t>(op.M <= 4 ? 8 : op.M <= 8 ? 4 : 1, x_bound);
-    // Of the ways to cut the work into kw warps per band and splits of K, the one
-    // with the most warps at work while every block has an SM slot of its own (so
-    // every SM gets the same work); ties go to fewer splits, whose sums cost more
-    // than those of one block.  When no cut fits the slots, the fewest blocks.
-    int kw = 1;
-    int64_t splits = min_splits, best_warps = -1, best_blocks = 0;
-    for (int k = 1; k <= WARPS && k <= kw_max; k *= 2) {
+        if (fit + step <= op.tiles_per_band && smem_for(fit + step) <= d.block_smem) fit += step;
+    return fit;
+}
+
+// Each block reads its slice of x from L2: fewer bands per block (more warps per
+// band) multiply that traffic, so it stays under a quarter of the weight bytes,
+// except that fewer splits are worth more at few rows of x.  Measured at
+// K = N = 4096 on an H200: at M = 4, eight warps per band and no split take
+// 0.2 us less than four and two splits, and those 0.2-0.4 us less than one and
+// eight; at M = 16 one warp per band and eight splits take 0.4 us less than
+// four and two (the x traffic costs more than the splits' sums).
+int64_t max_warps_per_band(const Operand &op, int bits) {
+    const int64_t x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2, x_bound = 4 * bits / (op.M * x_size);
+    return std::max<int64_t>(op.M <= 4 ? 8 : op.M <= 8 ? 4 : 1, x_bound);
+}
+
+// The fastest cut for these rows.  Of the ways to cut the work into kw warps per
+// band and splits of K, the one with the most warps at work while every block has
+// an SM slot of its own (so every SM gets the same work); ties go to fewer splits,
+// whose sums cost more than those of one block.  When no cut fits the slots, the
+// fewest blocks.
+Cut fastest_cut(const Operand &op, int bits, int64_t fit, int64_t slots) {
+    const int64_t tpb = op.tiles_per_band, min_splits = ceil_div(tpb, fit), kw_max = max_warps_per_band(op, bits);
+    int64_t kw = 1, splits = min_splits, best_warps = -1, best_blocks = 0;
+    for (int64_t k = 1; k <= WARPS && k <= kw_max; k *= 2) {
         const int64_t per_split = ceil_div(op.bands, WARPS / k);
         int64_t sp = std::min(tpb, std::max(min_splits, slots / per_split));
         sp = ceil_div(tpb, ceil_div(tpb, sp));  // whole tiles per split
@@ -857,14 +872,47 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
             best_blocks = blocks;
         }
     }
-    const int64_t tps = ceil_div(tpb, splits);  // ceil_div(tpb, tps) == splits: normalized above
+    return {kw, splits, ceil_div(tpb, splits), 0};  // ceil_div(tpb, tps) == splits: normalized above
+}
+
+// The batch-invariant cut: the parts (one warp's run of tiles each) are those of
+// fastest_cut for MAX_M rows (one warp per band), whatever M; M only deals them
+// out, kw parts of a band to one block and parts / kw splits.  Their sums are
+// added in part order on every path (two splits meet in a cluster only as single
+// parts), so a row's result does not depend on M.
+Cut invariant_cut(const Operand &op, int bits, int64_t fit_max, int64_t fit, int64_t slots) {
+    Operand most = op;
+    most.M = MAX_M;
+    const Cut c = fastest_cut(most, bits, fit_max, slots);  // kw == 1 at MAX_M rows
+    const int64_t parts = c.splits, per_part = c.tiles_per_split, kw_max = max_warps_per_band(op, bits);
+    int64_t kw = 1;
+    for (int64_t k = 2; k <= WARPS && k <= kw_max; k *= 2)
+        if (parts % k == 0 && k * per_part <= fit) kw = k;
+    return {kw, parts / kw, kw * per_part, per_part};
+}
+
+// One launch for up to MAX_M rows of x.
+qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t s) {
+    DeviceState *d = nullptr;
+    qd_status st = device_state(&d);
+    if (st != QD_OK) return st;
+    const int64_t kt = tile_k(bits), x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
+    const int64_t fit_max = slice_tiles(op, MAX_M, bits, *d), slots = (int64_t)BLOCKS_PER_SM * d->sms;
+    if (fit_max < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
+    const int64_t fit = op.M == MAX_M ? fit_max : slice_tiles(op, op.M, bits, *d);
+    const bool invariant = batch_invariant.load(std::memory_order_relaxed);
+    const Cut cut = invariant ? invariant_cut(op, bits, fit_max, fit, slots) : fastest_cut(op, bits, fit, slots);
+    const int64_t kw = cut.kw, splits = cut.splits, tps = cut.tiles_per_split;
+    // Two splits form a cluster on sm_90 (batch-invariant: of one part each).
+    const bool cluster = d->early && splits > 1 && splits <= MAX_CLUSTER && (!invariant || kw == 1);
     const int64_t blocks = ceil_div(op.bands, WARPS / kw);
-    const bool split_in_memory = splits > 1 && !clustered(*d, splits);  // a ticket per band
+    const bool split_in_memory = splits > 1 && !cluster;  // a ticket per band
     if (blocks > 0x7FFFFFFF || (split_in_memory && op.bands > MAX_TICKETS)) return QD_ERR_SHAPE;
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
-    const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, kw, row_bytes};
+    const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, (int)cut.tiles_per_part, (int)kw,
+                    row_bytes, cluster};
     // every warp's sums as its lanes hold them: 32 x 4 floats per n8 tile of x
     const size_t partial_floats = (size_t)(op.bands * splits * kw) * 32 * 4 * (op.M <= 8 ? 1 : 2);
     if (split_in_memory && (st = scratch(*d, partial_floats)) != QD_OK) return st;
@@ -874,6 +922,10 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
 }
 
 }  // namespace
+
+extern "C" void qd_cuda_set_batch_invariant(int on) { batch_invariant.store(on != 0); }
+
+extern "C" int qd_cuda_batch_invariant(void) { return batch_invariant.load() ? 1 : 0; }
 
 extern "C" int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
     if (bits != 8 && bits != 4 && bits != 2) return 0;

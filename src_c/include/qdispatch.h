@@ -2,8 +2,8 @@
  *
  * C99, no Python or CUDA headers.  Every entry point validates its arguments
  * and returns a qd_status; none aborts on bad input.  All arrays are
- * row-major and C-contiguous.  The only global state is the ISA choice and
- * the thread count.
+ * row-major and C-contiguous.  The only global state is the ISA choice, the
+ * thread count and the CUDA decode's batch invariance.
  */
 #ifndef QDISPATCH_H
 #define QDISPATCH_H
@@ -238,6 +238,14 @@ qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
 /* 1 if qd_cuda_fq_matmul takes this weight blocking (bits 8, 4 or 2; block_k a
  * multiple of 16, or one block along K). */
 int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
+/* Batch invariance of qd_cuda_fq_matmul, for the whole process (0 by default).
+ * Off: K is cut the fastest way for each M, so a row's last bits may depend on the
+ * rows it comes with.  On: K is cut as for 16 rows whatever M, and the parts' sums
+ * are added in one order, so each row's result is the same bit for bit in any batch;
+ * large weights at few rows then take longer.  Launches already queued keep the
+ * setting they were made with. */
+void qd_cuda_set_batch_invariant(int on);
+int qd_cuda_batch_invariant(void);
 /* ---- end CUDA ---- */
 
 #ifdef __cplusplus
