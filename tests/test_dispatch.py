@@ -144,6 +144,7 @@ def test_batch_invariance_setting():
     try:
         qd.set_batch_invariant(True)
         assert qd.batch_invariant()
+        assert qd.info()["backends"]["cuda"].get("batch_invariant", True)  # shown where CUDA is built
         try:
             from qdispatch import _cuda
         except ImportError:  # built without CUDA: the setting is kept on the Python side only

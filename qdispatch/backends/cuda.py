@@ -134,7 +134,7 @@ class CudaBackend(Backend):
     def describe(self):
         if _cuda is None:
             return {}
-        d = {"devices": [], **_cuda.versions()}
+        d = {"devices": [], **_cuda.versions(), "batch_invariant": self._batch_invariant}
         for i in range(_cuda.device_count()):
             d["devices"].append(_cuda.device_properties(i))
         return d
