@@ -188,6 +188,19 @@ cdef class Tensor(TensorBase):
     def __len__(self):
         return self.shape[0]
 
+    def __getitem__(self, key):
+        """t[i], t[a:b], t[i, a:b]: integers on leading axes, then at most one slice of
+        step 1; a view of t's memory on every device (no copy)."""
+        from . import tensor_api
+        return tensor_api.tensor_getitem(self, key)
+
+    def __iter__(self):
+        # without it Python would iterate through __getitem__, and a 1-D tensor
+        # (whose elements are not Tensors) would look empty
+        if len(self.shape) < 2:
+            raise TypeError("A 1-D Tensor's elements are not Tensors: iterate over t.numpy()")
+        return (self[i] for i in range(self.shape[0]))
+
     def __repr__(self):
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, device='{self.device}')"
 

@@ -102,6 +102,51 @@ def tensor_to(t, device):
     return Tensor(dst.from_host(host, dev.index), t.dtype, t.shape, dev.kind, dev.index)
 
 
+_BASIC_INDEXING = ("a Tensor takes integers on its leading axes, then at most one slice of step 1 "
+                   "(t[i], t[a:b], t[i, a:b]), and gives a view of its memory; for other indexing "
+                   "copy it to numpy with t.numpy()[...], or index a torch or CuPy view of it (DLPack)")
+
+
+def _leading_index(shape, key):
+    """(integers, (start, stop) or None) for a key that keeps t's trailing axes whole."""
+    key = key if isinstance(key, tuple) else (key,)
+    while key and (key[-1] is Ellipsis or (isinstance(key[-1], slice) and key[-1] == slice(None))):
+        key = key[:-1]  # whole trailing axes add nothing
+    if len(key) > len(shape):
+        raise IndexError(f"Too many indices ({len(key)}) for a Tensor of shape {shape}")
+    ints, rows = [], None
+    for axis, k in enumerate(key):
+        if isinstance(k, slice):
+            if axis != len(key) - 1:
+                raise IndexError(f"A slice may only be followed by whole axes: {_BASIC_INDEXING}")
+            if k.step not in (None, 1):
+                raise IndexError(f"Slice step {k.step} is not supported: {_BASIC_INDEXING}")
+            start, stop, _ = k.indices(shape[axis])
+            rows = (start, max(start, stop))
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+            n = shape[axis]
+            if not -n <= k < n:
+                raise IndexError(f"Index {int(k)} is out of range for axis {axis} of size {n}")
+            ints.append(int(k) % n)
+        else:
+            raise IndexError(f"Index {k!r} is not supported: {_BASIC_INDEXING}")
+    if len(ints) == len(shape):
+        raise IndexError(f"Index {key} picks one element, and a Tensor has at least one axis: "
+                         f"read it with t.numpy()[...]")
+    return ints, rows
+
+
+def tensor_getitem(t, key):
+    ints, rows = _leading_index(t.shape, key)
+    backend = get_backend(t.kind)
+    payload, shape = t.payload, t.shape
+    if ints:
+        payload, shape = backend.index(payload, tuple(ints)), shape[len(ints):]
+    if rows is not None:
+        payload, shape = backend.slice_rows(payload, *rows), (rows[1] - rows[0],) + shape[1:]
+    return Tensor(payload, t.dtype, shape, t.kind, t.index)
+
+
 def tensor_transpose(t):
     if len(t.shape) < 2:
         return t

@@ -75,3 +75,51 @@ def test_host_bfloat16_refuses_a_dlpack_export_it_cannot_type():
     t = qd.tensor(np.ones((2, 2), np.float32), dtype="bfloat16", device="reference")
     with pytest.raises(TypeError, match="bfloat16"):
         np.from_dlpack(t)
+
+
+INDEX_KEYS = [1, -1, slice(1, 3), slice(None, 2), slice(-2, None), slice(3, 1), (2, slice(1, 4)), (0, 3),
+              (slice(1, 3), slice(None)), (1, Ellipsis), np.int64(2)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_indexing_leading_axes_gives_views(device, rng, dtype):
+    a = rng.standard_normal((4, 5, 6)).astype(np.float32)
+    if dtype == "int8":
+        a = rng.integers(-128, 128, (4, 5, 6)).astype(np.int8)
+    t = qd.tensor(a, device=device, dtype=dtype)
+    full = t.numpy()
+    for key in INDEX_KEYS:
+        got = t[key]
+        assert got.shape == full[key].shape and got.dtype == dtype and got.device == t.device, key
+        np.testing.assert_array_equal(got.numpy(), full[key])
+    if device != "cuda" and dtype != "bfloat16":
+        assert np.shares_memory(np.asarray(t[1:3]), a)  # a view, not a copy
+    rows = list(t)
+    assert len(rows) == 4 and all(r.shape == (5, 6) for r in rows)
+    np.testing.assert_array_equal(rows[3].numpy(), full[3])
+    with pytest.raises(TypeError, match="iterate over t.numpy"):
+        iter(t[0, 0])
+
+
+def test_rows_of_a_tensor_feed_a_product(device, rng):
+    # K = 6: a row is 24 bytes, so rows 1.. of a device tensor start off a 16-byte boundary.
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    w = qd.quantize(rng.standard_normal((8, 6)).astype(np.float32), "q8s", device=device)
+    xt = qd.tensor(x, device=device)
+    got = qd.q_matmul(xt[1:4], w.T).numpy()
+    np.testing.assert_array_equal(got, qd.q_matmul(qd.tensor(x[1:4], device=device), w.T).numpy())
+    np.testing.assert_array_equal(qd.q_matmul(xt[4], w.T).numpy(), qd.q_matmul(qd.tensor(x[4], device=device), w.T).numpy())
+
+
+@pytest.mark.parametrize("key,match", [
+    ((slice(None), 1), "may only be followed by whole axes"), (slice(None, None, 2), "step 2"),
+    ([0, 2], "not supported"), (np.array([True, False, True]), "not supported"), (None, "not supported"),
+    (5, "out of range for axis 0 of size 3"), (-4, "out of range"), ((0, 1), "one element.*numpy"),
+    ((0, 0, 0), "Too many indices"),
+])
+def test_indexing_beyond_views_says_what_works(device, key, match):
+    t = qd.tensor(np.zeros((3, 4), np.float32), device=device)
+    with pytest.raises(IndexError, match=match) as info:
+        t[key]
+    if "not supported" in match or "step" in match:
+        assert "t.numpy()[...]" in str(info.value)

@@ -329,6 +329,12 @@ class CudaBackend(Backend):
         offset = payload.offset + row * math.prod(inner) * payload.itemsize
         return _cuda.DeviceArray(payload.buffer, offset, tuple(inner), payload.dtype)
 
+    def slice_rows(self, payload, start, stop):
+        """Rows start .. stop - 1 of the first axis (a view)."""
+        row = math.prod(payload.shape[1:]) * payload.itemsize
+        return _cuda.DeviceArray(payload.buffer, payload.offset + start * row,
+                                 (stop - start,) + tuple(payload.shape[1:]), payload.dtype)
+
     def stack(self, payloads, shape):
         out = _cuda.empty(shape, payloads[0].dtype, payloads[0].device)
         offset = 0

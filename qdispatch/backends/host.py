@@ -87,6 +87,9 @@ class HostBackend(Backend):
     def index(self, payload, idx):
         return payload[idx]
 
+    def slice_rows(self, payload, start, stop):
+        return payload[start:stop]
+
     def stack(self, payloads, shape):
         return np.stack(payloads).reshape(shape)
 
