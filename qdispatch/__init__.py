@@ -18,7 +18,7 @@ from .backends import cuda as _cuda_backend  # noqa: F401
 from .policy import batch_invariant, default_device, set_batch_invariant, set_default_backend, transfer_policy
 from .tensor_api import dequantize, from_dlpack, quantize, qtensor_from_parts, tensor
 from .io import load, save  # safetensors is imported on first use
-from .memory import empty_cache, memory_info
+from .gpu import empty_cache, memory_info, synchronize
 from .info import available_backends, get_include, get_library_dir, info, set_isa, \
     set_num_threads, get_num_threads
 
@@ -28,7 +28,7 @@ __all__ = [
     "q_matmul", "int_matmul", "linear", "save", "load",
     "transfer_policy", "set_default_backend", "default_device", "set_batch_invariant", "batch_invariant",
     "info", "available_backends", "get_include", "get_library_dir",
-    "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache",
+    "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache", "synchronize",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "NonFiniteError", "ScaleOverflowError",
     "BackendUnavailableError", "KernelError", "SerializationError",

@@ -532,6 +532,16 @@ def test_out_of_memory_is_recoverable():
     assert (out.numpy() == 40).all()
 
 
+def test_synchronize_waits_for_queued_work(rng):
+    a = cuda_rng_int8(rng, (512, 4096))
+    out = qd.int_matmul(qd.tensor(a, device="cuda"), qd.tensor(a.T.copy(), device="cuda"))
+    assert qd.synchronize() is None and qd.synchronize("cuda:0") is None
+    np.testing.assert_array_equal(out.numpy(), a.astype(np.int64) @ a.T.astype(np.int64))
+    missing = len(qd.info()["backends"]["cuda"]["devices"])
+    with pytest.raises(qd.BackendUnavailableError, match=f"no cuda:{missing}"):
+        qd.synchronize(f"cuda:{missing}")
+
+
 def test_freed_memory_is_cached_until_empty_cache():
     qd.empty_cache()
     before = qd.memory_info("cuda:0")

@@ -131,6 +131,17 @@ def test_gpu_memory_calls_without_cuda():
         qd.empty_cache("cuda:0")
 
 
+def test_synchronize_host_devices_is_a_no_op():
+    for device in ("cpu", "reference"):
+        assert qd.synchronize(device) is None
+
+
+@pytest.mark.skipif("cuda" in qd.available_backends(), reason="cuda is built and present")
+def test_synchronize_without_cuda_says_why():
+    with pytest.raises(qd.BackendUnavailableError, match="cuda"):
+        qd.synchronize("cuda")
+
+
 def test_gpu_memory_calls_refuse_host_devices():
     for call in (qd.memory_info, qd.empty_cache):
         with pytest.raises(ValueError, match="'cpu' is host memory.*'cuda'"):

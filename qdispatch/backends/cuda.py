@@ -149,7 +149,10 @@ class CudaBackend(Backend):
     def batch_invariant(self):
         return self._batch_invariant
 
-    # ---- memory ----
+    # ---- the queue and memory ----
+    def synchronize(self, index):
+        _cuda.synchronize(index)
+
     def memory_info(self, index):
         return _cuda.memory_info(index)
 

@@ -1,5 +1,8 @@
-"""GPU memory: what a device has free, and the freed blocks qdispatch keeps.
+"""GPU housekeeping: waiting for queued work, free memory, the block cache.
 
+Kernels are queued on each GPU's default stream and a call returns before they
+finish (reading a result back waits for them); `synchronize` waits, for timing
+or before handing memory to code that does not order itself after that stream.
 Device memory a tensor frees stays in qdispatch's cache (up to 8 GiB) and is
 reused by the next allocation of its size, as framework allocators do:
 cudaMalloc and cudaFree synchronise the device.  `empty_cache` gives it back
@@ -14,6 +17,15 @@ def _gpu(device):
         raise ValueError(f"'{dev}' is host memory: memory_info and empty_cache take a GPU, "
                          f"such as 'cuda' or 'cuda:1'")
     return dev
+
+
+def synchronize(device="cuda"):
+    """Wait until the work queued on `device` is done (host devices: nothing to wait for)."""
+    dev = Device.parse(device)
+    if dev.is_host:
+        return
+    _, backend = backend_for(dev)
+    backend.synchronize(dev.index)
 
 
 def memory_info(device="cuda"):
