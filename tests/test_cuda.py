@@ -578,6 +578,8 @@ def test_dlpack_torch_zero_copy():
     np.testing.assert_array_equal(t.numpy(), src.cpu().numpy())
     back = torch.from_dlpack(t)
     assert back.data_ptr() == src.data_ptr()
+    rows = torch.from_dlpack(t[1:3])  # a view exports as a view: row 1 on
+    assert rows.data_ptr() == src.data_ptr() + 4 * 4 and torch.equal(rows, src[1:3])
     bf = torch.randn(5, 7, device="cuda").to(torch.bfloat16)
     np.testing.assert_array_equal(qd.from_dlpack(bf).numpy(), bf.float().cpu().numpy())
 
