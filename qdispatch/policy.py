@@ -79,4 +79,3 @@ def set_batch_invariant(on=True):
 def batch_invariant():
     """Whether set_batch_invariant is on."""
     return get_backend("cuda").batch_invariant()
-
