@@ -237,6 +237,35 @@ def test_fq_split_k_in_clusters(rng, scheme, M):
     assert rel_err(expect, first) < FQ_TOL
 
 
+def test_fq_from_python_threads(rng):
+    # Threads on one GPU: decode calls whose K is cut over blocks (their sums meet in
+    # the device's scratch, which a larger call may grow meanwhile) and calls with
+    # no split, interleaved; each thread's results equal its single-threaded ones.
+    import threading
+    schemes = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128, store="packed_u32")]
+    cases = []
+    for i, (M, K, N) in enumerate([(16, 4096, 512), (1, 1024, 256), (16, 12288, 600), (9, 8192, 1040),
+                                   (4, 2048, 96), (16, 4096, 2064)]):
+        wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), schemes[i % 2], device="cuda")
+        x = qd.tensor(_bf16_valued(rng.standard_normal((M, K)).astype(np.float32)), device="cuda", dtype="bfloat16")
+        cases.append((x, wq, qd.q_matmul(x, wq.T).numpy()))
+    errors = []
+
+    def work(x, wq, expected):
+        try:
+            for _ in range(25):
+                np.testing.assert_array_equal(qd.q_matmul(x, wq.T).numpy(), expected)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    pool = [threading.Thread(target=work, args=case) for case in cases]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors, errors[0]
+
+
 @functools.lru_cache(maxsize=1)
 def _weights_for_batch_tests(K, N):
     return np.random.default_rng(K + N).standard_normal((N, K), dtype=np.float32)

@@ -720,10 +720,11 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
 // Per device: multiprocessor count, shared memory per block, whether the kernels
 // may launch early (they run sm_90 code), and the split-K scratch (partial sums
 // and tickets).  Kernels touch the scratch only after earlier grids finish, so
-// launches on one stream never share it.
+// launches on one stream never share it; launches on two streams at once would,
+// which is why the header asks for one stream per device.
 struct DeviceState {
-    int sms = 0;
-    int block_smem = 0;  // dynamic shared memory per block: half an SM's
+    std::atomic<int> sms{0};  // set last: nonzero once the rest is
+    int block_smem = 0;       // dynamic shared memory per block: half an SM's
     bool early = false;
     float *partial = nullptr;
     size_t cap = 0;
@@ -731,6 +732,9 @@ struct DeviceState {
 };
 constexpr int MAX_DEVICES = 64;
 DeviceState states[MAX_DEVICES];
+// Guards the states' set-up and the scratch: a launch that uses the scratch is
+// queued under it, so that another thread growing the scratch frees the old
+// buffer only after that launch is queued (cudaFree waits for queued work).
 std::mutex state_mutex;
 
 qd_status device_state(DeviceState **out) {
@@ -739,7 +743,7 @@ qd_status device_state(DeviceState **out) {
     if (st != QD_OK) return st;
     if (dev < 0 || dev >= MAX_DEVICES) return QD_ERR_ARGUMENT;
     DeviceState &d = states[dev];
-    if (d.sms == 0) {
+    if (d.sms.load(std::memory_order_acquire) == 0) {
         std::lock_guard<std::mutex> lock(state_mutex);
         int sms = 0, per_sm = 0, reserved = 0, per_block = 0;
         if ((st = qd::check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))) != QD_OK ||
@@ -753,14 +757,14 @@ qd_status device_state(DeviceState **out) {
         // less the runtime's reserve and room for the kernel's static shared memory
         d.block_smem = std::min(per_sm / BLOCKS_PER_SM - reserved - 1024, per_block);
         d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1>);
-        d.sms = sms;
+        d.sms.store(sms, std::memory_order_release);
     }
     *out = &d;
     return QD_OK;
 }
 
+// Grows the split-K scratch to `floats` partial sums; the caller holds state_mutex.
 qd_status scratch(DeviceState &d, size_t floats) {
-    std::lock_guard<std::mutex> lock(state_mutex);
     qd_status st;
     if (!d.tickets) {
         if ((st = qd::check(cudaMalloc(&d.tickets, MAX_TICKETS * sizeof(unsigned)))) != QD_OK) return st;
@@ -788,12 +792,15 @@ struct Cut {
 };
 
 // How a launch cuts the work: grid (band groups x splits of K), the cut, bytes
-// per x slice row, and whether the splits form a cluster.  Every launch takes
-// the device's block_smem of dynamic shared memory.
+// per x slice row, whether the splits form a cluster, and the split-K scratch
+// (null unless the splits meet in device memory).  Every launch takes the
+// device's block_smem of dynamic shared memory.
 struct Plan {
     dim3 grid;
     int tiles_per_split, tiles_per_part, kw, row_bytes;
     bool cluster;
+    float *partial;
+    unsigned *tickets;
 };
 
 template <int BITS, int XIN, int MT>
@@ -804,7 +811,7 @@ qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, Dev
     if (st != QD_OK) return st;
     const dim3 cluster(1, p.cluster ? p.grid.y : 1);
     return qd::launch(kernel, p.grid, THREADS, d.block_smem, s, d.early, cluster, op, p.tiles_per_split,
-                      p.tiles_per_part, p.kw, p.row_bytes, out, out_dtype, d.partial, d.tickets);
+                      p.tiles_per_part, p.kw, p.row_bytes, out, out_dtype, p.partial, p.tickets);
 }
 
 template <int BITS, int XIN>
@@ -815,11 +822,17 @@ qd_status launch_rows(const Plan &p, const Operand &op, void *out, int out_dtype
 }
 
 template <int BITS>
-qd_status launch_bits(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d,
-                      cudaStream_t s) {
+qd_status launch_x(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d, cudaStream_t s) {
     if (op.x_dtype == QD_CUDA_BF16) return launch_rows<BITS, QD_CUDA_BF16>(p, op, out, out_dtype, d, s);
     if (op.x_dtype == QD_CUDA_F16) return launch_rows<BITS, QD_CUDA_F16>(p, op, out, out_dtype, d, s);
     return launch_rows<BITS, QD_CUDA_F32>(p, op, out, out_dtype, d, s);
+}
+
+qd_status launch_bits(int bits, const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d,
+                      cudaStream_t s) {
+    if (bits == 8) return launch_x<8>(p, op, out, out_dtype, d, s);
+    if (bits == 4) return launch_x<4>(p, op, out, out_dtype, d, s);
+    return launch_x<2>(p, op, out, out_dtype, d, s);
 }
 
 // The most tiles of K a block's slice holds for `rows` rows of x: the ring, the
@@ -897,11 +910,17 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     qd_status st = device_state(&d);
     if (st != QD_OK) return st;
     const int64_t kt = tile_k(bits), x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
-    const int64_t fit_max = slice_tiles(op, MAX_M, bits, *d), slots = (int64_t)BLOCKS_PER_SM * d->sms;
-    if (fit_max < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for MAX_M rows
-    const int64_t fit = op.M == MAX_M ? fit_max : slice_tiles(op, op.M, bits, *d);
+    const int64_t fit = slice_tiles(op, op.M, bits, *d), slots = (int64_t)BLOCKS_PER_SM * d->sms;
+    if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for these rows
     const bool invariant = batch_invariant.load(std::memory_order_relaxed);
-    const Cut cut = invariant ? invariant_cut(op, bits, fit_max, fit, slots) : fastest_cut(op, bits, fit, slots);
+    Cut cut;
+    if (invariant) {  // the parts of MAX_M rows, whatever M
+        const int64_t fit_max = op.M == MAX_M ? fit : slice_tiles(op, MAX_M, bits, *d);
+        if (fit_max < 1) return QD_ERR_SHAPE;
+        cut = invariant_cut(op, bits, fit_max, fit, slots);
+    } else {
+        cut = fastest_cut(op, bits, fit, slots);
+    }
     const int64_t kw = cut.kw, splits = cut.splits, tps = cut.tiles_per_split;
     // Two splits form a cluster on sm_90 (batch-invariant: of one part each).
     const bool cluster = d->early && splits > 1 && splits <= MAX_CLUSTER && (!invariant || kw == 1);
@@ -911,14 +930,16 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
-    const Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, (int)cut.tiles_per_part, (int)kw,
-                    row_bytes, cluster};
+    Plan plan{dim3((unsigned)blocks, (unsigned)splits), (int)tps, (int)cut.tiles_per_part, (int)kw,
+              row_bytes, cluster, nullptr, nullptr};
+    if (!split_in_memory) return launch_bits(bits, plan, op, out, out_dtype, *d, s);
     // every warp's sums as its lanes hold them: 32 x 4 floats per n8 tile of x
     const size_t partial_floats = (size_t)(op.bands * splits * kw) * 32 * 4 * (op.M <= 8 ? 1 : 2);
-    if (split_in_memory && (st = scratch(*d, partial_floats)) != QD_OK) return st;
-    if (bits == 8) return launch_bits<8>(plan, op, out, out_dtype, *d, s);
-    if (bits == 4) return launch_bits<4>(plan, op, out, out_dtype, *d, s);
-    return launch_bits<2>(plan, op, out, out_dtype, *d, s);
+    std::lock_guard<std::mutex> lock(state_mutex);  // queued before the scratch can move
+    if ((st = scratch(*d, partial_floats)) != QD_OK) return st;
+    plan.partial = d->partial;
+    plan.tickets = d->tickets;
+    return launch_bits(bits, plan, op, out, out_dtype, *d, s);
 }
 
 }  // namespace
