@@ -104,6 +104,11 @@ cdef extern from "qdispatch.h" nogil:
     qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
                                 const void *tiles, const void *scale_tiles, int bits, int64_t N,
                                 int64_t K, int64_t block_k, void *out, int out_dtype, void *stream)
+    qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
+                                        void *w16, int64_t ld, void *stream)
+    qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
+                              int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
+                              int out_dtype, void *stream)
     int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k)
     void qd_cuda_set_batch_invariant(int on)
     int qd_cuda_batch_invariant()
@@ -658,13 +663,57 @@ def fq_tile_scales(DeviceArray scales, int64_t N, int64_t K, int64_t block_n, in
     return out
 
 
+cdef DeviceArray _aligned_rows(DeviceArray x):
+    """x, or a copy whose rows are whole 16-byte pieces on 16-byte bounds (zeros past its columns)."""
+    cdef int64_t per16 = 16 // ITEMSIZE[x.dtype]
+    if x.shape[1] % per16 or <uintptr_t>P(x) % 16:
+        return pad_rows(x, -(-x.shape[1] // per16) * per16)
+    return x
+
+
+def fq_expand_weights(DeviceArray tiles, int64_t N, int64_t K, int bits, str dtype):
+    """The tiled form's values as float16/bfloat16 rows [N, ld] (ld: K rounded up to 8,
+    zeros past K), exact integers: fq_gemm's weight operand."""
+    cdef int64_t ld = -(-K // 8) * 8
+    out = empty((N, ld), dtype, tiles.device)
+    cdef void *pt = P(tiles)
+    cdef void *po = P(out)
+    cdef int d = DTYPES[dtype]
+    cdef qd_status st
+    with on_device(tiles.device):
+        with nogil:
+            st = qd_cuda_fq_expand_weights(pt, N, K, bits, d, po, ld, NULL)
+        _status(st, "fq_expand_weights")
+    return out
+
+
+def fq_gemm(DeviceArray x, DeviceArray w16, DeviceArray scales, int64_t block_n, int64_t block_k,
+            int64_t K, str out_dtype="float32"):
+    """x [M, K or more] @ (w16 [N, ld] * scales)^T -> out_dtype [M, N], x and w16 of one 16-bit
+    dtype, w16 from fq_expand_weights, scales [N/block_n, K/block_k] float32."""
+    x = _aligned_rows(x)
+    cdef int64_t m = x.shape[0], n = w16.shape[0], ld = w16.shape[1]
+    if x.shape[1] != ld or x.dtype != w16.dtype:
+        raise ValueError(f"fq_gemm: x {x.dtype} {x.shape} does not match the weight's rows {w16.dtype} {w16.shape}")
+    out = empty((m, n), out_dtype, x.device)
+    cdef void *px = P(x)
+    cdef void *pw = P(w16)
+    cdef void *ps = P(scales)
+    cdef void *po = P(out)
+    cdef int d = DTYPES[x.dtype], od = DTYPES[out_dtype]
+    cdef qd_status st
+    with on_device(x.device):
+        with nogil:
+            st = qd_cuda_fq_gemm(px, pw, d, m, n, K, ld, <float *>ps, block_n, block_k, po, od, NULL)
+        _status(st, "fq_gemm")
+    return out
+
+
 def fq_matmul(DeviceArray x, DeviceArray tiles, DeviceArray scale_tiles, int bits, int64_t N,
               int64_t K, int64_t block_k, str out_dtype="float32"):
     """x [M, ldx] (float32/float16/bfloat16) @ dequantize(w [N, K])^T -> out_dtype [M, N];
     `tiles` from fq_tile_weights, `scale_tiles` from fq_tile_scales."""
-    cdef int64_t per16 = 16 // ITEMSIZE[x.dtype]
-    if x.shape[1] % per16 or <uintptr_t>P(x) % 16:  # rows are copied in aligned 16-byte pieces
-        x = pad_rows(x, -(-x.shape[1] // per16) * per16)
+    x = _aligned_rows(x)  # rows are copied in aligned 16-byte pieces
     cdef int64_t m = x.shape[0], l = x.shape[1]
     cdef int device = x.buffer.device, previous = 0
     cdef int xd = DTYPES[x.dtype], od = DTYPES[out_dtype]

@@ -379,6 +379,70 @@ def test_fq_half_activations_read_directly(rng, scheme, x_dtype, out_dtype, M, K
     assert rel_err(expect, got) < (FQ_TOL if out_dtype == "float32" else 4e-3)  # one 16-bit rounding
 
 
+@pytest.fixture
+def fq_gemm_calls(monkeypatch):
+    """Counts the calls of the many-rows (GEMM) path of fq."""
+    from qdispatch import _cuda
+    calls = []
+    gemm = _cuda.fq_gemm
+    monkeypatch.setattr(_cuda, "fq_gemm", lambda *args: calls.append(args) or gemm(*args))
+    return calls
+
+
+GEMM_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s"), qd.QuantScheme("q8f", block=(4, 32)),
+                qd.QuantScheme("q4s", block=128, store="packed_u32"),
+                qd.QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"),
+                qd.QuantScheme("q4s", axis=0, store="packed_u32"), qd.QuantScheme("q2s", block=64, store="packed_u32")]
+
+
+@pytest.mark.parametrize("scheme", GEMM_SCHEMES, ids=repr)
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("M,K,N", [(512, 256, 96), (530, 768, 77), (700, 1024, 300), (600, 100, 260)])
+def test_fq_many_rows_match_reference(rng, fq_gemm_calls, scheme, x_dtype, M, K, N):
+    """From FQ_GEMM_MIN_ROWS (512) rows of 16-bit x, fq multiplies the weight's values on
+    the tensor cores as a GEMM: tails in M, N and K (K = 100 is no whole 16-byte row)."""
+    block = scheme.block or ()  # over the trailing dims of the weight [N, K]
+    if any(dim % b for dim, b in zip((N, K)[2 - len(block):], block)):
+        pytest.skip("blocks must divide the weight")
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    xt = qd.tensor(x, device="cuda", dtype=x_dtype)
+    out = qd.q_matmul(xt, wq.T)
+    expect = qd.q_matmul(qd.tensor(x, device="reference", dtype=x_dtype), ref(wq).T).numpy()
+    assert len(fq_gemm_calls) == 1
+    assert out.shape == (M, N) and out.dtype == "float32"
+    assert rel_err(expect, out.numpy()) < FQ_TOL
+    np.testing.assert_array_equal(qd.q_matmul(xt, wq.T).numpy(), out.numpy())  # deterministic
+    half = qd.q_matmul(xt, wq.T, out_dtype=x_dtype)  # written in x's dtype by the kernel
+    assert rel_err(expect, half.numpy().astype(np.float32)) < 4e-3
+    np.testing.assert_array_equal(wq.values, ref(wq).values)  # the weight is intact
+
+
+@pytest.mark.parametrize("scheme", [GEMM_SCHEMES[0], GEMM_SCHEMES[3]], ids=repr)
+@pytest.mark.parametrize("M", [1, 5, 16, 63])
+def test_fq_gemm_at_few_rows(rng, monkeypatch, fq_gemm_calls, scheme, M):
+    # The GEMM path below its threshold (a tile mostly past M) agrees with the decode path.
+    from qdispatch.backends import cuda as cuda_backend
+    K, N = 512, 136
+    x = qd.tensor(_bf16_valued(rng.standard_normal((M, K)).astype(np.float32)), device="cuda", dtype="bfloat16")
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    decode = qd.q_matmul(x, wq.T).numpy()
+    assert not fq_gemm_calls
+    monkeypatch.setattr(cuda_backend, "FQ_GEMM_MIN_ROWS", 1)
+    gemm = qd.q_matmul(x, wq.T).numpy()
+    assert len(fq_gemm_calls) == 1
+    assert rel_err(decode, gemm) < FQ_TOL
+
+
+def test_fq_float32_rows_stay_exact(rng, fq_gemm_calls):
+    # float32 x is not rounded to 16 bits for the GEMM: it keeps the decode path.
+    x = rng.standard_normal((80, 256)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((40, 256)).astype(np.float32), GEMM_SCHEMES[0], device="cuda")
+    out = qd.q_matmul(qd.tensor(x, device="cuda"), wq.T).numpy()
+    assert not fq_gemm_calls
+    assert rel_err(qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy(), out) < FQ_TOL
+
+
 @pytest.mark.parametrize("scheme", DECODE_SCHEMES[:3], ids=repr)
 @pytest.mark.parametrize("M,K,N", [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)])
 def test_fq_decode_shapes_match_reference(rng, scheme, M, K, N):

@@ -33,6 +33,10 @@ except ImportError as exc:  # built without CUDA
 REBUILD = ("To rebuild with it, install the CUDA toolkit (nvcc) and run "
            "QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
 GEMM_ALIGN = 16  # bytes: rows of int8 GEMM operands start on 16-byte boundaries
+# From this many rows, a float16/bfloat16 x times a quantized weight runs as a GEMM
+# on the weight's values expanded to x's dtype, rather than as decode launches of
+# 16 rows, each streaming the whole weight.
+FQ_GEMM_MIN_ROWS = 512
 _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
                np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
@@ -288,11 +292,17 @@ class CudaBackend(Backend):
             call = w.storage.cache[key] = self._fq_call(w)
         if call is False:
             return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
-        return _cuda.fq_matmul(x, *call, out_dtype)
+        decode, (scales, bn) = call
+        if x.shape[0] >= FQ_GEMM_MIN_ROWS and x.dtype in ("float16", "bfloat16"):
+            tiles, _, bits, N, K, bk = decode
+            w16 = _cuda.fq_expand_weights(tiles, N, K, bits, x.dtype)  # per call: the weight stays small
+            return _cuda.fq_gemm(x, w16, scales, bn, bk, K, out_dtype)
+        return _cuda.fq_matmul(x, *decode, out_dtype)
 
     def _fq_call(self, w):
-        """fq_matmul's weight arguments for w (the tiled weights are laid out here,
-        once), or False when its blocking along K needs the host."""
+        """fq_matmul's weight arguments for w: those of the decode kernel (the tiled
+        weights are laid out here, once) and the scales [N/bn, K/bk] with bn, or
+        False when its blocking along K needs the host."""
         K, N = w.shape
         bk, bn = w.layout.logical_block(w.transposed)
         bits = w.layout.bits
@@ -303,7 +313,7 @@ class CudaBackend(Backend):
         # The tiles hold every value: the store can go (see the module's docstring).
         # _k_major turned the store's [K, N] into [N, K] unless w is a transposed view.
         w.storage.release_values(_StoreFromTiles(tiles, w.layout, N, K, flip=not w.transposed))
-        return tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk
+        return (tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), (scales, bn)
 
     def _fq_on_host(self, x, w):
         """Blockings along K finer than the kernels' 16-value chunks: the reference math."""

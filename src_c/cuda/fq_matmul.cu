@@ -114,10 +114,16 @@ struct TileOrder {
     }
 };
 
+// A weight value as the element type it is read back into (exact: |v| <= 128).
+template <typename V> __device__ inline V from_int(int v) { return static_cast<V>(v); }
+template <> __device__ inline __half from_int<__half>(int v) { return __int2half_rn(v); }
+template <> __device__ inline __nv_bfloat16 from_int<__nv_bfloat16>(int v) { return __int2bfloat16_rn(v); }
+
 // int8 values q [N, ld] <-> tiles: TO_TILES lays q out, otherwise the tiles are
-// read back into q (positions past N or K, zero in the tiles, are not written).
-template <int BITS, bool TO_TILES>
-__global__ void tile_weights_kernel(int8_t *__restrict__ q, int64_t N, int64_t K, int64_t ld,
+// read back into q, as int8 or as float16/bfloat16 (V), for columns k < k_end
+// (positions past N or K are zero in the tiles; past N nothing is written).
+template <int BITS, bool TO_TILES, typename V = int8_t>
+__global__ void tile_weights_kernel(V *__restrict__ q, int64_t N, int64_t K, int64_t ld, int64_t k_end,
                                     TileOrder<BITS> order, int64_t words, uint32_t *__restrict__ tiles) {
     using T = Tiling<BITS>;
     constexpr int BIAS = 1 << (BITS - 1), MASK = (1 << BITS) - 1;
@@ -132,12 +138,11 @@ __global__ void tile_weights_kernel(int8_t *__restrict__ q, int64_t N, int64_t K
             int r, c;
             tile_position<BITS>(wi, f, lane >> 2, lane & 3, &r, &c);
             const int64_t row = 16 * band + r, k = T::KT * kt + c;
-            const bool inside = row < N && k < K;
             // stored with a +2^(bits-1) bias: the kernel turns fields into floats without sign logic
             if constexpr (TO_TILES)
-                word |= (uint32_t)(((inside ? q[row * ld + k] : 0) + BIAS) & MASK) << (BITS * f);
-            else if (inside)
-                q[row * ld + k] = (int8_t)((int)((word >> (BITS * f)) & MASK) - BIAS);
+                word |= (uint32_t)((((row < N && k < K) ? q[row * ld + k] : 0) + BIAS) & MASK) << (BITS * f);
+            else if (row < N && k < k_end)
+                q[row * ld + k] = from_int<V>((int)((word >> (BITS * f)) & MASK) - BIAS);
         }
         if constexpr (TO_TILES) tiles[i] = word;
     }
@@ -145,22 +150,27 @@ __global__ void tile_weights_kernel(int8_t *__restrict__ q, int64_t N, int64_t K
 
 int64_t tile_k(int bits) { return 16 * (16 / bits); }  // K values per tile
 
-// Checks the arguments and launches tile_weights_kernel over all of a weight's tiles.
-template <bool TO_TILES>
-qd_status tile_weights(const int8_t *values, int64_t N, int64_t K, int64_t ld, int bits, const void *tile_words,
-                       cudaStream_t s) {
+// Checks the arguments and launches tile_weights_kernel over all of a weight's
+// tiles: TO_TILES from int8 values, else back into values of type V, up to
+// column k_end (K, or ld to write the zeros past K too).
+template <bool TO_TILES, typename V = int8_t>
+qd_status tile_weights(const V *values, int64_t N, int64_t K, int64_t ld, int64_t k_end, int bits,
+                       const void *tile_words, cudaStream_t s) {
     if (!values || !tile_words) return QD_ERR_NULL;
     if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
     if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
     // one kernel for both directions: the side it writes is the side it was given to write
-    int8_t *q = const_cast<int8_t *>(values);
+    V *q = const_cast<V *>(values);
     uint32_t *tiles = static_cast<uint32_t *>(const_cast<void *>(tile_words));
     const int64_t words = qd_cuda_fq_tiles_bytes(N, K, bits) / 4;
     const int64_t bands = ceil_div(N, 16), tpb = ceil_div(K, tile_k(bits));
     const unsigned grid = qd::grid_for(words, 256);
-    if (bits == 8) tile_weights_kernel<8, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
-    else if (bits == 4) tile_weights_kernel<4, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
-    else tile_weights_kernel<2, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
+    if (bits == 8)
+        tile_weights_kernel<8, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, k_end, {bands, tpb}, words, tiles);
+    else if (bits == 4)
+        tile_weights_kernel<4, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, k_end, {bands, tpb}, words, tiles);
+    else
+        tile_weights_kernel<2, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, k_end, {bands, tpb}, words, tiles);
     return qd::launched();
 }
 
@@ -188,16 +198,7 @@ enum Mode { BF16 = 0, F16 = 1, SPLIT = 2 };
 // c[16x8] += a[16x16] * b[16x8], 16-bit operands, float32 accumulators.
 template <int MODE>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (MODE == F16)
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    qd::mma_16bit<MODE == F16>(c, a, b0, b1);
 }
 
 // (a & b) | c and (a & b) ^ c, one instruction each (given two constants, the
@@ -956,7 +957,7 @@ extern "C" int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
 extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld,
                                              int bits, void *tiles, void *stream) {
     cudaStream_t s = qd::as_stream(stream);
-    const qd_status st = tile_weights<true>(q, N, K, ld, bits, tiles, s);
+    const qd_status st = tile_weights<true>(q, N, K, ld, K, bits, tiles, s);
     if (st != QD_OK) return st;
     // fq kernels read tiles before they wait for earlier grids: the tiles are
     // finished here, once per weight.
@@ -965,7 +966,22 @@ extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t
 
 extern "C" qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
                                                int64_t ld, void *stream) {
-    return tile_weights<false>(q, N, K, ld, bits, tiles, qd::as_stream(stream));
+    return tile_weights<false>(q, N, K, ld, K, bits, tiles, qd::as_stream(stream));
+}
+
+extern "C" qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
+                                               void *w16, int64_t ld, void *stream) {
+    if (!tiles || !w16) return QD_ERR_NULL;
+    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
+    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
+    // The zeros past K come from the tiles, which hold them up to a whole tile of K.
+    if (ld % 8 || ld > ceil_div(K, tile_k(bits)) * tile_k(bits)) return QD_ERR_ARGUMENT;
+    cudaStream_t s = qd::as_stream(stream);
+    if (dtype == QD_CUDA_F16)
+        return tile_weights<false>(static_cast<const __half *>(w16), N, K, ld, ld, bits, tiles, s);
+    if (dtype == QD_CUDA_BF16)
+        return tile_weights<false>(static_cast<const __nv_bfloat16 *>(w16), N, K, ld, ld, bits, tiles, s);
+    return QD_ERR_ARGUMENT;
 }
 
 extern "C" qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,

@@ -1,10 +1,12 @@
-// int8 x int8 GEMM on tensor cores with the scale epilogue fused.
+// int8 x int8 GEMM on tensor cores with the scale epilogue fused, and the same
+// kernel on 16-bit float operands for fq at many rows (qd_cuda_fq_gemm).
 //
-// A is [M, ld] and B is [N, ld] (both K-contiguous).  A 128x128 block tile is
-// computed by 8 warps (2 x 4, 64x32 each) from a 3-stage cp.async pipeline of
-// 128-wide K slices.  Integer accumulators are exact; in the scaled mode they are
-// flushed into float accumulators at the end of each K group that shares one
-// scale pair (the gcd of the two K blocks), as the reference does.
+// A is [M, ld] and B is [N, ld] (both K-contiguous, ld in bytes).  A 128x128 block
+// tile is computed by 8 warps (2 x 4, 64x32 each) from a 3-stage cp.async pipeline
+// of 128-byte K slices.  Integer accumulators are exact; in the scaled mode they
+// are flushed into float accumulators at the end of each K group that shares one
+// scale pair (the gcd of the two K blocks), as the reference does.  16-bit
+// operands sum in float32 per K group the same way.
 //
 // On Hopper (sm_90a builds) INT32_OUT and ONE_GROUP run gemm_s8_sm90.cu's wgmma
 // kernel instead; GROUPED and every other GPU use this one.
@@ -25,13 +27,25 @@ constexpr int LDS = BK + 16;  // smem row: 144 bytes keeps ldmatrix rows on dist
 constexpr int ROW_CHUNKS = BK / 16, LOADS = BM * ROW_CHUNKS / THREADS;  // 16-byte copies
 constexpr int SMEM_BYTES = STAGES * (BM + BN) * LDS;
 constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
-constexpr int KSTEP = 32;     // K per mma
+constexpr int KSTEP = 32;     // K bytes per mma
 constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
 
-template <int MODE>
+// The sums of an mma step: exact int32 for int8 operands, float32 otherwise.
+template <int OPS> struct Sums { using type = float; };
+template <> struct Sums<S8> { using type = int32_t; };
+
+template <int OPS>
+__device__ __forceinline__ void mma_step(typename Sums<OPS>::type (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    if constexpr (OPS == S8) mma_s8(c, a, b0, b1);
+    else mma_16bit<OPS == F16>(c, a, b0, b1);
+}
+
+template <int MODE, int OPS>
 __global__ void __launch_bounds__(THREADS, MODE == GROUPED ? 1 : 2)  // GROUPED keeps float sums too
 gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int M, int N,
                int64_t Kp, int64_t ld, void *out, int out_dtype, Scales sc) {
+    using Sum = typename Sums<OPS>::type;
     extern __shared__ __align__(16) int8_t smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;
@@ -58,7 +72,7 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
 
     constexpr bool SCALED = MODE != INT32_OUT;
     constexpr int F = MODE == GROUPED ? 4 : 1;  // float partial sums only when groups are flushed
-    int32_t acc[4][4][4];
+    Sum acc[4][4][4];
     float facc[F][F][F];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -66,7 +80,7 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                acc[i][j][e] = 0;
+                acc[i][j][e] = Sum(0);
                 if constexpr (MODE == GROUPED) facc[i][j][e] = 0.0f;
             }
 
@@ -76,7 +90,8 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
     auto col_of = [&](int j, int odd) { return n0 + wn * 32 + j * 8 + t * 2 + odd; };
 
     // Adds each sum times its scale pair into facc (GROUPED) or returns in place
-    // of acc as float bits (ONE_GROUP, at the end).  k: any index inside the group.
+    // of acc (ONE_GROUP, at the end; as float bits in int32 sums).  k: any byte of
+    // K inside the group.  Without a scales (fq_gemm) their factor is 1.
     auto flush = [&](int64_t k) {
         if constexpr (SCALED) {
             float sa[4][2], sb[4][2];
@@ -85,7 +100,7 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     int r = min(row_of(i, h), M - 1);
-                    sa[i][h] = sc.a[(r / sc.a_bm) * sc.a_ld + k / sc.a_bk];
+                    sa[i][h] = sc.a ? sc.a[(r / sc.a_bm) * sc.a_ld + k / sc.a_bk] : 1.0f;
                 }
 #pragma unroll
             for (int j = 0; j < 4; ++j)
@@ -104,9 +119,11 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
                         float v = __fmul_rn(s, (float)acc[i][j][e]);
                         if constexpr (MODE == GROUPED) {
                             facc[i][j][e] = __fadd_rn(facc[i][j][e], v);
-                            acc[i][j][e] = 0;
-                        } else {
+                            acc[i][j][e] = Sum(0);
+                        } else if constexpr (OPS == S8) {
                             acc[i][j][e] = __float_as_int(v);
+                        } else {
+                            acc[i][j][e] = v;
                         }
                     }
         }
@@ -141,7 +158,7 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    mma_s8(acc[i][j], fa[i], fb[j >> 1][(j & 1) * 2], fb[j >> 1][(j & 1) * 2 + 1]);
+                    mma_step<OPS>(acc[i][j], fa[i], fb[j >> 1][(j & 1) * 2], fb[j >> 1][(j & 1) * 2 + 1]);
             if constexpr (MODE == GROUPED) {
                 if ((step + 1) % sc.group_steps == 0 || step + 1 == ksteps) flush(step * KSTEP);
             }
@@ -165,7 +182,8 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
                 } else {
                     float v;
                     if constexpr (MODE == GROUPED) v = facc[i][j][e];
-                    else v = __int_as_float(acc[i][j][e]);
+                    else if constexpr (OPS == S8) v = __int_as_float(acc[i][j][e]);
+                    else v = acc[i][j][e];
                     qd::store_from_f32(out, out_dtype, o, v);
                 }
             }
@@ -203,15 +221,16 @@ qd_status check_operands(const void *a, const void *bt, const void *out, int64_t
     return QD_OK;
 }
 
-template <int MODE>
+// K in bytes: the zero padding up to the next 16 bytes is part of the rows.
+template <int MODE, int OPS = S8>
 qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
                       int64_t ld, void *out, int out_dtype, const Scales &sc, void *stream) {
-    const int64_t Kp = (K + 15) / 16 * 16;  // zero padding up to the next 16 bytes is part of the rows
+    const int64_t Kp = (K + 15) / 16 * 16;
     if (MODE != GROUPED && qd::gemm_s8_sm90_usable())
-        return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE),
+        return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE), Operands(OPS),
                                 qd::as_stream(stream));
     static unsigned long long configured = 0;
-    auto kernel = gemm_s8_kernel<MODE>;
+    auto kernel = gemm_s8_kernel<MODE, OPS>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
     if (st != QD_OK) return st;
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
@@ -221,7 +240,38 @@ qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, i
     return qd::launched();
 }
 
+// fq_gemm's launch for one operand type: the weight's scales over whole K, or per
+// block of K (a multiple of 16 values: whole mma steps).  Scales index K in bytes.
+template <int OPS>
+qd_status launch_fq_gemm(const void *x, const void *w16, int64_t M, int64_t N, int64_t K, int64_t ld,
+                         const float *scales, int64_t block_n, int64_t block_k, void *out, int out_dtype,
+                         void *stream) {
+    const int8_t *a = static_cast<const int8_t *>(x), *bt = static_cast<const int8_t *>(w16);
+    Scales sc{nullptr, 0, M, 2 * K, scales, K / block_k, block_n, 2 * block_k, block_k / 16};
+    if (block_k == K)
+        return launch_gemm<ONE_GROUP, OPS>(a, bt, M, N, 2 * K, 2 * ld, out, out_dtype, sc, stream);
+    return launch_gemm<GROUPED, OPS>(a, bt, M, N, 2 * K, 2 * ld, out, out_dtype, sc, stream);
+}
+
 }  // namespace
+
+extern "C" qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N,
+                                     int64_t K, int64_t ld, const float *scales, int64_t block_n,
+                                     int64_t block_k, void *out, int out_dtype, void *stream) {
+    if (!x || !w16 || !scales || !out) return QD_ERR_NULL;
+    if (M <= 0 || N <= 0 || K <= 0 || M > 0x7FFFFFFF || N > 0x7FFFFFFF || ld < K) return QD_ERR_SHAPE;
+    if (block_n <= 0 || block_k <= 0 || N % block_n || K % block_k) return QD_ERR_SHAPE;
+    if (out_dtype != QD_CUDA_F32 && out_dtype != QD_CUDA_F16 && out_dtype != QD_CUDA_BF16) return QD_ERR_ARGUMENT;
+    // rows copied in 16-byte pieces; scale blocks end on whole mma steps
+    if (ld % 8 || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w16) % 16 ||
+        (block_k != K && block_k % 16))
+        return QD_ERR_ARGUMENT;
+    if (dtype == QD_CUDA_F16)
+        return launch_fq_gemm<F16>(x, w16, M, N, K, ld, scales, block_n, block_k, out, out_dtype, stream);
+    if (dtype == QD_CUDA_BF16)
+        return launch_fq_gemm<BF16>(x, w16, M, N, K, ld, scales, block_n, block_k, out, out_dtype, stream);
+    return QD_ERR_ARGUMENT;
+}
 
 extern "C" qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M,
                                            int64_t N, int64_t K, int64_t ld, int32_t *c,

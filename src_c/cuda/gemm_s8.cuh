@@ -11,6 +11,12 @@ struct Scales {
     int64_t group_steps;                      // k-steps per exact group
 };
 
+// What a GEMM multiplies: int8 (exact int32 sums) or 16-bit floats (float32 sums;
+// fq_gemm's weights are integers, exact in them).  Either way an mma step reads 32
+// bytes of K per row with its fragments laid out alike in bytes, so the kernels
+// move bytes, and only the mma and the sums' type differ.
+enum Operands { S8 = 0, F16 = 1, BF16 = 2 };
+
 // What a kernel does with its exact int32 sums: store them (int_matmul), scale
 // them once by the pair of one K group covering all of K, or flush per K group.
 enum GemmMode { INT32_OUT = 0, ONE_GROUP = 1, GROUPED = 2 };

@@ -8,6 +8,8 @@
 // tile by all 256 columns with wgmma m64n256k32 (both operands K-major in shared
 // memory, exact int32 sums in 128 registers per thread), then stores its rows
 // straight from the registers while the producer already loads the next tile.
+// fq_gemm's 16-bit operands run the same kernel with wgmma m64n256k16 (the same
+// 32 bytes of K per row) and float32 sums.
 #include <cuda.h>          // CUtensorMap and its enums only: the driver is reached
 #include <cudaTypedefs.h>  // through the runtime, libcuda is not linked
 #include <cuda_bf16.h>
@@ -95,29 +97,47 @@ __device__ __forceinline__ uint64_t sw128_desc(const void *tile) {
            | uint64_t(1) << 62;                         // 128-byte swizzle
 }
 
-#define QD_D4(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3])
-#define QD_D16(i) QD_D4(i), QD_D4(i + 4), QD_D4(i + 8), QD_D4(i + 12)
-#define QD_D64(i) QD_D16(i), QD_D16(i + 16), QD_D16(i + 32), QD_D16(i + 48)
+#define QD_D4(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3])
+#define QD_D16(c, i) QD_D4(c, i), QD_D4(c, i + 4), QD_D4(c, i + 8), QD_D4(c, i + 12)
+#define QD_D64(c, i) QD_D16(c, i), QD_D16(c, i + 16), QD_D16(c, i + 32), QD_D16(c, i + 48)
+#define QD_WGMMA_D                                                                                      \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                            \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                  \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                  \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                  \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "      \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// d[64x256] (+)= a[64x32] * b[256x32]^T; accumulate = 0 overwrites d.
-__device__ __forceinline__ void wgmma_m64n256k32(int32_t (&d)[128], uint64_t a, uint64_t b,
-                                                 int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p;\n}\n"
-        : QD_D64(0), QD_D64(64)
-        : "l"(a), "l"(b), "r"(accumulate));
+// The sums of a wgmma: exact int32 for int8 operands, float32 otherwise.
+template <int OPS> struct Sums { using type = float; };
+template <> struct Sums<S8> { using type = int32_t; };
+
+// d[64x256] (+)= a[64 x 32 bytes] * b[256 x 32 bytes]^T; accumulate = 0 overwrites d.
+template <int OPS>
+__device__ __forceinline__ void wgmma_step(typename Sums<OPS>::type (&d)[128], uint64_t a, uint64_t b,
+                                           int accumulate) {
+    if constexpr (OPS == S8)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {" QD_WGMMA_D "}, %128, %129, p;\n}\n"
+            : QD_D64("+r", 0), QD_D64("+r", 64)
+            : "l"(a), "l"(b), "r"(accumulate));
+    else if constexpr (OPS == F16)  // both operands K-major (no transpose), unscaled
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" QD_WGMMA_D "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+            : QD_D64("+f", 0), QD_D64("+f", 64)
+            : "l"(a), "l"(b), "r"(accumulate));
+    else
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QD_WGMMA_D "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+            : QD_D64("+f", 0), QD_D64("+f", 64)
+            : "l"(a), "l"(b), "r"(accumulate));
 }
-
+#undef QD_WGMMA_D
 #undef QD_D64
 #undef QD_D16
 #undef QD_D4
@@ -137,6 +157,10 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_registers(int32_t (&d)[128]) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+__device__ __forceinline__ void fence_registers(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 template <int REGS>
@@ -185,7 +209,8 @@ __device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
 #endif  // sm_90a
 
 // T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype.
-template <typename T>
+// OPS: the operands' type (Operands).
+template <typename T, int OPS>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     const __grid_constant__ CUtensorMap map_b, int M, int N, int64_t Kp,
@@ -242,9 +267,10 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         const unsigned a_bm = (unsigned)sc.a_bm, b_bn = (unsigned)sc.b_bn;  // <= M, N: 32 bits
         T *o = static_cast<T *>(out);
         const bool vec = N % 2 == 0 && reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0;
-        int32_t d[128];
+        using Sum = typename Sums<OPS>::type;
+        Sum d[128];
 #pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = 0;
+        for (int i = 0; i < 128; ++i) d[i] = Sum(0);
         int stage = 0;
         uint32_t phase = 0;
         for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -262,7 +288,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
             if constexpr (SCALED) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    sa[h] = __ldg(sc.a + (unsigned)min(r0 + 8 * h, M - 1) / a_bm * sc.a_ld);
+                    sa[h] = sc.a ? __ldg(sc.a + (unsigned)min(r0 + 8 * h, M - 1) / a_bm * sc.a_ld) : 1.0f;
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
@@ -278,7 +304,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                 wgmma_fence();  // orders the epilogue's register reads before the new sums
 #pragma unroll
                 for (int ks = 0; ks < BK / KSTEP; ++ks)  // start field counts 16 bytes
-                    wgmma_m64n256k32(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > 0 || ks > 0);
+                    wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > 0 || ks > 0);
                 wgmma_commit();
                 // Keep this k-tile's group in flight; the previous one is done, so its
                 // slot goes back to the producer.
@@ -300,7 +326,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                 for (int h = 0; h < 2; ++h) {
                     const int r = r0 + 8 * h;
                     if (r >= M) continue;
-                    const int32_t x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
+                    const Sum x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
                     T *p = o + (int64_t)r * N + c;
                     if constexpr (SCALED)  // as gemm_s8.cu's ONE_GROUP, bit for bit
                         store2(p, __fmul_rn(__fmul_rn(sa[h], sb[j][0]), (float)x),
@@ -314,18 +340,24 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
 #endif  // QD_SM90A_BODY
 }
 
-using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t>);
-// Indexed by kernel_index().
-constexpr Kernel KERNELS[] = {gemm_s8_sm90_kernel<int32_t>, gemm_s8_sm90_kernel<float>,
-                              gemm_s8_sm90_kernel<__half>, gemm_s8_sm90_kernel<__nv_bfloat16>};
+using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t, S8>);
+// Indexed by kernel_index(): int32 out, then float32 / float16 / bfloat16 out for
+// int8, float16 and bfloat16 operands.
+constexpr Kernel KERNELS[] = {
+    gemm_s8_sm90_kernel<int32_t, S8>,
+    gemm_s8_sm90_kernel<float, S8>,    gemm_s8_sm90_kernel<__half, S8>,  gemm_s8_sm90_kernel<__nv_bfloat16, S8>,
+    gemm_s8_sm90_kernel<float, F16>,   gemm_s8_sm90_kernel<__half, F16>, gemm_s8_sm90_kernel<__nv_bfloat16, F16>,
+    gemm_s8_sm90_kernel<float, BF16>,  gemm_s8_sm90_kernel<__half, BF16>,
+    gemm_s8_sm90_kernel<__nv_bfloat16, BF16>};
 
-int kernel_index(GemmMode mode, int out_dtype) {
-    if (mode == INT32_OUT) return 0;
+int kernel_index(GemmMode mode, int out_dtype, Operands ops) {
+    if (mode == INT32_OUT) return ops == S8 ? 0 : -1;
     if (mode != ONE_GROUP) return -1;
+    const int base = 1 + 3 * (int)ops;
     switch (out_dtype) {
-    case QD_CUDA_F32: return 1;
-    case QD_CUDA_F16: return 2;
-    case QD_CUDA_BF16: return 3;
+    case QD_CUDA_F32: return base;
+    case QD_CUDA_F16: return base + 1;
+    case QD_CUDA_BF16: return base + 2;
     default: return -1;
     }
 }
@@ -419,13 +451,13 @@ bool gemm_s8_sm90_usable() {
 }
 
 qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t Kp,
-                       int64_t ld, void *out, int out_dtype, const Scales &sc, GemmMode mode,
+                       int64_t ld, void *out, int out_dtype, const Scales &sc, GemmMode mode, Operands ops,
                        cudaStream_t stream) {
     Device *d = nullptr;
     qd_status st = current_device(&d);
     if (st != QD_OK) return st;
     if (!d->usable) return QD_ERR_CUDA_UNAVAILABLE;
-    const int k = kernel_index(mode, out_dtype);
+    const int k = kernel_index(mode, out_dtype, ops);
     if (k < 0 || Kp % 16) return QD_ERR_ARGUMENT;
     const int64_t tiles = ceil_div(M, BM) * ceil_div(N, BN);
     if (M > INT_MAX || N > INT_MAX || tiles > INT_MAX) return QD_ERR_SHAPE;

@@ -8,11 +8,12 @@ namespace qd {
 // the sm_90a kernel for it.
 bool gemm_s8_sm90_usable();
 
-// C = A * Bt^T as gemm_s8.cu's kernel computes it, for mode INT32_OUT (out int32)
-// or ONE_GROUP (out_dtype QD_CUDA_F32 / F16 / BF16).  A [M, ld] and Bt [N, ld]
-// 16-byte aligned, K extent Kp (a multiple of 16).
+// C = A * Bt^T as gemm_s8.cu's kernel computes it, for mode INT32_OUT (out int32,
+// int8 operands) or ONE_GROUP (out_dtype QD_CUDA_F32 / F16 / BF16).  A [M, ld] and
+// Bt [N, ld] of `ops`, 16-byte aligned, ld and the K extent Kp (a multiple of 16)
+// in bytes.
 qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t Kp,
-                       int64_t ld, void *out, int out_dtype, const Scales &sc, GemmMode mode,
+                       int64_t ld, void *out, int out_dtype, const Scales &sc, GemmMode mode, Operands ops,
                        cudaStream_t stream);
 
 }  // namespace qd

@@ -1,5 +1,5 @@
-// The int8 tensor-core building blocks (sm_80+): asynchronous global->shared
-// copies, ldmatrix, and mma.sync m16n8k32 s8 x s8 -> s32.
+// The tensor-core building blocks (sm_80+): asynchronous global->shared copies,
+// ldmatrix, mma.sync m16n8k32 s8 x s8 -> s32 and m16n8k16 f16/bf16 -> f32.
 #pragma once
 #include <cstdint>
 
@@ -46,6 +46,22 @@ __device__ __forceinline__ void mma_s8(int32_t (&c)[4], const uint32_t (&a)[4], 
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c[16x8] += a[16x16] * b[16x8], float16 (F16) or bfloat16 operands, float32 sums.
+// An A or B fragment holds the same bytes as mma_s8's: 32 bytes of K per row.
+template <bool F16>
+__device__ __forceinline__ void mma_16bit(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 }  // namespace qd

@@ -237,6 +237,18 @@ qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int
 qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
                             const void *tiles, const void *scale_tiles, int bits, int64_t N,
                             int64_t K, int64_t block_k, void *out, int out_dtype, void *stream);
+/* Many rows of x (prefill): the weight's values as float16 or bfloat16 (dtype) rows
+ * w16 [N, ld] (ld a multiple of 8, K <= ld; columns K..ld zero), exact integers,
+ * from its tiles; then qd_cuda_fq_gemm multiplies them on the tensor cores as
+ * qd_cuda_fq_matmul does: out[M, N] = x[M, K] @ (w16 * scales)^T, float32 sums per
+ * block of K, each scaled, added in float32.  x: [M, ld] of the same dtype, zero in
+ * columns K..ld; x and w16 16-byte aligned; scales [N/block_n, K/block_k] float32,
+ * block_k == K or a multiple of 16. */
+qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
+                                    void *w16, int64_t ld, void *stream);
+qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
+                          int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
+                          int out_dtype, void *stream);
 /* 1 if qd_cuda_fq_matmul takes this weight blocking (bits 8, 4 or 2; block_k a
  * multiple of 16, or one block along K). */
 int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
