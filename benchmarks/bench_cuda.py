@@ -6,7 +6,8 @@ Every figure is the median over repetitions of CUDA-event time per call, with
 inputs rotated over enough buffers that each call reads them from HBM rather
 than from the 50 MB L2.  Contenders: `torch._int_mm` (cuBLASLt int8) raw and
 followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
-to benchmarks/results/cuda_h200.json with the GPU's name and clocks."""
+to benchmarks/results/cuda_h200.json (prefill-sized fq: cuda_h200_prefill.json)
+with the GPU's name and clocks."""
 import json
 import os
 import subprocess
@@ -24,10 +25,18 @@ pytestmark = [
                        reason="needs the cuda backend, torch and a GPU"),
 ]
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cuda_h200.json")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.path.join(RESULTS_DIR, "cuda_h200.json")
+PREFILL_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_prefill.json")
 L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
 QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
 FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
+PREFILL_SHAPES = [(256, 4096, 4096), (2048, 4096, 4096), (256, 4096, 11008), (2048, 4096, 11008)]
+FQ_WEIGHTS = [
+    ("int8_per_channel", qd.QuantScheme("q8s", axis=0)),
+    ("int4_block128", qd.QuantScheme("q4s", block=128, store="packed_u32")),
+    ("int4_block32", qd.QuantScheme("q4s", block=32, store="packed_u32")),
+]
 _records = {}
 _BACKEND = get_backend("cuda")
 
@@ -63,21 +72,20 @@ def gpu_info():
         return [{"name": torch.cuda.get_device_name(0)}]
 
 
-def record(benchmark, kind, shape, figures, extra=None):
+def record(benchmark, kind, shape, figures, extra=None, results=RESULTS):
     entry = {"kind": kind, "shape": list(shape), "ms": figures, **(extra or {})}
-    _records[(kind, tuple(shape))] = entry
+    _records.setdefault(results, {})[(kind, tuple(shape))] = entry
     benchmark.extra_info.update(entry)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def write_results():
     yield
-    if not _records:
-        return
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump({"gpu": gpu_info(), "torch": torch.__version__, "qdispatch": qd.__version__,
-                   "build": qd.info()["build"].get("cuda"), "results": list(_records.values())}, f, indent=1)
+    for path, records in _records.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"gpu": gpu_info(), "torch": torch.__version__, "qdispatch": qd.__version__,
+                       "build": qd.info()["build"].get("cuda"), "results": list(records.values())}, f, indent=1)
 
 
 def _qq_sets(M, K, N, count):
@@ -135,11 +143,7 @@ def host_us(fn, sets, calls=200):
 
 
 @pytest.mark.parametrize("M,K,N", FQ_SHAPES)
-@pytest.mark.parametrize("wname,scheme", [
-    ("int8_per_channel", qd.QuantScheme("q8s", axis=0)),
-    ("int4_block128", qd.QuantScheme("q4s", block=128, store="packed_u32")),
-    ("int4_block32", qd.QuantScheme("q4s", block=32, store="packed_u32")),
-])
+@pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
 def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
     """Decode-shaped products: bf16 x [M, K] @ dequantize(w [N, K]).T -> bf16, as torch's."""
     probe = _weights(N, K, scheme, 1)[0]
@@ -169,4 +173,42 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
         "host_us_per_call": {"qdispatch": host_us(ours_fn, sets), "qdispatch_kernel": host_us(kernel_fn, sets),
                              "torch_bf16_matmul": host_us(torch_fn, tb)},
         "speedup_vs_bf16": bf16 / ours, "kernel_speedup_vs_bf16": bf16 / kernel, "rel_err": err})
+    benchmark.pedantic(lambda: (ours_fn(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("M,K,N", PREFILL_SHAPES)
+@pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
+def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, scheme):
+    """Prefill-sized products, bf16 out: qdispatch as it runs them (a GEMM on the
+    weight's values, or decode launches of 16 rows where those are faster), the
+    decode launches alone, and bf16 torch.matmul."""
+    from qdispatch.backends import cuda as cuda_backend
+    count = n_sets(M * K * 2 + N * K)
+    ws = _weights(N, K, scheme, count)
+    xs = [qd.from_dlpack(torch.randn(M, K, device="cuda").to(torch.bfloat16)) for _ in range(count)]
+    sets = list(zip(xs, ws))
+    ours_fn = lambda x, w: qd.q_matmul(x, w.T, out_dtype="bfloat16")
+    for x, w in sets:  # lay out the weights once, before timing
+        ours_fn(x, w)
+    ours = gpu_ms(ours_fn, sets)
+    gemm_rows = w.storage.cache[("fq_call", True)][1]
+    monkeypatch.setattr(cuda_backend, "FQ_GEMM_MIN_ROWS", dict.fromkeys(cuda_backend.FQ_GEMM_MIN_ROWS, None))
+    decode_ws = _weights(N, K, scheme, count)  # weights first used now: decode launches only
+    decode_sets = list(zip(xs, decode_ws))
+    for x, w in decode_sets:
+        ours_fn(x, w)
+    decode = gpu_ms(ours_fn, decode_sets, reps=3, calls=5)
+    tb = [(torch.randn(M, K, device="cuda").to(torch.bfloat16),
+           torch.randn(N, K, device="cuda").to(torch.bfloat16)) for _ in range(n_sets(M * K * 2 + N * K * 2))]
+    bf16 = gpu_ms(lambda x, w: torch.matmul(x, w.t()), tb)
+    x, w = sets[0]
+    expect = torch.from_dlpack(x).float() @ torch.from_dlpack(w.dequantize()).t()
+    got = torch.from_dlpack(ours_fn(x, w)).float()
+    err = float(((got - expect).norm() / expect.norm()).item())
+    figures = {"qdispatch": ours, "qdispatch_decode_launches": decode, "torch_bf16_matmul": bf16}
+    record(benchmark, f"fq_prefill_bf16_x_{wname}", (M, K, N), figures, {
+        "path": "gemm" if M >= gemm_rows else "decode launches",
+        "tflops": {k: 2 * M * N * K / v / 1e9 for k, v in figures.items()},
+        "ratio_vs_bf16": bf16 / ours, "speedup_vs_decode_launches": decode / ours, "rel_err": err},
+        results=PREFILL_RESULTS)
     benchmark.pedantic(lambda: (ours_fn(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)

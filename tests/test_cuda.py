@@ -389,6 +389,17 @@ def fq_gemm_calls(monkeypatch):
     return calls
 
 
+def _gemm_from_one_row(monkeypatch):
+    """fq runs as a GEMM at any rows for weights first used from here on."""
+    from qdispatch.backends import cuda as cuda_backend
+    monkeypatch.setattr(cuda_backend, "FQ_GEMM_MIN_ROWS", dict.fromkeys(cuda_backend.FQ_GEMM_MIN_ROWS, 1))
+
+
+@pytest.fixture
+def gemm_from_one_row(monkeypatch):
+    _gemm_from_one_row(monkeypatch)
+
+
 GEMM_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s"), qd.QuantScheme("q8f", block=(4, 32)),
                 qd.QuantScheme("q4s", block=128, store="packed_u32"),
                 qd.QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"),
@@ -397,10 +408,10 @@ GEMM_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s"), qd.QuantSc
 
 @pytest.mark.parametrize("scheme", GEMM_SCHEMES, ids=repr)
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("M,K,N", [(512, 256, 96), (530, 768, 77), (700, 1024, 300), (600, 100, 260)])
-def test_fq_many_rows_match_reference(rng, fq_gemm_calls, scheme, x_dtype, M, K, N):
-    """From FQ_GEMM_MIN_ROWS (512) rows of 16-bit x, fq multiplies the weight's values on
-    the tensor cores as a GEMM: tails in M, N and K (K = 100 is no whole 16-byte row)."""
+@pytest.mark.parametrize("M,K,N", [(64, 256, 96), (130, 768, 77), (257, 1024, 300), (300, 100, 260)])
+def test_fq_gemm_matches_reference(rng, gemm_from_one_row, fq_gemm_calls, scheme, x_dtype, M, K, N):
+    """fq as a GEMM on the weight's values, for every blocking: tails in M, N and K
+    (K = 100 is no whole 16-byte row), scales per block of K kept exact per block."""
     block = scheme.block or ()  # over the trailing dims of the weight [N, K]
     if any(dim % b for dim, b in zip((N, K)[2 - len(block):], block)):
         pytest.skip("blocks must divide the weight")
@@ -421,17 +432,31 @@ def test_fq_many_rows_match_reference(rng, fq_gemm_calls, scheme, x_dtype, M, K,
 @pytest.mark.parametrize("scheme", [GEMM_SCHEMES[0], GEMM_SCHEMES[3]], ids=repr)
 @pytest.mark.parametrize("M", [1, 5, 16, 63])
 def test_fq_gemm_at_few_rows(rng, monkeypatch, fq_gemm_calls, scheme, M):
-    # The GEMM path below its threshold (a tile mostly past M) agrees with the decode path.
-    from qdispatch.backends import cuda as cuda_backend
+    # The GEMM at rows the decode kernel takes (a tile mostly past M) agrees with it.
     K, N = 512, 136
     x = qd.tensor(_bf16_valued(rng.standard_normal((M, K)).astype(np.float32)), device="cuda", dtype="bfloat16")
-    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
-    decode = qd.q_matmul(x, wq.T).numpy()
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    decode = qd.q_matmul(x, qd.quantize(w, scheme, device="cuda").T).numpy()
     assert not fq_gemm_calls
-    monkeypatch.setattr(cuda_backend, "FQ_GEMM_MIN_ROWS", 1)
-    gemm = qd.q_matmul(x, wq.T).numpy()
+    _gemm_from_one_row(monkeypatch)
+    gemm = qd.q_matmul(x, qd.quantize(w, scheme, device="cuda").T).numpy()
     assert len(fq_gemm_calls) == 1
     assert rel_err(decode, gemm) < FQ_TOL
+
+
+@pytest.mark.parametrize("scheme,rows", [(GEMM_SCHEMES[0], 160), (GEMM_SCHEMES[3], 512), (GEMM_SCHEMES[4], None)],
+                         ids=["whole-K", "block-128", "block-32"])
+def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, rows):
+    """A prefill-sized x takes the GEMM from FQ_GEMM_MIN_ROWS rows on (scales over
+    all of K or blocks of 64 or more); blocks of 32 keep the decode kernel."""
+    K, N = 1024, 200
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    for M in (rows - 1, rows) if rows else (600,):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        out = qd.q_matmul(qd.tensor(x, device="cuda", dtype="bfloat16"), wq.T)
+        expect = qd.q_matmul(qd.tensor(x, device="reference", dtype="bfloat16"), ref(wq).T).numpy()
+        assert rel_err(expect, out.numpy()) < FQ_TOL
+        assert len(fq_gemm_calls) == (M == rows)
 
 
 def test_fq_float32_rows_stay_exact(rng, fq_gemm_calls):

@@ -33,10 +33,20 @@ except ImportError as exc:  # built without CUDA
 REBUILD = ("To rebuild with it, install the CUDA toolkit (nvcc) and run "
            "QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
 GEMM_ALIGN = 16  # bytes: rows of int8 GEMM operands start on 16-byte boundaries
-# From this many rows, a float16/bfloat16 x times a quantized weight runs as a GEMM
+# From how many rows a float16/bfloat16 x times a quantized weight runs as a GEMM
 # on the weight's values expanded to x's dtype, rather than as decode launches of
-# 16 rows, each streaming the whole weight.
-FQ_GEMM_MIN_ROWS = 512
+# 16 rows that each stream the whole weight, by the weight's scale blocks along K:
+# one block over all of K, blocks of 64 values or more, finer blocks (None: never;
+# a block's sums are scaled as it ends, which the GEMM does at a cost).  Measured
+# on an H200 at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).
+FQ_GEMM_MIN_ROWS = {"whole_k": 160, "blocks": 512, "fine_blocks": None}
+
+
+def fq_gemm_min_rows(block_k, K):
+    """The rows of 16-bit x from which fq runs as a GEMM, or None."""
+    if block_k == K:
+        return FQ_GEMM_MIN_ROWS["whole_k"]
+    return FQ_GEMM_MIN_ROWS["blocks" if block_k >= 64 else "fine_blocks"]
 _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
                np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
@@ -292,8 +302,8 @@ class CudaBackend(Backend):
             call = w.storage.cache[key] = self._fq_call(w)
         if call is False:
             return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
-        decode, (scales, bn) = call
-        if x.shape[0] >= FQ_GEMM_MIN_ROWS and x.dtype in ("float16", "bfloat16"):
+        decode, gemm_rows, scales, bn = call
+        if x.shape[0] >= gemm_rows and x.dtype in ("float16", "bfloat16"):
             tiles, _, bits, N, K, bk = decode
             w16 = _cuda.fq_expand_weights(tiles, N, K, bits, x.dtype)  # per call: the weight stays small
             return _cuda.fq_gemm(x, w16, scales, bn, bk, K, out_dtype)
@@ -301,8 +311,9 @@ class CudaBackend(Backend):
 
     def _fq_call(self, w):
         """fq_matmul's weight arguments for w: those of the decode kernel (the tiled
-        weights are laid out here, once) and the scales [N/bn, K/bk] with bn, or
-        False when its blocking along K needs the host."""
+        weights are laid out here, once), the rows from which the GEMM takes over,
+        and its scales [N/bn, K/bk] with bn; or False when w's blocking along K
+        needs the host."""
         K, N = w.shape
         bk, bn = w.layout.logical_block(w.transposed)
         bits = w.layout.bits
@@ -313,7 +324,9 @@ class CudaBackend(Backend):
         # The tiles hold every value: the store can go (see the module's docstring).
         # _k_major turned the store's [K, N] into [N, K] unless w is a transposed view.
         w.storage.release_values(_StoreFromTiles(tiles, w.layout, N, K, flip=not w.transposed))
-        return (tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), (scales, bn)
+        gemm_rows = fq_gemm_min_rows(bk, K)
+        return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk),
+                float("inf") if gemm_rows is None else gemm_rows, scales, bn)
 
     def _fq_on_host(self, x, w):
         """Blockings along K finer than the kernels' 16-value chunks: the reference math."""

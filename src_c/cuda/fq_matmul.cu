@@ -114,16 +114,10 @@ struct TileOrder {
     }
 };
 
-// A weight value as the element type it is read back into (exact: |v| <= 128).
-template <typename V> __device__ inline V from_int(int v) { return static_cast<V>(v); }
-template <> __device__ inline __half from_int<__half>(int v) { return __int2half_rn(v); }
-template <> __device__ inline __nv_bfloat16 from_int<__nv_bfloat16>(int v) { return __int2bfloat16_rn(v); }
-
 // int8 values q [N, ld] <-> tiles: TO_TILES lays q out, otherwise the tiles are
-// read back into q, as int8 or as float16/bfloat16 (V), for columns k < k_end
-// (positions past N or K are zero in the tiles; past N nothing is written).
-template <int BITS, bool TO_TILES, typename V = int8_t>
-__global__ void tile_weights_kernel(V *__restrict__ q, int64_t N, int64_t K, int64_t ld, int64_t k_end,
+// read back into q (positions past N or K, zero in the tiles, are not written).
+template <int BITS, bool TO_TILES>
+__global__ void tile_weights_kernel(int8_t *__restrict__ q, int64_t N, int64_t K, int64_t ld,
                                     TileOrder<BITS> order, int64_t words, uint32_t *__restrict__ tiles) {
     using T = Tiling<BITS>;
     constexpr int BIAS = 1 << (BITS - 1), MASK = (1 << BITS) - 1;
@@ -138,11 +132,12 @@ __global__ void tile_weights_kernel(V *__restrict__ q, int64_t N, int64_t K, int
             int r, c;
             tile_position<BITS>(wi, f, lane >> 2, lane & 3, &r, &c);
             const int64_t row = 16 * band + r, k = T::KT * kt + c;
+            const bool inside = row < N && k < K;
             // stored with a +2^(bits-1) bias: the kernel turns fields into floats without sign logic
             if constexpr (TO_TILES)
-                word |= (uint32_t)((((row < N && k < K) ? q[row * ld + k] : 0) + BIAS) & MASK) << (BITS * f);
-            else if (row < N && k < k_end)
-                q[row * ld + k] = from_int<V>((int)((word >> (BITS * f)) & MASK) - BIAS);
+                word |= (uint32_t)(((inside ? q[row * ld + k] : 0) + BIAS) & MASK) << (BITS * f);
+            else if (inside)
+                q[row * ld + k] = (int8_t)((int)((word >> (BITS * f)) & MASK) - BIAS);
         }
         if constexpr (TO_TILES) tiles[i] = word;
     }
@@ -150,27 +145,72 @@ __global__ void tile_weights_kernel(V *__restrict__ q, int64_t N, int64_t K, int
 
 int64_t tile_k(int bits) { return 16 * (16 / bits); }  // K values per tile
 
-// Checks the arguments and launches tile_weights_kernel over all of a weight's
-// tiles: TO_TILES from int8 values, else back into values of type V, up to
-// column k_end (K, or ld to write the zeros past K too).
-template <bool TO_TILES, typename V = int8_t>
-qd_status tile_weights(const V *values, int64_t N, int64_t K, int64_t ld, int64_t k_end, int bits,
-                       const void *tile_words, cudaStream_t s) {
+// Checks the arguments and launches tile_weights_kernel over all of a weight's tiles.
+template <bool TO_TILES>
+qd_status tile_weights(const int8_t *values, int64_t N, int64_t K, int64_t ld, int bits, const void *tile_words,
+                       cudaStream_t s) {
     if (!values || !tile_words) return QD_ERR_NULL;
     if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
     if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
     // one kernel for both directions: the side it writes is the side it was given to write
-    V *q = const_cast<V *>(values);
+    int8_t *q = const_cast<int8_t *>(values);
     uint32_t *tiles = static_cast<uint32_t *>(const_cast<void *>(tile_words));
     const int64_t words = qd_cuda_fq_tiles_bytes(N, K, bits) / 4;
     const int64_t bands = ceil_div(N, 16), tpb = ceil_div(K, tile_k(bits));
     const unsigned grid = qd::grid_for(words, 256);
-    if (bits == 8)
-        tile_weights_kernel<8, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, k_end, {bands, tpb}, words, tiles);
-    else if (bits == 4)
-        tile_weights_kernel<4, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, k_end, {bands, tpb}, words, tiles);
-    else
-        tile_weights_kernel<2, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, k_end, {bands, tpb}, words, tiles);
+    if (bits == 8) tile_weights_kernel<8, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
+    else if (bits == 4) tile_weights_kernel<4, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
+    else tile_weights_kernel<2, TO_TILES><<<grid, 256, 0, s>>>(q, N, K, ld, {bands, tpb}, words, tiles);
+    return qd::launched();
+}
+
+// Where value (row r, column c) of a tile sits: its word (lane * 4 + register)
+// and field; the inverse of tile_position.
+template <int BITS>
+__host__ __device__ inline void tile_field(int r, int c, int *word, int *f) {
+    using T = Tiling<BITS>;
+    const int g = r & 7, t = (c & 15) >> 2, reg = (r >> 3) | (c & 2), P = 4 * (c >> 4) + reg;
+    *word = (4 * g + t) * 4 + P / T::HALF;
+    *f = P % T::HALF + T::HALF * (c & 1);
+}
+
+// A weight value as a float16 or bfloat16 (exact: |v| <= 128).
+template <typename V> __device__ inline V from_int(int v);
+template <> __device__ inline __half from_int<__half>(int v) { return __int2half_rn(v); }
+template <> __device__ inline __nv_bfloat16 from_int<__nv_bfloat16>(int v) { return __int2bfloat16_rn(v); }
+
+// Tiles -> rows out [N, ld] of 16-bit values, 8 values (16 bytes) a thread, so
+// that a warp's stores are whole lines; the tiles' words are read through L1
+// (neighbouring threads share them).  Columns past K are zero in the tiles.
+template <int BITS, typename V>
+__global__ void expand_weights_kernel(const uint32_t *__restrict__ tiles, int64_t N, int64_t ld,
+                                      TileOrder<BITS> order, V *__restrict__ out) {
+    using T = Tiling<BITS>;
+    constexpr int BIAS = 1 << (BITS - 1), MASK = (1 << BITS) - 1;
+    const int64_t per_row = ld / 8, chunks = N * per_row;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < chunks;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = i / per_row, k0 = (i - row * per_row) * 8;
+        const uint32_t *tile = tiles + order.index(row / 16, k0 / T::KT) * 128;
+        alignas(16) V v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            int word, f;
+            tile_field<BITS>((int)(row % 16), (int)((k0 + j) % T::KT), &word, &f);
+            v[j] = from_int<V>((int)((__ldg(tile + word) >> (BITS * f)) & MASK) - BIAS);
+        }
+        *reinterpret_cast<uint4 *>(out + row * ld + k0) = *reinterpret_cast<const uint4 *>(v);
+    }
+}
+
+template <typename V>
+qd_status expand_weights(const void *tiles, int64_t N, int64_t K, int bits, V *out, int64_t ld, cudaStream_t s) {
+    const int64_t bands = ceil_div(N, 16), tpb = ceil_div(K, tile_k(bits));
+    const unsigned grid = qd::grid_for(N * ld / 8, 256);
+    const uint32_t *w = static_cast<const uint32_t *>(tiles);
+    if (bits == 8) expand_weights_kernel<8, V><<<grid, 256, 0, s>>>(w, N, ld, {bands, tpb}, out);
+    else if (bits == 4) expand_weights_kernel<4, V><<<grid, 256, 0, s>>>(w, N, ld, {bands, tpb}, out);
+    else expand_weights_kernel<2, V><<<grid, 256, 0, s>>>(w, N, ld, {bands, tpb}, out);
     return qd::launched();
 }
 
@@ -957,7 +997,7 @@ extern "C" int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
 extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld,
                                              int bits, void *tiles, void *stream) {
     cudaStream_t s = qd::as_stream(stream);
-    const qd_status st = tile_weights<true>(q, N, K, ld, K, bits, tiles, s);
+    const qd_status st = tile_weights<true>(q, N, K, ld, bits, tiles, s);
     if (st != QD_OK) return st;
     // fq kernels read tiles before they wait for earlier grids: the tiles are
     // finished here, once per weight.
@@ -966,7 +1006,7 @@ extern "C" qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t
 
 extern "C" qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
                                                int64_t ld, void *stream) {
-    return tile_weights<false>(q, N, K, ld, K, bits, tiles, qd::as_stream(stream));
+    return tile_weights<false>(q, N, K, ld, bits, tiles, qd::as_stream(stream));
 }
 
 extern "C" qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
@@ -977,10 +1017,8 @@ extern "C" qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int
     // The zeros past K come from the tiles, which hold them up to a whole tile of K.
     if (ld % 8 || ld > ceil_div(K, tile_k(bits)) * tile_k(bits)) return QD_ERR_ARGUMENT;
     cudaStream_t s = qd::as_stream(stream);
-    if (dtype == QD_CUDA_F16)
-        return tile_weights<false>(static_cast<const __half *>(w16), N, K, ld, ld, bits, tiles, s);
-    if (dtype == QD_CUDA_BF16)
-        return tile_weights<false>(static_cast<const __nv_bfloat16 *>(w16), N, K, ld, ld, bits, tiles, s);
+    if (dtype == QD_CUDA_F16) return expand_weights(tiles, N, K, bits, static_cast<__half *>(w16), ld, s);
+    if (dtype == QD_CUDA_BF16) return expand_weights(tiles, N, K, bits, static_cast<__nv_bfloat16 *>(w16), ld, s);
     return QD_ERR_ARGUMENT;
 }
 

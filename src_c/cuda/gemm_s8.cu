@@ -8,8 +8,9 @@
 // scale pair (the gcd of the two K blocks), as the reference does.  16-bit
 // operands sum in float32 per K group the same way.
 //
-// On Hopper (sm_90a builds) INT32_OUT and ONE_GROUP run gemm_s8_sm90.cu's wgmma
-// kernel instead; GROUPED and every other GPU use this one.
+// On Hopper (sm_90a builds) INT32_OUT, ONE_GROUP and 16-bit GROUPED run
+// gemm_s8_sm90.cu's wgmma kernel instead; int8 GROUPED and every other GPU use
+// this one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -89,12 +90,12 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
     auto row_of = [&](int i, int half) { return m0 + wm * 64 + i * 16 + g + half * 8; };
     auto col_of = [&](int j, int odd) { return n0 + wn * 32 + j * 8 + t * 2 + odd; };
 
-    // Adds each sum times its scale pair into facc (GROUPED) or returns in place
-    // of acc (ONE_GROUP, at the end; as float bits in int32 sums).  k: any byte of
-    // K inside the group.  Without a scales (fq_gemm) their factor is 1.
-    auto flush = [&](int64_t k) {
+    // The scales of this thread's rows and columns for the K group holding byte k;
+    // without a scales (fq_gemm) their factor is 1.  GROUPED loads a group's as it
+    // starts, so that their latency hides behind its mma steps.
+    float sa[4][2], sb[4][2];
+    auto load_scales = [&](int64_t k) {
         if constexpr (SCALED) {
-            float sa[4][2], sb[4][2];
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -109,6 +110,12 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
                     int c = min(col_of(j, o), N - 1);
                     sb[j][o] = sc.b[(c / sc.b_bn) * sc.b_ld + k / sc.b_bk];
                 }
+        }
+    };
+    // Adds each sum times its scale pair into facc (GROUPED) or returns in place
+    // of acc (ONE_GROUP, at the end; as float bits in int32 sums).
+    auto flush = [&]() {
+        if constexpr (SCALED) {
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -135,6 +142,7 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
         cp_async_commit();
     }
     const int64_t ksteps = (Kp + KSTEP - 1) / KSTEP;
+    if constexpr (MODE == GROUPED) load_scales(0);
     for (int kt = 0; kt < ktiles; ++kt) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile kt landed for all; stage (kt-1)%STAGES is free again
@@ -160,12 +168,18 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
                 for (int j = 0; j < 4; ++j)
                     mma_step<OPS>(acc[i][j], fa[i], fb[j >> 1][(j & 1) * 2], fb[j >> 1][(j & 1) * 2 + 1]);
             if constexpr (MODE == GROUPED) {
-                if ((step + 1) % sc.group_steps == 0 || step + 1 == ksteps) flush(step * KSTEP);
+                if ((step + 1) % sc.group_steps == 0 || step + 1 == ksteps) {
+                    flush();
+                    if (step + 1 < ksteps) load_scales((step + 1) * KSTEP);
+                }
             }
         }
     }
     cp_async_wait<0>();
-    if constexpr (MODE == ONE_GROUP) flush(0);
+    if constexpr (MODE == ONE_GROUP) {
+        load_scales(0);
+        flush();
+    }
 
     // Epilogue: int32 as is, or the scaled float sums in the output dtype.
 #pragma unroll
@@ -226,7 +240,7 @@ template <int MODE, int OPS = S8>
 qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
                       int64_t ld, void *out, int out_dtype, const Scales &sc, void *stream) {
     const int64_t Kp = (K + 15) / 16 * 16;
-    if (MODE != GROUPED && qd::gemm_s8_sm90_usable())
+    if ((MODE != GROUPED || OPS != S8) && qd::gemm_s8_sm90_usable())
         return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE), Operands(OPS),
                                 qd::as_stream(stream));
     static unsigned long long configured = 0;

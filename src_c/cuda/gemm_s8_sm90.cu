@@ -9,7 +9,9 @@
 // memory, exact int32 sums in 128 registers per thread), then stores its rows
 // straight from the registers while the producer already loads the next tile.
 // fq_gemm's 16-bit operands run the same kernel with wgmma m64n256k16 (the same
-// 32 bytes of K per row) and float32 sums.
+// 32 bytes of K per row) and float32 sums.  With a scale per block of K (GROUPED,
+// 16-bit operands only), each block's sums are scaled into a second set of float
+// sums as the block ends; both sets fit in the registers at 128 columns a tile.
 #include <cuda.h>          // CUtensorMap and its enums only: the driver is reached
 #include <cudaTypedefs.h>  // through the runtime, libcuda is not linked
 #include <cuda_bf16.h>
@@ -26,13 +28,17 @@ namespace {
 
 using namespace qd;
 
-constexpr int BM = 128, BN = 256, BK = 128, STAGES = 4;
+constexpr int BM = 128, BK = 128, STAGES = 4;
 constexpr int THREADS = 384;                 // producer + 2 consumer warpgroups
-constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int A_BYTES = BM * BK;
+// Columns of a tile: 256, or 128 when block sums are kept beside the wgmma's.
+constexpr int tile_n(bool grouped) { return grouped ? 128 : 256; }
+constexpr int stage_bytes(bool grouped) { return A_BYTES + tile_n(grouped) * BK; }
 // Swizzled tiles start on 1024 bytes (the swizzle pattern repeats every 8 rows of
 // 128 bytes); dynamic shared memory is only 16-byte aligned, so keep room to round up.
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
-static_assert(STAGE_BYTES % 1024 == 0 && A_BYTES % 1024 == 0, "stages stay 1024-aligned");
+constexpr int smem_bytes(bool grouped) { return STAGES * stage_bytes(grouped) + 1024; }
+static_assert(stage_bytes(false) % 1024 == 0 && stage_bytes(true) % 1024 == 0 && A_BYTES % 1024 == 0,
+              "stages stay 1024-aligned");
 
 // sm_90a only: wgmma and setmaxnreg exist nowhere else.  The other passes (sm_80..89
 // and the compute_90 PTX) compile an empty kernel that the host never launches.
@@ -110,6 +116,8 @@ __device__ __forceinline__ uint64_t sw128_desc(const void *tile) {
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "      \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
+#define QD_WGMMA_D64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
 // The sums of a wgmma: exact int32 for int8 operands, float32 otherwise.
 template <int OPS> struct Sums { using type = float; };
 template <> struct Sums<S8> { using type = int32_t; };
@@ -137,7 +145,25 @@ __device__ __forceinline__ void wgmma_step(typename Sums<OPS>::type (&d)[128], u
             : QD_D64("+f", 0), QD_D64("+f", 64)
             : "l"(a), "l"(b), "r"(accumulate));
 }
+// d[64x128] (+)= a[64 x 32 bytes] * b[128 x 32 bytes]^T, 16-bit operands (GROUPED).
+template <int OPS>
+__device__ __forceinline__ void wgmma_step(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+    static_assert(OPS != S8, "block sums are for 16-bit operands");
+    if constexpr (OPS == F16)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" QD_WGMMA_D64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : QD_D64("+f", 0)
+            : "l"(a), "l"(b), "r"(accumulate));
+    else
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" QD_WGMMA_D64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : QD_D64("+f", 0)
+            : "l"(a), "l"(b), "r"(accumulate));
+}
 #undef QD_WGMMA_D
+#undef QD_WGMMA_D64
 #undef QD_D64
 #undef QD_D16
 #undef QD_D4
@@ -154,13 +180,15 @@ __device__ __forceinline__ void wgmma_wait() {
 
 // wgmma writes d asynchronously: pin every register after the wait so the compiler
 // reads none of them earlier.
-__device__ __forceinline__ void fence_registers(int32_t (&d)[128]) {
+template <int R>
+__device__ __forceinline__ void fence_registers(int32_t (&d)[R]) {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(d[i])::"memory");
+    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
-__device__ __forceinline__ void fence_registers(float (&d)[128]) {
+template <int R>
+__device__ __forceinline__ void fence_registers(float (&d)[R]) {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 template <int REGS>
@@ -208,9 +236,10 @@ __device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
 
 #endif  // sm_90a
 
-// T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype.
+// T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype,
+// or GROUPED (scales per block of K, sc.group_steps wgmma steps long; no a scales).
 // OPS: the operands' type (Operands).
-template <typename T, int OPS>
+template <typename T, int OPS, bool GROUPED_>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     const __grid_constant__ CUtensorMap map_b, int M, int N, int64_t Kp,
@@ -219,10 +248,11 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
     // Static, so that only this body has static shared memory: the host reads that
     // off the kernel to tell an sm_90a build from the empty ones (see probe()).
     __shared__ uint64_t full[STAGES], empty[STAGES];
+    constexpr int TN = tile_n(GROUPED_), STAGE_BYTES = stage_bytes(GROUPED_);
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
 
-    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + TN - 1) / TN;
     const int64_t tiles = (int64_t)tiles_m * tiles_n;
     const int ktiles = (int)((Kp + BK - 1) / BK);
     const int warpgroup = threadIdx.x / 128;
@@ -255,7 +285,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     uint8_t *s = smem + stage * STAGE_BYTES;
                     mbar_arrive_expect_tx(&full[stage], STAGE_BYTES);
                     tma_load(s, &map_a, kt * BK, tm * BM, &full[stage]);
-                    tma_load(s + A_BYTES, &map_b, kt * BK, tn * BN, &full[stage]);
+                    tma_load(s + A_BYTES, &map_b, kt * BK, tn * TN, &full[stage]);
                     if (++stage == STAGES) { stage = 0; phase ^= 1; }
                 }
             }
@@ -268,9 +298,11 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         T *o = static_cast<T *>(out);
         const bool vec = N % 2 == 0 && reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0;
         using Sum = typename Sums<OPS>::type;
-        Sum d[128];
+        constexpr int DR = TN / 2;  // sums a thread holds: 64 x TN over 128 threads
+        Sum d[DR];
+        float block_sums[GROUPED_ ? DR : 1];  // GROUPED: the scaled sums of the blocks so far
 #pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = Sum(0);
+        for (int i = 0; i < DR; ++i) d[i] = Sum(0);
         int stage = 0;
         uint32_t phase = 0;
         for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -280,31 +312,62 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
             // 8-column chunk j, d[4j], d[4j+1] sit at row lane/4, columns
             // 8j + 2*(lane%4) + {0, 1}, and d[4j+2], d[4j+3] eight rows further down.
             const int r0 = tm * BM + wg * WG_ROWS + warp * 16 + lane / 4;
-            const int c0 = tn * BN + 2 * (lane % 4);
+            const int c0 = tn * TN + 2 * (lane % 4);
 
-            // The scales of those rows and columns (clamped to the last one), loaded
-            // now so that their latency hides behind the main loop.
-            float sa[2], sb[BN / 8][2];
+            // The scales of those rows and columns (clamped to the last one) for the
+            // block of K holding byte k, loaded ahead so that their latency hides
+            // behind the wgmmas.
+            float sa[2], sb[TN / 8][2];
+            auto load_sb = [&](int64_t k) {
+                const int64_t kb = min(k, Kp - 1) / sc.b_bk;
+#pragma unroll
+                for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        sb[j][e] = __ldg(sc.b + (unsigned)min(c0 + 8 * j + e, N - 1) / b_bn * sc.b_ld + kb);
+            };
             if constexpr (SCALED) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     sa[h] = sc.a ? __ldg(sc.a + (unsigned)min(r0 + 8 * h, M - 1) / a_bm * sc.a_ld) : 1.0f;
+                load_sb(0);
+            }
+            if constexpr (GROUPED_) {
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        sb[j][e] = __ldg(sc.b + (unsigned)min(c0 + 8 * j + e, N - 1) / b_bn * sc.b_ld);
+                for (int i = 0; i < DR; ++i) block_sums[i] = 0.0f;
             }
 
             int prev = 0;
+            int64_t step = 0;  // wgmma steps of this tile so far
             for (int kt = 0; kt < ktiles; ++kt) {
                 mbar_wait(&full[stage], phase);
                 const uint8_t *s = smem + stage * STAGE_BYTES;
                 const uint64_t da = sw128_desc(s + wg * WG_ROWS * BK), db = sw128_desc(s + A_BYTES);
                 wgmma_fence();  // orders the epilogue's register reads before the new sums
 #pragma unroll
-                for (int ks = 0; ks < BK / KSTEP; ++ks)  // start field counts 16 bytes
-                    wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > 0 || ks > 0);
+                for (int ks = 0; ks < BK / KSTEP; ++ks) {  // start field counts 16 bytes
+                    if constexpr (GROUPED_) {
+                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, step % sc.group_steps != 0);
+                        if (++step % sc.group_steps == 0) {
+                            // A block of K ends: its sums, scaled, go into block_sums as
+                            // gemm_s8.cu's GROUPED adds them (steps past K add zeros).
+                            wgmma_commit();
+                            wgmma_wait<0>();
+                            fence_registers(d);
+#pragma unroll
+                            for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+                                for (int e = 0; e < 4; ++e)
+                                    block_sums[4 * j + e] = __fadd_rn(
+                                        block_sums[4 * j + e],
+                                        __fmul_rn(__fmul_rn(sa[e >> 1], sb[j][e & 1]), d[4 * j + e]));
+                            load_sb(step * KSTEP);
+                            wgmma_fence();  // the registers read above before the next wgmma writes them
+                        }
+                    } else {
+                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > 0 || ks > 0);
+                    }
+                }
                 wgmma_commit();
                 // Keep this k-tile's group in flight; the previous one is done, so its
                 // slot goes back to the producer.
@@ -319,7 +382,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
 
             // Epilogue straight from the registers, pairs of columns per store.
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
+            for (int j = 0; j < TN / 8; ++j) {
                 const int c = c0 + 8 * j;
                 if (c >= N) continue;
 #pragma unroll
@@ -328,7 +391,9 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     if (r >= M) continue;
                     const Sum x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
                     T *p = o + (int64_t)r * N + c;
-                    if constexpr (SCALED)  // as gemm_s8.cu's ONE_GROUP, bit for bit
+                    if constexpr (GROUPED_)
+                        store2(p, block_sums[4 * j + 2 * h], block_sums[4 * j + 2 * h + 1], c + 1 < N, vec);
+                    else if constexpr (SCALED)  // as gemm_s8.cu's ONE_GROUP, bit for bit
                         store2(p, __fmul_rn(__fmul_rn(sa[h], sb[j][0]), (float)x),
                                __fmul_rn(__fmul_rn(sa[h], sb[j][1]), (float)y), c + 1 < N, vec);
                     else
@@ -340,20 +405,26 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
 #endif  // QD_SM90A_BODY
 }
 
-using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t, S8>);
-// Indexed by kernel_index(): int32 out, then float32 / float16 / bfloat16 out for
-// int8, float16 and bfloat16 operands.
-constexpr Kernel KERNELS[] = {
-    gemm_s8_sm90_kernel<int32_t, S8>,
-    gemm_s8_sm90_kernel<float, S8>,    gemm_s8_sm90_kernel<__half, S8>,  gemm_s8_sm90_kernel<__nv_bfloat16, S8>,
-    gemm_s8_sm90_kernel<float, F16>,   gemm_s8_sm90_kernel<__half, F16>, gemm_s8_sm90_kernel<__nv_bfloat16, F16>,
-    gemm_s8_sm90_kernel<float, BF16>,  gemm_s8_sm90_kernel<__half, BF16>,
-    gemm_s8_sm90_kernel<__nv_bfloat16, BF16>};
+using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t, S8, false>);
+// The three output dtypes (float32, float16, bfloat16) of one kind of kernel.
+#define QD_OUTS(OPS, G)                                                                          \
+    gemm_s8_sm90_kernel<float, OPS, G>, gemm_s8_sm90_kernel<__half, OPS, G>,                     \
+        gemm_s8_sm90_kernel<__nv_bfloat16, OPS, G>
+// Indexed by kernel_index(): int32 out; ONE_GROUP for int8, float16 and bfloat16
+// operands; GROUPED for float16 and bfloat16 operands.
+constexpr Kernel KERNELS[] = {gemm_s8_sm90_kernel<int32_t, S8, false>,
+                              QD_OUTS(S8, false), QD_OUTS(F16, false), QD_OUTS(BF16, false),
+                              QD_OUTS(F16, true), QD_OUTS(BF16, true)};
+#undef QD_OUTS
+constexpr int FIRST_GROUPED = 10;
+bool grouped_kernel(int k) { return k >= FIRST_GROUPED; }
 
 int kernel_index(GemmMode mode, int out_dtype, Operands ops) {
+    int base;
     if (mode == INT32_OUT) return ops == S8 ? 0 : -1;
-    if (mode != ONE_GROUP) return -1;
-    const int base = 1 + 3 * (int)ops;
+    if (mode == ONE_GROUP) base = 1 + 3 * (int)ops;
+    else if (ops != S8) base = FIRST_GROUPED + 3 * ((int)ops - 1);
+    else return -1;  // int8 block sums stay on gemm_s8.cu's kernel
     switch (out_dtype) {
     case QD_CUDA_F32: return base;
     case QD_CUDA_F16: return base + 1;
@@ -423,9 +494,10 @@ qd_status probe(int dev, Device &d) {
         cudaGetLastError();
         return QD_OK;
     }
-    if (attr.sharedSizeBytes == 0 || attr.sharedSizeBytes + SMEM_BYTES > (size_t)smem_optin) return QD_OK;
-    for (Kernel k : KERNELS)
-        if ((st = check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES))) != QD_OK)
+    if (attr.sharedSizeBytes == 0 || attr.sharedSizeBytes + smem_bytes(false) > (size_t)smem_optin) return QD_OK;
+    for (int k = 0; k < (int)(sizeof KERNELS / sizeof KERNELS[0]); ++k)
+        if ((st = check(cudaFuncSetAttribute(KERNELS[k], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             smem_bytes(grouped_kernel(k))))) != QD_OK)
             return st;
     d.usable = true;
     return QD_OK;
@@ -458,13 +530,15 @@ qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, 
     if (st != QD_OK) return st;
     if (!d->usable) return QD_ERR_CUDA_UNAVAILABLE;
     const int k = kernel_index(mode, out_dtype, ops);
-    if (k < 0 || Kp % 16) return QD_ERR_ARGUMENT;
-    const int64_t tiles = ceil_div(M, BM) * ceil_div(N, BN);
+    if (k < 0 || Kp % 16 || (mode == GROUPED && sc.a)) return QD_ERR_ARGUMENT;  // GROUPED: fq only
+    const bool grouped = grouped_kernel(k);
+    const int64_t tiles = ceil_div(M, BM) * ceil_div(N, tile_n(grouped));
     if (M > INT_MAX || N > INT_MAX || tiles > INT_MAX) return QD_ERR_SHAPE;
     CUtensorMap map_a, map_b;  // the encoder checks alignment (16 bytes) and strides
-    if (!encode(&map_a, a, M, Kp, ld, BM) || !encode(&map_b, bt, N, Kp, ld, BN)) return QD_ERR_ARGUMENT;
+    if (!encode(&map_a, a, M, Kp, ld, BM) || !encode(&map_b, bt, N, Kp, ld, tile_n(grouped)))
+        return QD_ERR_ARGUMENT;
     const unsigned grid = (unsigned)(tiles < d->sms ? tiles : d->sms);  // persistent
-    KERNELS[k]<<<grid, THREADS, SMEM_BYTES, stream>>>(map_a, map_b, (int)M, (int)N, Kp, out, sc);
+    KERNELS[k]<<<grid, THREADS, smem_bytes(grouped), stream>>>(map_a, map_b, (int)M, (int)N, Kp, out, sc);
     return launched();
 }
 
