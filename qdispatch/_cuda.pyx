@@ -104,6 +104,9 @@ cdef extern from "qdispatch.h" nogil:
     qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
                                 const void *tiles, const void *scale_tiles, int bits, int64_t N,
                                 int64_t K, int64_t block_k, void *out, int out_dtype, void *stream)
+    qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
+                                 int64_t ld, void *stream)
+    qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream)
     qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
                                         void *w16, int64_t ld, void *stream)
     qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
@@ -684,6 +687,38 @@ def fq_expand_weights(DeviceArray tiles, int64_t N, int64_t K, int bits, str dty
         with nogil:
             st = qd_cuda_fq_expand_weights(pt, N, K, bits, d, po, ld, NULL)
         _status(st, "fq_expand_weights")
+    return out
+
+
+def split_bf16(DeviceArray x):
+    """float32 x [rows, cols] -> its three bfloat16 parts [3 * rows, ld] (hi rows, then mid,
+    then lo; ld: cols rounded up to 8, zeros past cols)."""
+    rows, cols = x.shape
+    cdef int64_t r = rows, c = cols, ld = -(-cols // 8) * 8
+    out = empty((3 * rows, ld), "bfloat16", x.device)
+    cdef void *px = P(x)
+    cdef void *po = P(out)
+    cdef qd_status st
+    with on_device(x.device):
+        with nogil:
+            st = qd_cuda_split_bf16(<float *>px, r, c, c, po, ld, NULL)
+        _status(st, "split_bf16")
+    return out
+
+
+def sum3(DeviceArray a, str out_dtype="float32"):
+    """float32 a [3 * rows, cols] -> a[:rows] + a[rows:2 rows] + a[2 rows:] as out_dtype."""
+    rows, cols = a.shape[0] // 3, a.shape[1]
+    out = empty((rows, cols), out_dtype, a.device)
+    cdef int64_t n = rows * cols
+    cdef void *pa = P(a)
+    cdef void *po = P(out)
+    cdef int od = DTYPES[out_dtype]
+    cdef qd_status st
+    with on_device(a.device):
+        with nogil:
+            st = qd_cuda_sum3_f32(<float *>pa, n, po, od, NULL)
+        _status(st, "sum3")
     return out
 
 

@@ -459,13 +459,36 @@ def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, rows):
         assert len(fq_gemm_calls) == (M == rows)
 
 
-def test_fq_float32_rows_stay_exact(rng, fq_gemm_calls):
-    # float32 x is not rounded to 16 bits for the GEMM: it keeps the decode path.
-    x = rng.standard_normal((80, 256)).astype(np.float32)
+@pytest.mark.parametrize("scheme", [GEMM_SCHEMES[0], GEMM_SCHEMES[3], GEMM_SCHEMES[4]], ids=repr)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_fq_gemm_float32_rows(rng, gemm_from_one_row, fq_gemm_calls, scheme, out_dtype):
+    """float32 x is not rounded to 16 bits: the GEMM multiplies its three bf16 parts,
+    stacked as rows, and adds their products.  Values bf16 cannot hold, values
+    beyond float16's range and an inf and a NaN come out as the reference's."""
+    M, K, N = 70, 256, 72
+    x = rng.standard_normal((M, K)).astype(np.float32) * np.float32(1 + 2 ** -20)
+    x[3] *= np.float32(1e6)
+    x[5, 9], x[6, 200] = np.inf, np.nan
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    got = qd.q_matmul(qd.tensor(x, device="cuda"), wq.T, out_dtype=out_dtype).numpy().astype(np.float32)
+    expect = qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy()
+    assert len(fq_gemm_calls) == 1 and fq_gemm_calls[0][0].shape[0] == 3 * M  # hi, mid, lo rows
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expect))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expect))
+    finite = np.isfinite(expect)
+    assert rel_err(expect[finite], got[finite]) < (FQ_TOL if out_dtype == "float32" else 4e-3)
+
+
+def test_fq_float32_rows_take_the_gemm(rng, fq_gemm_calls):
+    # float32 x takes the GEMM from the same rows (the decode kernel cuts it into three parts too).
+    from qdispatch.backends import cuda as cuda_backend
+    rows = cuda_backend.FQ_GEMM_MIN_ROWS["whole_k"]
     wq = qd.quantize(rng.standard_normal((40, 256)).astype(np.float32), GEMM_SCHEMES[0], device="cuda")
-    out = qd.q_matmul(qd.tensor(x, device="cuda"), wq.T).numpy()
-    assert not fq_gemm_calls
-    assert rel_err(qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy(), out) < FQ_TOL
+    for M in (rows - 1, rows):
+        x = rng.standard_normal((M, 256)).astype(np.float32)
+        out = qd.q_matmul(qd.tensor(x, device="cuda"), wq.T).numpy()
+        assert len(fq_gemm_calls) == (M == rows)
+        assert rel_err(qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy(), out) < FQ_TOL
 
 
 @pytest.mark.parametrize("scheme", DECODE_SCHEMES[:3], ids=repr)

@@ -38,7 +38,9 @@ GEMM_ALIGN = 16  # bytes: rows of int8 GEMM operands start on 16-byte boundaries
 # 16 rows that each stream the whole weight, by the weight's scale blocks along K:
 # one block over all of K, blocks of 64 values or more, finer blocks (None: never;
 # a block's sums are scaled as it ends, which the GEMM does at a cost).  Measured
-# on an H200 at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).
+# on an H200 at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).  float32 x
+# is cut into three bfloat16 parts, for the GEMM as for the decode kernel, so the
+# same thresholds serve it.
 FQ_GEMM_MIN_ROWS = {"whole_k": 160, "blocks": 512, "fine_blocks": None}
 
 
@@ -303,11 +305,18 @@ class CudaBackend(Backend):
         if call is False:
             return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
         decode, gemm_rows, scales, bn = call
-        if x.shape[0] >= gemm_rows and x.dtype in ("float16", "bfloat16"):
-            tiles, _, bits, N, K, bk = decode
-            w16 = _cuda.fq_expand_weights(tiles, N, K, bits, x.dtype)  # per call: the weight stays small
-            return _cuda.fq_gemm(x, w16, scales, bn, bk, K, out_dtype)
+        if x.shape[0] >= gemm_rows:
+            if x.dtype != "float32":
+                return self._fq_gemm(x, decode, scales, bn, out_dtype)
+            # hi, mid and lo bf16 parts stacked as rows, their products added
+            return _cuda.sum3(self._fq_gemm(_cuda.split_bf16(x), decode, scales, bn, "float32"), out_dtype)
         return _cuda.fq_matmul(x, *decode, out_dtype)
+
+    def _fq_gemm(self, x, decode, scales, bn, out_dtype):
+        """fq as a GEMM on the weight's values expanded to x's 16-bit dtype."""
+        tiles, _, bits, N, K, bk = decode
+        w16 = _cuda.fq_expand_weights(tiles, N, K, bits, x.dtype)  # per call: the weight stays small
+        return _cuda.fq_gemm(x, w16, scales, bn, bk, K, out_dtype)
 
     def _fq_call(self, w):
         """fq_matmul's weight arguments for w: those of the decode kernel (the tiled

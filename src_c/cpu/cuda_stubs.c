@@ -50,6 +50,9 @@ qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int6
 qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
                             const void *tiles, const void *scale_tiles, int bits, int64_t N,
                             int64_t K, int64_t block_k, void *out, int out_dtype, void *stream) UNAVAILABLE
+qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
+                             int64_t ld, void *stream) UNAVAILABLE
+qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
                                     void *w16, int64_t ld, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,

@@ -1,5 +1,6 @@
-// Memory-bound helpers: casts, bias, transposes, padding, the packed_u32 store
-// and dequantization.  All are grid-stride loops over the output.
+// Memory-bound helpers: casts, bias, transposes, padding, the packed_u32 store,
+// dequantization, and float32 cut into bfloat16 parts and added back.  All are
+// grid-stride loops over the output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -23,6 +24,32 @@ __global__ void cast_kernel(const void *src, int src_dtype, void *dst, int dst_d
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         store_from_f32(dst, dst_dtype, i, load_as_f32(src, src_dtype, i));
+}
+
+// x = hi + mid + lo, each rounded to bfloat16 from what the parts before it left
+// (exact for normal float32 values: 8 + 8 + 8 significant bits); an inf or NaN
+// stays in hi.  The decode kernel cuts float32 x the same way.
+__global__ void split_bf16_kernel(const float *x, int64_t rows, int64_t cols, int64_t ldx, __nv_bfloat16 *parts,
+                                  int64_t ld) {
+    const int64_t n = rows * ld;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / ld, c = i - r * ld;
+        float v = c < cols ? x[r * ldx + c] : 0.0f;
+#pragma unroll
+        for (int part = 0; part < 3; ++part) {
+            const __nv_bfloat16 p = __float2bfloat16_rn(v);
+            parts[part * n + i] = p;
+            v -= __bfloat162float(p);
+            if (!isfinite(v)) v = 0.0f;
+        }
+    }
+}
+
+__global__ void sum3_kernel(const float *a, int64_t n, void *out, int out_dtype) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        store_from_f32(out, out_dtype, i, __fadd_rn(__fadd_rn(a[i], a[n + i]), a[2 * n + i]));
 }
 
 __global__ void add_bias_kernel(const float *x, int64_t n, int64_t cols, const float *bias,
@@ -121,6 +148,24 @@ extern "C" qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int
     if (n == 0) return QD_OK;
     cast_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(src, src_dtype, dst,
                                                                             dst_dtype, n);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
+                                        int64_t ld, void *stream) {
+    if (!x || !parts) return QD_ERR_NULL;
+    if (rows < 0 || cols < 0 || ldx < cols || ld < cols) return QD_ERR_SHAPE;
+    if (rows * ld == 0) return QD_OK;
+    split_bf16_kernel<<<grid_for(rows * ld, kThreads), kThreads, 0, as_stream(stream)>>>(
+        x, rows, cols, ldx, static_cast<__nv_bfloat16 *>(parts), ld);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream) {
+    if (!a || !out) return QD_ERR_NULL;
+    if (!float_dtype(out_dtype) || n < 0) return QD_ERR_ARGUMENT;
+    if (n == 0) return QD_OK;
+    sum3_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, n, out, out_dtype);
     return qd::launched();
 }
 

@@ -162,6 +162,14 @@ const char *qd_cuda_last_error(void);
 /* dst[i] = (dst_dtype) src[i] for float dtypes (round to nearest even). */
 qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n,
                        void *stream);
+/* float32 x [rows, cols] (rows ldx apart) as three bfloat16 parts, parts [3][rows][ld]
+ * (zero in columns cols..ld): x == hi + mid + lo for normal values, each part rounded
+ * from what the parts before it left; an inf or NaN stays in hi.  A 16-bit GEMM of
+ * the parts, stacked as 3 x rows rows, and qd_cuda_sum3_f32 give float32 x's product. */
+qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
+                             int64_t ld, void *stream);
+/* out[i] = (a[i] + a[n + i]) + a[2n + i] for float32 a [3][n], written as out_dtype. */
+qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream);
 /* out[r, c] = x[r, c] + bias[c] (float32; out may be x). */
 qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols, const float *bias,
                                float *out, void *stream);
