@@ -164,53 +164,58 @@ qd_status tile_weights(const int8_t *values, int64_t N, int64_t K, int64_t ld, i
     return qd::launched();
 }
 
-// Where value (row r, column c) of a tile sits: its word (lane * 4 + register)
-// and field; the inverse of tile_position.
-template <int BITS>
-__host__ __device__ inline void tile_field(int r, int c, int *word, int *f) {
-    using T = Tiling<BITS>;
-    const int g = r & 7, t = (c & 15) >> 2, reg = (r >> 3) | (c & 2), P = 4 * (c >> 4) + reg;
-    *word = (4 * g + t) * 4 + P / T::HALF;
-    *f = P % T::HALF + T::HALF * (c & 1);
-}
-
 // A weight value as a float16 or bfloat16 (exact: |v| <= 128).
 template <typename V> __device__ inline V from_int(int v);
 template <> __device__ inline __half from_int<__half>(int v) { return __int2half_rn(v); }
 template <> __device__ inline __nv_bfloat16 from_int<__nv_bfloat16>(int v) { return __int2bfloat16_rn(v); }
 
-// Tiles -> rows out [N, ld] of 16-bit values, 8 values (16 bytes) a thread, so
-// that a warp's stores are whole lines; the tiles' words are read through L1
-// (neighbouring threads share them).  Columns past K are zero in the tiles.
+// Tiles -> rows out [N, ld] of 16-bit values.  A warp takes a tile at a time: one
+// 16-byte load a lane (its own fragments), the values into shared memory in row
+// order, then whole 16-byte row pieces out.  Columns past K are zero in the tiles.
+constexpr int EXPAND_WARPS = 8;
 template <int BITS, typename V>
-__global__ void expand_weights_kernel(const uint32_t *__restrict__ tiles, int64_t N, int64_t ld,
-                                      TileOrder<BITS> order, V *__restrict__ out) {
+__global__ void __launch_bounds__(EXPAND_WARPS * 32)
+expand_weights_kernel(const uint32_t *__restrict__ tiles, int64_t N, int64_t ld, TileOrder<BITS> order,
+                      V *__restrict__ out) {
     using T = Tiling<BITS>;
-    constexpr int BIAS = 1 << (BITS - 1), MASK = (1 << BITS) - 1;
-    const int64_t per_row = ld / 8, chunks = N * per_row;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < chunks;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = i / per_row, k0 = (i - row * per_row) * 8;
-        const uint32_t *tile = tiles + order.index(row / 16, k0 / T::KT) * 128;
-        alignas(16) V v[8];
+    constexpr int BIAS = 1 << (BITS - 1), MASK = (1 << BITS) - 1, PIECES = T::KT / 8;  // 16-byte pieces a row
+    __shared__ __align__(16) V rows[EXPAND_WARPS][16][T::KT];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int64_t count = order.bands * order.tiles_per_band;
+    for (int64_t tile = blockIdx.x * (int64_t)EXPAND_WARPS + warp; tile < count;
+         tile += (int64_t)gridDim.x * EXPAND_WARPS) {
+        const uint4 w = __ldg(reinterpret_cast<const uint4 *>(tiles) + tile * 32 + lane);
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            int word, f;
-            tile_field<BITS>((int)(row % 16), (int)((k0 + j) % T::KT), &word, &f);
-            v[j] = from_int<V>((int)((__ldg(tile + word) >> (BITS * f)) & MASK) - BIAS);
+        for (int wi = 0; wi < 4; ++wi)
+#pragma unroll
+            for (int f = 0; f < T::V; ++f) {
+                int r, c;
+                tile_position<BITS>(wi, f, g, t, &r, &c);
+                rows[warp][r][c] = from_int<V>((int)((words[wi] >> (BITS * f)) & MASK) - BIAS);
+            }
+        __syncwarp();
+        int64_t band, kt;
+        order.locate(tile, &band, &kt);
+        for (int piece = lane; piece < 16 * PIECES; piece += 32) {
+            const int r = piece / PIECES, c = piece % PIECES * 8;
+            const int64_t row = 16 * band + r, k = kt * T::KT + c;
+            if (row < N && k < ld)
+                *reinterpret_cast<uint4 *>(out + row * ld + k) = *reinterpret_cast<const uint4 *>(&rows[warp][r][c]);
         }
-        *reinterpret_cast<uint4 *>(out + row * ld + k0) = *reinterpret_cast<const uint4 *>(v);
+        __syncwarp();  // the pieces are read before the next tile's values land
     }
 }
 
 template <typename V>
 qd_status expand_weights(const void *tiles, int64_t N, int64_t K, int bits, V *out, int64_t ld, cudaStream_t s) {
     const int64_t bands = ceil_div(N, 16), tpb = ceil_div(K, tile_k(bits));
-    const unsigned grid = qd::grid_for(N * ld / 8, 256);
+    const unsigned grid = qd::grid_for(bands * tpb, EXPAND_WARPS);
     const uint32_t *w = static_cast<const uint32_t *>(tiles);
-    if (bits == 8) expand_weights_kernel<8, V><<<grid, 256, 0, s>>>(w, N, ld, {bands, tpb}, out);
-    else if (bits == 4) expand_weights_kernel<4, V><<<grid, 256, 0, s>>>(w, N, ld, {bands, tpb}, out);
-    else expand_weights_kernel<2, V><<<grid, 256, 0, s>>>(w, N, ld, {bands, tpb}, out);
+    constexpr int threads = EXPAND_WARPS * 32;
+    if (bits == 8) expand_weights_kernel<8, V><<<grid, threads, 0, s>>>(w, N, ld, {bands, tpb}, out);
+    else if (bits == 4) expand_weights_kernel<4, V><<<grid, threads, 0, s>>>(w, N, ld, {bands, tpb}, out);
+    else expand_weights_kernel<2, V><<<grid, threads, 0, s>>>(w, N, ld, {bands, tpb}, out);
     return qd::launched();
 }
 
