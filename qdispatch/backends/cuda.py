@@ -33,25 +33,26 @@ except ImportError as exc:  # built without CUDA
 REBUILD = ("To rebuild with it, install the CUDA toolkit (nvcc) and run "
            "QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
 GEMM_ALIGN = 16  # bytes: rows of int8 GEMM operands start on 16-byte boundaries
-# From how many rows a float16/bfloat16 x times a quantized weight runs as a GEMM
-# on the weight's values expanded to x's dtype, rather than as decode launches of
-# 16 rows that each stream the whole weight, by the weight's scale blocks along K:
-# one block over all of K, blocks of 64 values or more, finer blocks (None: never;
-# a block's sums are scaled as it ends, which the GEMM does at a cost).  Measured
-# on an H200 at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).  float32 x
-# is cut into three bfloat16 parts, for the GEMM as for the decode kernel, so the
-# same thresholds serve it.
+_HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+               np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
+               np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
+
+
+# From how many rows of x fq runs as a GEMM on the weight's values expanded to
+# 16 bits, rather than as decode launches of 16 rows that each stream the whole
+# weight, by the weight's scale blocks along K: one block over all of K, blocks of
+# 64 values or more, finer blocks (None: never; a block's sums are scaled as it
+# ends, which the GEMM does at a cost).  Measured on an H200 at K = 4096, N = 4096
+# and 11008 (benchmarks/cuda_notes.md).  float32 x is cut into three bfloat16
+# parts, for the GEMM as for the decode kernel, so the same thresholds serve it.
 FQ_GEMM_MIN_ROWS = {"whole_k": 160, "blocks": 512, "fine_blocks": None}
 
 
 def fq_gemm_min_rows(block_k, K):
-    """The rows of 16-bit x from which fq runs as a GEMM, or None."""
+    """The rows of x from which fq runs as a GEMM, or None."""
     if block_k == K:
         return FQ_GEMM_MIN_ROWS["whole_k"]
     return FQ_GEMM_MIN_ROWS["blocks" if block_k >= 64 else "fine_blocks"]
-_HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-               np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
-               np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
 
 
 def _build_reason():
