@@ -31,10 +31,6 @@ constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
 constexpr int KSTEP = 32;     // K bytes per mma
 constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
 
-// The sums of an mma step: exact int32 for int8 operands, float32 otherwise.
-template <int OPS> struct Sums { using type = float; };
-template <> struct Sums<S8> { using type = int32_t; };
-
 template <int OPS>
 __device__ __forceinline__ void mma_step(typename Sums<OPS>::type (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {

@@ -16,6 +16,9 @@ struct Scales {
 // bytes of K per row with its fragments laid out alike in bytes, so the kernels
 // move bytes, and only the mma and the sums' type differ.
 enum Operands { S8 = 0, F16 = 1, BF16 = 2 };
+// The sums of an mma step: exact int32 for int8 operands, float32 otherwise.
+template <int OPS> struct Sums { using type = float; };
+template <> struct Sums<S8> { using type = int32_t; };
 
 // What a kernel does with its exact int32 sums: store them (int_matmul), scale
 // them once by the pair of one K group covering all of K, or flush per K group.

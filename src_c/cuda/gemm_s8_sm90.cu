@@ -119,10 +119,6 @@ __device__ __forceinline__ uint64_t sw128_desc(const void *tile) {
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "      \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// The sums of a wgmma: exact int32 for int8 operands, float32 otherwise.
-template <int OPS> struct Sums { using type = float; };
-template <> struct Sums<S8> { using type = int32_t; };
-
 // d[64x256] (+)= a[64 x 32 bytes] * b[256 x 32 bytes]^T; accumulate = 0 overwrites d.
 template <int OPS>
 __device__ __forceinline__ void wgmma_step(typename Sums<OPS>::type (&d)[128], uint64_t a, uint64_t b,
