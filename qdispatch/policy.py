@@ -67,12 +67,13 @@ def set_batch_invariant(on=True):
     is in (off by default; `QDISPATCH_BATCH_INVARIANT=1` turns it on at import).
 
     The cpu backend always is.  Off, the cuda backend's decode kernels (float
-    activations of up to 16 rows per launch times quantized weights) cut K the
+    activations of up to 32 rows per launch times quantized weights) cut K the
     fastest way for each batch size, and the reference backend's float products go
     through numpy's BLAS, so a row's last bits may change with the rows it comes
-    with.  On, the decode kernels cut K as for 16 rows whatever the batch (which
-    takes longer on large weights at few rows) and the reference multiplies one
-    row at a time.  Process-wide: every thread and GPU."""
+    with.  On, the decode kernels take 16 rows per launch and cut K as for 16 rows
+    whatever the batch (which takes longer on large weights at few rows, and at
+    17-32 rows) and the reference multiplies one row at a time.  Process-wide:
+    every thread and GPU."""
     get_backend("cuda").set_batch_invariant(on)
 
 

@@ -221,12 +221,13 @@ def test_fq_split_k_is_deterministic(rng, scheme, M, bf16_x, K):
 
 @pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128, store="packed_u32")],
                          ids=repr)
-@pytest.mark.parametrize("M", [4, 8, 16])
+@pytest.mark.parametrize("M", [4, 8, 16, 32])
 def test_fq_split_k_in_clusters(rng, scheme, M):
     # 256 bands of 16 weight rows on a GPU of 64-191 SMs (an H100 or H200 has 132):
     # at M = 8 K is cut in two, and the two splits add their sums in each other's
-    # shared memory; at M = 16 it is cut in eight, one warp per band, and the
-    # splits' sums meet in device memory; at M = 4 eight warps share each band.
+    # shared memory; at M = 16 and 32 (one launch of four n8 tiles of x) it is cut
+    # in eight, one warp per band, and the splits' sums meet in device memory; at
+    # M = 4 eight warps share each band.
     K = N = 4096
     x = _bf16_valued(rng.standard_normal((M, K)).astype(np.float32))
     wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
@@ -364,7 +365,8 @@ DECODE_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128
 @pytest.mark.parametrize("scheme", DECODE_SCHEMES, ids=repr)
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("M,K,N", [(1, 1024, 520), (5, 512, 96), (16, 2048, 33), (17, 256, 64), (3, 17, 40)])
+@pytest.mark.parametrize("M,K,N", [(1, 1024, 520), (5, 512, 96), (16, 2048, 33), (17, 256, 64), (3, 17, 40),
+                                   (32, 2048, 33), (41, 384, 130)])
 def test_fq_half_activations_read_directly(rng, scheme, x_dtype, out_dtype, M, K, N):
     """16-bit x goes to the kernel as it is and the kernel writes out_dtype: the
     same values as the reference converting around a float32 product."""
@@ -444,7 +446,7 @@ def test_fq_gemm_at_few_rows(rng, monkeypatch, fq_gemm_calls, scheme, M):
     assert rel_err(decode, gemm) < FQ_TOL
 
 
-@pytest.mark.parametrize("scheme,rows", [(GEMM_SCHEMES[0], 160), (GEMM_SCHEMES[3], 512), (GEMM_SCHEMES[4], None)],
+@pytest.mark.parametrize("scheme,rows", [(GEMM_SCHEMES[0], 160), (GEMM_SCHEMES[3], 384), (GEMM_SCHEMES[4], None)],
                          ids=["whole-K", "block-128", "block-32"])
 def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, rows):
     """A prefill-sized x takes the GEMM from FQ_GEMM_MIN_ROWS rows on (scales over
@@ -493,7 +495,8 @@ def test_fq_float32_rows_take_the_gemm(rng, fq_gemm_calls):
 
 
 @pytest.mark.parametrize("scheme", DECODE_SCHEMES[:3], ids=repr)
-@pytest.mark.parametrize("M,K,N", [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)])
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008),
+                                   (32, 4096, 11008), (64, 4096, 4096)])
 def test_fq_decode_shapes_match_reference(rng, scheme, M, K, N):
     """The benchmark's decode shapes, whose launches cut the work into warps per
     band and splits of K by the GPU's size: the values the benchmark times."""

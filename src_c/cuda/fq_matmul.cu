@@ -1,4 +1,4 @@
-// fq for small M (decode): x [M <= 16, K] in float32, float16 or bfloat16 times
+// fq for small M (decode): x [M <= 32, K] in float32, float16 or bfloat16 times
 // integer weights [N, K] dequantized as they stream in, on the 16-bit tensor cores.
 //
 // The weights are laid out once (qd_cuda_fq_tile_weights) in tiles of 16 rows
@@ -6,6 +6,9 @@
 // hold exactly its mma A fragments, so a warp's copy is one contiguous 512-byte
 // stretch and needs no shuffles.  Weights are the A operand (16 rows of N) and x
 // the B operand (8 rows of M per mma), so M <= 8 wastes no tensor-core work.
+// A launch takes up to 32 rows of 16-bit x (four n8 tiles: the weights stream
+// once for a batch of 32), 16 of float32 x (whose three parts' fragments would
+// not fit the registers at four tiles).
 // Within each 16-value step of K, lane t's four values of x are adjacent (the
 // weights are laid out in the same order), so one shared-memory load gives them.
 //
@@ -30,8 +33,9 @@
 //
 // How K is cut follows M by default (the fastest cut for those rows), so a row's
 // last bits may depend on the batch it comes in.  With batch invariance on
-// (qd_cuda_set_batch_invariant) the cut into parts is that for MAX_M rows
-// whatever M, and their sums are added in part order, so they do not.
+// (qd_cuda_set_batch_invariant) launches take up to INVARIANT_M rows, the cut
+// into parts is that for INVARIANT_M rows whatever M, and their sums are added in
+// part order, so they do not.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -52,7 +56,11 @@ constexpr int WARPS = 8, THREADS = WARPS * 32;
 // measured best (2, 5, 6, 8 and 10 slower).
 constexpr int ring_tiles(int bits) { return bits == 8 ? 4 : 3; }
 constexpr int ring_bytes(int bits) { return WARPS * ring_tiles(bits) * 512; }
-constexpr int MAX_M = 16;                // rows of x per launch (two n8 mma tiles)
+constexpr int MAX_M = 32;        // rows of 16-bit x per launch (four n8 mma tiles)
+constexpr int MAX_M_F32 = 16;    // rows of float32 x per launch (two n8 tiles, three parts each)
+constexpr int INVARIANT_M = 16;  // rows per launch, and whose cut every M keeps, when batch-invariant
+// n8 tiles of x for M rows: 1, 2 or 4.
+__host__ __device__ constexpr int x_tiles(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : 4; }
 // Two blocks share an SM: one of this kernel and, while it finishes, one of the
 // next decode step's kernel, which starts early.  Every launch takes half the
 // SM's shared memory (the ring and the x slice in it) so that no SM ever holds
@@ -69,6 +77,10 @@ constexpr int MAX_CLUSTER = 2;
 // outputs (at most M x WARPS x 16) from each split, rounded up per split, and
 // to 128 bytes (the x slice follows: its rows' bank pattern starts on a line).
 __host__ __device__ constexpr int received_bytes(int M) { return (M * WARPS * 16 + MAX_CLUSTER + 31) / 32 * 128; }
+// The kw parts of a band meet in shared memory after the tile loop, in the space
+// of the ring, the x slice and the scales: one warp's sums are [x row][RS floats].
+constexpr int RS = 20;  // floats per x row: lanes of one g store to distinct banks
+constexpr int part_sums_bytes(int mt) { return WARPS * mt * 8 * RS * 4; }
 
 // Tile geometry for `bits`-bit weights: a lane's 16 bytes are 4 words of V values.
 template <int BITS>
@@ -593,9 +605,9 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
     using T = Tiling<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int RING = ring_tiles(BITS);
-    uint4 *ring = reinterpret_cast<uint4 *>(smem);  // [WARPS][RING][32 lanes]
-    float *received = reinterpret_cast<float *>(smem + ring_bytes(BITS));  // [split][share]
-    unsigned char *xs = smem + ring_bytes(BITS) + received_bytes(op.M);    // [M][row_bytes]: x slice, zero past K
+    float *received = reinterpret_cast<float *>(smem);                     // [split][share]
+    uint4 *ring = reinterpret_cast<uint4 *>(smem + received_bytes(op.M));  // [WARPS][RING][32 lanes]
+    unsigned char *xs = smem + received_bytes(op.M) + ring_bytes(BITS);    // [M][row_bytes]: x slice, zero past K
     float2 *scales = reinterpret_cast<float2 *>(xs + op.M * row_bytes);    // [band][block][8 pairs]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bands_per_block = WARPS / kw, part = warp % kw;
@@ -709,12 +721,11 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
         return;
     }
 
-    // The kw parts of a band meet in shared memory (the ring's space), in part order.
+    // The kw parts of a band meet in shared memory (from the ring's space on; the
+    // launch checks that they fit), in part order.
     // Lane (g, t) holds weight rows g, g + 8 and x rows 2t, 2t + 1 of each n8 tile.
-    constexpr int RS = 20;            // floats per x row: lanes of one g store to distinct banks
     constexpr int RED = MT * 8 * RS;  // one warp's sums: [m][row]
-    static_assert(WARPS * RED * sizeof(float) <= ring_bytes(BITS), "the sums fit in the ring's space");
-    float *red = reinterpret_cast<float *>(smem);
+    float *red = reinterpret_cast<float *>(ring);
     __syncthreads();  // every warp is done with its ring
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -863,8 +874,10 @@ qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, Dev
 template <int BITS, int XIN>
 qd_status launch_rows(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d,
                       cudaStream_t s) {
-    return op.M <= 8 ? launch<BITS, XIN, 1>(p, op, out, out_dtype, d, s)
-                     : launch<BITS, XIN, 2>(p, op, out, out_dtype, d, s);
+    if (op.M <= 8) return launch<BITS, XIN, 1>(p, op, out, out_dtype, d, s);
+    if constexpr (XIN != QD_CUDA_F32)  // float32 x comes in launches of MAX_M_F32 rows
+        if (op.M > 16) return launch<BITS, XIN, 4>(p, op, out, out_dtype, d, s);
+    return launch<BITS, XIN, 2>(p, op, out, out_dtype, d, s);
 }
 
 template <int BITS>
@@ -935,14 +948,14 @@ Cut fastest_cut(const Operand &op, int bits, int64_t fit, int64_t slots) {
 }
 
 // The batch-invariant cut: the parts (one warp's run of tiles each) are those of
-// fastest_cut for MAX_M rows (one warp per band), whatever M; M only deals them
+// fastest_cut for INVARIANT_M rows (one warp per band), whatever M; M only deals them
 // out, kw parts of a band to one block and parts / kw splits.  Their sums are
 // added in part order on every path (two splits meet in a cluster only as single
 // parts), so a row's result does not depend on M.
 Cut invariant_cut(const Operand &op, int bits, int64_t fit_max, int64_t fit, int64_t slots) {
     Operand most = op;
-    most.M = MAX_M;
-    const Cut c = fastest_cut(most, bits, fit_max, slots);  // kw == 1 at MAX_M rows
+    most.M = INVARIANT_M;
+    const Cut c = fastest_cut(most, bits, fit_max, slots);  // kw == 1 at INVARIANT_M rows
     const int64_t parts = c.splits, per_part = c.tiles_per_split, kw_max = max_warps_per_band(op, bits);
     int64_t kw = 1;
     for (int64_t k = 2; k <= WARPS && k <= kw_max; k *= 2)
@@ -950,18 +963,18 @@ Cut invariant_cut(const Operand &op, int bits, int64_t fit_max, int64_t fit, int
     return {kw, parts / kw, kw * per_part, per_part};
 }
 
-// One launch for up to MAX_M rows of x.
-qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t s) {
+// One launch for up to MAX_M rows of x (MAX_M_F32, INVARIANT_M).
+qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, bool invariant, cudaStream_t s) {
     DeviceState *d = nullptr;
     qd_status st = device_state(&d);
     if (st != QD_OK) return st;
     const int64_t kt = tile_k(bits), x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
     const int64_t fit = slice_tiles(op, op.M, bits, *d), slots = (int64_t)BLOCKS_PER_SM * d->sms;
-    if (fit < 1) return QD_ERR_SHAPE;  // a device with too little shared memory for these rows
-    const bool invariant = batch_invariant.load(std::memory_order_relaxed);
+    // a device with too little shared memory for these rows
+    if (fit < 1 || received_bytes(op.M) + part_sums_bytes(x_tiles(op.M)) > d->block_smem) return QD_ERR_SHAPE;
     Cut cut;
-    if (invariant) {  // the parts of MAX_M rows, whatever M
-        const int64_t fit_max = op.M == MAX_M ? fit : slice_tiles(op, MAX_M, bits, *d);
+    if (invariant) {  // the parts of INVARIANT_M rows, whatever M
+        const int64_t fit_max = op.M == INVARIANT_M ? fit : slice_tiles(op, INVARIANT_M, bits, *d);
         if (fit_max < 1) return QD_ERR_SHAPE;
         cut = invariant_cut(op, bits, fit_max, fit, slots);
     } else {
@@ -980,7 +993,7 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, cudaStream_t 
               row_bytes, cluster, nullptr, nullptr};
     if (!split_in_memory) return launch_bits(bits, plan, op, out, out_dtype, *d, s);
     // every warp's sums as its lanes hold them: 32 x 4 floats per n8 tile of x
-    const size_t partial_floats = (size_t)(op.bands * splits * kw) * 32 * 4 * (op.M <= 8 ? 1 : 2);
+    const size_t partial_floats = (size_t)(op.bands * splits * kw) * 32 * 4 * x_tiles(op.M);
     std::lock_guard<std::mutex> lock(state_mutex);  // queued before the scratch can move
     if ((st = scratch(*d, partial_floats)) != QD_OK) return st;
     plan.partial = d->partial;
@@ -1055,10 +1068,12 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
                static_cast<const float2 *>(scale_tiles), (unsigned)(K / block_k), (unsigned)block_k,
                (unsigned)ceil_div(block_k, 16)};  // one block along K: never counted
     cudaStream_t s = qd::as_stream(stream);
-    for (int64_t m = 0; m < M; m += MAX_M) {  // each slice streams the weights once
-        op.M = (int)(M - m < MAX_M ? M - m : MAX_M);
+    const bool invariant = batch_invariant.load(std::memory_order_relaxed);
+    const int rows = invariant ? INVARIANT_M : x_dtype == QD_CUDA_F32 ? MAX_M_F32 : MAX_M;
+    for (int64_t m = 0; m < M; m += rows) {  // each slice streams the weights once
+        op.M = (int)(M - m < rows ? M - m : rows);
         op.x = static_cast<const char *>(x) + m * ldx * x_size;
-        qd_status st = fq_slice(op, static_cast<char *>(out) + m * N * out_size, out_dtype, bits, s);
+        qd_status st = fq_slice(op, static_cast<char *>(out) + m * N * out_size, out_dtype, bits, invariant, s);
         if (st != QD_OK) return st;
     }
     return QD_OK;

@@ -236,7 +236,8 @@ qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int6
 qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
                                     int64_t ld, void *stream);
 /* Weight-only small-M product: out[M, N] = x[M, K] @ dequantize(w)^T with float32
- * accumulation, for M <= 16 (larger M runs in slices of 16 rows).  x: [M, ldx] of
+ * accumulation, for M <= 32 (16 for float32 x, and with batch invariance on; larger M
+ * runs in slices of that many rows, each streaming the weights).  x: [M, ldx] of
  * x_dtype (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16), its rows 16-byte aligned (x too);
  * tiles and scale_tiles: the weight laid out as above, block_k its scales' block
  * along K; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Calls on one device share
@@ -262,7 +263,7 @@ qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, 
 int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
 /* Batch invariance of qd_cuda_fq_matmul, for the whole process (0 by default).
  * Off: K is cut the fastest way for each M, so a row's last bits may depend on the
- * rows it comes with.  On: K is cut as for 16 rows whatever M, and the parts' sums
+ * rows it comes with.  On: slices of 16 rows, K cut as for 16 rows whatever M, and the parts' sums
  * are added in one order, so each row's result is the same bit for bit in any batch;
  * large weights at few rows then take longer.  Launches already queued keep the
  * setting they were made with. */
