@@ -410,10 +410,13 @@ GEMM_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s"), qd.QuantSc
 
 @pytest.mark.parametrize("scheme", GEMM_SCHEMES, ids=repr)
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("M,K,N", [(64, 256, 96), (130, 768, 77), (257, 1024, 300), (300, 100, 260)])
+@pytest.mark.parametrize("M,K,N", [(64, 256, 96), (130, 768, 77), (257, 1024, 300), (300, 100, 260),
+                                   (200, 4096, 300)])
 def test_fq_gemm_matches_reference(rng, gemm_from_one_row, fq_gemm_calls, scheme, x_dtype, M, K, N):
     """fq as a GEMM on the weight's values, for every blocking: tails in M, N and K
-    (K = 100 is no whole 16-byte row), scales per block of K kept exact per block."""
+    (K = 100 is no whole 16-byte row), scales per block of K kept exact per block.
+    These few tiles fill few SMs, so from K = 768 on K is cut into splits (eight
+    at K = 4096), each of whole scale blocks, whose sums are added in order."""
     block = scheme.block or ()  # over the trailing dims of the weight [N, K]
     if any(dim % b for dim, b in zip((N, K)[2 - len(block):], block)):
         pytest.skip("blocks must divide the weight")
@@ -446,7 +449,7 @@ def test_fq_gemm_at_few_rows(rng, monkeypatch, fq_gemm_calls, scheme, M):
     assert rel_err(decode, gemm) < FQ_TOL
 
 
-@pytest.mark.parametrize("scheme,rows", [(GEMM_SCHEMES[0], 160), (GEMM_SCHEMES[3], 384), (GEMM_SCHEMES[4], None)],
+@pytest.mark.parametrize("scheme,rows", [(GEMM_SCHEMES[0], 144), (GEMM_SCHEMES[3], 384), (GEMM_SCHEMES[4], None)],
                          ids=["whole-K", "block-128", "block-32"])
 def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, rows):
     """A prefill-sized x takes the GEMM from FQ_GEMM_MIN_ROWS rows on (scales over

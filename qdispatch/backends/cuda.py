@@ -43,11 +43,10 @@ _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 # stream the whole weight, by the weight's scale blocks along K: one block over all
 # of K, blocks of 64 values or more, finer blocks (None: never; a block's sums are
 # scaled as it ends, which the GEMM does at a cost).  Measured on an H200 at
-# K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md): over all of K the
-# crossing is near 192 rows at N = 4096 and 128 at N = 11008.  float32 x is cut
-# into three bfloat16 parts, for the GEMM as for the decode kernel, so the same
+# K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).  float32 x is cut into
+# three bfloat16 parts, for the GEMM as for the decode kernel, so the same
 # thresholds serve it.
-FQ_GEMM_MIN_ROWS = {"whole_k": 160, "blocks": 384, "fine_blocks": None}
+FQ_GEMM_MIN_ROWS = {"whole_k": 144, "blocks": 384, "fine_blocks": None}
 
 
 def fq_gemm_min_rows(block_k, K):

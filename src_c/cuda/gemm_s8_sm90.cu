@@ -12,6 +12,10 @@
 // 32 bytes of K per row) and float32 sums.  With a scale per block of K (GROUPED,
 // 16-bit operands only), each block's sums are scaled into a second set of float
 // sums as the block ends; both sets fit in the registers at 128 columns a tile.
+// 16-bit products with too few tiles to fill the SMs (prefill of a few hundred
+// rows) also cut K into splits, each a tile's range of K on a CTA of its own:
+// the splits store their float32 sums apart and add_splits_kernel adds them in
+// split order (so the result does not depend on scheduling) and scales them.
 #include <cuda.h>          // CUtensorMap and its enums only: the driver is reached
 #include <cudaTypedefs.h>  // through the runtime, libcuda is not linked
 #include <cuda_bf16.h>
@@ -19,6 +23,7 @@
 
 #include <climits>
 #include <mutex>
+#include <numeric>
 #include <type_traits>
 
 #include "gemm_s8_sm90.cuh"
@@ -29,6 +34,7 @@ namespace {
 using namespace qd;
 
 constexpr int BM = 128, BK = 128, STAGES = 4;
+constexpr int KSTEP = 32;                    // K bytes per wgmma
 constexpr int THREADS = 384;                 // producer + 2 consumer warpgroups
 constexpr int A_BYTES = BM * BK;
 // Columns of a tile: 256, or 128 when block sums are kept beside the wgmma's.
@@ -47,7 +53,6 @@ static_assert(stage_bytes(false) % 1024 == 0 && stage_bytes(true) % 1024 == 0 &&
 
 constexpr int CONSUMER_WARPS = 8;
 constexpr int WG_ROWS = 64;                  // tile rows per consumer warpgroup
-constexpr int KSTEP = 32;                    // K bytes per wgmma
 constexpr int GROUP_M = 16;                  // tile rows per raster group (L2 reuse of B)
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;  // 128*40 + 256*232 <= 64K registers
 
@@ -233,14 +238,31 @@ __device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
 
 #endif  // sm_90a
 
+// out [M, N] = the splits' sums added in split order; with one scale over all of
+// K, times the column's scale (as the kernel's ONE_GROUP epilogue, no a scales).
+__global__ void add_splits_kernel(const float *__restrict__ partial, int splits, int64_t M, int64_t N,
+                                  Scales sc, bool scale, void *out, int out_dtype) {
+    const int64_t n = M * N;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float total = partial[i];
+        for (int s = 1; s < splits; ++s) total = __fadd_rn(total, partial[s * n + i]);
+        if (scale) total = __fmul_rn(__fmul_rn(1.0f, __ldg(sc.b + i % N / sc.b_bn * sc.b_ld)), total);
+        store_from_f32(out, out_dtype, i, total);
+    }
+}
+
 // T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype,
 // or GROUPED (scales per block of K, sc.group_steps wgmma steps long; no a scales).
 // OPS: the operands' type (Operands).
+// With splits > 1, tile t of the walk is split t / (tiles_m * tiles_n) of its
+// output tile, k tiles [split * kt_per, +kt_per), and the split's sums (for
+// ONE_GROUP unscaled, for GROUPED its blocks' scaled sums) go to partial
+// [splits][M][N] instead of out.
 template <typename T, int OPS, bool GROUPED_>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     const __grid_constant__ CUtensorMap map_b, int M, int N, int64_t Kp,
-                    void *out, Scales sc) {
+                    void *out, Scales sc, int splits, int kt_per, float *__restrict__ partial) {
 #ifdef QD_SM90A_BODY
     // Static, so that only this body has static shared memory: the host reads that
     // off the kernel to tell an sm_90a build from the empty ones (see probe()).
@@ -250,8 +272,14 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
     uint8_t *smem = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
 
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + TN - 1) / TN;
-    const int64_t tiles = (int64_t)tiles_m * tiles_n;
+    const int64_t per_split = (int64_t)tiles_m * tiles_n, tiles = per_split * splits;
     const int ktiles = (int)((Kp + BK - 1) / BK);
+    // Output tile (tm, tn) and k tiles [kt0, kt1) of walk tile t.
+    auto locate = [&](int64_t t, int &tm, int &tn, int &kt0, int &kt1) {
+        raster((int)(t % per_split), tiles_m, tiles_n, GROUP_M, tm, tn);
+        kt0 = (int)(t / per_split) * kt_per;
+        kt1 = min(kt0 + kt_per, ktiles);
+    };
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -275,9 +303,9 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
             int stage = 0;
             uint32_t phase = 0;
             for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-                int tm, tn;
-                raster((int)t, tiles_m, tiles_n, GROUP_M, tm, tn);
-                for (int kt = 0; kt < ktiles; ++kt) {
+                int tm, tn, kt0, kt1;
+                locate(t, tm, tn, kt0, kt1);
+                for (int kt = kt0; kt < kt1; ++kt) {
                     mbar_wait(&empty[stage], phase ^ 1);  // the slot's previous use is read
                     uint8_t *s = smem + stage * STAGE_BYTES;
                     mbar_arrive_expect_tx(&full[stage], STAGE_BYTES);
@@ -303,8 +331,8 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         int stage = 0;
         uint32_t phase = 0;
         for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-            int tm, tn;
-            raster((int)t, tiles_m, tiles_n, GROUP_M, tm, tn);
+            int tm, tn, kt0, kt1;
+            locate(t, tm, tn, kt0, kt1);
             // wgmma's D layout: warp w of the warpgroup holds rows 16w..16w+15; for
             // 8-column chunk j, d[4j], d[4j+1] sit at row lane/4, columns
             // 8j + 2*(lane%4) + {0, 1}, and d[4j+2], d[4j+3] eight rows further down.
@@ -327,7 +355,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     sa[h] = sc.a ? __ldg(sc.a + (unsigned)min(r0 + 8 * h, M - 1) / a_bm * sc.a_ld) : 1.0f;
-                load_sb(0);
+                load_sb((int64_t)kt0 * BK);
             }
             if constexpr (GROUPED_) {
 #pragma unroll
@@ -335,8 +363,8 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
             }
 
             int prev = 0;
-            int64_t step = 0;  // wgmma steps of this tile so far
-            for (int kt = 0; kt < ktiles; ++kt) {
+            int64_t step = (int64_t)kt0 * (BK / KSTEP);  // wgmma steps of this tile's K so far
+            for (int kt = kt0; kt < kt1; ++kt) {
                 mbar_wait(&full[stage], phase);
                 const uint8_t *s = smem + stage * STAGE_BYTES;
                 const uint64_t da = sw128_desc(s + wg * WG_ROWS * BK), db = sw128_desc(s + A_BYTES);
@@ -362,14 +390,14 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                             wgmma_fence();  // the registers read above before the next wgmma writes them
                         }
                     } else {
-                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > 0 || ks > 0);
+                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > kt0 || ks > 0);
                     }
                 }
                 wgmma_commit();
                 // Keep this k-tile's group in flight; the previous one is done, so its
                 // slot goes back to the producer.
                 wgmma_wait<1>();
-                if (kt > 0 && lane == 0) mbar_arrive(&empty[prev]);
+                if (kt > kt0 && lane == 0) mbar_arrive(&empty[prev]);
                 prev = stage;
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
@@ -388,7 +416,13 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     if (r >= M) continue;
                     const Sum x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
                     T *p = o + (int64_t)r * N + c;
-                    if constexpr (GROUPED_)
+                    if (partial) {  // a split's sums, added and scaled by add_splits_kernel
+                        float *q = partial + (t / per_split * M + r) * N + c;
+                        if constexpr (GROUPED_)
+                            store2(q, block_sums[4 * j + 2 * h], block_sums[4 * j + 2 * h + 1], c + 1 < N, N % 2 == 0);
+                        else
+                            store2(q, (float)x, (float)y, c + 1 < N, N % 2 == 0);
+                    } else if constexpr (GROUPED_)
                         store2(p, block_sums[4 * j + 2 * h], block_sums[4 * j + 2 * h + 1], c + 1 < N, vec);
                     else if constexpr (SCALED)  // as gemm_s8.cu's ONE_GROUP, bit for bit
                         store2(p, __fmul_rn(__fmul_rn(sa[h], sb[j][0]), (float)x),
@@ -500,6 +534,23 @@ qd_status probe(int dev, Device &d) {
     return QD_OK;
 }
 
+// How many splits of K a 16-bit product of `tiles` output tiles takes: enough to
+// give most SMs a tile when the tiles alone fill at most half of them, each split
+// at least MIN_SPLIT_KTILES k tiles and, with scale blocks along K (group_steps
+// wgmma steps each), whole blocks.  Returns the splits and sets *kt_per.
+constexpr int MIN_SPLIT_KTILES = 8;
+int k_splits(int64_t tiles, int ktiles, int sms, GemmMode mode, int64_t group_steps, int *kt_per) {
+    *kt_per = ktiles;
+    if (2 * tiles > sms) return 1;
+    const int64_t steps = BK / KSTEP;
+    const int64_t unit = mode == GROUPED ? group_steps / std::gcd(group_steps, steps) : 1;  // k tiles per whole blocks
+    int64_t per = ceil_div(ktiles, sms / tiles);
+    per = ceil_div(std::max<int64_t>(per, MIN_SPLIT_KTILES), unit) * unit;
+    if (per >= ktiles) return 1;
+    *kt_per = (int)per;
+    return (int)ceil_div(ktiles, per);
+}
+
 qd_status current_device(Device **out) {
     int dev = 0;
     qd_status st = check(cudaGetDevice(&dev));
@@ -534,9 +585,30 @@ qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, 
     CUtensorMap map_a, map_b;  // the encoder checks alignment (16 bytes) and strides
     if (!encode(&map_a, a, M, Kp, ld, BM) || !encode(&map_b, bt, N, Kp, ld, tile_n(grouped)))
         return QD_ERR_ARGUMENT;
-    const unsigned grid = (unsigned)(tiles < d->sms ? tiles : d->sms);  // persistent
-    KERNELS[k]<<<grid, THREADS, smem_bytes(grouped), stream>>>(map_a, map_b, (int)M, (int)N, Kp, out, sc);
-    return launched();
+    const int ktiles = (int)ceil_div(Kp, BK);
+    int kt_per = ktiles;
+    const int splits = ops == S8 ? 1 : k_splits(tiles, ktiles, d->sms, mode, sc.group_steps, &kt_per);
+    const int64_t walk = tiles * splits;
+    const unsigned grid = (unsigned)(walk < d->sms ? walk : d->sms);  // persistent
+    if (splits == 1) {
+        KERNELS[k]<<<grid, THREADS, smem_bytes(grouped), stream>>>(map_a, map_b, (int)M, (int)N, Kp, out, sc, 1,
+                                                                  ktiles, nullptr);
+        return launched();
+    }
+    float *partial = nullptr;  // from the stream's pool: taken and given back in stream order
+    if ((st = check(cudaMallocAsync(reinterpret_cast<void **>(&partial), sizeof(float) * splits * M * N, stream))) !=
+        QD_OK)
+        return st;
+    KERNELS[k]<<<grid, THREADS, smem_bytes(grouped), stream>>>(map_a, map_b, (int)M, (int)N, Kp, out, sc, splits,
+                                                              kt_per, partial);
+    st = launched();
+    if (st == QD_OK) {
+        add_splits_kernel<<<grid_for(M * N, 256), 256, 0, stream>>>(partial, splits, M, N, sc, mode == ONE_GROUP, out,
+                                                                    out_dtype);
+        st = launched();
+    }
+    const qd_status freed = check(cudaFreeAsync(partial, stream));
+    return st != QD_OK ? st : freed;
 }
 
 }  // namespace qd
