@@ -6,8 +6,8 @@ Every figure is the median over repetitions of CUDA-event time per call, with
 inputs rotated over enough buffers that each call reads them from HBM rather
 than from the 50 MB L2.  Contenders: `torch._int_mm` (cuBLASLt int8) raw and
 followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
-to benchmarks/results/cuda_h200.json (prefill-sized fq: cuda_h200_prefill.json)
-with the GPU's name and clocks."""
+to benchmarks/results/cuda_h200.json (batched decode: cuda_h200_batched.json;
+prefill-sized fq: cuda_h200_prefill.json) with the GPU's name and clocks."""
 import json
 import os
 import subprocess
@@ -28,9 +28,11 @@ pytestmark = [
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RESULTS = os.path.join(RESULTS_DIR, "cuda_h200.json")
 PREFILL_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_prefill.json")
+BATCHED_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_batched.json")
 L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
 QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
 FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
+BATCHED_SHAPES = [(32, 4096, 4096), (64, 4096, 4096), (32, 4096, 11008), (64, 4096, 11008)]
 PREFILL_SHAPES = [(256, 4096, 4096), (2048, 4096, 4096), (256, 4096, 11008), (2048, 4096, 11008)]
 FQ_WEIGHTS = [
     ("int8_per_channel", qd.QuantScheme("q8s", axis=0)),
@@ -142,29 +144,48 @@ def host_us(fn, sets, calls=200):
     return (t1 - t0) / calls * 1e6
 
 
-@pytest.mark.parametrize("M,K,N", FQ_SHAPES)
-@pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
-def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
-    """Decode-shaped products: bf16 x [M, K] @ dequantize(w [N, K]).T -> bf16, as torch's."""
+def _fq(x, w):
+    return qd.q_matmul(x, w.T, out_dtype="bfloat16")
+
+
+def _decode_sets(M, K, N, scheme):
+    """(x, w) pairs, bf16 x, over enough weights to defeat L2, each laid out."""
     probe = _weights(N, K, scheme, 1)[0]
     count = n_sets(probe.nbytes)
     ws = [probe] + _weights(N, K, scheme, count - 1)
     xs = [qd.from_dlpack(torch.randn(M, K, device="cuda").to(torch.bfloat16)) for _ in range(count)]
     sets = list(zip(xs, ws))
     for x, w in sets:  # lay out the weights once, before timing
-        qd.q_matmul(x, w.T, out_dtype="bfloat16")
-    ours_fn = lambda x, w: qd.q_matmul(x, w.T, out_dtype="bfloat16")
+        _fq(x, w)
+    return sets
+
+
+def _torch_bf16(M, K, N, extra_bytes=0, calls=20):
+    """(ms per bf16 torch.matmul, its function and sets)."""
+    tb = [(torch.randn(M, K, device="cuda").to(torch.bfloat16),
+           torch.randn(N, K, device="cuda").to(torch.bfloat16)) for _ in range(n_sets(N * K * 2 + extra_bytes))]
+    torch_fn = lambda x, w: torch.matmul(x, w.t())
+    return gpu_ms(torch_fn, tb, calls=calls), torch_fn, tb
+
+
+def _rel_err(x, w, out):
+    expect = torch.from_dlpack(x).float() @ torch.from_dlpack(w.dequantize()).t()
+    got = torch.from_dlpack(out).float()
+    return float(((got - expect).norm() / expect.norm()).item())
+
+
+@pytest.mark.parametrize("M,K,N", FQ_SHAPES)
+@pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
+def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
+    """Decode-shaped products: bf16 x [M, K] @ dequantize(w [N, K]).T -> bf16, as torch's."""
+    sets = _decode_sets(M, K, N, scheme)
+    ours_fn = _fq
     kernel_fn = lambda x, w: _BACKEND.fq_matmul(x.payload, w.T, "bfloat16")
     ours, kernel = gpu_ms(ours_fn, sets, calls=50), gpu_ms(kernel_fn, sets, calls=50)
-    tb = [(torch.randn(M, K, device="cuda").to(torch.bfloat16),
-           torch.randn(N, K, device="cuda").to(torch.bfloat16)) for _ in range(n_sets(N * K * 2))]
-    torch_fn = lambda x, w: torch.matmul(x, w.t())
-    bf16 = gpu_ms(torch_fn, tb, calls=50)
+    bf16, torch_fn, tb = _torch_bf16(M, K, N, calls=50)
     x, w = sets[0]
-    expect = torch.from_dlpack(x).float() @ torch.from_dlpack(w.dequantize()).t()
-    got = torch.from_dlpack(qd.q_matmul(x, w.T, out_dtype="bfloat16")).float()
-    err = float(((got - expect).norm() / expect.norm()).item())
-    wbytes = probe.nbytes
+    err = _rel_err(x, w, _fq(x, w))
+    wbytes = w.nbytes
     figures = {"qdispatch": ours, "qdispatch_kernel": kernel, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_bf16_x_{wname}", (M, K, N), figures, {
         "weight_bytes": wbytes,
@@ -176,18 +197,40 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
     benchmark.pedantic(lambda: (ours_fn(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 
+@pytest.mark.parametrize("M,K,N", BATCHED_SHAPES)
+@pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
+def test_fq_batched_decode_bf16_activations(benchmark, M, K, N, wname, scheme):
+    """Batched decode (a few tens of rows): launches of 32 rows, against launches of
+    16 rows (the batch-invariant setting's, how every batch ran before) and bf16
+    torch.matmul, same run."""
+    sets = _decode_sets(M, K, N, scheme)
+    ours = gpu_ms(_fq, sets, calls=50)
+    qd.set_batch_invariant(True)
+    try:
+        sixteen = gpu_ms(_fq, sets, calls=50)
+    finally:
+        qd.set_batch_invariant(False)
+    bf16 = _torch_bf16(M, K, N, calls=50)[0]
+    x, w = sets[0]
+    figures = {"qdispatch": ours, "qdispatch_launches_of_16_rows": sixteen, "torch_bf16_matmul": bf16}
+    record(benchmark, f"fq_batched_bf16_x_{wname}", (M, K, N), figures, {
+        "weight_bytes": w.nbytes, "speedup_vs_bf16": bf16 / ours, "speedup_vs_launches_of_16_rows": sixteen / ours,
+        "rel_err": _rel_err(x, w, _fq(x, w))}, results=BATCHED_RESULTS)
+    benchmark.pedantic(lambda: (_fq(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
 @pytest.mark.parametrize("M,K,N", PREFILL_SHAPES)
 @pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
 def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, scheme):
     """Prefill-sized products, bf16 out: qdispatch as it runs them (a GEMM on the
-    weight's values, or decode launches of 16 rows where those are faster), the
+    weight's values, or decode launches of 32 rows where those are faster), the
     decode launches alone, and bf16 torch.matmul."""
     from qdispatch.backends import cuda as cuda_backend
     count = n_sets(M * K * 2 + N * K)
     ws = _weights(N, K, scheme, count)
     xs = [qd.from_dlpack(torch.randn(M, K, device="cuda").to(torch.bfloat16)) for _ in range(count)]
     sets = list(zip(xs, ws))
-    ours_fn = lambda x, w: qd.q_matmul(x, w.T, out_dtype="bfloat16")
+    ours_fn = _fq
     for x, w in sets:  # lay out the weights once, before timing
         ours_fn(x, w)
     ours = gpu_ms(ours_fn, sets)
@@ -198,13 +241,9 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
     for x, w in decode_sets:
         ours_fn(x, w)
     decode = gpu_ms(ours_fn, decode_sets, reps=3, calls=5)
-    tb = [(torch.randn(M, K, device="cuda").to(torch.bfloat16),
-           torch.randn(N, K, device="cuda").to(torch.bfloat16)) for _ in range(n_sets(M * K * 2 + N * K * 2))]
-    bf16 = gpu_ms(lambda x, w: torch.matmul(x, w.t()), tb)
+    bf16 = _torch_bf16(M, K, N, extra_bytes=M * K * 2)[0]
     x, w = sets[0]
-    expect = torch.from_dlpack(x).float() @ torch.from_dlpack(w.dequantize()).t()
-    got = torch.from_dlpack(ours_fn(x, w)).float()
-    err = float(((got - expect).norm() / expect.norm()).item())
+    err = _rel_err(x, w, ours_fn(x, w))
     figures = {"qdispatch": ours, "qdispatch_decode_launches": decode, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_prefill_bf16_x_{wname}", (M, K, N), figures, {
         "path": "gemm" if M >= gemm_rows else "decode launches",
