@@ -113,6 +113,7 @@ cdef extern from "qdispatch.h" nogil:
                               int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
                               int out_dtype, void *stream)
     int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k)
+    int qd_cuda_fq_wide_supported()
     void qd_cuda_set_batch_invariant(int on)
     int qd_cuda_batch_invariant()
 
@@ -615,6 +616,10 @@ def qq_matmul(DeviceArray a, DeviceArray bt, int64_t K, DeviceArray sa, int64_t 
 
 def fq_supported(int bits, int64_t K, int64_t block_k):
     return bool(qd_cuda_fq_supported(bits, K, block_k))
+
+
+def fq_wide_supported():
+    return bool(qd_cuda_fq_wide_supported())
 
 
 def set_batch_invariant(bint on):

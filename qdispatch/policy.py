@@ -71,9 +71,9 @@ def set_batch_invariant(on=True):
     fastest way for each batch size, and the reference backend's float products go
     through numpy's BLAS, so a row's last bits may change with the rows it comes
     with.  On, the decode kernels take 16 rows per launch and cut K as for 16 rows
-    whatever the batch (which takes longer on large weights at few rows, and at
-    17-32 rows) and the reference multiplies one row at a time.  Process-wide:
-    every thread and GPU."""
+    whatever the batch, and many rows never go to the GEMM (which takes longer on
+    large weights at few rows, and from 17 rows on), and the reference multiplies
+    one row at a time.  Process-wide: every thread and GPU."""
     get_backend("cuda").set_batch_invariant(on)
 
 

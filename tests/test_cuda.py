@@ -394,7 +394,8 @@ def fq_gemm_calls(monkeypatch):
 def _gemm_from_one_row(monkeypatch):
     """fq runs as a GEMM at any rows for weights first used from here on."""
     from qdispatch.backends import cuda as cuda_backend
-    monkeypatch.setattr(cuda_backend, "FQ_GEMM_MIN_ROWS", dict.fromkeys(cuda_backend.FQ_GEMM_MIN_ROWS, 1))
+    for table in ("FQ_GEMM_MIN_ROWS", "FQ_GEMM_MIN_ROWS_WIDE"):
+        monkeypatch.setattr(cuda_backend, table, dict.fromkeys(getattr(cuda_backend, table), 1))
 
 
 @pytest.fixture
@@ -449,12 +450,20 @@ def test_fq_gemm_at_few_rows(rng, monkeypatch, fq_gemm_calls, scheme, M):
     assert rel_err(decode, gemm) < FQ_TOL
 
 
-@pytest.mark.parametrize("scheme,rows", [(GEMM_SCHEMES[0], 144), (GEMM_SCHEMES[3], 384), (GEMM_SCHEMES[4], None)],
+@pytest.mark.parametrize("scheme,block_k", [(GEMM_SCHEMES[0], 1024), (GEMM_SCHEMES[3], 128), (GEMM_SCHEMES[4], 32)],
                          ids=["whole-K", "block-128", "block-32"])
-def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, rows):
-    """A prefill-sized x takes the GEMM from FQ_GEMM_MIN_ROWS rows on (scales over
-    all of K or blocks of 64 or more); blocks of 32 keep the decode kernel."""
+def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, block_k):
+    """A prefill-sized bf16 x takes the GEMM from the backend's threshold of rows
+    on: FQ_GEMM_MIN_ROWS (144 rows over all of K, 384 with blocks of 64 or more), or
+    on an H100/H200, whose one-launch kernel for many rows leads further,
+    FQ_GEMM_MIN_ROWS_WIDE (256 over all of K, never with blocks).  Blocks of 32 never
+    take it."""
+    from qdispatch import _cuda
+    from qdispatch.backends import cuda as cuda_backend
     K, N = 1024, 200
+    rows = cuda_backend.fq_gemm_min_rows(block_k, K, _cuda.fq_wide_supported())
+    table = cuda_backend.FQ_GEMM_MIN_ROWS_WIDE if _cuda.fq_wide_supported() else cuda_backend.FQ_GEMM_MIN_ROWS
+    assert rows == {1024: table["whole_k"], 128: table["blocks"], 32: None}[block_k]
     wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
     for M in (rows - 1, rows) if rows else (600,):
         x = rng.standard_normal((M, K)).astype(np.float32)
@@ -486,7 +495,8 @@ def test_fq_gemm_float32_rows(rng, gemm_from_one_row, fq_gemm_calls, scheme, out
 
 
 def test_fq_float32_rows_take_the_gemm(rng, fq_gemm_calls):
-    # float32 x takes the GEMM from the same rows (the decode kernel cuts it into three parts too).
+    # float32 x takes the GEMM from FQ_GEMM_MIN_ROWS on every GPU: it runs as decode
+    # launches of 16 rows below (cut into three parts there too).
     from qdispatch.backends import cuda as cuda_backend
     rows = cuda_backend.FQ_GEMM_MIN_ROWS["whole_k"]
     wq = qd.quantize(rng.standard_normal((40, 256)).astype(np.float32), GEMM_SCHEMES[0], device="cuda")
@@ -495,6 +505,48 @@ def test_fq_float32_rows_take_the_gemm(rng, fq_gemm_calls):
         out = qd.q_matmul(qd.tensor(x, device="cuda"), wq.T).numpy()
         assert len(fq_gemm_calls) == (M == rows)
         assert rel_err(qd.q_matmul(qd.tensor(x, device="reference"), ref(wq).T).numpy(), out) < FQ_TOL
+
+
+def test_fq_wide_runs_on_hopper():
+    """More than 32 rows of 16-bit x go in one launch exactly where the sm_90a kernels
+    run: an H100/H200 and a build with sm_90a code."""
+    from qdispatch import _cuda
+    capability = qd.info()["backends"]["cuda"]["devices"][0]["capability"]
+    archs = qd.info()["build"]["cuda"]["archs"]
+    assert _cuda.fq_wide_supported() == (capability == "9.0" and "90a" in archs)
+
+
+@pytest.mark.parametrize("scheme", DECODE_SCHEMES + [qd.QuantScheme("q8s", block=48),
+                                                     qd.QuantScheme("q4s", block=16, store="packed_u32")], ids=repr)
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("M,K,N", [(33, 256, 96), (130, 1024, 300), (300, 2048, 40), (70, 960, 130)])
+def test_fq_many_rows_in_one_launch(rng, scheme, x_dtype, M, K, N):
+    """Rows past 32 of 16-bit x, below the GEMM's threshold (on an H100/H200 one
+    launch, 64 rows of x a block, K cut into splits when the blocks are few; elsewhere
+    launches of 32): tails in M, N and K, every blocking, against the reference,
+    the same values on a second call."""
+    if scheme.block is not None and K % scheme.block[-1]:
+        pytest.skip("blocks along K must divide K")
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    xt = qd.tensor(x, device="cuda", dtype=x_dtype)
+    out = qd.q_matmul(xt, wq.T, out_dtype="float32").numpy()
+    expect = qd.q_matmul(qd.tensor(x, device="reference", dtype=x_dtype), ref(wq).T).numpy()
+    assert rel_err(expect, out) < FQ_TOL
+    np.testing.assert_array_equal(qd.q_matmul(xt, wq.T, out_dtype="float32").numpy(), out)
+
+
+def test_fq_batch_invariant_keeps_many_rows_off_the_gemm(rng, batch_invariant, fq_gemm_calls):
+    # Batch-invariant, any number of rows goes in decode launches of 16 rows: the
+    # GEMM's sums (and its split of K) would follow the batch's size.
+    K, N = 512, 96
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    x = rng.standard_normal((300, K)).astype(np.float32)
+    full = qd.q_matmul(qd.tensor(x, device="cuda", dtype="bfloat16"), wq.T).numpy()
+    for lo, hi in [(0, 1), (0, 40), (137, 300)]:
+        part = qd.q_matmul(qd.tensor(x[lo:hi], device="cuda", dtype="bfloat16"), wq.T).numpy()
+        np.testing.assert_array_equal(part, full[lo:hi])
+    assert not fq_gemm_calls
 
 
 @pytest.mark.parametrize("scheme", DECODE_SCHEMES[:3], ids=repr)

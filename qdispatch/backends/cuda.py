@@ -39,21 +39,24 @@ _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 
 
 # From how many rows of x fq runs as a GEMM on the weight's values expanded to
-# 16 bits, rather than as decode launches of 32 rows (16 of float32 x) that each
-# stream the whole weight, by the weight's scale blocks along K: one block over all
-# of K, blocks of 64 values or more, finer blocks (None: never; a block's sums are
-# scaled as it ends, which the GEMM does at a cost).  Measured on an H200 at
-# K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).  float32 x is cut into
-# three bfloat16 parts, for the GEMM as for the decode kernel, so the same
-# thresholds serve it.
+# 16 bits, by the weight's scale blocks along K: one block over all of K, blocks of
+# 64 values or more, finer blocks (None: never; a block's sums are scaled as it
+# ends, which the GEMM does at a cost).  Below that, fq runs as decode launches of
+# 32 rows (16 of float32 x) that each stream the whole weight, or, for 16-bit x on
+# an H100/H200 (_cuda.fq_wide_supported), as one launch that streams it once per 64
+# rows, which beats the GEMM further: FQ_GEMM_MIN_ROWS_WIDE.  Measured on an H200
+# at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).  float32 x is cut
+# into three bfloat16 parts, for the GEMM as for the decode kernel.
 FQ_GEMM_MIN_ROWS = {"whole_k": 144, "blocks": 384, "fine_blocks": None}
+FQ_GEMM_MIN_ROWS_WIDE = {"whole_k": 256, "blocks": None, "fine_blocks": None}
 
 
-def fq_gemm_min_rows(block_k, K):
+def fq_gemm_min_rows(block_k, K, wide=False):
     """The rows of x from which fq runs as a GEMM, or None."""
+    table = FQ_GEMM_MIN_ROWS_WIDE if wide else FQ_GEMM_MIN_ROWS
     if block_k == K:
-        return FQ_GEMM_MIN_ROWS["whole_k"]
-    return FQ_GEMM_MIN_ROWS["blocks" if block_k >= 64 else "fine_blocks"]
+        return table["whole_k"]
+    return table["blocks" if block_k >= 64 else "fine_blocks"]
 
 
 def _build_reason():
@@ -307,7 +310,8 @@ class CudaBackend(Backend):
         if call is False:
             return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
         decode, gemm_rows, scales, bn = call
-        if x.shape[0] >= gemm_rows:
+        # batch-invariant: never the GEMM, whose sums would follow the rows' count
+        if x.shape[0] >= gemm_rows[x.dtype == "float32"] and not self._batch_invariant:
             if x.dtype != "float32":
                 return self._fq_gemm(x, decode, scales, bn, out_dtype)
             # hi, mid and lo bf16 parts stacked as rows, their products added
@@ -335,9 +339,10 @@ class CudaBackend(Backend):
         # The tiles hold every value: the store can go (see the module's docstring).
         # _k_major turned the store's [K, N] into [N, K] unless w is a transposed view.
         w.storage.release_values(_StoreFromTiles(tiles, w.layout, N, K, flip=not w.transposed))
-        gemm_rows = fq_gemm_min_rows(bk, K)
-        return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk),
-                float("inf") if gemm_rows is None else gemm_rows, scales, bn)
+        # for (16-bit x, float32 x)
+        gemm_rows = tuple(float("inf") if rows is None else rows
+                          for rows in (fq_gemm_min_rows(bk, K, _cuda.fq_wide_supported()), fq_gemm_min_rows(bk, K)))
+        return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), gemm_rows, scales, bn)
 
     def _fq_on_host(self, x, w):
         """Blockings along K finer than the kernels' 16-value chunks: the reference math."""

@@ -9,6 +9,7 @@ int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
     (void)bits; (void)K; (void)block_k;
     return 0;
 }
+int qd_cuda_fq_wide_supported(void) { return 0; }
 /* Kept, so that a program may set it whether or not CUDA is there. */
 static int batch_invariant = 0;
 void qd_cuda_set_batch_invariant(int on) { batch_invariant = on != 0; }

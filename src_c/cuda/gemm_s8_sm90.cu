@@ -28,6 +28,7 @@
 
 #include "gemm_s8_sm90.cuh"
 #include "mma_s8.cuh"
+#include "wgmma.cuh"
 
 namespace {
 
@@ -97,16 +98,6 @@ __device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int 
         : "memory");
 }
 
-// Shared-memory matrix descriptor of a K-major tile as TMA writes it with 128-byte
-// swizzle: 128-byte rows, atoms of 8 rows (1024 bytes) stacked along M or N.  The
-// hardware swizzles on absolute address bits, so moving along K inside the row is
-// just a larger start address.
-__device__ __forceinline__ uint64_t sw128_desc(const void *tile) {
-    return uint64_t((smem_addr(tile) & 0x3FFFF) >> 4)  // start address, 16-byte units
-           | uint64_t(1) << 16                          // leading offset: unused, K fits one row
-           | uint64_t(1024 >> 4) << 32                  // stride offset: next 8-row atom
-           | uint64_t(1) << 62;                         // 128-byte swizzle
-}
 
 #define QD_D4(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3])
 #define QD_D16(c, i) QD_D4(c, i), QD_D4(c, i + 4), QD_D4(c, i + 8), QD_D4(c, i + 12)
@@ -170,28 +161,6 @@ __device__ __forceinline__ void wgmma_step(float (&d)[64], uint64_t a, uint64_t 
 #undef QD_D16
 #undef QD_D4
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-// Waits until at most N committed wgmma groups of this warpgroup are in flight.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// wgmma writes d asynchronously: pin every register after the wait so the compiler
-// reads none of them earlier.
-template <int R>
-__device__ __forceinline__ void fence_registers(int32_t (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
-template <int R>
-__device__ __forceinline__ void fence_registers(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_inc() {

@@ -1,0 +1,276 @@
+// fq for a few tens to a few hundred rows of bf16 or f16 x on Hopper (sm_90a).
+//
+// The weights' decode tiles (fq_tiles.cuh) stream through a ring of asynchronous
+// copies per warp, as in the decode kernel (fq_matmul.cu), and each k16 step's
+// values, turned into the A fragments of the warp's 16 weight rows, go from the
+// registers into wgmma m64n64k16: a warpgroup's four warps are 64 weight rows, and
+// 64 rows of x, staged in shared memory (K-major, 128-byte swizzle), are B.  The
+// weights stream once per 64 rows of x (decode launches: once per 32), and one
+// asynchronous wgmma per warpgroup replaces 8 mma.sync and 8 shared loads of x per
+// warp and k16 step.
+//
+// Within a k16 step the tiles hold K in the decode kernel's order: lane t's A
+// registers 0-1 hold K 4t, 4t + 1 of the step and registers 2-3 K 4t + 2, 4t + 3,
+// where the MMA reads its k 2t, 2t + 1 and 2t + 8, 2t + 9.  So x goes into shared
+// memory in that order: of each step's eight pairs of values, pairs 0, 2, 4, 6,
+// then 1, 3, 5, 7.
+//
+// A block is 8 warps (two warpgroups: 8 bands of 16 weight rows) by 64 rows of x
+// by a split of K; it stages x PHASE_CHUNKS x 64 values of K at a time.  A few
+// hundred rows fill the GPU alone; fewer are cut into splits of K, whose float32
+// sums add_splits adds in split order.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "fq_wide_sm90.cuh"
+#include "mma_s8.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+using namespace qd;
+using namespace qd::fq;
+
+constexpr int WARPS = 8, THREADS = WARPS * 32;
+constexpr int TM = 64;               // rows of x per block: wgmma's n
+constexpr int CHUNK = TM * 128;      // bytes of x per 64 values of K (one swizzled 128-byte row each)
+constexpr int PHASE_CHUNKS = 10;     // x staged 640 values of K (80 KB) at a time: two blocks an SM
+constexpr int smem_bytes(int bits) { return PHASE_CHUNKS * CHUNK + WARPS * ring_tiles(bits) * 512 + 1024; }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QD_WIDE_BODY 1
+
+#define QD_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+#define QD_WGMMA_RS(TYPE)                                                                                     \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                              \
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, " \
+    "%10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "     \
+    "%30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+// d[64 weight rows x 64 rows of x] (+)= a (this warp's 16 rows x 16 of K, registers)
+// * b (64 rows of x x 16 of K, shared memory); accumulate = 0 overwrites d.
+template <int MODE>
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+    if constexpr (MODE == F16)
+        asm volatile(QD_WGMMA_RS("f16")
+                     : QD_D8(0), QD_D8(8), QD_D8(16), QD_D8(24)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    else
+        asm volatile(QD_WGMMA_RS("bf16")
+                     : QD_D8(0), QD_D8(8), QD_D8(16), QD_D8(24)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+#undef QD_WGMMA_RS
+#undef QD_D8
+
+// x rows m0 .. m0 + TM - 1, K values [k0, k0 + 64 * chunks), into shared memory as
+// wgmma's B: chunk c (64 values) at xs + c * CHUNK, row r's 128 bytes at r * 128,
+// 16-byte unit u at (u ^ (r % 8)) * 16 (128-byte swizzle), each k16 step's pairs in
+// the tiles' order.  Rows past M and values past K are zero.
+__device__ __forceinline__ void stage_x(const Operand &op, int m0, int64_t k0, int chunks, unsigned char *xs) {
+    const int steps = chunks * 4;
+    for (int i = threadIdx.x; i < TM * steps; i += THREADS) {
+        const int r = i / steps, step = i % steps, m = m0 + r;
+        const int64_t k = k0 + 16 * step;
+        const unsigned short *row = static_cast<const unsigned short *>(op.x) + (int64_t)min(m, op.M - 1) * op.ldx;
+        uint32_t p[8];
+        if (m < op.M && k + 16 <= op.K) {
+            const uint4 lo = __ldg(reinterpret_cast<const uint4 *>(row + k));
+            const uint4 hi = __ldg(reinterpret_cast<const uint4 *>(row + k + 8));
+            p[0] = lo.x; p[1] = lo.y; p[2] = lo.z; p[3] = lo.w;
+            p[4] = hi.x; p[5] = hi.y; p[6] = hi.z; p[7] = hi.w;
+        } else {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const int64_t kk = k + 2 * q;
+                const uint32_t lo = m < op.M && kk < op.K ? row[kk] : 0u;
+                const uint32_t hi = m < op.M && kk + 1 < op.K ? row[kk + 1] : 0u;
+                p[q] = lo | hi << 16;
+            }
+        }
+        unsigned char *dst = xs + (step / 4) * CHUNK + r * 128;
+        const int u = (step % 4) * 2;
+        *reinterpret_cast<uint4 *>(dst + ((u ^ (r & 7)) * 16)) = make_uint4(p[0], p[2], p[4], p[6]);
+        *reinterpret_cast<uint4 *>(dst + (((u + 1) ^ (r & 7)) * 16)) = make_uint4(p[1], p[3], p[5], p[7]);
+    }
+}
+#endif  // sm_90a
+
+// Block (band group x, rows of x y, split z): k tiles [z * kt_per, + kt_per) of 8
+// bands times 64 rows of x.  BLOCKS: scale blocks along K (each block's sums
+// scaled as it ends), else one scale per weight row over all of K.  With splits,
+// each split's scaled sums go to partial [splits][M][N], else to out.
+template <int BITS, int MODE, bool BLOCKS>
+__global__ void __launch_bounds__(THREADS, 1)
+wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float *__restrict__ partial) {
+#ifdef QD_WIDE_BODY
+    using T = Tiling<BITS>;
+    constexpr int RING = ring_tiles(BITS);
+    constexpr int PHASE_TILES = PHASE_CHUNKS * 64 / T::KT;  // whole chunks: KT divides 64 or 64 divides KT
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *xs = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;  // swizzle atoms: 1024 bytes
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t band = (int64_t)blockIdx.x * WARPS + warp, my_band = band < op.bands ? band : op.bands - 1;
+    const int m0 = blockIdx.y * TM;
+    const int kt_begin = blockIdx.z * kt_per;
+    const int tiles = (int)min((int64_t)kt_per, op.tiles_per_band - kt_begin);
+
+    // This warp's tiles, RING of them in flight from the start.  Plain copies: with
+    // the decode kernel's evict-first cache hint the copies faulted (illegal
+    // instruction) in this kernel.
+    const TileOrder<BITS> order{op.bands, op.tiles_per_band};
+    const int64_t stride = order.stride() * 32;
+    const uint4 *src = op.w + order.index(my_band, kt_begin) * 32 + lane;
+    uint4 *slots = reinterpret_cast<uint4 *>(xs + PHASE_CHUNKS * CHUNK) + warp * RING * 32 + lane;
+#pragma unroll
+    for (int d = 0; d < RING; ++d) {
+        cp_async16(slots + d * 32, src + d * stride, d < tiles);
+        cp_async_commit();
+    }
+
+    float d[32], acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = acc[i] = 0.f;
+    const int64_t k_first = (int64_t)kt_begin * T::KT;
+    unsigned in_block = (unsigned)(k_first / 16) % op.steps_per_block;  // k16 steps into the scale block
+    unsigned blk = (unsigned)(k_first / op.bk);
+    float2 scale = __ldg(op.s + (my_band * op.blocks + blk) * 8 + g);  // rows g and g + 8
+    int accumulate = 0;
+    uint32_t a[2][4];  // two steps' A fragments: one may still be read by its wgmma
+    for (int p0 = 0; p0 < tiles; p0 += PHASE_TILES) {
+        const int p1 = min(p0 + PHASE_TILES, tiles);
+        if (p0) {  // every wgmma that reads the staged x is done before it is replaced
+            wgmma_wait<0>();
+            __syncthreads();
+        }
+        stage_x(op, m0, k_first + (int64_t)p0 * T::KT, ((p1 - p0) * T::KT + 63) / 64, xs);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma
+        __syncthreads();
+        const uint32_t xbase = smem_addr(xs);
+        for (int i = p0; i < p1; ++i) {
+            cp_async_wait<RING - 1>();  // tile i (copied by this lane)
+            const uint4 wv = slots[(i % RING) * 32];
+            const bool more = i + RING < tiles;
+            cp_async16(slots + (i % RING) * 32, src + (more ? i + RING : tiles - 1) * stride, more);
+            cp_async_commit();
+            const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+            for (int s = 0; s < T::STEPS; ++s) {
+                const int buf = s & 1;
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int P = 4 * s + r;
+                    a[buf][r] = weight_pair<BITS, MODE>(words[P / T::HALF], P % T::HALF);
+                }
+                const int step = (i - p0) * T::STEPS + s;  // k16 step of the staged x
+                const uint64_t b = sw128_desc_at(xbase + (step / 4) * CHUNK + (step % 4) * 32);
+                wgmma_fence();  // the A registers written above
+                wgmma_rs<MODE>(d, a[buf], b, accumulate);
+                wgmma_commit();
+                wgmma_wait<1>();                // the step before is done with its A registers
+                fence_registers(a[buf ^ 1]);
+                accumulate = 1;
+                if constexpr (BLOCKS) {
+                    if (++in_block == op.steps_per_block) {  // the block ends: its sums, scaled
+                        wgmma_wait<0>();
+                        fence_registers(d);
+#pragma unroll
+                        for (int e = 0; e < 32; ++e) acc[e] = fmaf((e & 2) ? scale.y : scale.x, d[e], acc[e]);
+                        in_block = 0;
+                        blk = min(blk + 1, op.blocks - 1);  // steps past K (zero tiles) keep the last
+                        scale = __ldg(op.s + (my_band * op.blocks + blk) * 8 + g);
+                        accumulate = 0;
+                    }
+                }
+            }
+        }
+    }
+    wgmma_wait<0>();
+    fence_registers(d);
+    cp_async_wait<0>();
+    if (!BLOCKS || in_block != 0)  // the block the split ends in
+#pragma unroll
+        for (int e = 0; e < 32; ++e) acc[e] = fmaf((e & 2) ? scale.y : scale.x, d[e], acc[e]);
+    if (band >= op.bands) return;
+    // Warp w of its warpgroup holds weight rows 16w + g (+8 when e & 2) of the 64, and
+    // rows 8j + 2t (+1 when e & 1) of x.
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int m = m0 + 8 * j + 2 * t + (e & 1);
+            const int64_t n = band * 16 + g + 8 * (e >> 1);
+            if (m >= op.M || n >= op.N) continue;
+            if (partial) partial[((int64_t)blockIdx.z * op.M + m) * op.N + n] = acc[4 * j + e];
+            else store_from_f32(out, out_dtype, (int64_t)m * op.N + n, acc[4 * j + e]);
+        }
+#endif
+}
+
+// out = the splits' sums [splits][n], added in split order.
+__global__ void add_splits(const float *__restrict__ partial, int splits, int64_t n, void *out, int out_dtype) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float total = partial[i];
+        for (int s = 1; s < splits; ++s) total = __fadd_rn(total, partial[s * n + i]);
+        store_from_f32(out, out_dtype, i, total);
+    }
+}
+
+template <int BITS, int MODE, bool BLOCKS>
+qd_status launch(const Operand &op, dim3 grid, int kt_per, void *out, int out_dtype, float *partial,
+                 cudaStream_t s) {
+    static unsigned long long configured = 0;
+    auto kernel = wide_kernel<BITS, MODE, BLOCKS>;
+    qd_status st = allow_dynamic_smem((const void *)kernel, smem_bytes(BITS), &configured);
+    if (st != QD_OK) return st;
+    kernel<<<grid, THREADS, smem_bytes(BITS), s>>>(op, kt_per, out, out_dtype, partial);
+    return launched();
+}
+
+template <int BITS>
+qd_status launch_bits(const Operand &op, dim3 grid, int kt_per, void *out, int out_dtype, float *partial,
+                      cudaStream_t s) {
+    const bool blocks = op.blocks > 1;
+    if (op.x_dtype == QD_CUDA_F16)
+        return blocks ? launch<BITS, F16, true>(op, grid, kt_per, out, out_dtype, partial, s)
+                      : launch<BITS, F16, false>(op, grid, kt_per, out, out_dtype, partial, s);
+    return blocks ? launch<BITS, BF16, true>(op, grid, kt_per, out, out_dtype, partial, s)
+                  : launch<BITS, BF16, false>(op, grid, kt_per, out, out_dtype, partial, s);
+}
+
+}  // namespace
+
+namespace qd {
+namespace fq {
+
+qd_status wide_matmul(const Operand &op, int bits, void *out, int out_dtype, int sms, cudaStream_t s) {
+    const int64_t kt = tile_k(bits), blocks_xy = ceil_div(op.bands, WARPS) * ceil_div(op.M, TM);
+    // Splits only to fill the GPU (two blocks an SM), of at least 256 values of K,
+    // starting on a staged chunk of x (64 values).
+    const int64_t unit = std::max<int64_t>(1, 64 / kt);
+    const int64_t want = std::max<int64_t>(1, 2 * sms / blocks_xy);
+    const int64_t per = ceil_div(std::max(ceil_div(op.tiles_per_band, want), 256 / kt), unit) * unit;
+    const int64_t splits = ceil_div(op.tiles_per_band, per);
+    if (blocks_xy * splits > 0x7FFFFFFF || ceil_div(op.M, TM) > 65535 || splits > 65535) return QD_ERR_SHAPE;
+    const dim3 grid((unsigned)ceil_div(op.bands, WARPS), (unsigned)ceil_div(op.M, TM), (unsigned)splits);
+    float *partial = nullptr;  // from the stream's pool: taken and given back in stream order
+    qd_status st;
+    if (splits > 1 && (st = check(cudaMallocAsync(reinterpret_cast<void **>(&partial),
+                                                  sizeof(float) * splits * op.M * op.N, s))) != QD_OK)
+        return st;
+    if (bits == 8) st = launch_bits<8>(op, grid, (int)per, out, out_dtype, partial, s);
+    else if (bits == 4) st = launch_bits<4>(op, grid, (int)per, out, out_dtype, partial, s);
+    else st = launch_bits<2>(op, grid, (int)per, out, out_dtype, partial, s);
+    if (!partial) return st;
+    if (st == QD_OK) {
+        add_splits<<<grid_for(op.M * op.N, 256), 256, 0, s>>>(partial, (int)splits, op.M * op.N, out, out_dtype);
+        st = launched();
+    }
+    const qd_status freed = check(cudaFreeAsync(partial, s));
+    return st != QD_OK ? st : freed;
+}
+
+}  // namespace fq
+}  // namespace qd
