@@ -508,7 +508,7 @@ def test_fq_float32_rows_take_the_gemm(rng, fq_gemm_calls):
 
 
 def test_fq_wide_runs_on_hopper():
-    """More than 32 rows of 16-bit x go in one launch exactly where the sm_90a kernels
+    """More than 40 rows of 16-bit x go in one launch exactly where the sm_90a kernels
     run: an H100/H200 and a build with sm_90a code."""
     from qdispatch import _cuda
     capability = qd.info()["backends"]["cuda"]["devices"][0]["capability"]
@@ -521,10 +521,10 @@ def test_fq_wide_runs_on_hopper():
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("M,K,N", [(33, 256, 96), (130, 1024, 300), (300, 2048, 40), (70, 960, 130)])
 def test_fq_many_rows_in_one_launch(rng, scheme, x_dtype, M, K, N):
-    """Rows past 32 of 16-bit x, below the GEMM's threshold (on an H100/H200 one
-    launch, 64 rows of x a block, K cut into splits when the blocks are few; elsewhere
-    launches of 32): tails in M, N and K, every blocking, against the reference,
-    the same values on a second call."""
+    """Rows past 32 of 16-bit x, below the GEMM's threshold (on an H100/H200, from
+    41 rows, one launch, 64 rows of x a block, K cut into splits when the blocks are
+    few; otherwise launches of 32): tails in M, N and K, every blocking, against the
+    reference, the same values on a second call."""
     if scheme.block is not None and K % scheme.block[-1]:
         pytest.skip("blocks along K must divide K")
     x = rng.standard_normal((M, K)).astype(np.float32)

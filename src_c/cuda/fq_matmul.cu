@@ -59,7 +59,10 @@ constexpr int ring_bytes(int bits) { return WARPS * ring_tiles(bits) * 512; }
 constexpr int MAX_M = 32;        // rows of 16-bit x per launch (four n8 mma tiles)
 constexpr int MAX_M_F32 = 16;    // rows of float32 x per launch (two n8 tiles, three parts each)
 constexpr int INVARIANT_M = 16;  // rows per launch, and whose cut every M keeps, when batch-invariant
-constexpr int64_t WIDE_MAX_M = 65535 * 64;  // rows wide_matmul takes in one launch (its grid's y)
+// Rows of 16-bit x that go to wide_matmul on Hopper: from 41 (at 33-40 a launch of 32
+// rows and a small one took 5-8% less on an H200, at 48 and 64 3-17% more) up to what
+// its grid's y takes.
+constexpr int64_t WIDE_MIN_M = 41, WIDE_MAX_M = 65535 * 64;
 // n8 tiles of x for M rows: 1, 2 or 4.
 __host__ __device__ constexpr int x_tiles(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : 4; }
 // Two blocks share an SM: one of this kernel and, while it finishes, one of the
@@ -975,8 +978,8 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
                (unsigned)ceil_div(block_k, 16)};  // one block along K: never counted
     cudaStream_t s = qd::as_stream(stream);
     const bool invariant = batch_invariant.load(std::memory_order_relaxed);
-    if (!invariant && x_dtype != QD_CUDA_F32 && M > MAX_M && M <= WIDE_MAX_M && qd::gemm_s8_sm90_usable()) {
-        // More rows than a decode launch takes: on Hopper one launch (fq_wide_sm90.cu)
+    if (!invariant && x_dtype != QD_CUDA_F32 && M >= WIDE_MIN_M && M <= WIDE_MAX_M && qd::gemm_s8_sm90_usable()) {
+        // Rows for more than one decode launch: on Hopper one launch (fq_wide_sm90.cu)
         DeviceState *d = nullptr;
         qd_status st = device_state(&d);
         if (st != QD_OK) return st;

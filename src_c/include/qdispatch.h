@@ -263,7 +263,7 @@ qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, 
 /* 1 if qd_cuda_fq_matmul takes this weight blocking (bits 8, 4 or 2; block_k a
  * multiple of 16, or one block along K). */
 int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
-/* 1 if, on the current device, qd_cuda_fq_matmul runs more than 32 rows of 16-bit x
+/* 1 if, on the current device, qd_cuda_fq_matmul runs more than 40 rows of 16-bit x
  * in one launch that streams the weights once per 64 rows (an H100/H200 and a build
  * with sm_90a code; batch invariance off), 0 if it runs them in launches of 32. */
 int qd_cuda_fq_wide_supported(void);
