@@ -8,7 +8,7 @@
 //   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
 //     -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
 //     benchmarks/cuda/check_fq.cu src_c/cuda/fq_matmul.cu src_c/cuda/fq_wide_sm90.cu \
-//     src_c/cuda/gemm_s8_sm90.cu src_c/cuda/runtime.cu \
+//     src_c/cuda/gemm_s8_sm90.cu src_c/cuda/elementwise.cu src_c/cuda/runtime.cu \
 //     -o build/check_fq && build/check_fq
 #include <cmath>
 #include <cstdint>

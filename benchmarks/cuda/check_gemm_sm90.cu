@@ -1,8 +1,9 @@
 // Standalone check + timing of the sm_90a int8 GEMM (gemm_s8_sm90.cu).
 //
 // Build and run from the repo root (H100/H200):
-//   mkdir -p build && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
-//     benchmarks/cuda/check_gemm_sm90.cu src_c/cuda/gemm_s8_sm90.cu src_c/cuda/runtime.cu \
+//   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
+//     -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
+//     benchmarks/cuda/check_gemm_sm90.cu src_c/cuda/gemm_s8_sm90.cu src_c/cuda/elementwise.cu src_c/cuda/runtime.cu \
 //     -o build/check_gemm_sm90 && build/check_gemm_sm90
 //
 // gemm_s8.cu is included below so that the old mma.sync kernel can be launched
@@ -119,11 +120,11 @@ void old_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K
               void *out, int dt, const Scales &sc) {
     static bool configured = false;
     if (!configured) {
-        CK(cudaFuncSetAttribute(gemm_s8_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+        CK(cudaFuncSetAttribute(gemm_s8_kernel<MODE, S8>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
         configured = true;
     }
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
-    gemm_s8_kernel<MODE><<<(unsigned)tiles, THREADS, SMEM_BYTES>>>(a, bt, (int)M, (int)N, Kp, ld, out, dt, sc);
+    gemm_s8_kernel<MODE, S8><<<(unsigned)tiles, THREADS, SMEM_BYTES>>>(a, bt, (int)M, (int)N, Kp, ld, out, dt, sc);
     CK(cudaGetLastError());
 }
 
@@ -193,7 +194,7 @@ void check_shape(const Shape &s, uint64_t seed) {
         res.what = buf;
 
         CK(cudaMemset(dout, pb, bytes));
-        QK(qd::gemm_s8_sm90(da, db, M, N, Kp, ld, dout + s.out_offset * es, dt, sc, mode, 0));
+        QK(qd::gemm_s8_sm90(da, db, M, N, Kp, ld, dout + s.out_offset * es, dt, sc, mode, S8, 0));
         CK(cudaDeviceSynchronize());
         CK(cudaMemcpy(hout.data(), dout, bytes, cudaMemcpyDeviceToHost));
 
@@ -235,7 +236,7 @@ void check_shape(const Shape &s, uint64_t seed) {
         CK(cudaMemset(dold, 0x80, (size_t)M * N * 4));
         QK(qd_cuda_int_matmul_s8(da, db, M, N, K, ld, (int32_t *)dold, 0));
         CK(cudaDeviceSynchronize());
-        QK(qd::gemm_s8_sm90(da, db, M, N, Kp, ld, dout, QD_CUDA_S32, sc, INT32_OUT, 0));
+        QK(qd::gemm_s8_sm90(da, db, M, N, Kp, ld, dout, QD_CUDA_S32, sc, INT32_OUT, S8, 0));
         CK(cudaDeviceSynchronize());
         CK(cudaMemcpy(hout.data(), dout, (size_t)M * N * 4, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(hold.data(), dold, (size_t)M * N * 4, cudaMemcpyDeviceToHost));
@@ -312,7 +313,7 @@ Timing time_shape(int64_t M, int64_t N, int64_t K) {
     CK(cudaMemcpy(sb, ones.data(), N * 4, cudaMemcpyHostToDevice));
     Scales sc{sa, 1, 1, K, sb, 1, 1, K, qd::ceil_div(K, 32)};
     Timing t{M, N, K, 0, 0};
-    t.new_ms = time_ms([&](int i) { QK(qd::gemm_s8_sm90(as[i], bs[i], M, N, K, K, out, QD_CUDA_F32, sc, ONE_GROUP, 0)); }, sets);
+    t.new_ms = time_ms([&](int i) { QK(qd::gemm_s8_sm90(as[i], bs[i], M, N, K, K, out, QD_CUDA_F32, sc, ONE_GROUP, S8, 0)); }, sets);
     t.old_ms = time_ms([&](int i) { old_gemm<ONE_GROUP>(as[i], bs[i], M, N, K, K, out, QD_CUDA_F32, sc); }, sets);
     for (int i = 0; i < sets; ++i) {
         CK(cudaFree(as[i]));

@@ -9,8 +9,8 @@
 // Build and run from the repo root (H100/H200):
 //   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
 //     -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
-//     benchmarks/cuda/time_fq.cu src_c/cuda/fq_wide_sm90.cu src_c/cuda/gemm_s8_sm90.cu src_c/cuda/runtime.cu \
-//     -o build/time_fq && build/time_fq
+//     benchmarks/cuda/time_fq.cu src_c/cuda/fq_wide_sm90.cu src_c/cuda/gemm_s8_sm90.cu \
+//     src_c/cuda/elementwise.cu src_c/cuda/runtime.cu -o build/time_fq && build/time_fq
 //
 // fq_matmul.cu is included so that early launch can be switched off.
 #include "fq_matmul.cu"

@@ -1,10 +1,11 @@
 // Memory-bound helpers: casts, bias, transposes, padding, the packed_u32 store,
-// dequantization, and float32 cut into bfloat16 parts and added back.  All are
-// grid-stride loops over the output.
+// dequantization, float32 cut into bfloat16 parts and added back, and the sums of
+// splits of K added.  All are grid-stride loops over the output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "split_sums.cuh"
 
 namespace {
 
@@ -50,6 +51,19 @@ __global__ void sum3_kernel(const float *a, int64_t n, void *out, int out_dtype)
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         store_from_f32(out, out_dtype, i, __fadd_rn(__fadd_rn(a[i], a[n + i]), a[2 * n + i]));
+}
+
+__global__ void add_split_sums_kernel(const float *__restrict__ partial, int splits, int64_t M, int64_t N,
+                                      const float *__restrict__ col_scales, int64_t bn, int64_t ld, void *out,
+                                      int out_dtype) {
+    const int64_t n = M * N;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float total = partial[i];
+        for (int s = 1; s < splits; ++s) total = __fadd_rn(total, partial[s * n + i]);
+        if (col_scales) total = __fmul_rn(__ldg(col_scales + i % N / bn * ld), total);
+        store_from_f32(out, out_dtype, i, total);
+    }
 }
 
 __global__ void add_bias_kernel(const float *x, int64_t n, int64_t cols, const float *bias,
@@ -166,6 +180,13 @@ extern "C" qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int 
     if (!float_dtype(out_dtype) || n < 0) return QD_ERR_ARGUMENT;
     if (n == 0) return QD_OK;
     sum3_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, n, out, out_dtype);
+    return qd::launched();
+}
+
+qd_status qd::add_split_sums(const float *partial, int splits, int64_t M, int64_t N, const float *col_scales,
+                             int64_t bn, int64_t ld, void *out, int out_dtype, cudaStream_t stream) {
+    add_split_sums_kernel<<<grid_for(M * N, kThreads), kThreads, 0, stream>>>(partial, splits, M, N, col_scales, bn,
+                                                                              ld, out, out_dtype);
     return qd::launched();
 }
 

@@ -18,7 +18,7 @@
 // A block is 8 warps (two warpgroups: 8 bands of 16 weight rows) by 64 rows of x
 // by a split of K; it stages x PHASE_CHUNKS x 64 values of K at a time.  A few
 // hundred rows fill the GPU alone; fewer are cut into splits of K, whose float32
-// sums add_splits adds in split order.
+// sums add_split_sums (split_sums.cuh) adds in split order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -26,6 +26,7 @@
 
 #include "fq_wide_sm90.cuh"
 #include "mma_s8.cuh"
+#include "split_sums.cuh"
 #include "wgmma.cuh"
 
 namespace {
@@ -209,15 +210,6 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
 #endif
 }
 
-// out = the splits' sums [splits][n], added in split order.
-__global__ void add_splits(const float *__restrict__ partial, int splits, int64_t n, void *out, int out_dtype) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float total = partial[i];
-        for (int s = 1; s < splits; ++s) total = __fadd_rn(total, partial[s * n + i]);
-        store_from_f32(out, out_dtype, i, total);
-    }
-}
-
 template <int BITS, int MODE, bool BLOCKS>
 qd_status launch(const Operand &op, dim3 grid, int kt_per, void *out, int out_dtype, float *partial,
                  cudaStream_t s) {
@@ -255,21 +247,13 @@ qd_status wide_matmul(const Operand &op, int bits, void *out, int out_dtype, int
     const int64_t splits = ceil_div(op.tiles_per_band, per);
     if (blocks_xy * splits > 0x7FFFFFFF || ceil_div(op.M, TM) > 65535 || splits > 65535) return QD_ERR_SHAPE;
     const dim3 grid((unsigned)ceil_div(op.bands, WARPS), (unsigned)ceil_div(op.M, TM), (unsigned)splits);
-    float *partial = nullptr;  // from the stream's pool: taken and given back in stream order
-    qd_status st;
-    if (splits > 1 && (st = check(cudaMallocAsync(reinterpret_cast<void **>(&partial),
-                                                  sizeof(float) * splits * op.M * op.N, s))) != QD_OK)
-        return st;
-    if (bits == 8) st = launch_bits<8>(op, grid, (int)per, out, out_dtype, partial, s);
-    else if (bits == 4) st = launch_bits<4>(op, grid, (int)per, out, out_dtype, partial, s);
-    else st = launch_bits<2>(op, grid, (int)per, out, out_dtype, partial, s);
-    if (!partial) return st;
-    if (st == QD_OK) {
-        add_splits<<<grid_for(op.M * op.N, 256), 256, 0, s>>>(partial, (int)splits, op.M * op.N, out, out_dtype);
-        st = launched();
-    }
-    const qd_status freed = check(cudaFreeAsync(partial, s));
-    return st != QD_OK ? st : freed;
+    auto run = [&](float *partial) {  // each split's sums to partial, or one split's to out
+        if (bits == 8) return launch_bits<8>(op, grid, (int)per, out, out_dtype, partial, s);
+        if (bits == 4) return launch_bits<4>(op, grid, (int)per, out, out_dtype, partial, s);
+        return launch_bits<2>(op, grid, (int)per, out, out_dtype, partial, s);
+    };
+    if (splits == 1) return run(nullptr);
+    return with_split_sums((int)splits, op.M, op.N, nullptr, 1, 0, out, out_dtype, s, run);
 }
 
 }  // namespace fq

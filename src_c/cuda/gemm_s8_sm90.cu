@@ -14,8 +14,8 @@
 // sums as the block ends; both sets fit in the registers at 128 columns a tile.
 // 16-bit products with too few tiles to fill the SMs (prefill of a few hundred
 // rows) also cut K into splits, each a tile's range of K on a CTA of its own:
-// the splits store their float32 sums apart and add_splits_kernel adds them in
-// split order (so the result does not depend on scheduling) and scales them.
+// the splits store their float32 sums apart and add_split_sums (split_sums.cuh)
+// adds them in split order and scales them.
 #include <cuda.h>          // CUtensorMap and its enums only: the driver is reached
 #include <cudaTypedefs.h>  // through the runtime, libcuda is not linked
 #include <cuda_bf16.h>
@@ -28,6 +28,7 @@
 
 #include "gemm_s8_sm90.cuh"
 #include "mma_s8.cuh"
+#include "split_sums.cuh"
 #include "wgmma.cuh"
 
 namespace {
@@ -207,19 +208,6 @@ __device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
 
 #endif  // sm_90a
 
-// out [M, N] = the splits' sums added in split order; with one scale over all of
-// K, times the column's scale (as the kernel's ONE_GROUP epilogue, no a scales).
-__global__ void add_splits_kernel(const float *__restrict__ partial, int splits, int64_t M, int64_t N,
-                                  Scales sc, bool scale, void *out, int out_dtype) {
-    const int64_t n = M * N;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float total = partial[i];
-        for (int s = 1; s < splits; ++s) total = __fadd_rn(total, partial[s * n + i]);
-        if (scale) total = __fmul_rn(__fmul_rn(1.0f, __ldg(sc.b + i % N / sc.b_bn * sc.b_ld)), total);
-        store_from_f32(out, out_dtype, i, total);
-    }
-}
-
 // T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype,
 // or GROUPED (scales per block of K, sc.group_steps wgmma steps long; no a scales).
 // OPS: the operands' type (Operands).
@@ -385,7 +373,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     if (r >= M) continue;
                     const Sum x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
                     T *p = o + (int64_t)r * N + c;
-                    if (partial) {  // a split's sums, added and scaled by add_splits_kernel
+                    if (partial) {  // a split's sums, added and scaled by add_split_sums
                         float *q = partial + (t / per_split * M + r) * N + c;
                         if constexpr (GROUPED_)
                             store2(q, block_sums[4 * j + 2 * h], block_sums[4 * j + 2 * h + 1], c + 1 < N, N % 2 == 0);
@@ -564,20 +552,14 @@ qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, 
                                                                   ktiles, nullptr);
         return launched();
     }
-    float *partial = nullptr;  // from the stream's pool: taken and given back in stream order
-    if ((st = check(cudaMallocAsync(reinterpret_cast<void **>(&partial), sizeof(float) * splits * M * N, stream))) !=
-        QD_OK)
-        return st;
-    KERNELS[k]<<<grid, THREADS, smem_bytes(grouped), stream>>>(map_a, map_b, (int)M, (int)N, Kp, out, sc, splits,
-                                                              kt_per, partial);
-    st = launched();
-    if (st == QD_OK) {
-        add_splits_kernel<<<grid_for(M * N, 256), 256, 0, stream>>>(partial, splits, M, N, sc, mode == ONE_GROUP, out,
-                                                                    out_dtype);
-        st = launched();
-    }
-    const qd_status freed = check(cudaFreeAsync(partial, stream));
-    return st != QD_OK ? st : freed;
+    // With one scale over all of K the column's scale comes after the sum, as in the
+    // ONE_GROUP epilogue (no a scales); GROUPED splits store their blocks' scaled sums.
+    return with_split_sums(splits, M, N, mode == ONE_GROUP ? sc.b : nullptr, sc.b_bn, sc.b_ld, out, out_dtype,
+                           stream, [&](float *partial) {
+                               KERNELS[k]<<<grid, THREADS, smem_bytes(grouped), stream>>>(
+                                   map_a, map_b, (int)M, (int)N, Kp, out, sc, splits, kt_per, partial);
+                               return launched();
+                           });
 }
 
 }  // namespace qd
