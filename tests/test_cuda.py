@@ -519,7 +519,8 @@ def test_fq_wide_runs_on_hopper():
 @pytest.mark.parametrize("scheme", DECODE_SCHEMES + [qd.QuantScheme("q8s", block=48),
                                                      qd.QuantScheme("q4s", block=16, store="packed_u32")], ids=repr)
 @pytest.mark.parametrize("x_dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("M,K,N", [(33, 256, 96), (130, 1024, 300), (300, 2048, 40), (70, 960, 130)])
+@pytest.mark.parametrize("M,K,N", [(33, 256, 96), (130, 1024, 300), (300, 2048, 40), (70, 960, 130), (45, 1000, 70),
+                                   (97, 333, 50)])
 def test_fq_many_rows_in_one_launch(rng, scheme, x_dtype, M, K, N):
     """Rows past 32 of 16-bit x, below the GEMM's threshold (on an H100/H200, from
     41 rows, one launch, 64 rows of x a block, K cut into splits when the blocks are

@@ -53,16 +53,35 @@ __global__ void sum3_kernel(const float *a, int64_t n, void *out, int out_dtype)
         store_from_f32(out, out_dtype, i, __fadd_rn(__fadd_rn(a[i], a[n + i]), a[2 * n + i]));
 }
 
+// Four outputs a thread, each split's four read as one 16-byte load when n is a
+// multiple of 4 (the splits then stay 16-byte aligned), and four splits' loads in
+// flight at a time; the additions stay in split order.
 __global__ void add_split_sums_kernel(const float *__restrict__ partial, int splits, int64_t M, int64_t N,
                                       const float *__restrict__ col_scales, int64_t bn, int64_t ld, void *out,
                                       int out_dtype) {
     const int64_t n = M * N;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        float total = partial[i];
-        for (int s = 1; s < splits; ++s) total = __fadd_rn(total, partial[s * n + i]);
-        if (col_scales) total = __fmul_rn(__ldg(col_scales + i % N / bn * ld), total);
-        store_from_f32(out, out_dtype, i, total);
+    const bool vector = n % 4 == 0;
+    auto load = [&](int s, int64_t i) {
+        if (vector) return __ldg(reinterpret_cast<const float4 *>(partial + s * n + i));
+        const float *p = partial + s * n + i;
+        return make_float4(p[0], i + 1 < n ? p[1] : 0.f, i + 2 < n ? p[2] : 0.f, i + 3 < n ? p[3] : 0.f);
+    };
+    auto add = [](float4 a, float4 b) {
+        return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+    };
+    for (int64_t i = 4 * (blockIdx.x * (int64_t)blockDim.x + threadIdx.x); i < n;
+         i += 4 * (int64_t)gridDim.x * blockDim.x) {
+        float4 total = load(0, i);
+        int s = 1;
+        for (; s + 4 <= splits; s += 4) {
+            const float4 a = load(s, i), b = load(s + 1, i), c = load(s + 2, i), d = load(s + 3, i);
+            total = add(add(add(add(total, a), b), c), d);
+        }
+        for (; s < splits; ++s) total = add(total, load(s, i));
+        const float v[4] = {total.x, total.y, total.z, total.w};
+        for (int e = 0; e < 4 && i + e < n; ++e)
+            store_from_f32(out, out_dtype, i + e,
+                           col_scales ? __fmul_rn(__ldg(col_scales + (i + e) % N / bn * ld), v[e]) : v[e]);
     }
 }
 
@@ -185,7 +204,7 @@ extern "C" qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int 
 
 qd_status qd::add_split_sums(const float *partial, int splits, int64_t M, int64_t N, const float *col_scales,
                              int64_t bn, int64_t ld, void *out, int out_dtype, cudaStream_t stream) {
-    add_split_sums_kernel<<<grid_for(M * N, kThreads), kThreads, 0, stream>>>(partial, splits, M, N, col_scales, bn,
+    add_split_sums_kernel<<<grid_for(ceil_div(M * N, 4), kThreads), kThreads, 0, stream>>>(partial, splits, M, N, col_scales, bn,
                                                                               ld, out, out_dtype);
     return qd::launched();
 }

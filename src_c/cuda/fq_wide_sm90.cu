@@ -66,35 +66,55 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4],
 #undef QD_WGMMA_RS
 #undef QD_D8
 
+// Values of row m, K [k, k + 16), as pairs in the tiles' order: p[0..3] the even
+// pairs, p[4..7] the odd ones; zeros past K or when the row is past M.
+__device__ __forceinline__ void step_pairs_tail(const Operand &op, int m, int64_t k, uint32_t (&p)[8]) {
+    const unsigned short *row = static_cast<const unsigned short *>(op.x) + (int64_t)min(m, op.M - 1) * op.ldx;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+        const int64_t kk = k + 2 * q;
+        const uint32_t lo = m < op.M && kk < op.K ? row[kk] : 0u;
+        const uint32_t hi = m < op.M && kk + 1 < op.K ? row[kk + 1] : 0u;
+        p[(q & 1) * 4 + q / 2] = lo | hi << 16;
+    }
+}
+
 // x rows m0 .. m0 + TM - 1, K values [k0, k0 + 64 * chunks), into shared memory as
 // wgmma's B: chunk c (64 values) at xs + c * CHUNK, row r's 128 bytes at r * 128,
 // 16-byte unit u at (u ^ (r % 8)) * 16 (128-byte swizzle), each k16 step's pairs in
-// the tiles' order.  Rows past M and values past K are zero.
+// the tiles' order (even pairs in its first unit, odd in its second).  Thread
+// (row tid / 4, step tid % 4 of every chunk) writes the same two units of each
+// chunk: two 16-byte loads and two stores a chunk, two chunks' loads in flight.
 __device__ __forceinline__ void stage_x(const Operand &op, int m0, int64_t k0, int chunks, unsigned char *xs) {
-    const int steps = chunks * 4;
-    for (int i = threadIdx.x; i < TM * steps; i += THREADS) {
-        const int r = i / steps, step = i % steps, m = m0 + r;
-        const int64_t k = k0 + 16 * step;
-        const unsigned short *row = static_cast<const unsigned short *>(op.x) + (int64_t)min(m, op.M - 1) * op.ldx;
+    static_assert(THREADS == 4 * TM, "four threads a row of x");
+    const int r = threadIdx.x >> 2, so = threadIdx.x & 3, m = m0 + r;
+    unsigned char *dst = xs + r * 128;
+    const int u0 = ((2 * so) ^ (r & 7)) << 4, u1 = ((2 * so + 1) ^ (r & 7)) << 4;
+    const int64_t k = k0 + 16 * so;  // this thread's step of chunk 0
+    // chunks whose step lies wholly inside K, read as 16-byte pieces
+    const int whole = m < op.M && op.K >= k + 16 ? (int)min((int64_t)chunks, (op.K - k - 16) / 64 + 1) : 0;
+    const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const unsigned short *>(op.x) +
+                                                       (int64_t)min(m, op.M - 1) * op.ldx + k);
+    auto put = [&](int c, uint4 lo, uint4 hi) {
+        *reinterpret_cast<uint4 *>(dst + c * CHUNK + u0) = make_uint4(lo.x, lo.z, hi.x, hi.z);
+        *reinterpret_cast<uint4 *>(dst + c * CHUNK + u1) = make_uint4(lo.y, lo.w, hi.y, hi.w);
+    };
+    int c = 0;
+    for (; c + 2 <= whole; c += 2) {  // a chunk is 64 values: 8 uint4 further along the row
+        const uint4 a = __ldg(src + 8 * c), b = __ldg(src + 8 * c + 1);
+        const uint4 e = __ldg(src + 8 * c + 8), f = __ldg(src + 8 * c + 9);
+        put(c, a, b);
+        put(c + 1, e, f);
+    }
+    if (c < whole) {
+        put(c, __ldg(src + 8 * c), __ldg(src + 8 * c + 1));
+        ++c;
+    }
+    for (; c < chunks; ++c) {  // past M, or the end of K
         uint32_t p[8];
-        if (m < op.M && k + 16 <= op.K) {
-            const uint4 lo = __ldg(reinterpret_cast<const uint4 *>(row + k));
-            const uint4 hi = __ldg(reinterpret_cast<const uint4 *>(row + k + 8));
-            p[0] = lo.x; p[1] = lo.y; p[2] = lo.z; p[3] = lo.w;
-            p[4] = hi.x; p[5] = hi.y; p[6] = hi.z; p[7] = hi.w;
-        } else {
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                const int64_t kk = k + 2 * q;
-                const uint32_t lo = m < op.M && kk < op.K ? row[kk] : 0u;
-                const uint32_t hi = m < op.M && kk + 1 < op.K ? row[kk + 1] : 0u;
-                p[q] = lo | hi << 16;
-            }
-        }
-        unsigned char *dst = xs + (step / 4) * CHUNK + r * 128;
-        const int u = (step % 4) * 2;
-        *reinterpret_cast<uint4 *>(dst + ((u ^ (r & 7)) * 16)) = make_uint4(p[0], p[2], p[4], p[6]);
-        *reinterpret_cast<uint4 *>(dst + (((u + 1) ^ (r & 7)) * 16)) = make_uint4(p[1], p[3], p[5], p[7]);
+        step_pairs_tail(op, m, k + 64 * c, p);
+        *reinterpret_cast<uint4 *>(dst + c * CHUNK + u0) = make_uint4(p[0], p[1], p[2], p[3]);
+        *reinterpret_cast<uint4 *>(dst + c * CHUNK + u1) = make_uint4(p[4], p[5], p[6], p[7]);
     }
 }
 #endif  // sm_90a
@@ -104,7 +124,7 @@ __device__ __forceinline__ void stage_x(const Operand &op, int m0, int64_t k0, i
 // scaled as it ends), else one scale per weight row over all of K.  With splits,
 // each split's scaled sums go to partial [splits][M][N], else to out.
 template <int BITS, int MODE, bool BLOCKS>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(THREADS, 2)
 wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float *__restrict__ partial) {
 #ifdef QD_WIDE_BODY
     using T = Tiling<BITS>;
@@ -197,15 +217,18 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
     if (band >= op.bands) return;
     // Warp w of its warpgroup holds weight rows 16w + g (+8 when e & 2) of the 64, and
     // rows 8j + 2t (+1 when e & 1) of x.
+    const int64_t n = band * 16 + g;
+    const int rows = min(TM, op.M - m0) - 2 * t;  // of this lane's rows 8j + 2t (+1), those below M
+    const int64_t first = (partial ? (int64_t)blockIdx.z * op.M : 0) + m0 + 2 * t;  // row of out or partial
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int m = m0 + 8 * j + 2 * t + (e & 1);
-            const int64_t n = band * 16 + g + 8 * (e >> 1);
-            if (m >= op.M || n >= op.N) continue;
-            if (partial) partial[((int64_t)blockIdx.z * op.M + m) * op.N + n] = acc[4 * j + e];
-            else store_from_f32(out, out_dtype, (int64_t)m * op.N + n, acc[4 * j + e]);
+            const int row = 8 * j + (e & 1), col = 8 * (e >> 1);
+            if (row >= rows || n + col >= op.N) continue;
+            const int64_t i = (first + row) * op.N + n + col;
+            if (partial) partial[i] = acc[4 * j + e];
+            else store_from_f32(out, out_dtype, i, acc[4 * j + e]);
         }
 #endif
 }
