@@ -44,9 +44,9 @@ _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 # ends, which the GEMM does at a cost).  Below that, fq runs as decode launches of
 # 32 rows (16 of float32 x) that each stream the whole weight, or, for more than 40
 # rows of 16-bit x on an H100/H200 (_cuda.fq_wide_supported), as one launch that
-# streams it once per 64 rows, which beats the GEMM further: FQ_GEMM_MIN_ROWS_WIDE.  Measured on an H200
-# at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).  float32 x is cut
-# into three bfloat16 parts, for the GEMM as for the decode kernel.
+# streams it once per 64 rows, which beats the GEMM further (FQ_GEMM_MIN_ROWS_WIDE).
+# Measured on an H200 at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).
+# float32 x is cut into three bfloat16 parts, for the GEMM as for the decode kernel.
 FQ_GEMM_MIN_ROWS = {"whole_k": 144, "blocks": 384, "fine_blocks": None}
 FQ_GEMM_MIN_ROWS_WIDE = {"whole_k": 256, "blocks": None, "fine_blocks": None}
 
