@@ -90,6 +90,29 @@ __device__ __forceinline__ void store_in_block(float *p, unsigned rank, float v)
 #endif
 }
 
+// Block `rank`'s float4 at p, p being this block's address of the same variable.
+__device__ __forceinline__ float4 load_from_block(const float4 *p, unsigned rank) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote, local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+
 // Whether `kernel`, as it runs on the current device, was compiled for sm_90 or
 // newer (PTX 9.0 on): only then does it wait as above, so only then may it be
 // launched early.

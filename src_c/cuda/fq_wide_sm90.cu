@@ -17,12 +17,15 @@
 //
 // A block is 8 warps (two warpgroups: 8 bands of 16 weight rows) by 64 rows of x
 // by a split of K; it stages x PHASE_CHUNKS x 64 values of K at a time.  A few
-// hundred rows fill the GPU alone; fewer are cut into splits of K, whose float32
-// sums add_split_sums (split_sums.cuh) adds in split order.
+// hundred rows fill the GPU alone; fewer are cut into splits of K.  Up to 8 splits
+// of a block's outputs run as one cluster and add their float32 sums through each
+// other's shared memory; more go through device memory to add_split_sums
+// (split_sums.cuh).  Both add them in split order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "fq_wide_sm90.cuh"
 #include "mma_s8.cuh"
@@ -39,6 +42,12 @@ constexpr int TM = 64;               // rows of x per block: wgmma's n
 constexpr int CHUNK = TM * 128;      // bytes of x per 64 values of K (one swizzled 128-byte row each)
 constexpr int PHASE_CHUNKS = 10;     // x staged 640 values of K (80 KB) at a time: two blocks an SM
 constexpr int smem_bytes(int bits) { return PHASE_CHUNKS * CHUNK + WARPS * ring_tiles(bits) * 512 + 1024; }
+// Splits of K that meet in a cluster (the portable cluster size), and the floats per
+// row of x of a block's sums there: a multiple of 4 (rows of float4), and a store's
+// lanes (rows 2t, weight rows g) fall in distinct banks.
+constexpr int MAX_CLUSTER_SPLITS = 8;
+constexpr int SUM_ROW = WARPS * 16 + 4;
+static_assert(TM * SUM_ROW * 4 <= PHASE_CHUNKS * CHUNK, "a block's sums fit where x was staged");
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QD_WIDE_BODY 1
@@ -117,12 +126,55 @@ __device__ __forceinline__ void stage_x(const Operand &op, int m0, int64_t k0, i
         *reinterpret_cast<uint4 *>(dst + c * CHUNK + u1) = make_uint4(p[4], p[5], p[6], p[7]);
     }
 }
+
+// The splits of K of a block's outputs are one cluster, rank = split: each block
+// puts its sums in its shared memory (where x was staged), then adds up its share
+// of the outputs from every block in split order, as add_split_sums does, and
+// stores them.
+__device__ __forceinline__ void meet_in_cluster(const float (&acc)[32], const Operand &op, int m0, void *out,
+                                                int out_dtype, float *sums) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    __syncthreads();  // both warpgroups' wgmmas are done with the staged x
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            sums[(8 * j + 2 * t + (e & 1)) * SUM_ROW + 16 * warp + g + 8 * (e >> 1)] = acc[4 * j + e];
+    cluster_arrive<true>();
+    cluster_wait();
+    constexpr int GROUPS = TM * WARPS * 4;  // outputs of a block, four weight rows a group
+    const int splits = (int)gridDim.z, share = (GROUPS + splits - 1) / splits, first = (int)cluster_rank() * share;
+    const int64_t n0 = (int64_t)blockIdx.x * WARPS * 16;
+    for (int i = first + threadIdx.x; i < min(GROUPS, first + share); i += THREADS) {
+        const int r = i / (WARPS * 4), c = 4 * (i % (WARPS * 4));  // row of x, first weight row of four
+        const float4 *p = reinterpret_cast<const float4 *>(sums + r * SUM_ROW + c);
+        float4 v[MAX_CLUSTER_SPLITS];
+#pragma unroll
+        for (int z = 0; z < MAX_CLUSTER_SPLITS; ++z)
+            if (z < splits) v[z] = load_from_block(p, z);
+        float4 total = v[0];
+#pragma unroll
+        for (int z = 1; z < MAX_CLUSTER_SPLITS; ++z)
+            if (z < splits)
+                total = make_float4(__fadd_rn(total.x, v[z].x), __fadd_rn(total.y, v[z].y),
+                                    __fadd_rn(total.z, v[z].z), __fadd_rn(total.w, v[z].w));
+        const int64_t m = m0 + r, n = n0 + c;
+        if (m >= op.M) continue;
+        const float four[4] = {total.x, total.y, total.z, total.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (n + e < op.N) store_from_f32(out, out_dtype, m * op.N + n + e, four[e]);
+    }
+    cluster_arrive<false>();  // no block leaves while another still reads its sums
+    cluster_wait();
+}
 #endif  // sm_90a
 
 // Block (band group x, rows of x y, split z): k tiles [z * kt_per, + kt_per) of 8
 // bands times 64 rows of x.  BLOCKS: scale blocks along K (each block's sums
 // scaled as it ends), else one scale per weight row over all of K.  With splits,
-// each split's scaled sums go to partial [splits][M][N], else to out.
+// each split's scaled sums go to partial [splits][M][N], or with no partial the
+// splits are a cluster and meet there; without splits the sums go to out.
 template <int BITS, int MODE, bool BLOCKS>
 __global__ void __launch_bounds__(THREADS, 2)
 wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float *__restrict__ partial) {
@@ -214,6 +266,10 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
     if (!BLOCKS || in_block != 0)  // the block the split ends in
 #pragma unroll
         for (int e = 0; e < 32; ++e) acc[e] = fmaf((e & 2) ? scale.y : scale.x, d[e], acc[e]);
+    if (gridDim.z > 1 && !partial) {
+        meet_in_cluster(acc, op, m0, out, out_dtype, reinterpret_cast<float *>(xs));
+        return;
+    }
     if (band >= op.bands) return;
     // Warp w of its warpgroup holds weight rows 16w + g (+8 when e & 2) of the 64, and
     // rows 8j + 2t (+1 when e & 1) of x.
@@ -233,26 +289,57 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
 #endif
 }
 
+using Kernel = void (*)(Operand, int, void *, int, float *);
+
+// A kernel with its shared memory allowed on the current device, and per device
+// and cluster size how many clusters of it fit the GPU at once (0: not asked yet).
+struct Configured {
+    Kernel kernel;
+    std::atomic<int> *max_clusters;  // [device][splits]
+};
+constexpr int MAX_DEVICES = 64;
+
 template <int BITS, int MODE, bool BLOCKS>
-qd_status launch(const Operand &op, dim3 grid, int kt_per, void *out, int out_dtype, float *partial,
-                 cudaStream_t s) {
-    static unsigned long long configured = 0;
-    auto kernel = wide_kernel<BITS, MODE, BLOCKS>;
-    qd_status st = allow_dynamic_smem((const void *)kernel, smem_bytes(BITS), &configured);
-    if (st != QD_OK) return st;
-    kernel<<<grid, THREADS, smem_bytes(BITS), s>>>(op, kt_per, out, out_dtype, partial);
-    return launched();
+qd_status configured(Configured *c) {
+    static unsigned long long allowed = 0;
+    static std::atomic<int> max_clusters[MAX_DEVICES][MAX_CLUSTER_SPLITS + 1];
+    c->kernel = wide_kernel<BITS, MODE, BLOCKS>;
+    c->max_clusters = &max_clusters[0][0];
+    return allow_dynamic_smem((const void *)c->kernel, smem_bytes(BITS), &allowed);
 }
 
 template <int BITS>
-qd_status launch_bits(const Operand &op, dim3 grid, int kt_per, void *out, int out_dtype, float *partial,
-                      cudaStream_t s) {
-    const bool blocks = op.blocks > 1;
-    if (op.x_dtype == QD_CUDA_F16)
-        return blocks ? launch<BITS, F16, true>(op, grid, kt_per, out, out_dtype, partial, s)
-                      : launch<BITS, F16, false>(op, grid, kt_per, out, out_dtype, partial, s);
-    return blocks ? launch<BITS, BF16, true>(op, grid, kt_per, out, out_dtype, partial, s)
-                  : launch<BITS, BF16, false>(op, grid, kt_per, out, out_dtype, partial, s);
+qd_status configured_bits(int x_dtype, bool blocks, Configured *c) {
+    if (x_dtype == QD_CUDA_F16) return blocks ? configured<BITS, F16, true>(c) : configured<BITS, F16, false>(c);
+    return blocks ? configured<BITS, BF16, true>(c) : configured<BITS, BF16, false>(c);
+}
+
+// How many clusters of `size` blocks of the kernel fit the GPU at once (0: none).
+int max_clusters(const Configured &c, unsigned size, int smem) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= MAX_DEVICES) {
+        cudaGetLastError();
+        return 0;
+    }
+    std::atomic<int> &known = c.max_clusters[device * (MAX_CLUSTER_SPLITS + 1) + size];
+    int fit = known.load(std::memory_order_relaxed);
+    if (fit == 0) {
+        cudaLaunchAttribute attr{};
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim = {1, 1, size};
+        cudaLaunchConfig_t config{};
+        config.gridDim = dim3(1, 1, size);
+        config.blockDim = THREADS;
+        config.dynamicSmemBytes = (size_t)smem;
+        config.attrs = &attr;
+        config.numAttrs = 1;
+        if (cudaOccupancyMaxActiveClusters(&fit, c.kernel, &config) != cudaSuccess || fit < 1) {
+            cudaGetLastError();  // no clusters here: the device-memory path serves
+            fit = -1;
+        }
+        known.store(fit, std::memory_order_relaxed);
+    }
+    return fit > 0 ? fit : 0;
 }
 
 }  // namespace
@@ -262,21 +349,46 @@ namespace fq {
 
 qd_status wide_matmul(const Operand &op, int bits, void *out, int out_dtype, int sms, cudaStream_t s) {
     const int64_t kt = tile_k(bits), blocks_xy = ceil_div(op.bands, WARPS) * ceil_div(op.M, TM);
+    if (ceil_div(op.M, TM) > 65535) return QD_ERR_SHAPE;
+    Configured c{};
+    const bool blocks = op.blocks > 1;
+    qd_status st = bits == 8   ? configured_bits<8>(op.x_dtype, blocks, &c)
+                   : bits == 4 ? configured_bits<4>(op.x_dtype, blocks, &c)
+                               : configured_bits<2>(op.x_dtype, blocks, &c);
+    if (st != QD_OK) return st;
+    const int smem = smem_bytes(bits);
     // Splits only to fill the GPU (two blocks an SM), of at least 256 values of K,
     // starting on a staged chunk of x (64 values).
     const int64_t unit = std::max<int64_t>(1, 64 / kt);
-    const int64_t want = std::max<int64_t>(1, 2 * sms / blocks_xy);
-    const int64_t per = ceil_div(std::max(ceil_div(op.tiles_per_band, want), 256 / kt), unit) * unit;
-    const int64_t splits = ceil_div(op.tiles_per_band, per);
-    if (blocks_xy * splits > 0x7FFFFFFF || ceil_div(op.M, TM) > 65535 || splits > 65535) return QD_ERR_SHAPE;
-    const dim3 grid((unsigned)ceil_div(op.bands, WARPS), (unsigned)ceil_div(op.M, TM), (unsigned)splits);
-    auto run = [&](float *partial) {  // each split's sums to partial, or one split's to out
-        if (bits == 8) return launch_bits<8>(op, grid, (int)per, out, out_dtype, partial, s);
-        if (bits == 4) return launch_bits<4>(op, grid, (int)per, out, out_dtype, partial, s);
-        return launch_bits<2>(op, grid, (int)per, out, out_dtype, partial, s);
+    auto cut = [&](int64_t ways) {  // tiles per split
+        return ceil_div(std::max(ceil_div(op.tiles_per_band, ways), 256 / kt), unit) * unit;
     };
-    if (splits == 1) return run(nullptr);
-    return with_split_sums((int)splits, op.M, op.N, nullptr, 1, 0, out, out_dtype, s, run);
+    // Splits as clusters: as many as let every cluster fit the GPU at once (a second
+    // wave would cost more than it saves).  They save the device-memory path's
+    // temporary and second kernel, worth more on an H200 than one split in eight
+    // (64 rows of 4096^2: 7 splits in clusters 9% faster than 8 through device
+    // memory) but not one in four or three (3 against 4: 0-4% slower, 2 against 3:
+    // 8-15% slower).  With blocks so few that more than 8 splits would fill the
+    // GPU, 8 in clusters beat 16 through device memory (25% less time at 64 x 4096
+    // x 1024), not 32 (5% more at 64 x 14336 x 1024).
+    const int64_t want = std::max<int64_t>(1, 2 * sms / blocks_xy);
+    int64_t in_cluster = std::min<int64_t>(want, MAX_CLUSTER_SPLITS);
+    while (in_cluster > 1 && blocks_xy > max_clusters(c, (unsigned)in_cluster, smem)) --in_cluster;
+    const int64_t base_splits = ceil_div(op.tiles_per_band, cut(want));
+    const int64_t cluster_splits = ceil_div(op.tiles_per_band, cut(in_cluster));
+    const bool cluster = in_cluster > 1 && (8 * cluster_splits >= 7 * base_splits ||
+                                            (want > MAX_CLUSTER_SPLITS && 2 * cluster_splits >= base_splits));
+    const int64_t per = cut(cluster ? in_cluster : want), splits = ceil_div(op.tiles_per_band, per);
+    if (blocks_xy * splits > 0x7FFFFFFF || splits > 65535) return QD_ERR_SHAPE;
+    const dim3 grid((unsigned)ceil_div(op.bands, WARPS), (unsigned)ceil_div(op.M, TM), (unsigned)splits);
+    auto run = [&](float *partial, unsigned cluster_size) {  // each split's sums to partial, or out
+        return qd::launch(c.kernel, grid, THREADS, smem, s, false, dim3(1, 1, cluster_size), op, (int)per, out,
+                          out_dtype, partial);
+    };
+    if (splits == 1) return run(nullptr, 1);
+    if (cluster) return run(nullptr, grid.z);
+    return with_split_sums((int)splits, op.M, op.N, nullptr, 1, 0, out, out_dtype, s,
+                           [&](float *partial) { return run(partial, 1); });
 }
 
 }  // namespace fq
