@@ -456,7 +456,7 @@ def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, block_k):
     """A prefill-sized bf16 x takes the GEMM from the backend's threshold of rows
     on: FQ_GEMM_MIN_ROWS (144 rows over all of K, 384 with blocks of 64 or more), or
     on an H100/H200, whose one-launch kernel for many rows leads further,
-    FQ_GEMM_MIN_ROWS_WIDE (256 over all of K, never with blocks).  Blocks of 32 never
+    FQ_GEMM_MIN_ROWS_WIDE (257 over all of K, never with blocks).  Blocks of 32 never
     take it."""
     from qdispatch import _cuda
     from qdispatch.backends import cuda as cuda_backend

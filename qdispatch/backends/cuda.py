@@ -44,11 +44,14 @@ _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 # ends, which the GEMM does at a cost).  Below that, fq runs as decode launches of
 # 32 rows (16 of float32 x) that each stream the whole weight, or, for more than 40
 # rows of 16-bit x on an H100/H200 (_cuda.fq_wide_supported), as one launch that
-# streams it once per 64 rows, which beats the GEMM further (FQ_GEMM_MIN_ROWS_WIDE).
+# streams it once per 64 rows, which beats the GEMM further (FQ_GEMM_MIN_ROWS_WIDE:
+# with scales over all of K up to 256 rows, where its splits of K still meet in
+# clusters; at 256 rows it took 34 us at 4096^2 against the GEMM's 49, and 94
+# against 93 at N = 11008).
 # Measured on an H200 at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).
 # float32 x is cut into three bfloat16 parts, for the GEMM as for the decode kernel.
 FQ_GEMM_MIN_ROWS = {"whole_k": 144, "blocks": 384, "fine_blocks": None}
-FQ_GEMM_MIN_ROWS_WIDE = {"whole_k": 256, "blocks": None, "fine_blocks": None}
+FQ_GEMM_MIN_ROWS_WIDE = {"whole_k": 257, "blocks": None, "fine_blocks": None}
 
 
 def fq_gemm_min_rows(block_k, K, wide=False):
