@@ -103,15 +103,6 @@ __device__ __forceinline__ float4 load_from_block(const float4 *p, unsigned rank
 #endif
     return v;
 }
-__device__ __forceinline__ unsigned cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-#else
-    return 0;
-#endif
-}
 
 // Whether `kernel`, as it runs on the current device, was compiled for sm_90 or
 // newer (PTX 9.0 on): only then does it wait as above, so only then may it be

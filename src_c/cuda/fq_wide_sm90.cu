@@ -143,7 +143,8 @@ __device__ __forceinline__ void meet_in_cluster(const float (&acc)[32], const Op
     cluster_arrive<true>();
     cluster_wait();
     constexpr int GROUPS = TM * WARPS * 4;  // outputs of a block, four weight rows a group
-    const int splits = (int)gridDim.z, share = (GROUPS + splits - 1) / splits, first = (int)cluster_rank() * share;
+    // the cluster is the grid's z: a block's rank in it is its split
+    const int splits = (int)gridDim.z, share = (GROUPS + splits - 1) / splits, first = (int)blockIdx.z * share;
     const int64_t n0 = (int64_t)blockIdx.x * WARPS * 16;
     for (int i = first + threadIdx.x; i < min(GROUPS, first + share); i += THREADS) {
         const int r = i / (WARPS * 4), c = 4 * (i % (WARPS * 4));  // row of x, first weight row of four
