@@ -237,7 +237,10 @@ qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int
                                     int64_t ld, void *stream);
 /* Weight-only small-M product: out[M, N] = x[M, K] @ dequantize(w)^T with float32
  * accumulation, for M <= 32 (16 for float32 x, and with batch invariance on; larger M
- * runs in slices of that many rows, each streaming the weights).  x: [M, ldx] of
+ * runs in slices of that many rows, each streaming the weights, except where
+ * qd_cuda_fq_wide_supported says more than 40 rows go in one launch; its splits of K
+ * meet in thread-block clusters or in a temporary from the device's default memory
+ * pool, taken in stream order).  x: [M, ldx] of
  * x_dtype (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16), its rows 16-byte aligned (x too);
  * tiles and scale_tiles: the weight laid out as above, block_k its scales' block
  * along K; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Calls on one device share
