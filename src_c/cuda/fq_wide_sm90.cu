@@ -21,6 +21,10 @@
 // of a block's outputs run as one cluster and add their float32 sums through each
 // other's shared memory; more go through device memory to add_split_sums
 // (split_sums.cuh).  Both add them in split order.
+//
+// Launches start early (programmatic dependent launch), as the decode kernel's:
+// a block copies its first tiles before it waits for the earlier grids, which
+// may still be writing x.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -198,6 +202,9 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
     const int64_t stride = order.stride() * 32;
     const uint4 *src = op.w + order.index(my_band, kt_begin) * 32 + lane;
     uint4 *slots = reinterpret_cast<uint4 *>(xs + PHASE_CHUNKS * CHUNK) + warp * RING * 32 + lane;
+    // The next launch may start now and copy its first tiles while this one
+    // finishes (see qd::wait_for_prior_grids): 4-9% less time a call back to back.
+    allow_dependent_launch();
 #pragma unroll
     for (int d = 0; d < RING; ++d) {
         cp_async16(slots + d * 32, src + d * stride, d < tiles);
@@ -212,6 +219,9 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
     unsigned blk = (unsigned)(k_first / op.bk);
     float2 scale = __ldg(op.s + (my_band * op.blocks + blk) * 8 + g);  // rows g and g + 8
     int accumulate = 0;
+    // x and every output may belong to earlier kernels: from here on.  (The tiles
+    // and scales are complete before any launch.)
+    wait_for_prior_grids();
     uint32_t a[2][4];  // two steps' A fragments: one may still be read by its wgmma
     for (int p0 = 0; p0 < tiles; p0 += PHASE_TILES) {
         const int p1 = min(p0 + PHASE_TILES, tiles);
@@ -383,7 +393,7 @@ qd_status wide_matmul(const Operand &op, int bits, void *out, int out_dtype, int
     if (blocks_xy * splits > 0x7FFFFFFF || splits > 65535) return QD_ERR_SHAPE;
     const dim3 grid((unsigned)ceil_div(op.bands, WARPS), (unsigned)ceil_div(op.M, TM), (unsigned)splits);
     auto run = [&](float *partial, unsigned cluster_size) {  // each split's sums to partial, or out
-        return qd::launch(c.kernel, grid, THREADS, smem, s, false, dim3(1, 1, cluster_size), op, (int)per, out,
+        return qd::launch(c.kernel, grid, THREADS, smem, s, true, dim3(1, 1, cluster_size), op, (int)per, out,
                           out_dtype, partial);
     };
     if (splits == 1) return run(nullptr, 1);
