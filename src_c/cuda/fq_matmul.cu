@@ -688,6 +688,7 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
 // which is why the header asks for one stream per device.
 struct DeviceState {
     std::atomic<int> sms{0};  // set last: nonzero once the rest is
+    int device = 0;           // its index
     int block_smem = 0;       // dynamic shared memory per block: half an SM's
     bool early = false;
     float *partial = nullptr;
@@ -721,6 +722,7 @@ qd_status device_state(DeviceState **out) {
         // less the runtime's reserve and room for the kernel's static shared memory
         d.block_smem = std::min(per_sm / BLOCKS_PER_SM - reserved - 1024, per_block);
         d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1>);
+        d.device = dev;
         d.sms.store(sms, std::memory_order_release);
     }
     *out = &d;
@@ -984,7 +986,7 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
         qd_status st = device_state(&d);
         if (st != QD_OK) return st;
         op.M = (int)M;
-        return wide_matmul(op, bits, out, out_dtype, d->sms, s);
+        return wide_matmul(op, bits, out, out_dtype, d->device, d->sms, s);
     }
     const int rows = invariant ? INVARIANT_M : x_dtype == QD_CUDA_F32 ? MAX_M_F32 : MAX_M;
     for (int64_t m = 0; m < M; m += rows) {  // each slice streams the weights once

@@ -325,13 +325,9 @@ qd_status configured_bits(int x_dtype, bool blocks, Configured *c) {
     return blocks ? configured<BITS, BF16, true>(c) : configured<BITS, BF16, false>(c);
 }
 
-// How many clusters of `size` blocks of the kernel fit the GPU at once (0: none).
-int max_clusters(const Configured &c, unsigned size, int smem) {
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= MAX_DEVICES) {
-        cudaGetLastError();
-        return 0;
-    }
+// How many clusters of `size` blocks of the kernel fit `device` at once (0: none).
+int max_clusters(const Configured &c, int device, unsigned size, int smem) {
+    if (device < 0 || device >= MAX_DEVICES) return 0;
     std::atomic<int> &known = c.max_clusters[device * (MAX_CLUSTER_SPLITS + 1) + size];
     int fit = known.load(std::memory_order_relaxed);
     if (fit == 0) {
@@ -358,7 +354,8 @@ int max_clusters(const Configured &c, unsigned size, int smem) {
 namespace qd {
 namespace fq {
 
-qd_status wide_matmul(const Operand &op, int bits, void *out, int out_dtype, int sms, cudaStream_t s) {
+qd_status wide_matmul(const Operand &op, int bits, void *out, int out_dtype, int device, int sms,
+                      cudaStream_t s) {
     const int64_t kt = tile_k(bits), blocks_xy = ceil_div(op.bands, WARPS) * ceil_div(op.M, TM);
     if (ceil_div(op.M, TM) > 65535) return QD_ERR_SHAPE;
     Configured c{};
@@ -384,7 +381,7 @@ qd_status wide_matmul(const Operand &op, int bits, void *out, int out_dtype, int
     // x 1024), not 32 (5% more at 64 x 14336 x 1024).
     const int64_t want = std::max<int64_t>(1, 2 * sms / blocks_xy);
     int64_t in_cluster = std::min<int64_t>(want, MAX_CLUSTER_SPLITS);
-    while (in_cluster > 1 && blocks_xy > max_clusters(c, (unsigned)in_cluster, smem)) --in_cluster;
+    while (in_cluster > 1 && blocks_xy > max_clusters(c, device, (unsigned)in_cluster, smem)) --in_cluster;
     const int64_t base_splits = ceil_div(op.tiles_per_band, cut(want));
     const int64_t cluster_splits = ceil_div(op.tiles_per_band, cut(in_cluster));
     const bool cluster = in_cluster > 1 && (8 * cluster_splits >= 7 * base_splits ||
