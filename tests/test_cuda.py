@@ -623,13 +623,15 @@ def test_fq_non_finite_activations_propagate(rng, x_dtype):
 
 @pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=128, store="packed_u32")],
                          ids=repr)
-@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("M", [1, 16, 64, 130])
 def test_fq_decode_chain_reads_each_steps_result(rng, scheme, M):
-    """Back-to-back decode steps, each reading the step before's output (the decode
-    kernels may start while the previous one runs): every step sees its input
-    complete, with intermediate results freed and their memory reused on the way."""
-    K = 1024
-    weights = [qd.quantize(rng.standard_normal((K, K)).astype(np.float32) / 32, scheme, device="cuda")
+    """Back-to-back steps, each reading the step before's output (the kernels may
+    start while the previous one runs): every step sees its input complete, with
+    intermediate results freed and their memory reused on the way.  On Hopper 64 rows
+    run as one launch whose splits meet in clusters, and 130 rows of K = 2048 as one
+    launch whose splits meet in device memory and a second kernel."""
+    K = 2048 if M > 64 else 1024
+    weights = [qd.quantize(rng.standard_normal((K, K)).astype(np.float32) / np.sqrt(K), scheme, device="cuda")
                for _ in range(6)]
     x0 = rng.standard_normal((M, K)).astype(np.float32)
     y = qd.tensor(x0, device="cuda", dtype="bfloat16")
