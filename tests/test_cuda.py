@@ -725,6 +725,20 @@ def test_two_gpus_device_mismatch(rng):
     np.testing.assert_array_equal(d0.numpy(), d1.numpy())
     expect = qd.q_matmul(qd.tensor(xs, device="reference", dtype="bfloat16"), ref(w0).T).numpy()
     assert rel_err(expect, d1.numpy()) < FQ_TOL
+    # The one launch for many rows caches its cluster fits per device: clusters (64 rows)
+    # and splits through device memory (130 rows of 2048 x 2048), each GPU in turn.
+    for M, K in [(64, 4096), (130, 2048)]:
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        w0 = qd.quantize(rng.standard_normal((K, K)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                         device="cuda:0")
+        w1 = w0.to("cuda:1")
+        runs = [qd.q_matmul(qd.tensor(x, device=dev, dtype="bfloat16"), w.T, out_dtype="float32")
+                for dev, w in (("cuda:1", w1), ("cuda:0", w0), ("cuda:1", w1))]
+        assert [r.device for r in runs] == ["cuda:1", "cuda:0", "cuda:1"]
+        for r in runs[1:]:
+            np.testing.assert_array_equal(r.numpy(), runs[0].numpy())
+        expect = qd.q_matmul(qd.tensor(x, device="reference", dtype="bfloat16"), ref(w0).T).numpy()
+        assert rel_err(expect, runs[0].numpy()) < FQ_TOL
 
 
 def test_out_of_memory_is_recoverable():
