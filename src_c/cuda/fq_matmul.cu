@@ -75,7 +75,10 @@ constexpr int MAX_TICKETS = 1 << 18;  // bands of a launch whose splits meet in 
 // On sm_90 two splits of K of a band group form one cluster and their sums meet
 // in shared memory.  Clusters of 3 or 4 took 3-12 us longer when launched early
 // (see qd::wait_for_prior_grids), and clusters of 3 or 8 launched without it
-// took about twice as long, likely waiting for room for all their blocks at once.
+// took about twice as long.  Launched early and sized so that every cluster fits
+// the GPU at once (7 splits, 32 clusters at 16 x 4096 x 4096), they were still
+// about 40% slower: behind a kernel that holds every SM slot, a cluster waits until
+// all of its slots are free at once.
 constexpr int MAX_CLUSTER = 2;
 // Bytes each block keeps for the other splits' sums: a share of the block's
 // outputs (at most M x WARPS x 16) from each split, rounded up per split, and
