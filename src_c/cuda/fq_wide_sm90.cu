@@ -223,6 +223,11 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
     // and scales are complete before any launch.)
     wait_for_prior_grids();
     uint32_t a[2][4];  // two steps' A fragments: one may still be read by its wgmma
+    // The ring slot and the next copy's source walk with the tiles (no division or
+    // 64-bit multiply per tile); copies past the warp's last tile reread it, empty.
+    int slot = 0;
+    const uint4 *next = src + RING * stride, *last = src + (int64_t)(tiles - 1) * stride;
+    const uint64_t base_desc = sw128_desc_at(smem_addr(xs));
     for (int p0 = 0; p0 < tiles; p0 += PHASE_TILES) {
         const int p1 = min(p0 + PHASE_TILES, tiles);
         if (p0) {  // every wgmma that reads the staged x is done before it is replaced
@@ -232,13 +237,20 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
         stage_x(op, m0, k_first + (int64_t)p0 * T::KT, ((p1 - p0) * T::KT + 63) / 64, xs);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to wgmma
         __syncthreads();
-        const uint32_t xbase = smem_addr(xs);
         for (int i = p0; i < p1; ++i) {
             cp_async_wait<RING - 1>();  // tile i (copied by this lane)
-            const uint4 wv = slots[(i % RING) * 32];
+            const uint4 wv = slots[slot * 32];
             const bool more = i + RING < tiles;
-            cp_async16(slots + (i % RING) * 32, src + (more ? i + RING : tiles - 1) * stride, more);
+            cp_async16(slots + slot * 32, more ? next : last, more);
             cp_async_commit();
+            next += stride;
+            slot = slot + 1 == RING ? 0 : slot + 1;
+            // The B descriptor of the tile's first step: descriptors count 16-byte units,
+            // a step is 32 bytes into its chunk, four steps a chunk.  A tile's steps never
+            // cross a chunk unless the tile holds whole chunks.
+            static_assert(4 % T::STEPS == 0 || T::STEPS % 4 == 0, "a tile's steps straddle a chunk");
+            const unsigned first = (unsigned)(i - p0) * T::STEPS;
+            const uint64_t tile_desc = base_desc + (first / 4) * (CHUNK / 16) + (first % 4) * 2;
             const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
             for (int s = 0; s < T::STEPS; ++s) {
@@ -248,8 +260,7 @@ wide_kernel(Operand op, int kt_per, void *__restrict__ out, int out_dtype, float
                     const int P = 4 * s + r;
                     a[buf][r] = weight_pair<BITS, MODE>(words[P / T::HALF], P % T::HALF);
                 }
-                const int step = (i - p0) * T::STEPS + s;  // k16 step of the staged x
-                const uint64_t b = sw128_desc_at(xbase + (step / 4) * CHUNK + (step % 4) * 32);
+                const uint64_t b = tile_desc + (s / 4) * (CHUNK / 16) + (s % 4) * 2;
                 wgmma_fence();  // the A registers written above
                 wgmma_rs<MODE>(d, a[buf], b, accumulate);
                 wgmma_commit();
