@@ -473,6 +473,8 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
     using T = Tiling<BITS>;
     constexpr int RING = ring_tiles(BITS);
     const int64_t step = TileOrder<BITS>{op.bands, op.tiles_per_band}.stride() * 32;
+    // The next copy's source walks with the tiles (no 64-bit multiply per tile).
+    const uint4 *next = src + RING * step, *const last = src + (int64_t)(tiles - 1) * step;
     // Tile i from ring slot d (a constant offset), and its slot refilled.
     auto tile = [&](int i, int d) {
         qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
@@ -480,8 +482,9 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
         tile_product<BITS, MODE, MT, ENDS>(op, local0 + i * T::KT, wv, xr, t, run);
         // past the warp's tiles: an empty copy (no branch), from its last tile
         const bool more = i + RING < tiles;
-        copy(slots + d * 32, src + (more ? i + RING : tiles - 1) * step, more);
+        copy(slots + d * 32, more ? next : last, more);
         qd::cp_async_commit();
+        next += step;
     };
     int i0 = 0;
     for (; i0 + RING <= tiles; i0 += RING)  // whole turns of the ring: no test per tile
