@@ -25,6 +25,10 @@ inline cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(s
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Devices that the per-device caches (shared-memory limits, plans, cluster fits)
+// keep apart: one bit each in allow_dynamic_smem's mask.
+constexpr int MAX_DEVICES = 64;
+
 // Raises a kernel's dynamic shared-memory limit on the current device, once per
 // device: `configured` holds a bit per device (setting it twice is harmless, so
 // a racy bit is enough).

@@ -215,10 +215,9 @@ namespace {
 // per device): only then does it wait for the kernel before it, so only then may
 // it launch early.
 bool add_launches_early() {
-    constexpr int MAX_DEVICES = 64;
-    static std::atomic<signed char> known[MAX_DEVICES];  // 0: not asked yet
+    static std::atomic<signed char> known[qd::MAX_DEVICES];  // 0: not asked yet
     int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= MAX_DEVICES) {
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= qd::MAX_DEVICES) {
         cudaGetLastError();  // the launch reports what is wrong
         return false;
     }

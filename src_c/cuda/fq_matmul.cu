@@ -701,8 +701,7 @@ struct DeviceState {
     size_t cap = 0;
     unsigned *tickets = nullptr;
 };
-constexpr int MAX_DEVICES = 64;
-DeviceState states[MAX_DEVICES];
+DeviceState states[qd::MAX_DEVICES];
 // Guards the states' set-up and the scratch: a launch that uses the scratch is
 // queued under it, so that another thread growing the scratch frees the old
 // buffer only after that launch is queued (cudaFree waits for queued work).
@@ -712,7 +711,7 @@ qd_status device_state(DeviceState **out) {
     int dev = 0;
     qd_status st = qd::check(cudaGetDevice(&dev));
     if (st != QD_OK) return st;
-    if (dev < 0 || dev >= MAX_DEVICES) return QD_ERR_ARGUMENT;
+    if (dev < 0 || dev >= qd::MAX_DEVICES) return QD_ERR_ARGUMENT;
     DeviceState &d = states[dev];
     if (d.sms.load(std::memory_order_acquire) == 0) {
         std::lock_guard<std::mutex> lock(state_mutex);

@@ -319,7 +319,6 @@ struct Configured {
     Kernel kernel;
     std::atomic<int> *max_clusters;  // [device][splits]
 };
-constexpr int MAX_DEVICES = 64;
 
 template <int BITS, int MODE, bool BLOCKS>
 qd_status configured(Configured *c) {

@@ -458,7 +458,6 @@ struct Device {
     bool usable = false;
     int sms = 0;
 };
-constexpr int MAX_DEVICES = 64;
 Device devices[MAX_DEVICES];
 std::once_flag probed[MAX_DEVICES];
 
