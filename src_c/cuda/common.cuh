@@ -36,8 +36,10 @@ inline qd_status allow_dynamic_smem(const void *kernel, int bytes, unsigned long
     int device = 0;
     qd_status st = check(cudaGetDevice(&device));
     if (st != QD_OK) return st;
-    const unsigned long long bit = 1ULL << (device & 63);
-    if (device < 64 && (*configured & bit)) return QD_OK;
+    static_assert(MAX_DEVICES <= 64, "one bit per device in a 64-bit mask");
+    const bool tracked = device >= 0 && device < MAX_DEVICES;  // others set it every call
+    const unsigned long long bit = tracked ? 1ULL << device : 0;
+    if (tracked && (*configured & bit)) return QD_OK;
     st = check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     if (st == QD_OK) *configured |= bit;
     return st;
