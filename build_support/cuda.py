@@ -3,6 +3,7 @@
 `QDISPATCH_CUDA=auto` (default) builds the cuda backend when a toolkit is found,
 `1` requires it, `0` skips it.  The CUDA runtime is linked statically, so the
 extension imports on machines without a driver (it then reports "no driver")."""
+import concurrent.futures
 import glob
 import hashlib
 import os
@@ -117,20 +118,43 @@ class CudaBuild:
         out_dir = os.path.join(build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
         headers = sorted(glob.glob(os.path.join("src_c", "cuda", "*.cuh"))) + [os.path.join(INCLUDE, "qdispatch.h")]
-        objects = []
+        objects, stale = [], []
         for src in sorted(glob.glob(SOURCES)):
             obj = os.path.join(out_dir, os.path.basename(src) + ".o")
             # Rebuild on any change of source, headers or flags (contents, not mtimes:
             # a copied tree keeps stale build folders with newer times).
             stamp = _stamp([src] + headers, self.flags())
             if not os.path.exists(obj) or _read(obj + ".stamp") != stamp:
-                cmd = [self.nvcc, "-c", src, "-o", obj, "-I", INCLUDE] + self.flags()
-                print(" ".join(cmd))
-                subprocess.check_call(cmd)
-                with open(obj + ".stamp", "w") as f:
-                    f.write(stamp)
+                stale.append((src, obj, stamp))
             objects.append(obj)
+        self._compile(stale)
         return objects
+
+    def _compile(self, stale):
+        """nvcc over the stale sources, several at once, each compiling its target
+        architectures on threads of its own: one file and one architecture at a time,
+        the default build takes minutes per core.  The largest files start first."""
+        if not stale:
+            return
+        cores = build_jobs()
+        files = min(cores, len(stale))
+        threads = ["--threads", str(max(1, min(cores, len(gencode_flags()))))]
+        stale = sorted(stale, key=lambda item: -os.path.getsize(item[0]))
+
+        def run(item):
+            src, obj, stamp = item
+            cmd = [self.nvcc, "-c", src, "-o", obj, "-I", INCLUDE] + self.flags() + threads
+            print(" ".join(cmd), flush=True)
+            subprocess.check_call(cmd)
+            with open(obj + ".stamp", "w") as f:  # written only once the object is whole
+                f.write(stamp)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=files) as pool:
+            jobs = [pool.submit(run, item) for item in stale]
+            for job in concurrent.futures.as_completed(jobs):
+                if job.exception() is not None:  # stop what has not started, report it
+                    pool.shutdown(cancel_futures=True)
+                    raise job.exception()
 
     def flags(self):
         return NVCC_FLAGS + gencode_flags()
@@ -146,6 +170,19 @@ class CudaBuild:
     def describe(self):
         return {"nvcc": self.nvcc, "nvcc_version": nvcc_version(self.nvcc), "archs": archs(),
                 "flags": self.flags(), "runtime": "cudart_static"}
+
+
+def build_jobs():
+    """Compilers run at once: `QDISPATCH_BUILD_JOBS`, else the cores this process may use."""
+    env = os.environ.get("QDISPATCH_BUILD_JOBS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise RuntimeError(f"QDISPATCH_BUILD_JOBS={env!r}: expected a positive whole number")
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _stamp(paths, flags):

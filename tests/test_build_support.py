@@ -58,3 +58,114 @@ def test_a_rebuilt_object_relinks_the_extension(cuda_build):
     cuda_build.CudaBuild.link_into(ext, objects)
     assert ext.extra_objects == objects
     assert set(objects) <= set(ext.depends) and "src_c/include/qdispatch.h" in ext.depends
+
+
+FAKE_NVCC = """#!{python}
+# Stands in for nvcc: notes its source and --threads, meets the other compilers
+# started with it, and writes the object (or fails for a source named bad*).
+import glob, os, sys, time
+args = sys.argv[1:]
+src, obj = args[args.index("-c") + 1], args[args.index("-o") + 1]
+name = os.path.basename(src)
+log = os.environ["FAKE_NVCC_DIR"]
+open(os.path.join(log, "started-" + name), "w").close()
+waited = 0.0
+while len(glob.glob(os.path.join(log, "started-*"))) < int(os.environ["FAKE_NVCC_MEET"]) and waited < 20:
+    time.sleep(0.01)
+    waited += 0.01
+met = len(glob.glob(os.path.join(log, "started-*")))
+with open(os.path.join(log, "ran-" + name), "w") as f:
+    f.write("%d %s" % (met, args[args.index("--threads") + 1]))
+if name.startswith("bad"):
+    sys.exit(3)
+with open(obj, "w") as f:
+    f.write("object")
+"""
+
+
+@pytest.fixture
+def fake_tree(cuda_build, tmp_path, monkeypatch):
+    """A source tree of three .cu files and a fake nvcc, as the current directory."""
+    import sys
+    if os.name != "posix":
+        pytest.skip("the fake nvcc is a script run through its #! line")
+    (tmp_path / "src_c" / "cuda").mkdir(parents=True)
+    (tmp_path / "src_c" / "include").mkdir()
+    (tmp_path / "src_c" / "include" / "qdispatch.h").write_text("// header")
+    for name in ("a.cu", "b.cu", "c.cu"):
+        (tmp_path / "src_c" / "cuda" / name).write_text("// " + name)
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(FAKE_NVCC.format(python=sys.executable))
+    nvcc.chmod(0o755)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FAKE_NVCC_DIR", str(logs))
+    monkeypatch.setenv("FAKE_NVCC_MEET", "1")
+    return cuda_build.CudaBuild(str(tmp_path), str(nvcc), str(tmp_path), str(tmp_path)), logs
+
+
+def ran(logs):
+    return {p.name[4:]: p.read_text().split() for p in logs.glob("ran-*")}
+
+
+def test_sources_compile_at_once_and_only_when_stale(fake_tree, monkeypatch):
+    build, logs = fake_tree
+    monkeypatch.setenv("QDISPATCH_BUILD_JOBS", "3")
+    monkeypatch.setenv("FAKE_NVCC_MEET", "3")  # each waits until all three have started
+    objects = build.compile_objects("build")
+    assert [os.path.basename(o) for o in objects] == ["a.cu.o", "b.cu.o", "c.cu.o"]
+    assert all(open(o).read() == "object" for o in objects)
+    assert ran(logs) == {name: ["3", "3"] for name in ("a.cu", "b.cu", "c.cu")}  # three at once
+    for p in logs.iterdir():
+        p.unlink()
+    monkeypatch.setenv("FAKE_NVCC_MEET", "1")
+    assert build.compile_objects("build") == objects and ran(logs) == {}  # nothing stale
+    with open("src_c/cuda/b.cu", "a") as f:
+        f.write("// changed")
+    build.compile_objects("build")
+    assert list(ran(logs)) == ["b.cu"]
+
+
+@pytest.mark.parametrize("jobs,archs,threads", [
+    ("7", None, "5"),     # the five default targets (four architectures and PTX), one thread each
+    ("3", None, "3"),     # no more threads than cores
+    ("7", "90a", "1"),    # one target
+    ("2", "80,90a", "2"),
+])
+def test_nvcc_threads_per_file(fake_tree, monkeypatch, jobs, archs, threads):
+    build, logs = fake_tree
+    monkeypatch.setenv("QDISPATCH_BUILD_JOBS", jobs)
+    if archs:
+        monkeypatch.setenv("QDISPATCH_CUDA_ARCHS", archs)
+    build.compile_objects("build")
+    assert {t for _, t in ran(logs).values()} == {threads}
+
+
+def test_a_failed_compile_raises_and_is_retried_next_time(fake_tree, monkeypatch):
+    import subprocess
+    build, logs = fake_tree
+    monkeypatch.setenv("QDISPATCH_BUILD_JOBS", "1")
+    os.rename("src_c/cuda/b.cu", "src_c/cuda/bad.cu")
+    with pytest.raises(subprocess.CalledProcessError):
+        build.compile_objects("build")
+    assert not os.path.exists("build/cuda/bad.cu.o.stamp")
+    for p in logs.iterdir():
+        p.unlink()
+    with pytest.raises(subprocess.CalledProcessError):
+        build.compile_objects("build")
+    assert "bad.cu" in ran(logs)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_build_jobs_must_be_a_positive_number(cuda_build, monkeypatch, value):
+    monkeypatch.setenv("QDISPATCH_BUILD_JOBS", value)
+    with pytest.raises(RuntimeError, match="QDISPATCH_BUILD_JOBS"):
+        cuda_build.build_jobs()
+
+
+def test_build_jobs_default_to_the_usable_cores(cuda_build, monkeypatch):
+    monkeypatch.delenv("QDISPATCH_BUILD_JOBS", raising=False)
+    assert cuda_build.build_jobs() >= 1
+    monkeypatch.setenv("QDISPATCH_BUILD_JOBS", "5")
+    assert cuda_build.build_jobs() == 5
