@@ -133,12 +133,14 @@ class CudaBuild:
     def _compile(self, stale):
         """nvcc over the stale sources, several at once, each compiling its target
         architectures on threads of its own: one file and one architecture at a time,
-        the default build takes minutes per core.  The largest files start first."""
+        the default build takes minutes per core.  The largest files start first.
+        Up to two compilers a core keep the cores busy while the largest file's
+        targets finish; each takes up to about 0.5 GB."""
         if not stale:
             return
         cores = build_jobs()
         files = min(cores, len(stale))
-        threads = ["--threads", str(max(1, min(cores, len(gencode_flags()))))]
+        threads = ["--threads", str(max(1, min(len(gencode_flags()), 2 * cores // files)))]
         stale = sorted(stale, key=lambda item: -os.path.getsize(item[0]))
 
         def run(item):

@@ -116,7 +116,7 @@ def test_sources_compile_at_once_and_only_when_stale(fake_tree, monkeypatch):
     objects = build.compile_objects("build")
     assert [os.path.basename(o) for o in objects] == ["a.cu.o", "b.cu.o", "c.cu.o"]
     assert all(open(o).read() == "object" for o in objects)
-    assert ran(logs) == {name: ["3", "3"] for name in ("a.cu", "b.cu", "c.cu")}  # three at once
+    assert ran(logs) == {name: ["3", "2"] for name in ("a.cu", "b.cu", "c.cu")}  # three at once
     for p in logs.iterdir():
         p.unlink()
     monkeypatch.setenv("FAKE_NVCC_MEET", "1")
@@ -128,10 +128,11 @@ def test_sources_compile_at_once_and_only_when_stale(fake_tree, monkeypatch):
 
 
 @pytest.mark.parametrize("jobs,archs,threads", [
-    ("7", None, "5"),     # the five default targets (four architectures and PTX), one thread each
-    ("3", None, "3"),     # no more threads than cores
+    ("8", None, "5"),     # the five default targets (four architectures and PTX), one thread each
+    ("7", None, "4"),     # three files: up to two compilers a core
+    ("3", None, "2"),
     ("7", "90a", "1"),    # one target
-    ("2", "80,90a", "2"),
+    ("2", "80,90a", "2"),  # two of the three files at a time
 ])
 def test_nvcc_threads_per_file(fake_tree, monkeypatch, jobs, archs, threads):
     build, logs = fake_tree
