@@ -131,21 +131,22 @@ class CudaBuild:
         return objects
 
     def _compile(self, stale):
-        """nvcc over the stale sources, several at once, each compiling its target
-        architectures on threads of its own: one file and one architecture at a time,
-        the default build takes minutes per core.  The largest files start first.
-        Up to two compilers a core keep the cores busy while the largest file's
-        targets finish; each takes up to about 0.5 GB."""
+        """nvcc over the stale sources, several at once, largest first, each compiling
+        its targets on threads of its own (one file and one target at a time took
+        4 minutes on two cores).  Up to two compilers a core keep the cores busy
+        while the largest file's targets finish; each takes up to about 0.5 GB."""
         if not stale:
             return
         cores = build_jobs()
         files = min(cores, len(stale))
-        threads = ["--threads", str(max(1, min(len(gencode_flags()), 2 * cores // files)))]
+        flags = self.flags()
+        threads = max(1, min(len(gencode_flags()), 2 * cores // files))
+        flags += ["--threads", str(threads)]  # changes no object: not in the stamp
         stale = sorted(stale, key=lambda item: -os.path.getsize(item[0]))
 
         def run(item):
             src, obj, stamp = item
-            cmd = [self.nvcc, "-c", src, "-o", obj, "-I", INCLUDE] + self.flags() + threads
+            cmd = [self.nvcc, "-c", src, "-o", obj, "-I", INCLUDE] + flags
             print(" ".join(cmd), flush=True)
             subprocess.check_call(cmd)
             with open(obj + ".stamp", "w") as f:  # written only once the object is whole

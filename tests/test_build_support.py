@@ -128,7 +128,7 @@ def test_sources_compile_at_once_and_only_when_stale(fake_tree, monkeypatch):
 
 
 @pytest.mark.parametrize("jobs,archs,threads", [
-    ("8", None, "5"),     # the five default targets (four architectures and PTX), one thread each
+    ("8", None, "5"),     # a thread for each of the five default targets (four architectures, PTX)
     ("7", None, "4"),     # three files: up to two compilers a core
     ("3", None, "2"),
     ("7", "90a", "1"),    # one target
