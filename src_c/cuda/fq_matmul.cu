@@ -55,7 +55,14 @@ using qd::ceil_div;
 using namespace qd::fq;
 
 constexpr int WARPS = 8, THREADS = WARPS * 32;
-constexpr int ring_bytes(int bits) { return WARPS * ring_tiles(bits) * 512; }
+// Tiles per copy group (one wait, commit and step of the source per group) and
+// tiles in flight per warp.  4-bit tiles at 9-16 rows of x (two n8 tiles) go in
+// groups of two, two groups in flight: 1-3% less on an H200, where 8-bit tiles,
+// M <= 8 and M = 32 took up to 4% more that way (benchmarks/cuda_notes.md,
+// "Copies in groups of two tiles").
+constexpr int group_tiles(int bits, int mt) { return bits == 4 && mt == 2 ? 2 : 1; }
+constexpr int ring_slots(int bits, int mt) { return group_tiles(bits, mt) == 2 ? 4 : ring_tiles(bits); }
+constexpr int ring_bytes(int bits, int mt) { return WARPS * ring_slots(bits, mt) * 512; }
 constexpr int MAX_M = 32;        // rows of 16-bit x per launch (four n8 mma tiles)
 constexpr int MAX_M_F32 = 16;    // rows of float32 x per launch (two n8 tiles, three parts each)
 constexpr int INVARIANT_M = 16;  // rows per launch, and whose cut every M keeps, when batch-invariant
@@ -465,34 +472,40 @@ struct TileCopy {
     }
 };
 
-// The warp's tiles through its ring slots, RING copies ahead of use.
+// The warp's tiles through its ring slots, copied G at a time, RING ahead of use.
 template <int BITS, int MODE, int MT, int ENDS>
 __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
                                              const XRows<MT> &xr, int local0, int t, ScaleRun<MT> &run,
                                              const TileCopy<BITS> &copy) {
     using T = Tiling<BITS>;
-    constexpr int RING = ring_tiles(BITS);
+    constexpr int G = group_tiles(BITS, MT), RING = ring_slots(BITS, MT), GROUPS = RING / G;
     const int64_t step = TileOrder<BITS>{op.bands, op.tiles_per_band}.stride() * 32;
     // The next copy's source walks with the tiles (no 64-bit multiply per tile).
     const uint4 *next = src + RING * step, *const last = src + (int64_t)(tiles - 1) * step;
-    // Tile i from ring slot d (a constant offset), and its slot refilled.
-    auto tile = [&](int i, int d) {
-        qd::cp_async_wait<RING - 1>();  // tile i (copied by this lane)
-        const uint4 wv = slots[d * 32];
-        tile_product<BITS, MODE, MT, ENDS>(op, local0 + i * T::KT, wv, xr, t, run);
-        // past the warp's tiles: an empty copy (no branch), from its last tile
-        const bool more = i + RING < tiles;
-        copy(slots + d * 32, more ? next : last, more);
+    // Tiles i .. i + count - 1 (count <= G) from ring group d (constant offsets),
+    // and the group refilled.
+    auto group = [&](int i, int d, int count) {
+        qd::cp_async_wait<GROUPS - 1>();  // group d (copied by this lane)
+#pragma unroll
+        for (int j = 0; j < G; ++j)
+            if (j < count) tile_product<BITS, MODE, MT, ENDS>(op, local0 + (i + j) * T::KT, slots[(d * G + j) * 32], xr,
+                                                              t, run);
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            // past the warp's tiles: an empty copy (no branch), from its last tile
+            const bool more = i + j + RING < tiles;
+            copy(slots + (d * G + j) * 32, more ? next + j * step : last, more);
+        }
         qd::cp_async_commit();
-        next += step;
+        next += G * step;
     };
     int i0 = 0;
     for (; i0 + RING <= tiles; i0 += RING)  // whole turns of the ring: no test per tile
 #pragma unroll
-        for (int d = 0; d < RING; ++d) tile(i0 + d, d);
+        for (int d = 0; d < GROUPS; ++d) group(i0 + d * G, d, G);
 #pragma unroll
-    for (int d = 0; d < RING - 1; ++d)  // the rest
-        if (i0 + d < tiles) tile(i0 + d, d);
+    for (int d = 0; d < (RING + G - 2) / G; ++d)  // the rest: fewer than RING tiles
+        if (i0 + d * G < tiles) group(i0 + d * G, d, tiles - (i0 + d * G));
 }
 
 // The stream for blocks of `steps_per_block` k16 steps that tiles hold whole (K: 1, 2, 4, ...).
@@ -517,10 +530,10 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
           int out_dtype, float *__restrict__ partial, unsigned *__restrict__ tickets) {
     using T = Tiling<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
-    constexpr int RING = ring_tiles(BITS);
+    constexpr int G = group_tiles(BITS, MT), RING = ring_slots(BITS, MT);
     float *received = reinterpret_cast<float *>(smem);                     // [split][share]
     uint4 *ring = reinterpret_cast<uint4 *>(smem + received_bytes(op.M));  // [WARPS][RING][32 lanes]
-    unsigned char *xs = smem + received_bytes(op.M) + ring_bytes(BITS);    // [M][row_bytes]: x slice, zero past K
+    unsigned char *xs = smem + received_bytes(op.M) + ring_bytes(BITS, MT);  // [M][row_bytes]: x slice, zero past K
     float2 *scales = reinterpret_cast<float2 *>(xs + op.M * row_bytes);    // [band][block][8 pairs]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bands_per_block = WARPS / kw, part = warp % kw;
@@ -556,7 +569,7 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
         }
         qd::cp_async_commit();
     }
-    // This warp's tiles, RING of them in flight from the start.
+    // This warp's tiles, RING of them in flight from the start, in groups of G.
     const TileOrder<BITS> order{op.bands, op.tiles_per_band};
     const uint4 *src = op.w + order.index(band < op.bands ? band : 0, my_begin) * 32 + lane;
     uint4 *slots = ring + warp * RING * 32 + lane;
@@ -564,7 +577,7 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
 #pragma unroll
     for (int d = 0; d < RING; ++d) {
         if (d < tiles) copy(slots + d * 32, src + d * order.stride() * 32, true);
-        qd::cp_async_commit();
+        if (d % G == G - 1) qd::cp_async_commit();
     }
     const int64_t kw0 = (int64_t)my_begin * T::KT;  // first K value of this warp's run
     const int local0 = (my_begin - kt_begin) * T::KT;  // ... in the slice
@@ -608,7 +621,7 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
         for (int m = 0; m < op.M; ++m, dst += row_bytes, xsrc += bytes ? row_stride : 0)
             *reinterpret_cast<uint4 *>(dst) = x_tail<x_size>(xsrc, bytes);
     }
-    qd::cp_async_wait<RING>();  // this thread's copies of the scales
+    qd::cp_async_wait<RING / G>();  // this thread's copies of the scales
     __syncthreads();            // x and the scales are in
     run.load();
     constexpr int MODE = XIN == QD_CUDA_F32 ? SPLIT : XIN == QD_CUDA_F16 ? F16 : BF16;
@@ -816,7 +829,7 @@ int64_t slice_tiles(const Operand &op, int rows, int bits, const DeviceState &d)
     const int64_t kt = tile_k(bits), x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
     auto smem_for = [&](int64_t tiles) {
         const int64_t blocks = std::min<int64_t>(op.blocks, ceil_div(tiles * kt, op.bk) + 1);
-        return ring_bytes(bits) + received_bytes(rows) + rows * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
+        return ring_bytes(bits, x_tiles(rows)) + received_bytes(rows) + rows * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
     };
     int64_t fit = 0;
     for (int64_t step = int64_t(1) << 40; step; step >>= 1)
