@@ -39,7 +39,15 @@ class BuildExt(build_ext):
 
     def build_extensions(self):
         self.kernel_objects = cpu_build.compile_objects(self.compiler, ROOT, self.build_temp)
-        cuda_objects = CUDA.compile_objects(self.build_temp) if CUDA is not None else []
+        self.cuda = CUDA
+        cuda_objects = cuda_build.compile_or_skip(CUDA, self.build_temp) if CUDA is not None else []
+        if cuda_objects is None:  # nvcc failed under QDISPATCH_CUDA=auto: build without the backend
+            self.cuda = None
+            self.extensions = [ext for ext in self.extensions if ext.name != "qdispatch._cuda"]
+        if self.cuda is None:  # an earlier build's module would ship (or import) in its place
+            stale = self.get_ext_fullpath("qdispatch._cuda")
+            if os.path.exists(stale):
+                os.remove(stale)
         for ext in self.extensions:
             if ext.name == "qdispatch._cpu":
                 ext.extra_objects = list(self.kernel_objects)
@@ -80,8 +88,8 @@ class BuildExt(build_ext):
             "compiler": " ".join(self.compiler.compiler_so[:1]),
             "machine": cpu_build.machine(),
             "flags_by_isa": cpu_build.flags_by_isa(),
-            "cuda": CUDA.describe() if CUDA is not None else None,
-            "cuda_skipped_reason": cuda_build.skipped_reason() if CUDA is None else None,
+            "cuda": self.cuda.describe() if self.cuda is not None else None,
+            "cuda_skipped_reason": cuda_build.skipped_reason() if self.cuda is None else None,
         }
         text = ('"""Written by setup.py: how this copy of qdispatch was built."""\n'
                 "import json\n\nBUILD_CONFIG = json.loads(%r)\n" % json.dumps(config))

@@ -1,8 +1,10 @@
 """Find the CUDA toolkit and compile the `.cu` kernels for the `qdispatch._cuda` extension.
 
-`QDISPATCH_CUDA=auto` (default) builds the cuda backend when a toolkit is found,
-`1` requires it, `0` skips it.  The CUDA runtime is linked statically, so the
-extension imports on machines without a driver (it then reports "no driver")."""
+`QDISPATCH_CUDA=auto` (default) builds the cuda backend when a toolkit is found and
+compiles the kernels (a toolkit too old for the targets, or a host compiler that
+nvcc refuses, leaves the backend out and says why), `1` requires it, `0` skips it.
+The CUDA runtime is linked statically, so the extension imports on machines
+without a driver (it then reports "no driver")."""
 import concurrent.futures
 import glob
 import hashlib
@@ -10,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 from setuptools import Extension
 
@@ -32,6 +35,10 @@ SOURCES = os.path.join("src_c", "cuda", "*.cu")
 INCLUDE = os.path.join("src_c", "include")
 
 _skipped = None
+
+
+class CudaCompileError(RuntimeError):
+    """nvcc failed on a kernel source: the message names the source and nvcc's first error."""
 
 
 def _mode():
@@ -148,7 +155,14 @@ class CudaBuild:
             src, obj, stamp = item
             cmd = [self.nvcc, "-c", src, "-o", obj, "-I", INCLUDE] + flags
             print(" ".join(cmd), flush=True)
-            subprocess.check_call(cmd)
+            # each compiler's messages in one piece: several run at once
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+            sys.stdout.write(done.stdout)
+            sys.stdout.flush()
+            if done.returncode != 0:
+                version = nvcc_version(self.nvcc)
+                raise CudaCompileError(f"nvcc{' ' + version if version else ''} ({self.nvcc}) could not compile "
+                                       f"{src} (exit {done.returncode}): {first_error(done.stdout)}")
             with open(obj + ".stamp", "w") as f:  # written only once the object is whole
                 f.write(stamp)
 
@@ -204,6 +218,14 @@ def _read(path):
         return None
 
 
+def first_error(output):
+    """The line of a compiler's output that says what went wrong first."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\berror\b|fatal", line, re.IGNORECASE)]
+    line = (errors or lines or ["no message"])[0]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 def nvcc_version(nvcc):
     try:
         text = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
@@ -229,6 +251,21 @@ def configure():
         return None
     _skipped = None
     return CudaBuild(*found)
+
+
+def compile_or_skip(build, build_temp):
+    """The kernels' objects, or None when nvcc fails under QDISPATCH_CUDA=auto: the
+    package then builds without the cuda backend and records why (QDISPATCH_CUDA=1
+    makes the failure a build error)."""
+    global _skipped
+    try:
+        return build.compile_objects(build_temp)
+    except CudaCompileError as err:
+        if _mode() == "1":
+            raise
+        _skipped = f"{err}; QDISPATCH_CUDA=1 makes this a build error"
+        print(f"warning: building qdispatch without the cuda backend: {_skipped}", file=sys.stderr, flush=True)
+        return None
 
 
 def skipped_reason():

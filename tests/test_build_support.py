@@ -77,6 +77,8 @@ met = len(glob.glob(os.path.join(log, "started-*")))
 with open(os.path.join(log, "ran-" + name), "w") as f:
     f.write("%d %s" % (met, args[args.index("--threads") + 1]))
 if name.startswith("bad"):
+    print("note: compiling " + name)
+    print(name + "(7): error: identifier 'x' is undefined")
     sys.exit(3)
 with open(obj, "w") as f:
     f.write("object")
@@ -144,18 +146,42 @@ def test_nvcc_threads_per_file(fake_tree, monkeypatch, jobs, archs, threads):
 
 
 def test_a_failed_compile_raises_and_is_retried_next_time(fake_tree, monkeypatch):
-    import subprocess
     build, logs = fake_tree
     monkeypatch.setenv("QDISPATCH_BUILD_JOBS", "1")
     os.rename("src_c/cuda/b.cu", "src_c/cuda/bad.cu")
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(RuntimeError, match=r"could not compile src_c/cuda/bad\.cu \(exit 3\): "
+                                           r"bad\.cu\(7\): error: identifier"):
         build.compile_objects("build")
     assert not os.path.exists("build/cuda/bad.cu.o.stamp")
     for p in logs.iterdir():
         p.unlink()
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(RuntimeError, match="bad.cu"):
         build.compile_objects("build")
     assert "bad.cu" in ran(logs)
+
+
+def test_a_failed_compile_under_auto_builds_without_the_backend(cuda_build, fake_tree, monkeypatch, capsys):
+    build, logs = fake_tree
+    os.rename("src_c/cuda/b.cu", "src_c/cuda/bad.cu")
+    monkeypatch.setenv("QDISPATCH_CUDA", "auto")
+    assert cuda_build.compile_or_skip(build, "build") is None
+    reason = cuda_build.skipped_reason()
+    assert "could not compile src_c/cuda/bad.cu" in reason and "identifier 'x' is undefined" in reason
+    assert "QDISPATCH_CUDA=1 makes this a build error" in reason
+    assert "building qdispatch without the cuda backend" in capsys.readouterr().err
+    monkeypatch.setenv("QDISPATCH_CUDA", "1")  # asked for: the failure is the build's
+    with pytest.raises(cuda_build.CudaCompileError, match="bad.cu"):
+        cuda_build.compile_or_skip(build, "build")
+    os.rename("src_c/cuda/bad.cu", "src_c/cuda/b.cu")  # fixed: the objects, nothing skipped anew
+    assert len(cuda_build.compile_or_skip(build, "build")) == 3
+
+
+def test_first_error_picks_the_line_that_says_what_failed(cuda_build):
+    out = "ptxas info : Used 30 registers\nnvcc fatal   : Unsupported gpu architecture 'compute_90a'\n"
+    assert cuda_build.first_error(out) == "nvcc fatal   : Unsupported gpu architecture 'compute_90a'"
+    assert cuda_build.first_error("\n  just this  \n") == "just this"
+    assert cuda_build.first_error("") == "no message"
+    assert len(cuda_build.first_error("error: " + "x" * 1000)) == 300
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
