@@ -50,9 +50,9 @@ class BuildExt(build_ext):
                 os.remove(stale)
         for ext in self.extensions:
             if ext.name == "qdispatch._cpu":
-                ext.extra_objects = list(self.kernel_objects)
+                cpu_build.link_objects(ext, self.kernel_objects)
             elif ext.name == "qdispatch._cuda":
-                CUDA.link_into(ext, cuda_objects)
+                cpu_build.link_objects(ext, cuda_objects)
         super().build_extensions()
         self.ship_c_library()
         self.write_build_config()
@@ -88,6 +88,7 @@ class BuildExt(build_ext):
             "compiler": " ".join(self.compiler.compiler_so[:1]),
             "machine": cpu_build.machine(),
             "flags_by_isa": cpu_build.flags_by_isa(),
+            "isas_left_out": cpu_build.left_out(),
             "cuda": self.cuda.describe() if self.cuda is not None else None,
             "cuda_skipped_reason": cuda_build.skipped_reason() if self.cuda is None else None,
         }

@@ -4,11 +4,18 @@ A wheel must run on any x86-64 CPU, so nothing is built with -march=native:
 each ISA's kernels live in their own files and get that ISA's flags; the
 baseline files (CPU detection, scalar kernels, dispatch) get none, and the
 best kernel is chosen at run time.
+
+An ISA that an older compiler does not know (-mavxvnni: GCC 11, clang 12) is left
+out of the build, with a warning: its files are not compiled, the dispatcher is told
+(QD_NO_<ISA>), and the next best kernels run on CPUs that have it.
 """
 import glob
 import os
 import platform
 import re
+import sys
+
+from setuptools.errors import CompileError
 
 COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-fPIC", "-fopenmp",
                 "-Wall", "-Wno-unknown-pragmas"]
@@ -21,6 +28,12 @@ ISA_FLAGS = {
                                "-mavx512vnni", "-mfma", "-mf16c"]),
     "_neon": ("aarch64", ["-march=armv8.2-a+dotprod"]),
 }
+
+
+# ISAs the build may leave out when the compiler refuses their flags (the others
+# are ones that every supported compiler knows).
+OPTIONAL_ISAS = ("avxvnni",)
+_left_out = {}  # ISA -> why, set by compile_objects
 
 
 def machine():
@@ -45,7 +58,7 @@ def sources(root):
             out.append((path, []))
             continue
         arch, flags = ISA_FLAGS["_" + isa]
-        if arch == machine():
+        if arch == machine() and isa not in _left_out:
             out.append((path, flags))
     return out
 
@@ -54,9 +67,28 @@ def flags_by_isa():
     """The compile flags of each ISA built here, for `qdispatch info`."""
     table = {"baseline": list(COMMON_FLAGS)}
     for suffix, (arch, flags) in ISA_FLAGS.items():
-        if arch == machine():
+        if arch == machine() and suffix[1:] not in _left_out:
             table[suffix[1:]] = COMMON_FLAGS + flags
     return table
+
+
+def left_out():
+    """The ISAs this build left out, and why (for `qdispatch info`)."""
+    return dict(_left_out)
+
+
+def accepts(compiler, flags, build_temp):
+    """Whether the C compiler takes `flags` (it compiles an empty function with them)."""
+    probe_dir = os.path.join(build_temp, "flag_probe")
+    os.makedirs(probe_dir, exist_ok=True)
+    src = os.path.join(probe_dir, "probe.c")
+    with open(src, "w") as f:
+        f.write("int qd_probe(void) { return 0; }\n")
+    try:
+        compiler.compile([src], output_dir=probe_dir, extra_postargs=COMMON_FLAGS + flags)
+        return True
+    except CompileError:
+        return False
 
 
 def package_version(root):
@@ -69,9 +101,25 @@ def compile_objects(compiler, root, build_temp):
     """Compile the kernel library; returns the object files."""
     objects = []
     include = os.path.join(root, "src_c", "include")
-    version = [("QD_VERSION_STRING", f'"{package_version(root)}"')]  # what qd_version() returns
+    _left_out.clear()
+    for isa in OPTIONAL_ISAS:
+        arch, flags = ISA_FLAGS["_" + isa]
+        if arch == machine() and not accepts(compiler, flags, build_temp):
+            _left_out[isa] = f"the C compiler does not accept {' '.join(flags)}"
+            print(f"warning: building qdispatch without its {isa} kernels: {_left_out[isa]}",
+                  file=sys.stderr, flush=True)
+    macros = [("QD_VERSION_STRING", f'"{package_version(root)}"')]  # what qd_version() returns
+    macros += [("QD_NO_" + isa.upper(), "1") for isa in _left_out]
     for path, extra in sources(root):
-        objects += compiler.compile([path], output_dir=build_temp, macros=version,
+        objects += compiler.compile([path], output_dir=build_temp, macros=macros,
                                     include_dirs=[include, os.path.join(root, "src_c", "cpu")],
                                     extra_postargs=COMMON_FLAGS + extra)
     return objects
+
+
+def link_objects(ext, objects):
+    """Links compiled objects into an extension, and makes them its dependencies too:
+    setuptools relinks an extension only when a dependency is newer, so without
+    them a rebuilt object (other flags, an ISA left out) would not reach it."""
+    ext.extra_objects = list(objects)
+    ext.depends = list(ext.depends) + list(objects)

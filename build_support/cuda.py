@@ -176,14 +176,6 @@ class CudaBuild:
     def flags(self):
         return NVCC_FLAGS + gencode_flags()
 
-    @staticmethod
-    def link_into(ext, objects):
-        """Links the compiled objects into the extension, and makes them dependencies
-        too: setuptools then relinks it whenever one was rebuilt (a .cu source or
-        header changed), not only when the .pyx did."""
-        ext.extra_objects = list(objects)
-        ext.depends = list(ext.depends) + list(objects)
-
     def describe(self):
         return {"nvcc": self.nvcc, "nvcc_version": nvcc_version(self.nvcc), "archs": archs(),
                 "flags": self.flags(), "runtime": "cudart_static"}

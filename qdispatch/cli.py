@@ -15,6 +15,8 @@ def info(args=None):
         print(f"  compiler: {build.get('compiler')} ({build.get('machine')})")
         for isa, flags in build.get("flags_by_isa", {}).items():
             print(f"  flags[{isa}]: {' '.join(flags)}")
+        for isa, why in (build.get("isas_left_out") or {}).items():
+            print(f"  {isa}: not built ({why})")
         cuda = build.get("cuda")
         print(f"  cuda: {json.dumps(cuda) if cuda else 'not built (' + str(build.get('cuda_skipped_reason')) + ')'}")
     print("backends:")

@@ -1,5 +1,6 @@
 """The build helpers beside the tests (build_support/, used by setup.py): the CUDA
-target flags, when objects are rebuilt, and when the extension is relinked.
+target flags, when objects are rebuilt, when the extension is relinked, and the
+CPU kernels an older compiler leaves out.
 They are loaded from their files; without a source tree beside the tests
 (an installed copy of the tests) these skip."""
 import importlib.util
@@ -50,14 +51,6 @@ def test_objects_rebuild_when_a_source_or_the_flags_change(cuda_build, tmp_path)
     assert cuda_build._stamp([str(source)], ["-O2"]) != first
     source.write_text("// two")
     assert cuda_build._stamp([str(source)], ["-O3"]) != first
-
-
-def test_a_rebuilt_object_relinks_the_extension(cuda_build):
-    ext = Extension("qdispatch._cuda", ["qdispatch/_cuda.pyx"], depends=["src_c/include/qdispatch.h"])
-    objects = ["build/cuda/fq_matmul.cu.o", "build/cuda/gemm_s8.cu.o"]
-    cuda_build.CudaBuild.link_into(ext, objects)
-    assert ext.extra_objects == objects
-    assert set(objects) <= set(ext.depends) and "src_c/include/qdispatch.h" in ext.depends
 
 
 FAKE_NVCC = """#!{python}
@@ -196,3 +189,84 @@ def test_build_jobs_default_to_the_usable_cores(cuda_build, monkeypatch):
     assert cuda_build.build_jobs() >= 1
     monkeypatch.setenv("QDISPATCH_BUILD_JOBS", "5")
     assert cuda_build.build_jobs() == 5
+
+
+# ---- the C kernel library (build_support/cpu.py) ----
+
+CPU_BUILD = os.path.join(os.path.dirname(CUDA_BUILD), "cpu.py")
+ROOT = os.path.dirname(os.path.dirname(CUDA_BUILD))
+
+
+@pytest.fixture
+def cpu_build():
+    if not os.path.exists(CPU_BUILD):
+        pytest.skip("no build_support/ beside the tests")
+    spec = importlib.util.spec_from_file_location("qdispatch_build_cpu", CPU_BUILD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def x86_only(cpu_build):
+    if cpu_build.machine() != "x86_64":
+        pytest.skip("the optional ISA is an x86-64 one")
+
+
+class RefusingCompiler:
+    """Compiles nothing and notes each call; refuses one flag, as an older gcc would."""
+
+    def __init__(self, refused=None):
+        self.refused, self.calls = refused, []
+
+    def compile(self, sources, output_dir=None, macros=None, include_dirs=None, extra_postargs=None):
+        from setuptools.errors import CompileError
+        if self.refused in (extra_postargs or []):
+            raise CompileError(f"gcc: error: unrecognized command-line option '{self.refused}'")
+        if not sources[0].endswith("probe.c"):
+            self.calls.append((os.path.basename(sources[0]), dict(macros or [])))
+        return [os.path.join(output_dir, os.path.basename(sources[0]) + ".o")]
+
+
+def test_an_isa_the_compiler_refuses_is_left_out(cpu_build, tmp_path, capsys):
+    x86_only(cpu_build)
+    compiler = RefusingCompiler("-mavxvnni")
+    cpu_build.compile_objects(compiler, ROOT, str(tmp_path))
+    compiled = [name for name, _ in compiler.calls]
+    assert "gemm_avxvnni.c" not in compiled
+    assert {"dispatch.c", "gemm_avx2.c", "gemm_avx512vnni.c"} <= set(compiled)
+    assert all(macros.get("QD_NO_AVXVNNI") == "1" for _, macros in compiler.calls)  # the dispatcher knows
+    assert "avxvnni" not in cpu_build.flags_by_isa() and "avx512vnni" in cpu_build.flags_by_isa()
+    assert cpu_build.left_out() == {"avxvnni": "the C compiler does not accept -mavx2 -mfma -mf16c -mavxvnni"}
+    assert "building qdispatch without its avxvnni kernels" in capsys.readouterr().err
+
+
+def test_every_isa_is_built_when_the_compiler_takes_its_flags(cpu_build, tmp_path):
+    x86_only(cpu_build)
+    compiler = RefusingCompiler()
+    cpu_build.compile_objects(compiler, ROOT, str(tmp_path))
+    assert "gemm_avxvnni.c" in [name for name, _ in compiler.calls]
+    assert not any("QD_NO_AVXVNNI" in macros for _, macros in compiler.calls)
+    assert cpu_build.left_out() == {} and "avxvnni" in cpu_build.flags_by_isa()
+
+
+@pytest.mark.parametrize("left_out", [False, True])
+def test_the_dispatcher_refers_to_the_avxvnni_kernels_only_when_built(cpu_build, tmp_path, left_out):
+    x86_only(cpu_build)
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    macros = [("QD_NO_AVXVNNI", "1")] if left_out else []
+    obj, = compiler.compile([os.path.join(ROOT, "src_c", "cpu", "dispatch.c")], output_dir=str(tmp_path),
+                            macros=macros, include_dirs=[os.path.join(ROOT, "src_c", "include")],
+                            extra_postargs=cpu_build.COMMON_FLAGS)
+    with open(obj, "rb") as f:
+        assert (b"qd_kernels_avxvnni" in f.read()) != left_out
+
+
+def test_a_rebuilt_object_relinks_the_extension(cpu_build):
+    ext = Extension("qdispatch._cuda", ["qdispatch/_cuda.pyx"], depends=["src_c/include/qdispatch.h"])
+    objects = ["build/cuda/fq_matmul.cu.o", "build/cuda/gemm_s8.cu.o"]
+    cpu_build.link_objects(ext, objects)
+    assert ext.extra_objects == objects
+    assert set(objects) <= set(ext.depends) and "src_c/include/qdispatch.h" in ext.depends

@@ -115,4 +115,9 @@ def test_info_shows_the_build_configuration():
     assert f"compiler: {build['compiler']}" in out
     for isa, isa_flags in flags.items():
         assert f"flags[{isa}]: {' '.join(isa_flags)}" in out
+    for isa, why in (build.get("isas_left_out") or {}).items():  # a compiler without their flags
+        assert f"{isa}: not built ({why})" in out and isa not in flags
+    # the kernels the dispatcher was built with are those the build compiled
+    built = set(qd.info()["backends"]["cpu"]["built"]) - {"scalar"}
+    assert built == {"neon_dotprod" if isa == "neon" else isa for isa in flags if isa != "baseline"}
     assert "cuda:" in out

@@ -45,7 +45,9 @@ int qd_isa_built(qd_isa isa)
     case QD_ISA_SCALAR: return 1;
 #if defined(__x86_64__) || defined(_M_X64)
     case QD_ISA_AVX2:
+#ifndef QD_NO_AVXVNNI /* left out by a compiler without -mavxvnni */
     case QD_ISA_AVXVNNI:
+#endif
     case QD_ISA_AVX512VNNI: return 1;
 #endif
 #if defined(__aarch64__)
@@ -65,7 +67,9 @@ const qd_kernels *qd_kernels_for(qd_isa isa)
     switch (isa) {
 #if defined(__x86_64__) || defined(_M_X64)
     case QD_ISA_AVX2: return &qd_kernels_avx2;
+#ifndef QD_NO_AVXVNNI
     case QD_ISA_AVXVNNI: return &qd_kernels_avxvnni;
+#endif
     case QD_ISA_AVX512VNNI: return &qd_kernels_avx512vnni;
 #endif
 #if defined(__aarch64__)
