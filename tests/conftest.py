@@ -1,5 +1,6 @@
-"""Shared fixtures: the backends to run on."""
+"""Shared fixtures: the backends to run on, a working C compiler."""
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -28,6 +29,21 @@ def device(request):
     if request.param == "cuda":
         request.applymarker(pytest.mark.cuda)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def c_compiler(tmp_path_factory):
+    """Skips unless $CC (default cc) compiles and links a program."""
+    cc = os.environ.get("CC") or "cc"
+    d = tmp_path_factory.mktemp("cc")
+    (d / "ok.c").write_text("int main(void) { return 0; }\n")
+    try:
+        ok = subprocess.run([cc, "ok.c", "-o", "ok"], cwd=d, capture_output=True).returncode == 0
+    except OSError:
+        ok = False
+    if not ok:
+        pytest.skip(f"no working C compiler (CC={cc})")
+    return cc
 
 
 @pytest.fixture

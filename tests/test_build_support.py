@@ -250,7 +250,7 @@ def test_every_isa_is_built_when_the_compiler_takes_its_flags(cpu_build, tmp_pat
 
 
 @pytest.mark.parametrize("left_out", [False, True])
-def test_the_dispatcher_refers_to_the_avxvnni_kernels_only_when_built(cpu_build, tmp_path, left_out):
+def test_the_dispatcher_refers_to_the_avxvnni_kernels_only_when_built(cpu_build, c_compiler, tmp_path, left_out):
     x86_only(cpu_build)
     from setuptools._distutils.ccompiler import new_compiler
     from setuptools._distutils.sysconfig import customize_compiler

@@ -25,21 +25,6 @@ BUILD_STATIC = ("cc examples/c/quantize_matmul.c $(python -m qdispatch config --
 needs_examples = pytest.mark.skipif(not os.path.isdir(EXAMPLES), reason="examples/c not beside the tests")
 
 
-@pytest.fixture(scope="module")
-def c_compiler(tmp_path_factory):
-    """Skips unless $CC (default cc) compiles and links a program."""
-    cc = os.environ.get("CC") or "cc"
-    d = tmp_path_factory.mktemp("cc")
-    (d / "ok.c").write_text("int main(void) { return 0; }\n")
-    try:
-        ok = subprocess.run([cc, "ok.c", "-o", "ok"], cwd=d, capture_output=True).returncode == 0
-    except OSError:
-        ok = False
-    if not ok:
-        pytest.skip(f"no working C compiler (CC={cc})")
-    return cc
-
-
 @pytest.fixture
 def shell_env(tmp_path):
     """An environment where `python` is the interpreter running the tests."""
