@@ -531,10 +531,10 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
     using T = Tiling<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int G = group_tiles(BITS, MT), RING = ring_slots(BITS, MT);
-    float *received = reinterpret_cast<float *>(smem);                     // [split][share]
-    uint4 *ring = reinterpret_cast<uint4 *>(smem + received_bytes(op.M));  // [WARPS][RING][32 lanes]
+    float *received = reinterpret_cast<float *>(smem);                       // [split][share]
+    uint4 *ring = reinterpret_cast<uint4 *>(smem + received_bytes(op.M));    // [WARPS][RING][32 lanes]
     unsigned char *xs = smem + received_bytes(op.M) + ring_bytes(BITS, MT);  // [M][row_bytes]: x slice, zero past K
-    float2 *scales = reinterpret_cast<float2 *>(xs + op.M * row_bytes);    // [band][block][8 pairs]
+    float2 *scales = reinterpret_cast<float2 *>(xs + op.M * row_bytes);      // [band][block][8 pairs]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bands_per_block = WARPS / kw, part = warp % kw;
     const int64_t band = (int64_t)blockIdx.x * bands_per_block + warp / kw;
@@ -622,7 +622,7 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
             *reinterpret_cast<uint4 *>(dst) = x_tail<x_size>(xsrc, bytes);
     }
     qd::cp_async_wait<RING / G>();  // this thread's copies of the scales
-    __syncthreads();            // x and the scales are in
+    __syncthreads();                // x and the scales are in
     run.load();
     constexpr int MODE = XIN == QD_CUDA_F32 ? SPLIT : XIN == QD_CUDA_F16 ? F16 : BF16;
     const XRows<MT> xr(xs, row_bytes, g, op.M);
