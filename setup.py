@@ -24,8 +24,7 @@ def extensions():
     common = dict(include_dirs=[INCLUDE, "qdispatch"], language="c")
     exts = [
         Extension("qdispatch._core", ["qdispatch/_core.pyx"], **common),
-        Extension("qdispatch._cpu", ["qdispatch/_cpu.pyx"],
-                  extra_link_args=["-fopenmp"], depends=C_SOURCES, **common),
+        Extension("qdispatch._cpu", ["qdispatch/_cpu.pyx"], depends=C_SOURCES, **common),
     ]
     if CUDA is not None:
         exts.append(CUDA.extension(common))
@@ -51,6 +50,7 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             if ext.name == "qdispatch._cpu":
                 cpu_build.link_objects(ext, self.kernel_objects)
+                ext.extra_link_args = cpu_build.openmp_flags()  # known once the compiler was probed
             elif ext.name == "qdispatch._cuda":
                 cpu_build.link_objects(ext, cuda_objects)
         super().build_extensions()
@@ -80,7 +80,7 @@ class BuildExt(build_ext):
         self.compiler.create_static_lib(self.kernel_objects, "qdispatch", output_dir=lib_dir)
         self.compiler.link_shared_object(
             self.kernel_objects, os.path.join(lib_dir, "libqdispatch.so"),
-            extra_postargs=["-fopenmp", "-Wl,-soname,libqdispatch.so"])
+            extra_postargs=cpu_build.openmp_flags() + ["-Wl,-soname,libqdispatch.so"])
         shutil.copy(os.path.join(INCLUDE, "qdispatch.h"), inc_dir)
 
     def write_build_config(self):
@@ -89,6 +89,7 @@ class BuildExt(build_ext):
             "machine": cpu_build.machine(),
             "flags_by_isa": cpu_build.flags_by_isa(),
             "isas_left_out": cpu_build.left_out(),
+            "openmp_left_out": cpu_build.openmp_left_out(),
             "cuda": self.cuda.describe() if self.cuda is not None else None,
             "cuda_skipped_reason": cuda_build.skipped_reason() if self.cuda is None else None,
         }

@@ -7,7 +7,9 @@ best kernel is chosen at run time.
 
 An ISA that an older compiler does not know (-mavxvnni: GCC 11, clang 12) is left
 out of the build, with a warning: its files are not compiled, the dispatcher is told
-(QD_NO_<ISA>), and the next best kernels run on CPUs that have it.
+(QD_NO_<ISA>), and the next best kernels run on CPUs that have it.  OpenMP is left
+out the same way when the compiler cannot build an OpenMP program (a clang without
+libomp): the kernels' parallel loops then run on the calling thread.
 """
 import glob
 import os
@@ -15,10 +17,14 @@ import platform
 import re
 import sys
 
-from setuptools.errors import CompileError
+from setuptools.errors import CompileError, LinkError
 
-COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-fPIC", "-fopenmp",
-                "-Wall", "-Wno-unknown-pragmas"]
+# -Wno-unknown-pragmas: a build without OpenMP leaves the `#pragma omp` lines in place.
+COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-fPIC", "-Wall", "-Wno-unknown-pragmas"]
+OPENMP_FLAGS = ["-fopenmp"]
+# Linked, not only compiled: a clang without libomp takes -fopenmp for code that
+# does not include omp.h, and then fails to find omp.h or to link -lomp.
+OPENMP_PROBE = "#include <omp.h>\nint main(void) { return omp_get_num_procs() > 0 ? 0 : 1; }\n"
 
 # File-name suffix -> (machines it is built for, the flags that enable the ISA).
 ISA_FLAGS = {
@@ -33,7 +39,7 @@ ISA_FLAGS = {
 # ISAs the build may leave out when the compiler refuses their flags (the others
 # are ones that every supported compiler knows).
 OPTIONAL_ISAS = ("avxvnni",)
-_left_out = {}  # ISA -> why, set by compile_objects
+_left_out = {}  # an ISA or "openmp" -> why, set by compile_objects
 
 
 def machine():
@@ -63,32 +69,56 @@ def sources(root):
     return out
 
 
+def openmp_flags():
+    """The flags that compile and link the kernels with OpenMP; none in a build without it."""
+    return [] if "openmp" in _left_out else list(OPENMP_FLAGS)
+
+
+def common_flags():
+    """The flags every kernel file is compiled with."""
+    return COMMON_FLAGS + openmp_flags()
+
+
 def flags_by_isa():
     """The compile flags of each ISA built here, for `qdispatch info`."""
-    table = {"baseline": list(COMMON_FLAGS)}
+    table = {"baseline": common_flags()}
     for suffix, (arch, flags) in ISA_FLAGS.items():
         if arch == machine() and suffix[1:] not in _left_out:
-            table[suffix[1:]] = COMMON_FLAGS + flags
+            table[suffix[1:]] = common_flags() + flags
     return table
 
 
 def left_out():
     """The ISAs this build left out, and why (for `qdispatch info`)."""
-    return dict(_left_out)
+    return {isa: why for isa, why in _left_out.items() if isa in OPTIONAL_ISAS}
 
 
-def accepts(compiler, flags, build_temp):
-    """Whether the C compiler takes `flags` (it compiles an empty function with them)."""
+def openmp_left_out():
+    """Why this build has no OpenMP, or None when it has (for `qdispatch info`)."""
+    return _left_out.get("openmp")
+
+
+def accepts(compiler, flags, build_temp, program="int qd_probe(void) { return 0; }\n", link=False):
+    """Whether the C compiler takes `flags`: it compiles `program` with them and, with
+    `link`, links it into an executable too."""
     probe_dir = os.path.join(build_temp, "flag_probe")
     os.makedirs(probe_dir, exist_ok=True)
     src = os.path.join(probe_dir, "probe.c")
     with open(src, "w") as f:
-        f.write("int qd_probe(void) { return 0; }\n")
+        f.write(program)
     try:
-        compiler.compile([src], output_dir=probe_dir, extra_postargs=COMMON_FLAGS + flags)
+        objects = compiler.compile([src], output_dir=probe_dir, extra_postargs=COMMON_FLAGS + flags)
+        if link:
+            compiler.link_executable(objects, "probe", output_dir=probe_dir, extra_postargs=flags)
         return True
-    except CompileError:
+    except (CompileError, LinkError):
         return False
+
+
+def _leave_out(part, what, why):
+    """Builds without `part` (an ISA, or "openmp"), and says so in the build log."""
+    _left_out[part] = why
+    print(f"warning: building qdispatch without {what}: {why}", file=sys.stderr, flush=True)
 
 
 def package_version(root):
@@ -102,18 +132,19 @@ def compile_objects(compiler, root, build_temp):
     objects = []
     include = os.path.join(root, "src_c", "include")
     _left_out.clear()
+    if not accepts(compiler, OPENMP_FLAGS, build_temp, OPENMP_PROBE, link=True):
+        _leave_out("openmp", "OpenMP", f"the C compiler cannot compile and link an OpenMP program with "
+                                       f"{' '.join(OPENMP_FLAGS)}; the CPU kernels will run on one thread")
     for isa in OPTIONAL_ISAS:
         arch, flags = ISA_FLAGS["_" + isa]
         if arch == machine() and not accepts(compiler, flags, build_temp):
-            _left_out[isa] = f"the C compiler does not accept {' '.join(flags)}"
-            print(f"warning: building qdispatch without its {isa} kernels: {_left_out[isa]}",
-                  file=sys.stderr, flush=True)
+            _leave_out(isa, f"its {isa} kernels", f"the C compiler does not accept {' '.join(flags)}")
     macros = [("QD_VERSION_STRING", f'"{package_version(root)}"')]  # what qd_version() returns
-    macros += [("QD_NO_" + isa.upper(), "1") for isa in _left_out]
+    macros += [("QD_NO_" + isa.upper(), "1") for isa in left_out()]
     for path, extra in sources(root):
         objects += compiler.compile([path], output_dir=build_temp, macros=macros,
                                     include_dirs=[include, os.path.join(root, "src_c", "cpu")],
-                                    extra_postargs=COMMON_FLAGS + extra)
+                                    extra_postargs=common_flags() + extra)
     return objects
 
 

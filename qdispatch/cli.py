@@ -5,6 +5,7 @@ import time
 import numpy as np
 
 import qdispatch as qd
+from .info import build_config
 
 
 def info(args=None):
@@ -17,6 +18,8 @@ def info(args=None):
             print(f"  flags[{isa}]: {' '.join(flags)}")
         for isa, why in (build.get("isas_left_out") or {}).items():
             print(f"  {isa}: not built ({why})")
+        if build.get("openmp_left_out"):
+            print(f"  openmp: not built ({build['openmp_left_out']})")
         cuda = build.get("cuda")
         print(f"  cuda: {json.dumps(cuda) if cuda else 'not built (' + str(build.get('cuda_skipped_reason')) + ')'}")
     print("backends:")
@@ -85,8 +88,9 @@ def config(args):
         parts.append(f"-I{qd.get_include()}")
     if args.libs:
         lib = qd.get_library_dir()
-        if args.static:
-            parts.append(f"{lib}/libqdispatch.a -fopenmp -lm")
+        if args.static:  # the OpenMP runtime, when the kernels were built with it
+            openmp = "" if build_config().get("openmp_left_out") else " -fopenmp"
+            parts.append(f"{lib}/libqdispatch.a{openmp} -lm")
         else:
             parts.append(f"-L{lib} -Wl,-rpath,{lib} -lqdispatch")
     print(" ".join(parts))

@@ -46,7 +46,8 @@ def set_isa(name):
 
 
 def set_num_threads(n):
-    """Threads for the cpu backend's kernels (n <= 0 means one per core)."""
+    """Threads for the cpu backend's kernels (n <= 0 means one per core).  A build
+    without OpenMP (see `python -m qdispatch info`) runs them on one thread, whatever n is."""
     _cpu().set_num_threads(n)
 
 

@@ -22,6 +22,12 @@ def product_err(a, b, approx):
         np.linalg.norm(np.abs(a) @ np.abs(b)), 1e-300)
 
 
+def built_with_openmp():
+    """Whether the installed kernels were built with OpenMP; without it they run on one thread."""
+    import qdispatch
+    return not qdispatch.info()["build"].get("openmp_left_out")
+
+
 def run_python(*args, **env):
     """A fresh interpreter that imports the same qdispatch as the tests: it runs
     beside the package under test, never in a source tree that would shadow it."""

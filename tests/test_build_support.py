@@ -1,6 +1,6 @@
 """The build helpers beside the tests (build_support/, used by setup.py): the CUDA
 target flags, when objects are rebuilt, when the extension is relinked, and the
-CPU kernels an older compiler leaves out.
+CPU kernels or OpenMP that a compiler leaves out.
 They are loaded from their files; without a source tree beside the tests
 (an installed copy of the tests) these skip."""
 import importlib.util
@@ -213,10 +213,12 @@ def x86_only(cpu_build):
 
 
 class RefusingCompiler:
-    """Compiles nothing and notes each call; refuses one flag, as an older gcc would."""
+    """Compiles and links nothing and notes each compile; refuses one flag, as an older
+    gcc would, or fails to link with one, as a clang without libomp does with -fopenmp."""
 
-    def __init__(self, refused=None):
-        self.refused, self.calls = refused, []
+    def __init__(self, refused=None, unlinkable=None):
+        self.refused, self.unlinkable = refused, unlinkable
+        self.calls, self.flags = [], set()  # the kernel files compiled; every flag they got
 
     def compile(self, sources, output_dir=None, macros=None, include_dirs=None, extra_postargs=None):
         from setuptools.errors import CompileError
@@ -224,7 +226,13 @@ class RefusingCompiler:
             raise CompileError(f"gcc: error: unrecognized command-line option '{self.refused}'")
         if not sources[0].endswith("probe.c"):
             self.calls.append((os.path.basename(sources[0]), dict(macros or [])))
+            self.flags.update(extra_postargs or [])
         return [os.path.join(output_dir, os.path.basename(sources[0]) + ".o")]
+
+    def link_executable(self, objects, name, output_dir=None, extra_postargs=None):
+        from setuptools.errors import LinkError
+        if self.unlinkable in (extra_postargs or []):
+            raise LinkError("ld: cannot find -lomp: No such file or directory")
 
 
 def test_an_isa_the_compiler_refuses_is_left_out(cpu_build, tmp_path, capsys):
@@ -249,19 +257,69 @@ def test_every_isa_is_built_when_the_compiler_takes_its_flags(cpu_build, tmp_pat
     assert cpu_build.left_out() == {} and "avxvnni" in cpu_build.flags_by_isa()
 
 
+@pytest.mark.parametrize("compiler", [RefusingCompiler("-fopenmp"), RefusingCompiler(unlinkable="-fopenmp")],
+                         ids=["refused", "unlinkable"])
+def test_openmp_is_left_out_when_the_compiler_cannot_build_with_it(cpu_build, tmp_path, capsys, compiler):
+    cpu_build.compile_objects(compiler, ROOT, str(tmp_path))  # a refused flag would raise
+    assert "dispatch.c" in [name for name, _ in compiler.calls] and "-fopenmp" not in compiler.flags
+    assert cpu_build.openmp_flags() == []  # what setup.py links the extension and libqdispatch.so with
+    assert not any("-fopenmp" in flags for flags in cpu_build.flags_by_isa().values())
+    why = "the C compiler cannot compile and link an OpenMP program with -fopenmp"
+    assert cpu_build.openmp_left_out().startswith(why)
+    assert "openmp" not in cpu_build.left_out()  # not an ISA: no isas_left_out entry, no QD_NO_ macro
+    assert not any(name.startswith("QD_NO_") for _, macros in compiler.calls for name in macros)
+    assert f"building qdispatch without OpenMP: {why}" in capsys.readouterr().err
+
+
+def test_openmp_is_built_when_the_compiler_can(cpu_build, tmp_path):
+    compiler = RefusingCompiler()
+    cpu_build.compile_objects(compiler, ROOT, str(tmp_path))
+    assert "-fopenmp" in compiler.flags and cpu_build.openmp_flags() == ["-fopenmp"]
+    assert all("-fopenmp" in flags for flags in cpu_build.flags_by_isa().values())
+    assert cpu_build.openmp_left_out() is None
+
+
+def real_compiler():
+    """The C compiler that a build gets: from the distutils that setuptools installs, whose
+    errors are the ones setuptools.errors names (setuptools._distutils raises others)."""
+    from distutils.ccompiler import new_compiler
+    from distutils.sysconfig import customize_compiler
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    return compiler
+
+
+def test_the_probe_links_when_asked(cpu_build, c_compiler, tmp_path):
+    """A flag that compiles but does not link passes a compile-only probe, not a linking one."""
+    unlinkable = ["-lqd_no_such_library"]
+    assert cpu_build.accepts(real_compiler(), unlinkable, str(tmp_path / "compile"))
+    assert not cpu_build.accepts(real_compiler(), unlinkable, str(tmp_path / "link"),
+                                 "int main(void) { return 0; }\n", link=True)
+
+
+def compile_dispatcher(cpu_build, tmp_path, macros=(), flags=()):
+    """The bytes of dispatch.c's object, compiled by the real C compiler."""
+    obj, = real_compiler().compile([os.path.join(ROOT, "src_c", "cpu", "dispatch.c")], output_dir=str(tmp_path),
+                                   macros=list(macros), include_dirs=[os.path.join(ROOT, "src_c", "include")],
+                                   extra_postargs=cpu_build.COMMON_FLAGS + list(flags))
+    with open(obj, "rb") as f:
+        return f.read()
+
+
 @pytest.mark.parametrize("left_out", [False, True])
 def test_the_dispatcher_refers_to_the_avxvnni_kernels_only_when_built(cpu_build, c_compiler, tmp_path, left_out):
     x86_only(cpu_build)
-    from setuptools._distutils.ccompiler import new_compiler
-    from setuptools._distutils.sysconfig import customize_compiler
-    compiler = new_compiler()
-    customize_compiler(compiler)
     macros = [("QD_NO_AVXVNNI", "1")] if left_out else []
-    obj, = compiler.compile([os.path.join(ROOT, "src_c", "cpu", "dispatch.c")], output_dir=str(tmp_path),
-                            macros=macros, include_dirs=[os.path.join(ROOT, "src_c", "include")],
-                            extra_postargs=cpu_build.COMMON_FLAGS)
-    with open(obj, "rb") as f:
-        assert (b"qd_kernels_avxvnni" in f.read()) != left_out
+    assert (b"qd_kernels_avxvnni" in compile_dispatcher(cpu_build, tmp_path, macros)) != left_out
+
+
+@pytest.mark.parametrize("openmp", [False, True])
+def test_the_dispatcher_calls_openmp_only_when_built_with_it(cpu_build, c_compiler, tmp_path, openmp):
+    if openmp and not cpu_build.accepts(real_compiler(), cpu_build.OPENMP_FLAGS, str(tmp_path),
+                                        cpu_build.OPENMP_PROBE, link=True):
+        pytest.skip("the C compiler cannot build OpenMP programs")
+    flags = cpu_build.OPENMP_FLAGS if openmp else []
+    assert (b"omp_get_num_procs" in compile_dispatcher(cpu_build, tmp_path, flags=flags)) == openmp
 
 
 def test_a_rebuilt_object_relinks_the_extension(cpu_build):

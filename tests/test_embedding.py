@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import qdispatch as qd
+from helpers import built_with_openmp, run_python
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 EXAMPLES = os.path.join(ROOT, "examples", "c")
@@ -71,6 +72,14 @@ def test_config_points_at_the_installed_files():
     assert os.path.isfile(os.path.join(qd.get_include(), "qdispatch.h"))
     for name in ("libqdispatch.so", "libqdispatch.a"):
         assert os.path.isfile(os.path.join(qd.get_library_dir(), name))
+
+
+def test_static_libs_name_openmp_exactly_when_the_library_uses_it():
+    with open(os.path.join(qd.get_library_dir(), "libqdispatch.a"), "rb") as f:
+        uses_openmp = b"omp_get_num_procs" in f.read()
+    static = run_python("-m", "qdispatch", "config", "--libs", "--static")
+    assert static.returncode == 0, static.stderr
+    assert ("-fopenmp" in static.stdout.split()) == uses_openmp == built_with_openmp()
 
 
 def header_functions():

@@ -117,6 +117,9 @@ def test_info_shows_the_build_configuration():
         assert f"flags[{isa}]: {' '.join(isa_flags)}" in out
     for isa, why in (build.get("isas_left_out") or {}).items():  # a compiler without their flags
         assert f"{isa}: not built ({why})" in out and isa not in flags
+    no_openmp = build.get("openmp_left_out")  # a compiler that cannot build OpenMP programs
+    assert (f"openmp: not built ({no_openmp})" in out) if no_openmp else ("openmp:" not in out)
+    assert all(("-fopenmp" in isa_flags) != bool(no_openmp) for isa_flags in flags.values())
     # the kernels the dispatcher was built with are those the build compiled
     built = set(qd.info()["backends"]["cpu"]["built"]) - {"scalar"}
     assert built == {"neon_dotprod" if isa == "neon" else isa for isa in flags if isa != "baseline"}

@@ -2,7 +2,9 @@
 #define _POSIX_C_SOURCE 200112L
 #include <ctype.h>
 #include <stdlib.h>
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 #include "qd_internal.h"
 
 static const char *const isa_names[QD_ISA_COUNT] = {
@@ -149,11 +151,15 @@ void qd_set_num_threads(int n)
 
 int qd_get_num_threads(void)
 {
+#ifdef _OPENMP
     const int n = __atomic_load_n(&thread_setting, __ATOMIC_RELAXED);
     if (n > 0)
         return n;
     const int procs = omp_get_num_procs();
     return procs > 0 ? procs : 1;
+#else
+    return 1; /* built without OpenMP: the parallel loops run on the calling thread */
+#endif
 }
 
 /* Threads for a parallel loop of work_items independent items. */
