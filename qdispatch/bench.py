@@ -455,6 +455,8 @@ def machine():
         "qdispatch": qd.__version__, "isa": cpu.get("isa"),
         "isa_built": cpu.get("built"), "isa_supported": cpu.get("supported"),
         "numpy": np.__version__, "blas_threads_controlled": blas_threads_controlled(),
+        # without OpenMP the cpu kernels run on one thread, whatever the case's threads say
+        "cpu_openmp": not qd.info()["build"].get("openmp_left_out"),
         "torch": _version("torch"), "onnxruntime": _version("onnxruntime"),
     }
 
@@ -560,6 +562,9 @@ def run(args):
     print(f"qdispatch {desc['qdispatch']} on {desc['cpu_model']} ({desc['cores']} cores, ISA {desc['isa']})")
     if not desc["blas_threads_controlled"]:
         print("note: threadpoolctl is not installed, so numpy's BLAS threads were not controlled")
+    if "cpu" in args.backend and not desc["cpu_openmp"]:
+        print("note: this qdispatch was built without OpenMP (see `python -m qdispatch info`), "
+              "so its cpu kernels ran on one thread in every case")
     for c in ceiling:
         print(f"ceilings at {c['threads']} threads: read bandwidth {c['read_gbs']:.1f} GB/s, "
               f"exact int8 peak {c['int8_peak_gops']:.1f} GOP/s")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import qdispatch
+from helpers import built_with_openmp
 from qdispatch import bench
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -60,6 +61,8 @@ def test_bench_command_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["machine"]["qdispatch"] and data["machine"]["cores"] >= 1
     assert data["machine"]["isa"]
+    assert data["machine"]["cpu_openmp"] == built_with_openmp()
+    assert ("built without OpenMP" in proc.stdout) != built_with_openmp()
     paths = {(r["path"], r["impl"]) for r in data["results"]}
     assert {(p, "cpu") for p in bench.PATHS} <= paths
     assert ("qq_int8", "numpy_f32") in paths
