@@ -1,10 +1,10 @@
 // GPU time per call of the decode kernel (qd_cuda_fq_matmul) without Python in
-// the way: bf16 x, bf16 out, weights rotated over more than 200 MB, launched back
-// to back with and without early launch (programmatic dependent launch), and the
-// host time per call.
+// the way: bf16 x, bf16 out (float16 with --f16), weights rotated over more than
+// 200 MB, launched back to back with and without early launch (programmatic
+// dependent launch), and the host time per call.
 //
 // Arguments M,K,N,bits[,block_k] time those shapes instead of the usual ones;
-// a first argument --batch-invariant times the batch-invariant cut of K.
+// options before them: --batch-invariant times the batch-invariant cut of K.
 //
 // Build and run from the repo root (H100/H200):
 //   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
@@ -104,11 +104,17 @@ int main(int argc, char **argv) {
         {1, 4096, 4096, 4, 32, "int4 b32"},  {16, 4096, 11008, 4, 32, "int4 b32"},
     };
     // Other shapes instead: arguments M,K,N,bits[,block_k] (block_k: K by default);
-    // --batch-invariant times the batch-invariant cut of K.
-    int first = 1;
-    if (argc > 1 && std::strcmp(argv[1], "--batch-invariant") == 0) {
-        qd_cuda_set_batch_invariant(1);
-        first = 2;
+    // --batch-invariant times the batch-invariant cut of K, --f16 float16 x and out.
+    int first = 1, dtype = QD_CUDA_BF16;
+    for (; first < argc && argv[first][0] == '-'; ++first) {
+        if (std::strcmp(argv[first], "--batch-invariant") == 0) {
+            qd_cuda_set_batch_invariant(1);
+        } else if (std::strcmp(argv[first], "--f16") == 0) {
+            dtype = QD_CUDA_F16;
+        } else {
+            std::fprintf(stderr, "unknown option %s (expected --batch-invariant or --f16)\n", argv[first]);
+            return 2;
+        }
     }
     if (argc > first) cases.clear();
     for (int i = first; i < argc; ++i) {
@@ -126,15 +132,15 @@ int main(int argc, char **argv) {
         const int64_t wbytes = qd_cuda_fq_tiles_bytes(c.N, c.K, c.bits);
         const int count = (int)std::max<int64_t>(3, (200LL << 20) / wbytes + 1);
         std::vector<Weight> ws = make_weights(count, c.N, c.K, c.bits, c.block_k);
-        std::vector<uint16_t> hx(c.M * c.K, 0x3F80);  // bf16 1.0
+        std::vector<uint16_t> hx(c.M * c.K, dtype == QD_CUDA_F16 ? 0x3C00 : 0x3F80);  // 1.0
         void *x, *out;
         CK(cudaMalloc(&x, hx.size() * 2));
         CK(cudaMemcpy(x, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
         CK(cudaMalloc(&out, c.M * c.N * 2));
         auto call = [&](int i) {
             const Weight &w = ws[i % count];
-            QK(qd_cuda_fq_matmul(x, QD_CUDA_BF16, c.M, c.K, w.tiles, w.scales, c.bits, c.N, c.K,
-                                 c.block_k, out, QD_CUDA_BF16, nullptr));
+            QK(qd_cuda_fq_matmul(x, dtype, c.M, c.K, w.tiles, w.scales, c.bits, c.N, c.K,
+                                 c.block_k, out, dtype, nullptr));
         };
         DeviceState *d = nullptr;
         QK(device_state(&d));
