@@ -17,7 +17,8 @@ def pytest_addoption(parser):
 
 def pytest_collect_file(file_path, parent):
     # The benchmarks are named bench_*.py so that the test run never picks them up.
-    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+    # A file named on the command line pytest collects itself (twice with this hook).
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_") and not parent.session.isinitpath(file_path):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 

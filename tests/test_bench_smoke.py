@@ -80,6 +80,18 @@ def test_pytest_benchmarks_run_once(tmp_path):
     assert " passed" in proc.stdout
 
 
+def test_a_benchmark_file_named_alone_is_collected_once(tmp_path):
+    """`pytest benchmarks/bench_cpu.py` (as its docstring says to run it) collects each case once."""
+    def collected(path):
+        proc = _run(["-m", "pytest", path, "--collect-only", "-q", "-p", "no:cacheprovider",
+                     "--bench-shapes", "2x64x64", "--bench-threads", "1"], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [line for line in proc.stdout.splitlines() if "::" in line]
+    alone = collected(os.path.join(BENCHMARKS, "bench_cpu.py"))
+    assert alone and len(alone) == len(set(alone))
+    assert sorted(alone) == sorted(line for line in collected(BENCHMARKS) if "bench_cpu.py::" in line)
+
+
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys):
     real_import = builtins.__import__
 
