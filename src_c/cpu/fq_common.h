@@ -4,9 +4,11 @@
  * of every dword, and a vector of columns needs no lane reduction at the end.
  *
  * Fixed order per output element, the same for every row count: k-step i of a
- * group goes to partial sum i % P (P fixed per kernel; independent chains hide the
- * FMA latency); at the end of a group the partials are added pairwise and scaled
- * once by the group's weight scale into the row's accumulator. */
+ * unit goes to partial sum i % P (P fixed per kernel; independent chains hide the
+ * FMA latency; with 8-bit units of 4 k-steps the AVX-512 kernel fills 4 of its 8,
+ * and pairing units to fill all 8 measured no faster at one row); at the end of a
+ * group the partials are added pairwise and scaled once by the group's weight scale
+ * into the row's accumulator. */
 #ifndef QD_FQ_COMMON_H
 #define QD_FQ_COMMON_H
 
