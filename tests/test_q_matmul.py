@@ -1,5 +1,7 @@
 """q_matmul's qq / fq / qf arms and linear, against float64 math on the
 dequantized operands (what each arm is defined to compute)."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -186,3 +188,19 @@ def test_decode_step_goes_straight_to_the_kernel(device, rng, monkeypatch, x_dty
         qd.q_matmul(x, w, out_dtype=out_dtype)  # K = 64 against 40 rows
     with pytest.raises(TypeError):
         qd.q_matmul(x, w.T, out_dtype="int8")
+
+
+def test_fq_non_finite_activations_propagate_without_warnings(device, rng):
+    """inf and NaN in x come out as IEEE arithmetic gives them, on every backend, and
+    no backend warns (a suite run with -W error would fail on a warning)."""
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[1, 7], x[2, 100] = np.inf, np.nan
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    w[0, 7] = 0.0  # inf * 0: NaN
+    wq = qd.quantize(w, qd.QuantScheme("q8s", axis=0), device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = qd.q_matmul(qd.tensor(x, device=device), wq.T).numpy()
+    zero = wq.dequantize().numpy()[:, 7] == 0  # w[0, 7] and any that quantized to 0
+    assert zero[0] and np.isnan(out[1, zero]).all() and np.isinf(out[1, ~zero]).all()
+    assert np.isnan(out[2]).all() and np.isfinite(out[[0, 3]]).all()
