@@ -55,6 +55,13 @@ def default_device():
     return _default_device
 
 
+def default_host_device():
+    """The default device when it is host memory, else 'cpu' (or 'reference' in a
+    build without it): where data lands that must live on the host."""
+    dev = default_device()
+    return dev if dev.is_host else Device.parse("cpu" if _has("cpu") else "reference")
+
+
 def _has(name):
     try:
         return get_backend(name).unavailable_reason(0) is None

@@ -28,7 +28,7 @@ QTensor on any host backend ('cpu' or 'reference'); anything else raises
 import numpy as np
 import torch
 
-from . import quantmath, tensor_api
+from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor
 from ._core import q_matmul as _qd_matmul
 from .errors import BackendMismatchError, BackendUnavailableError, ShapeError
@@ -92,6 +92,23 @@ def _matmul(x, w):
     return to_torch(_qd_matmul(_operand(x, w), w, out_dtype=_KERNEL_DTYPES[x.dtype]))
 
 
+def _torch_device(dev):
+    """The torch device holding memory of qdispatch device `dev`."""
+    return torch.device("cpu") if dev.is_host else torch.device("cuda", dev.index)
+
+
+def _move_weight(w, target):
+    """QTensor w moved to where torch device `target` is (a host weight stays on its
+    host backend when the target is the CPU)."""
+    if target.type == "cpu":
+        return w if w.device.is_host else w.to(policy.default_host_device())
+    if target.type == "cuda":
+        return w.to(f"cuda:{target.index}")
+    raise BackendUnavailableError(
+        f"QLinear's quantized weight can't move to torch device {str(target)!r}: qdispatch "
+        f"has backends for the CPU and CUDA only")
+
+
 # ---- autograd ------------------------------------------------------------------------
 
 class QMatmul(torch.autograd.Function):
@@ -143,8 +160,8 @@ class QLinear(torch.nn.Module):
     """`y = x @ weight.T + bias` with a QTensor weight [out_features, in_features].
 
     Only the bias (a float Parameter) is trainable; gradients flow to the input
-    through the quantized weight.  `Module.to()` moves the bias only: move the
-    weight with `layer.weight = layer.weight.to(device)`."""
+    through the quantized weight.  `Module.to()`, `.cuda()` and `.cpu()` move the
+    weight with the bias (a dtype change leaves the quantized weight as it is)."""
 
     def __init__(self, weight, bias=None):
         super().__init__()
@@ -173,6 +190,16 @@ class QLinear(torch.nn.Module):
         qweight = tensor_api.quantize(from_torch(weight), scheme, device=device)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(qweight, bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Module.to/.cuda()/.cpu() pass a function of each tensor: run it on an empty
+        # probe where the weight lives to learn where tensors go.  The weight moves
+        # first, so a refused move leaves the layer as it was.
+        here = torch.empty(0, device=_torch_device(self.weight.device))
+        weight = _move_weight(self.weight, fn(here).device)
+        super()._apply(fn, *args, **kwargs)
+        self.weight = weight
+        return self
 
     def forward(self, x):
         y = q_matmul(x, self.weight.T)

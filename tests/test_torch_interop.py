@@ -186,3 +186,41 @@ def test_qlinear_bad_input():
         QLinear(torch.randn(4, 4))
     with pytest.raises(ShapeError, match=r"\(6,\)"):
         QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=torch.zeros(5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlinear_host_moves_and_dtype_changes_keep_the_weight(device):
+    layer = QLinear(weight((6, 10), SCHEMES[0], device), bias=torch.zeros(6))
+    w = layer.weight
+    model = torch.nn.Sequential(layer).to("cpu").cpu().double()
+    assert model[0].weight is w  # already on the host: not moved, not converted
+    assert layer.bias.dtype == torch.float64
+    x = torch.randn(2, 10)
+    torch.testing.assert_close(model(x), x @ dequantized(w).T, rtol=1e-5, atol=1e-5)
+
+
+def test_qlinear_refused_move_leaves_the_layer_as_it_was():
+    layer = QLinear(weight((6, 10), SCHEMES[0], DEVICES[-1]), bias=torch.zeros(6))
+    w = layer.weight
+    with pytest.raises(qd.BackendUnavailableError, match="can't move to torch device 'meta'"):
+        layer.to("meta")
+    assert layer.weight is w and layer.bias.device.type == "cpu"
+
+
+@pytest.mark.cuda
+def test_qlinear_moves_its_weight_with_the_module():
+    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
+        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+    torch.manual_seed(0)
+    host = QLinear.from_linear(torch.nn.Linear(64, 24), QuantScheme("q4s", block=32, store="packed_u32"),
+                               device=DEVICES[-1])
+    values, scales = host.weight.values, host.weight.scales
+    x = torch.randn(3, 64)
+    want = host(x)
+    model = torch.nn.Sequential(host).cuda()  # as a model is moved: every submodule
+    assert str(host.weight.device) == "cuda:0" and host.bias.is_cuda
+    torch.testing.assert_close(model(x.cuda()).cpu(), want, rtol=1e-5, atol=1e-5)
+    model.to("cpu")
+    assert host.weight.device.is_host and not host.bias.is_cuda
+    np.testing.assert_array_equal(host.weight.values, values)  # a move never changes values
+    np.testing.assert_array_equal(host.weight.scales, scales)
