@@ -14,7 +14,7 @@ from libc.stdlib cimport free, malloc
 
 import numpy as np
 
-from .errors import KernelError, NonFiniteError, ScaleOverflowError
+from .errors import NOT_IN_CUDA_GRAPHS, KernelError, NonFiniteError, ScaleOverflowError
 
 
 class CudaOutOfMemoryError(KernelError, MemoryError):
@@ -27,6 +27,10 @@ cdef extern from "cuda_runtime_api.h" nogil:
     ctypedef int cudaError_t
     ctypedef void *cudaStream_t
     ctypedef void *cudaEvent_t
+    cdef enum cudaStreamCaptureStatus:
+        cudaStreamCaptureStatusNone
+        cudaStreamCaptureStatusActive
+        cudaStreamCaptureStatusInvalidated
     cdef int cudaSuccess
     cdef int cudaErrorMemoryAllocation
     cdef int cudaMemcpyHostToDevice
@@ -57,6 +61,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
     cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t s)
     cudaError_t cudaEventDestroy(cudaEvent_t event)
     cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t event, unsigned flags)
+    cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status)
     const char *cudaGetErrorString(cudaError_t err)
     const char *cudaGetErrorName(cudaError_t err)
 
@@ -834,6 +839,7 @@ cdef int _sync_consumer(int device, object stream) except -1:
     must be visible to the consumer's stream before it reads."""
     cdef cudaEvent_t ev
     cdef cudaStream_t s
+    cdef cudaStreamCaptureStatus status
     if stream is None or stream == 1 or stream == -1:  # legacy default (ours), or "don't sync"
         return 0
     if stream == 0:
@@ -841,6 +847,10 @@ cdef int _sync_consumer(int device, object stream) except -1:
     # 2 is the per-thread default stream, whose handle is cudaStreamPerThread (0x2)
     s = <cudaStream_t><uintptr_t>int(stream)
     with on_device(device):
+        _check(cudaStreamIsCapturing(s, &status), "cudaStreamIsCapturing")
+        if status != cudaStreamCaptureStatusNone:  # a wait on our stream would invalidate it
+            raise KernelError(f"DLPack export to a stream capturing a CUDA graph on cuda:{device}; "
+                              f"{NOT_IN_CUDA_GRAPHS}")
         _check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate")
         try:
             _check(cudaEventRecord(ev, NULL), "cudaEventRecord")

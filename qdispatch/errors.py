@@ -45,3 +45,8 @@ class KernelError(QDispatchError, RuntimeError):
 class SerializationError(QDispatchError, ValueError):
     """A file can't be written or read back: truncated, corrupted, an unknown
     format version, or stored bytes that do not match their recorded scheme."""
+
+
+# Said wherever a CUDA graph capture meets qdispatch's work (which would invalidate it).
+NOT_IN_CUDA_GRAPHS = ("qdispatch queues its work on the legacy default stream, which can't be part of "
+                      "a CUDA graph: run qdispatch calls outside the captured region")

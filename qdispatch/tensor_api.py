@@ -1,9 +1,12 @@
 """Creating tensors, moving them between devices, and reading them back."""
+import sys
+
 import numpy as np
 
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, get_backend
-from .errors import BackendUnavailableError, QDispatchError, ShapeError, WrongBackendError
+from .errors import (NOT_IN_CUDA_GRAPHS, BackendUnavailableError, KernelError, QDispatchError,
+                     ShapeError, WrongBackendError)
 from .layout import QLayout, swap_last2
 from .scheme import as_scheme
 
@@ -170,8 +173,18 @@ def from_dlpack(obj, device=None):
     reason = backend.unavailable_reason(0)
     if reason:
         raise BackendUnavailableError(reason)
+    _refuse_torch_graph_capture(obj)
     t = backend.tensor_from_dlpack(obj)
     return t.to(device) if device is not None else t
+
+
+def _refuse_torch_graph_capture(obj):
+    """torch captures CUDA graphs on a stream of its own: the wait on it that the
+    DLPack import asks for would invalidate the capture, so refuse first."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and torch.cuda.is_current_stream_capturing():
+        raise KernelError(f"torch is capturing a CUDA graph on {obj.device}; {NOT_IN_CUDA_GRAPHS}. "
+                          f"The capture is left as it was.")
 
 
 def _is_bf16(obj):

@@ -820,6 +820,31 @@ def test_dlpack_out_on_torch_side_stream(rng):
     np.testing.assert_array_equal(out2.numpy(), out.numpy())
 
 
+def test_cuda_graph_capture_is_refused_and_left_intact(rng):
+    """qdispatch's work is not part of CUDA graphs.  Inside torch.cuda.graph the
+    DLPack crossings (a wait between torch's capturing stream and ours) would
+    invalidate the capture: they raise first and leave it as it was."""
+    torch = pytest.importorskip("torch")
+    from qdispatch.torch import q_matmul
+    wq = qd.quantize(rng.standard_normal((64, 32)).astype(np.float32), qd.QuantScheme("q8s", axis=1), device="cuda")
+    x = torch.randn(4, 64, device="cuda")
+    want = q_matmul(x, wq)
+    out = qd.from_dlpack(want)
+    graph, doubled = torch.cuda.CUDAGraph(), torch.empty_like(x)
+    for call, message in ((lambda: q_matmul(x, wq), "torch is capturing"),   # QLinear's path
+                          (lambda: qd.from_dlpack(x), "torch is capturing"),  # a torch tensor in
+                          (lambda: torch.from_dlpack(out), "export to a stream capturing")):  # out
+        with pytest.raises(qd.KernelError, match=f"{message}.*outside the captured region"):
+            with torch.cuda.graph(graph):
+                doubled.copy_(x * 2)
+                call()
+        doubled.zero_()
+        graph.replay()  # the capture ended cleanly: what torch recorded runs
+        torch.testing.assert_close(doubled, x * 2)
+        graph.reset()
+    torch.testing.assert_close(q_matmul(x, wq), want, rtol=0, atol=0)  # and qdispatch goes on
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("value,block,K", [("q8s", 16, 32), ("q8s", 16, 96), ("q4f", 32, 32),
                                            ("q4f", 32, 96), ("q2f", 64, 192)])
