@@ -125,6 +125,9 @@ cdef class Device:
     def __hash__(self):
         return hash((self.kind, self.index))
 
+    def __reduce__(self):
+        return Device, (self.kind, self.index)
+
 
 cdef class TensorBase:
     """What every tensor has: a device (kind + index, as C ints) and a shape."""
@@ -204,6 +207,11 @@ cdef class Tensor(TensorBase):
     def __repr__(self):
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, device='{self.device}')"
 
+    def __reduce__(self):
+        # pickle and copy: the values through the host, back on the same device
+        from . import tensor_api
+        return tensor_api.tensor, tensor_api.tensor_stored(self)
+
 
 cdef class QTensor(TensorBase):
     """Quantized values + scales + logical shape + scheme + device.
@@ -270,6 +278,11 @@ cdef class QTensor(TensorBase):
     def __repr__(self):
         return (f"QTensor(shape={self.shape}, scheme={self.scheme!r}, "
                 f"device='{self.device}', nbytes={self.nbytes})")
+
+    def __reduce__(self):
+        # pickle and copy: the stored values and scales, rebuilt on the same device
+        from . import tensor_api
+        return tensor_api.qtensor_from_stored, tensor_api.qtensor_stored(self) + (str(self.device),)
 
 
 # ---- dispatch -----------------------------------------------------------------

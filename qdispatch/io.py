@@ -34,11 +34,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import quantmath
-from ._core import QTensor, Tensor, get_backend
+from ._core import QTensor, Tensor
 from .errors import QDispatchError, SerializationError
 from .layout import QLayout, swap_last2
 from .scheme import QuantScheme
-from .tensor_api import backend_for, qtensor_from_parts, tensor
+from .tensor_api import backend_for, qtensor_from_stored, qtensor_stored, tensor, tensor_stored
 
 FORMAT_VERSION = 1
 _VERSION_KEY = "qdispatch.format_version"
@@ -132,9 +132,7 @@ def _encode_scales(name, scales, scale_dtype):
 def _encode(name, obj):
     """(record, {entry key: (safetensors dtype code, little-endian array)})."""
     if isinstance(obj, QTensor):
-        scheme = obj.layout.scheme
-        values, scales = get_backend(obj.kind).qstorage_to_host(obj.storage, obj.layout)
-        values = np.ascontiguousarray(values, dtype=np.int8)
+        values, scales, scheme, transposed = qtensor_stored(obj)
         if scheme.store == "packed_u32":
             values, vcode = quantmath.pack_u32(values, scheme.bits), "U32"
         else:
@@ -142,10 +140,10 @@ def _encode(name, obj):
         entries = {name + _SUFFIXES[0]: (vcode, _little_endian(values)),
                    name + _SUFFIXES[1]: (_SCALE_CODES[scheme.scale_dtype],
                                          _little_endian(_encode_scales(name, scales, scheme.scale_dtype)))}
-        record = {"kind": "qtensor", "scheme": _scheme_record(scheme), "shape": list(obj.shape),
-                  "transposed": bool(obj.transposed)}
+        record = {"kind": "qtensor", "scheme": scheme.to_record(), "shape": list(obj.shape),
+                  "transposed": transposed}
     elif isinstance(obj, Tensor):
-        raw = get_backend(obj.kind).to_host(obj.payload)  # bfloat16 stays as its bits
+        raw, _, _ = tensor_stored(obj)
         entries = {name: (_TENSOR_CODES[obj.dtype], _little_endian(raw))}
         record = {"kind": "tensor", "dtype": obj.dtype}
     elif isinstance(obj, np.ndarray):
@@ -159,11 +157,6 @@ def _encode(name, obj):
                         f"expected a QTensor, a Tensor or a numpy array")
     record["crc32"] = [_crc(a) for _, a in entries.values()]
     return record, entries
-
-
-def _scheme_record(scheme):
-    return {"value": scheme.value, "block": list(scheme.block) if scheme.block else None,
-            "axis": scheme.axis, "store": scheme.store, "scale_dtype": scheme.scale_dtype}
 
 
 def _entry_keys(name, record):
@@ -306,10 +299,7 @@ def _decode(name, record, entries, dev):
 
 
 def _decode_qtensor(name, record, entries, dev, crcs):
-    fields = dict(record["scheme"])
-    if fields.get("block") is not None:
-        fields["block"] = tuple(fields["block"])
-    scheme = QuantScheme(**fields)
+    scheme = QuantScheme.from_record(record["scheme"])
     shape = tuple(int(d) for d in record["shape"])
     transposed = bool(record["transposed"])
     layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
@@ -329,5 +319,4 @@ def _decode_qtensor(name, record, entries, dev, crcs):
               else raw.astype(np.float32))
     if not np.all(np.isfinite(scales)):
         raise SerializationError(f"Tensor {name!r}: its scales hold NaN or Inf")
-    q = qtensor_from_parts(values, scales, scheme, device=dev)
-    return q.T if transposed else q
+    return qtensor_from_stored(values, scales, scheme, transposed, device=dev)

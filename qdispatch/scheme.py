@@ -108,10 +108,19 @@ class QuantScheme:
         return full
 
     def with_(self, **changes) -> "QuantScheme":
-        fields = dict(value=self.value, block=self.block, axis=self.axis,
-                      store=self.store, scale_dtype=self.scale_dtype)
+        fields = self.to_record()
         fields.update(changes)
         return QuantScheme(**fields)
+
+    def to_record(self) -> dict:
+        """The fields as plain JSON values (block as a list), for files and state dicts."""
+        return {"value": self.value, "block": list(self.block) if self.block else None,
+                "axis": self.axis, "store": self.store, "scale_dtype": self.scale_dtype}
+
+    @classmethod
+    def from_record(cls, record) -> "QuantScheme":
+        """The scheme `to_record` wrote, checked as any other."""
+        return cls(**record)
 
     def __repr__(self):
         parts = [repr(self.value)]

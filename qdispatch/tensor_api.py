@@ -251,6 +251,25 @@ def qtensor_host(q):
     return values, scales
 
 
+def qtensor_stored(q):
+    """(values, scales, scheme, transposed): what rebuilds q exactly.  Its values
+    (int8) and scales (float32) as stored, in storage orientation, on the host."""
+    values, scales = get_backend(q.kind).qstorage_to_host(q.storage, q.layout)
+    return (np.ascontiguousarray(values, dtype=np.int8), np.ascontiguousarray(scales, dtype=np.float32),
+            q.layout.scheme, bool(q.transposed))
+
+
+def qtensor_from_stored(values, scales, scheme, transposed, device=None):
+    """The QTensor that qtensor_stored took apart, on `device`."""
+    q = qtensor_from_parts(values, scales, scheme, device=device)
+    return q.T if transposed else q
+
+
+def tensor_stored(t):
+    """(host array, device, dtype): what `tensor` rebuilds t from (bfloat16 as its bits)."""
+    return np.ascontiguousarray(get_backend(t.kind).to_host(t.payload)), str(t.device), t.dtype
+
+
 def qtensor_values(q):
     return qtensor_host(q)[0]
 

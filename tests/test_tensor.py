@@ -123,3 +123,29 @@ def test_indexing_beyond_views_says_what_works(device, key, match):
         t[key]
     if "not supported" in match or "step" in match:
         assert "t.numpy()[...]" in str(info.value)
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
+def test_pickle_and_deepcopy_keep_values_device_and_scheme(device, rng, copier):
+    import copy
+    import pickle
+    again = (lambda obj: pickle.loads(pickle.dumps(obj))) if copier == "pickle" else copy.deepcopy
+    w = rng.standard_normal((2, 16, 24)).astype(np.float32)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    for scheme in (qd.QuantScheme("q4f", block=(8, 8), store="packed_u32", scale_dtype="bf16"),
+                   qd.QuantScheme("q8s", axis=-1, scale_dtype="f16")):
+        q = qd.quantize(w, scheme, device=device)
+        for original in (q, q.T):  # a transposed view comes back transposed
+            twin = again(original)
+            assert twin.device == device and twin.shape == original.shape
+            assert twin.scheme == original.scheme and twin.nbytes == original.nbytes
+            np.testing.assert_array_equal(twin.values, original.values)
+            np.testing.assert_array_equal(twin.scales, original.scales)
+        q2d = qd.quantize(w[0], scheme, device=device)  # products with the copy: the same bits
+        np.testing.assert_array_equal(qd.q_matmul(x, again(q2d)).numpy(), qd.q_matmul(x, q2d).numpy())
+    for dtype in ("float32", "float16", "bfloat16", "int8"):
+        t = qd.tensor(rng.integers(-8, 8, (3, 5)).astype(np.float32), device=device, dtype=dtype)
+        twin = again(t)
+        assert twin.device == device and twin.dtype == dtype and twin.shape == t.shape
+        np.testing.assert_array_equal(twin.numpy(), t.numpy())
+    assert again(qd.Device.parse(device)) == device
