@@ -32,6 +32,7 @@ from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor
 from ._core import q_matmul as _qd_matmul
 from .errors import BackendMismatchError, BackendUnavailableError, ShapeError
+from .scheme import QuantScheme
 
 __all__ = ["q_matmul", "QLinear", "QMatmul", "from_torch", "to_torch"]
 
@@ -161,7 +162,9 @@ class QLinear(torch.nn.Module):
 
     Only the bias (a float Parameter) is trainable; gradients flow to the input
     through the quantized weight.  `Module.to()`, `.cuda()` and `.cpu()` move the
-    weight with the bias (a dtype change leaves the quantized weight as it is)."""
+    weight with the bias (a dtype change leaves the quantized weight as it is).
+    `state_dict()` holds the weight's stored values and scales (its `_extra_state`),
+    so torch.save / load_state_dict restore it bit for bit; deepcopy and pickle work."""
 
     def __init__(self, weight, bias=None):
         super().__init__()
@@ -200,6 +203,24 @@ class QLinear(torch.nn.Module):
         super()._apply(fn, *args, **kwargs)
         self.weight = weight
         return self
+
+    def get_extra_state(self):
+        # The quantized weight in state_dict(), as torch tensors and plain values, so
+        # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
+        values, scales, scheme, transposed = tensor_api.qtensor_stored(self.weight)
+        return {"qvalues": torch.from_numpy(values), "qscales": torch.from_numpy(scales),
+                "scheme": scheme.to_record(), "transposed": transposed}
+
+    def set_extra_state(self, state):
+        # As load_state_dict copies into parameters where they are, the weight
+        # lands on the device of the weight it replaces.
+        weight = tensor_api.qtensor_from_stored(
+            state["qvalues"].cpu().numpy(), state["qscales"].cpu().numpy(),
+            QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)
+        if weight.shape != self.weight.shape:
+            raise ShapeError(f"QLinear state holds a weight of shape {weight.shape}, but this layer's "
+                             f"is {self.weight.shape}")
+        self.weight = weight
 
     def forward(self, x):
         y = q_matmul(x, self.weight.T)

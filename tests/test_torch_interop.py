@@ -1,4 +1,6 @@
 """qdispatch.torch: q_matmul as an autograd.Function, QLinear, DLPack crossings."""
+import copy
+
 import numpy as np
 import pytest
 
@@ -224,3 +226,36 @@ def test_qlinear_moves_its_weight_with_the_module():
     assert host.weight.device.is_host and not host.bias.is_cuda
     np.testing.assert_array_equal(host.weight.values, values)  # a move never changes values
     np.testing.assert_array_equal(host.weight.scales, scales)
+
+
+def test_qlinear_state_dict_round_trip_through_torch_save(tmp_path):
+    torch.manual_seed(0)
+    scheme = QuantScheme("q4f", block=(1, 16), store="packed_u32", scale_dtype="bf16")
+    layer = QLinear.from_linear(torch.nn.Linear(32, 12), scheme, device=DEVICES[-1])
+    model = torch.nn.Sequential(layer)
+    assert sorted(model.state_dict()) == ["0._extra_state", "0.bias"]
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    state = torch.load(tmp_path / "model.pt", weights_only=True)  # torch's safe loader takes it
+    fresh = torch.nn.Sequential(QLinear.from_linear(torch.nn.Linear(32, 12), QuantScheme("q8s"),
+                                                    device=DEVICES[0]))
+    fresh.load_state_dict(state)
+    got = fresh[0].weight
+    assert got.device == DEVICES[0] and got.scheme == scheme  # where the replaced weight was
+    np.testing.assert_array_equal(got.values, layer.weight.values)
+    np.testing.assert_array_equal(got.scales, layer.weight.scales)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(fresh(x), model(x), rtol=1e-5, atol=1e-5)  # another backend's sums
+    narrow = torch.nn.Sequential(QLinear(weight((12, 16), SCHEMES[0], DEVICES[0])))
+    with pytest.raises(ShapeError, match=r"shape \(12, 32\).*\(12, 16\)"):
+        narrow.load_state_dict({"0._extra_state": state["0._extra_state"]})
+
+
+def test_qlinear_deepcopy_and_pickle(tmp_path):
+    layer = QLinear(weight((16, 8), SCHEMES[2], DEVICES[-1]).T, bias=torch.randn(8))  # a transposed view
+    twin = copy.deepcopy(layer)
+    assert twin.weight is not layer.weight and twin.weight.device == layer.weight.device
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+    torch.save(layer, tmp_path / "layer.pt")  # the whole module, pickled
+    again = torch.load(tmp_path / "layer.pt", weights_only=False)
+    torch.testing.assert_close(again(x), layer(x), rtol=0, atol=0)
