@@ -132,6 +132,14 @@ class QMatmul(torch.autograd.Function):
         return dx, None
 
 
+def _run_eagerly_under_compile(fn):
+    # torch.compile can't trace into qdispatch's kernels (DLPack, Cython, C): it
+    # runs `fn` as it is, with a graph break on each side, and compiles the rest.
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+@_run_eagerly_under_compile
 def q_matmul(x, w):
     """`x @ w` for a torch float tensor x [..., K] and a 2-D QTensor w [K, N].
 

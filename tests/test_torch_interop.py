@@ -259,3 +259,21 @@ def test_qlinear_deepcopy_and_pickle(tmp_path):
     torch.save(layer, tmp_path / "layer.pt")  # the whole module, pickled
     again = torch.load(tmp_path / "layer.pt", weights_only=False)
     torch.testing.assert_close(again(x), layer(x), rtol=0, atol=0)
+
+
+def test_torch_compile_runs_around_qdispatch():
+    """torch.compile can't trace qdispatch's kernels: q_matmul runs as it is, between
+    graph breaks (tracing into it failed inside torch before)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        QLinear.from_linear(torch.nn.Linear(32, 24), QuantScheme("q8s", axis=0), device=DEVICES[-1]),
+        torch.nn.ReLU(),
+        QLinear.from_linear(torch.nn.Linear(24, 8), SCHEMES[2], device=DEVICES[-1]))
+    x = torch.randn(4, 32, requires_grad=True)
+    want = model(x)
+    want.sum().backward()
+    want_grad, x.grad = x.grad, None
+    got = torch.compile(model, backend="aot_eager")(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, want_grad, rtol=0, atol=0)
