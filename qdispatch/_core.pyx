@@ -219,6 +219,9 @@ cdef class QTensor(TensorBase):
     Storage belongs to the backend (it may keep pre-packed weight panels);
     `.values` and `.scales` always give the logical values as numpy arrays."""
 
+    # numpy operators defer to ours: `x @ q` for an ndarray x is q.__rmatmul__(x)
+    __array_ufunc__ = None
+
     def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
         self.storage = storage
         self.layout = layout

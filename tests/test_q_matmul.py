@@ -204,3 +204,16 @@ def test_fq_non_finite_activations_propagate_without_warnings(device, rng):
     zero = wq.dequantize().numpy()[:, 7] == 0  # w[0, 7] and any that quantized to 0
     assert zero[0] and np.isnan(out[1, zero]).all() and np.isinf(out[1, ~zero]).all()
     assert np.isnan(out[2]).all() and np.isfinite(out[[0, 3]]).all()
+
+
+def test_matmul_operator_with_a_numpy_lhs(device, rng):
+    """`x @ w` for an ndarray x: numpy defers to the QTensor (it used to fail inside
+    numpy's matmul), and the product is q_matmul's, on w's device."""
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device=device)
+    out = x @ wq.T
+    assert isinstance(out, qd.Tensor) and out.device == device
+    np.testing.assert_array_equal(out.numpy(), qd.q_matmul(x, wq.T).numpy())
+    with pytest.raises(TypeError):
+        np.add(x[:, :16], wq)  # numpy never treats a QTensor as an array
