@@ -202,7 +202,8 @@ def _bf16_from_dlpack(obj):
 # ---- quantized tensors -----------------------------------------------------
 
 def quantize(x, scheme="q8s", device=None):
-    """Quantize float data (numpy, Tensor or DLPack object) into a QTensor.
+    """Quantize float data (numpy, Tensor or DLPack object; a torch Parameter by its
+    values) into a QTensor.
 
     Without `device`, a Tensor stays on its device and host data goes to the
     default backend."""
@@ -217,6 +218,8 @@ def quantize_activation(x, scheme):
 def _quantize(x, scheme, device, weight):
     scheme = as_scheme(scheme)
     if not isinstance(x, Tensor):
+        if getattr(x, "requires_grad", False):  # an nn.Parameter, say: quantized tensors
+            x = x.detach()                      # get no gradient, so take its values
         x = tensor(x, device=device)
     elif device is not None:
         x = x.to(device)

@@ -277,3 +277,11 @@ def test_torch_compile_runs_around_qdispatch():
     got.sum().backward()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, want_grad, rtol=0, atol=0)
+
+
+def test_quantize_takes_a_parameter_by_its_values():
+    linear = torch.nn.Linear(32, 8)
+    scheme = QuantScheme("q8s", axis=0)
+    q = qd.quantize(linear.weight, scheme, device=DEVICES[-1])  # refused by DLPack before
+    np.testing.assert_array_equal(q.values, qd.quantize(linear.weight.detach().numpy(), scheme).values)
+    assert linear.weight.requires_grad  # the module is untouched
