@@ -248,12 +248,15 @@ def cached_bytes(int device):
 
 
 cdef class DeviceBuffer:
-    """Device memory: owned (from the cache or cudaMalloc), or borrowed from a
-    DLPack producer and handed back through its deleter."""
+    """Device memory: owned (from the cache or cudaMalloc), borrowed from a DLPack
+    producer and handed back through its deleter, or viewed in a Python object
+    that owns it (`owner`, kept alive meanwhile)."""
     cdef void *ptr
     cdef readonly size_t nbytes
     cdef readonly int device
     cdef DLManagedTensor *borrowed
+    cdef object owner
+    cdef bint viewed  # a flag, not `owner is None`: a collector may clear owner first
 
     @staticmethod
     cdef DeviceBuffer allocate(size_t nbytes, int device):
@@ -290,6 +293,8 @@ cdef class DeviceBuffer:
         if self.borrowed != NULL:
             if self.borrowed.deleter != NULL:
                 self.borrowed.deleter(self.borrowed)
+            return
+        if self.viewed:  # the owner frees it
             return
         if self.ptr == NULL:
             return
@@ -834,30 +839,56 @@ cdef void _capsule_destructor(object capsule) noexcept:
             <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor"))
 
 
+cdef int _stream_waits(int device, cudaStream_t waiter, cudaStream_t producer) except -1:
+    """`waiter` waits for the work queued on `producer` so far; one of the two is
+    ours (the legacy default stream, NULL), the other another library's.  A wait
+    involving a stream that captures a CUDA graph would invalidate the capture:
+    refused first, the capture left as it was."""
+    cdef cudaEvent_t ev
+    cdef cudaStreamCaptureStatus status
+    with on_device(device):
+        _check(cudaStreamIsCapturing(producer if waiter == NULL else waiter, &status),
+               "cudaStreamIsCapturing")
+        if status != cudaStreamCaptureStatusNone:
+            raise KernelError(f"A stream on cuda:{device} is capturing a CUDA graph; "
+                              f"{NOT_IN_CUDA_GRAPHS}. The capture is left as it was.")
+        _check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate")
+        try:
+            _check(cudaEventRecord(ev, producer), "cudaEventRecord")
+            _check(cudaStreamWaitEvent(waiter, ev, 0), "cudaStreamWaitEvent")
+        finally:
+            cudaEventDestroy(ev)
+    return 0
+
+
 cdef int _sync_consumer(int device, object stream) except -1:
     """DLPack's stream contract: work queued on our stream (the legacy default)
     must be visible to the consumer's stream before it reads."""
-    cdef cudaEvent_t ev
-    cdef cudaStream_t s
-    cdef cudaStreamCaptureStatus status
     if stream is None or stream == 1 or stream == -1:  # legacy default (ours), or "don't sync"
         return 0
     if stream == 0:
         raise ValueError("stream=0 is ambiguous for CUDA in DLPack: pass 1 for the legacy default stream")
     # 2 is the per-thread default stream, whose handle is cudaStreamPerThread (0x2)
-    s = <cudaStream_t><uintptr_t>int(stream)
-    with on_device(device):
-        _check(cudaStreamIsCapturing(s, &status), "cudaStreamIsCapturing")
-        if status != cudaStreamCaptureStatusNone:  # a wait on our stream would invalidate it
-            raise KernelError(f"DLPack export to a stream capturing a CUDA graph on cuda:{device}; "
-                              f"{NOT_IN_CUDA_GRAPHS}")
-        _check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate")
-        try:
-            _check(cudaEventRecord(ev, NULL), "cudaEventRecord")
-            _check(cudaStreamWaitEvent(s, ev, 0), "cudaStreamWaitEvent")
-        finally:
-            cudaEventDestroy(ev)
-    return 0
+    return _stream_waits(device, <cudaStream_t><uintptr_t>int(stream), NULL)
+
+
+def view(uintptr_t ptr, tuple shape, str dtype, int device, object owner, uintptr_t producer_stream):
+    """A DeviceArray over C-contiguous device memory that `owner` (a torch tensor,
+    say) holds, kept alive meanwhile: what from_dlpack gives, without the protocol's
+    negotiation, which costs more than a decode kernel.  Work queued before now on
+    `producer_stream` (a raw handle; 0 or 1: the legacy default, ours) becomes
+    visible to our stream first."""
+    if producer_stream > 1:
+        _stream_waits(device, NULL, <cudaStream_t>producer_stream)
+    cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
+    b.ptr = <void *>ptr
+    b.device = device
+    b.owner = owner
+    b.viewed = True
+    b.nbytes = ITEMSIZE[dtype]
+    for d in shape:
+        b.nbytes *= d
+    return DeviceArray(b, 0, shape, dtype)
 
 
 def to_dlpack(DeviceArray a, stream=None):

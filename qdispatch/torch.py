@@ -37,6 +37,11 @@ from .scheme import QuantScheme
 __all__ = ["q_matmul", "QLinear", "QMatmul", "from_torch", "to_torch"]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_CUDA_VIEW_DTYPES = {**_KERNEL_DTYPES, torch.int8: "int8", torch.int32: "int32"}
+# torch's current stream on a GPU as a raw handle (0: the legacy default stream)
+_current_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+                       or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+_cuda_ready = {}  # GPU index -> qdispatch's cuda backend, once it said it can run there
 
 
 # ---- crossing between torch and qdispatch ------------------------------------------
@@ -47,10 +52,25 @@ def from_torch(x, device=None):
     device, else to the default backend; both views share x's memory.  A strided
     x (an expanded gradient, say) is copied to dense rows first: the kernels read
     rows."""
-    x = x.detach()
     if not x.is_contiguous():
         x = x.contiguous()
-    return tensor_api.from_dlpack(x, device=device)
+    if x.is_cuda and device is None and x.dtype in _CUDA_VIEW_DTYPES:
+        index = x.get_device()
+        cuda = _cuda_ready.get(index) or _cuda_backend(index)
+        if cuda is not None:  # the pointer directly: DLPack's negotiation costs more than a decode kernel
+            return cuda.tensor_viewing(x.data_ptr(), tuple(x.shape), _CUDA_VIEW_DTYPES[x.dtype], index,
+                                       x, _current_raw_stream(index))
+    return tensor_api.from_dlpack(x.detach(), device=device)
+
+
+def _cuda_backend(index):
+    """qdispatch's cuda backend when it can run on GPU `index`, else None."""
+    try:
+        dev, backend = tensor_api.backend_for(f"cuda:{index}")
+    except (BackendUnavailableError, ValueError):
+        return None
+    _cuda_ready[index] = backend
+    return backend
 
 
 def to_torch(t):
@@ -58,6 +78,8 @@ def to_torch(t):
     if t.dtype == "bfloat16" and t.device.is_host:
         # numpy has no bfloat16: the host payload holds its 16-bit patterns
         return torch.from_numpy(t.payload).view(torch.bfloat16)
+    if not t.device.is_host:  # a capsule ordered for torch's current stream (DLPack calls ours 1)
+        return torch.from_dlpack(t.__dlpack__(stream=_current_raw_stream(t.index) or 1))
     return torch.from_dlpack(t)
 
 
@@ -132,20 +154,18 @@ class QMatmul(torch.autograd.Function):
         return dx, None
 
 
-def _run_eagerly_under_compile(fn):
-    # torch.compile can't trace into qdispatch's kernels (DLPack, Cython, C): it
-    # runs `fn` as it is, with a graph break on each side, and compiles the rest.
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
-@_run_eagerly_under_compile
 def q_matmul(x, w):
     """`x @ w` for a torch float tensor x [..., K] and a 2-D QTensor w [K, N].
 
     Returns a torch tensor [..., N] of x's dtype (float32, float16, bfloat16, or
     float64 on the exact float64 path).  Differentiable in x only; the
     gradient for w is None (QTensors are constants to autograd)."""
+    if _is_compiling():  # what torch.compile traces: qdispatch's part runs as it is
+        return _q_matmul_between_graph_breaks(x, w)
+    return _q_matmul(x, w)
+
+
+def _q_matmul(x, w):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"q_matmul expects a torch tensor x, got {type(x).__name__}: "
                         f"for numpy data use qdispatch.q_matmul")
@@ -160,7 +180,17 @@ def q_matmul(x, w):
     if x.dim() == 0 or x.shape[-1] != w.shape[0]:
         raise ShapeError(f"q_matmul shapes {tuple(x.shape)} and {w.shape} don't fit: x needs a last "
                          f"dim of K={w.shape[0]}")
-    return QMatmul.apply(x, w)
+    if x.requires_grad and torch.is_grad_enabled():
+        return QMatmul.apply(x, w)
+    return _matmul(x, w)  # nothing to differentiate: skip autograd's bookkeeping
+
+
+# torch.compile can't trace into qdispatch's kernels (Cython, C): it runs this as it
+# is, with a graph break on each side, and compiles the rest.  Only while tracing:
+# the wrapper costs a few microseconds a call, as much as a decode kernel.
+_q_matmul_between_graph_breaks = (torch.compiler.disable(_q_matmul) if hasattr(torch, "compiler")
+                                  else _q_matmul)
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 # ---- nn.Module ---------------------------------------------------------------------------

@@ -285,3 +285,22 @@ def test_quantize_takes_a_parameter_by_its_values():
     q = qd.quantize(linear.weight, scheme, device=DEVICES[-1])  # refused by DLPack before
     np.testing.assert_array_equal(q.values, qd.quantize(linear.weight.detach().numpy(), scheme).values)
     assert linear.weight.requires_grad  # the module is untouched
+
+
+@pytest.mark.cuda
+def test_cuda_q_matmul_is_ordered_with_torchs_current_stream():
+    """x written on a side stream after a long wait, the product read there at once:
+    qdispatch's kernel waits for the write and the read waits for the kernel."""
+    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
+        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+    w = weight((1024, 512), SCHEMES[0], "cuda")
+    want = torch.ones(8, 1024) @ dequantized(w)
+    side = torch.cuda.Stream()
+    x = torch.zeros(8, 1024, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        for step in range(1, 4):
+            torch.cuda._sleep(20_000_000)  # about 10 ms on this stream before the write
+            x.fill_(step)
+            y = q_matmul(x, w) * 1  # the read, queued on `side` right after our kernel
+            torch.testing.assert_close(y.cpu(), want * step, rtol=1e-5, atol=1e-3)

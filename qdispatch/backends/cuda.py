@@ -403,6 +403,11 @@ class CudaBackend(Backend):
         arr = _cuda.from_dlpack(obj)
         return Tensor(arr, arr.dtype, arr.shape, int(self.kind), arr.device)
 
+    def tensor_viewing(self, ptr, shape, dtype, index, owner, producer_stream):
+        """A Tensor over device memory that `owner` holds (see `_cuda.view`)."""
+        arr = _cuda.view(ptr, shape, dtype, index, owner, producer_stream)
+        return Tensor(arr, dtype, shape, int(self.kind), index)
+
 
 def _copy(arr):
     out = _cuda.empty(arr.shape, arr.dtype, arr.device)
