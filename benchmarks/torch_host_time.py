@@ -1,0 +1,51 @@
+"""Host time of one decode-sized call through qdispatch.torch, against torch's own
+bf16 nn.Linear in the same run (CUDA GPU, torch and the cuda backend needed):
+
+    python benchmarks/torch_host_time.py
+
+M = 1 rows keep every kernel short, so each figure (wall time per call over
+back-to-back calls, best of three runs of 2,000) is the host's cost of a call:
+what a Python decode loop pays per layer when the GPU waits on it."""
+import time
+
+import torch
+
+import qdispatch as qd
+from qdispatch.torch import QLinear, from_torch, q_matmul, to_torch
+
+torch.manual_seed(0)
+
+
+def per_call(fn, n=2000):
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    best = 1e9
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+for K, N in ((256, 256), (4096, 4096)):
+    lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")
+    ql = QLinear.from_linear(lin, qd.QuantScheme("q4s", block=128, store="packed_u32", scale_dtype="bf16"))
+    x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
+    wT = ql.weight.T
+    xq = from_torch(x)
+    with torch.inference_mode():
+        r = {
+            "torch nn.Linear bf16": per_call(lambda: lin(x)),
+            "QLinear (inference_mode)": per_call(lambda: ql(x)),
+            "qdispatch.torch.q_matmul": per_call(lambda: q_matmul(x, wT)),
+            "from_torch(x)": per_call(lambda: from_torch(x)),
+            "to_torch(qd tensor)": per_call(lambda: to_torch(xq)),
+            "qd.q_matmul (qd tensors)": per_call(lambda: qd.q_matmul(xq, wT, out_dtype="bfloat16")),
+        }
+    with torch.no_grad():
+        r["QLinear (no_grad)"] = per_call(lambda: ql(x))
+    r["QLinear (grad mode)"] = per_call(lambda: ql(x))
+    print(f"M=1 K={K} N={N}: " + "; ".join(f"{k} {v:.1f} us" for k, v in r.items()))
