@@ -165,16 +165,21 @@ def from_dlpack(obj, device=None):
     kind, _ = obj.__dlpack_device__()
     if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
         arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
-        name = "bfloat16" if _is_bf16(obj) else None
-        t = tensor(arr, device=device if device is not None and Device.parse(device).is_host
-                   else policy.default_device(), dtype=name)
-        return t.to(device) if device is not None else t
+        return host_view(arr, device, "bfloat16" if _is_bf16(obj) else None)
     backend = get_backend("cuda")
     reason = backend.unavailable_reason(0)
     if reason:
         raise BackendUnavailableError(reason)
     _refuse_torch_graph_capture(obj)
     t = backend.tensor_from_dlpack(obj)
+    return t.to(device) if device is not None else t
+
+
+def host_view(arr, device=None, dtype=None):
+    """A Tensor sharing host array `arr`'s memory, on `device` when that is a host
+    device (else on the default backend, then moved to `device`)."""
+    host = device if device is not None and Device.parse(device).is_host else policy.default_device()
+    t = tensor(arr, device=host, dtype=dtype)
     return t.to(device) if device is not None else t
 
 

@@ -38,6 +38,7 @@ __all__ = ["q_matmul", "QLinear", "QMatmul", "from_torch", "to_torch"]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CUDA_VIEW_DTYPES = {**_KERNEL_DTYPES, torch.int8: "int8", torch.int32: "int32"}
+_NUMPY_VIEW_DTYPES = (torch.float32, torch.float16, torch.int8, torch.int32)  # not bfloat16
 # torch's current stream on a GPU as a raw handle (0: the legacy default stream)
 _current_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
                        or (lambda index: torch.cuda.current_stream(index).cuda_stream))
@@ -54,6 +55,8 @@ def from_torch(x, device=None):
     rows."""
     if not x.is_contiguous():
         x = x.contiguous()
+    if x.device.type == "cpu" and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
+        return tensor_api.host_view(x.detach().numpy(), device)
     if x.is_cuda and device is None and x.dtype in _CUDA_VIEW_DTYPES:
         index = x.get_device()
         cuda = _cuda_ready.get(index) or _cuda_backend(index)
@@ -66,7 +69,7 @@ def from_torch(x, device=None):
 def _cuda_backend(index):
     """qdispatch's cuda backend when it can run on GPU `index`, else None."""
     try:
-        dev, backend = tensor_api.backend_for(f"cuda:{index}")
+        _, backend = tensor_api.backend_for(f"cuda:{index}")
     except (BackendUnavailableError, ValueError):
         return None
     _cuda_ready[index] = backend
