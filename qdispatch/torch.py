@@ -56,7 +56,7 @@ def from_torch(x, device=None):
     if not x.is_contiguous():
         x = x.contiguous()
     if x.device.type == "cpu" and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
-        return tensor_api.host_view(x.detach().numpy(), device)
+        return tensor_api.host_view(x.detach().resolve_neg().numpy(), device)
     if x.is_cuda and device is None and x.dtype in _CUDA_VIEW_DTYPES:
         index = x.get_device()
         cuda = _cuda_ready.get(index) or _cuda_backend(index)
