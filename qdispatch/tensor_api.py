@@ -178,8 +178,9 @@ def from_dlpack(obj, device=None):
 def host_view(arr, device=None, dtype=None):
     """A Tensor sharing host array `arr`'s memory, on `device` when that is a host
     device (else on the default backend, then moved to `device`)."""
-    host = device if device is not None and Device.parse(device).is_host else policy.default_device()
-    t = tensor(arr, device=host, dtype=dtype)
+    if device is not None and Device.parse(device).is_host:
+        return tensor(arr, device=device, dtype=dtype)
+    t = tensor(arr, device=policy.default_device(), dtype=dtype)
     return t.to(device) if device is not None else t
 
 

@@ -78,11 +78,13 @@ def _cuda_backend(index):
 
 def to_torch(t):
     """A torch tensor sharing the memory of qdispatch Tensor t."""
-    if t.dtype == "bfloat16" and t.device.is_host:
-        # numpy has no bfloat16: the host payload holds its 16-bit patterns
-        return torch.from_numpy(t.payload).view(torch.bfloat16)
     if not t.device.is_host:  # a capsule ordered for torch's current stream (DLPack calls ours 1)
         return torch.from_dlpack(t.__dlpack__(stream=_current_raw_stream(t.index) or 1))
+    if t.dtype == "bfloat16":
+        # numpy has no bfloat16: the host payload holds its 16-bit patterns
+        return torch.from_numpy(t.payload).view(torch.bfloat16)
+    if isinstance(t.payload, np.ndarray) and t.payload.flags.writeable:
+        return torch.from_numpy(t.payload)  # numpy's memory as it is, without DLPack's round
     return torch.from_dlpack(t)
 
 
