@@ -50,16 +50,20 @@ def default_device():
         if env:
             set_default_backend(env)
         else:
-            cpu = get_backend("cpu") if _has("cpu") else None
-            _default_device = Device.parse("cpu" if cpu is not None else "reference")
+            _default_device = _best_host()
     return _default_device
 
 
 def default_host_device():
-    """The default device when it is host memory, else 'cpu' (or 'reference' in a
-    build without it): where data lands that must live on the host."""
+    """The default device when it is host memory, else the best host backend:
+    where data lands that must live on the host."""
     dev = default_device()
-    return dev if dev.is_host else Device.parse("cpu" if _has("cpu") else "reference")
+    return dev if dev.is_host else _best_host()
+
+
+def _best_host():
+    """'cpu', or 'reference' in a build without it."""
+    return Device.parse("cpu" if _has("cpu") else "reference")
 
 
 def _has(name):
