@@ -826,10 +826,45 @@ _DL_CODES = {"float32": (kDLFloat, 32), "float16": (kDLFloat, 16), "bfloat16": (
 _DL_NAMES = {v: k for k, v in _DL_CODES.items()}
 
 
+cdef struct Export:
+    DLManagedTensor managed  # first, so that the consumer's pointer is the export's
+    uintptr_t consumer_stream  # the stream the consumer reads on, as DLPack's `stream` named it
+    int device
+    # the shape follows, in the same allocation
+
+
 cdef void _export_deleter(DLManagedTensor *self) noexcept nogil:
+    cdef Export *export = <Export *>self
+    if export.consumer_stream > 2:  # not the legacy default stream nor one that syncs with it
+        _wait_for_consumer(export.device, <cudaStream_t>export.consumer_stream)
     with gil:
         Py_DECREF(<object>self.manager_ctx)
-    free(self)  # shape lives in the same allocation
+    free(self)
+
+
+cdef void _wait_for_consumer(int device, cudaStream_t consumer) noexcept nogil:
+    """Our stream waits for what the consumer queued on its stream before it let go:
+    the memory goes back to our block cache, whose next user runs on our stream.
+    A capturing stream ran nothing yet (captured work runs at replay; torch syncs
+    before a capture).  A stream that can't be queried is gone: then the device waits."""
+    cdef int previous = 0
+    cdef cudaEvent_t ev
+    cdef cudaStreamCaptureStatus status
+    cudaGetDevice(&previous)
+    if previous != device:
+        cudaSetDevice(device)
+    if cudaStreamIsCapturing(consumer, &status) != cudaSuccess:
+        cudaGetLastError()
+        cudaDeviceSynchronize()
+    elif status == cudaStreamCaptureStatusNone and \
+            cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess:
+        if cudaEventRecord(ev, consumer) != cudaSuccess or cudaStreamWaitEvent(NULL, ev, 0) != cudaSuccess:
+            cudaGetLastError()
+            cudaDeviceSynchronize()
+        cudaEventDestroy(ev)
+    cudaGetLastError()
+    if previous != device:
+        cudaSetDevice(previous)
 
 
 cdef void _capsule_destructor(object capsule) noexcept:
@@ -895,10 +930,13 @@ def to_dlpack(DeviceArray a, stream=None):
     """A "dltensor" capsule viewing `a` (no copy); it keeps `a` alive."""
     _sync_consumer(a.device, stream)
     cdef int ndim = len(a.shape)
-    cdef DLManagedTensor *m = <DLManagedTensor *>malloc(sizeof(DLManagedTensor) + max(ndim, 1) * sizeof(int64_t))
-    if m == NULL:
+    cdef Export *export = <Export *>malloc(sizeof(Export) + max(ndim, 1) * sizeof(int64_t))
+    if export == NULL:
         raise MemoryError()
-    cdef int64_t *shape = <int64_t *>(<char *>m + sizeof(DLManagedTensor))
+    export.consumer_stream = <uintptr_t>int(stream) if stream is not None and stream > 0 else 0
+    export.device = a.device
+    cdef DLManagedTensor *m = &export.managed
+    cdef int64_t *shape = <int64_t *>(<char *>export + sizeof(Export))
     for i, d in enumerate(a.shape):
         shape[i] = d
     code, bits = _DL_CODES[a.dtype]

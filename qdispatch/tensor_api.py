@@ -5,8 +5,7 @@ import numpy as np
 
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, get_backend
-from .errors import (NOT_IN_CUDA_GRAPHS, BackendUnavailableError, KernelError, QDispatchError,
-                     ShapeError, WrongBackendError)
+from .errors import BackendUnavailableError, QDispatchError, ShapeError, WrongBackendError
 from .layout import QLayout, swap_last2
 from .scheme import as_scheme
 
@@ -162,6 +161,15 @@ def tensor_transpose(t):
 def from_dlpack(obj, device=None):
     """A Tensor viewing a DLPack-capable object (torch, CuPy, numpy) without a copy
     where the memory is on a device qdispatch serves."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        from .torch import from_torch  # torch's streams and allocator need more than DLPack says
+        return from_torch(obj, device)
+    return import_dlpack(obj, device)
+
+
+def import_dlpack(obj, device=None):
+    """from_dlpack by the protocol alone."""
     kind, _ = obj.__dlpack_device__()
     if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
         arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
@@ -170,7 +178,6 @@ def from_dlpack(obj, device=None):
     reason = backend.unavailable_reason(0)
     if reason:
         raise BackendUnavailableError(reason)
-    _refuse_torch_graph_capture(obj)
     t = backend.tensor_from_dlpack(obj)
     return t.to(device) if device is not None else t
 
@@ -182,15 +189,6 @@ def host_view(arr, device=None, dtype=None):
         return tensor(arr, device=device, dtype=dtype)
     t = tensor(arr, device=policy.default_device(), dtype=dtype)
     return t.to(device) if device is not None else t
-
-
-def _refuse_torch_graph_capture(obj):
-    """torch captures CUDA graphs on a stream of its own: the wait on it that the
-    DLPack import asks for would invalidate the capture, so refuse first."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor) and torch.cuda.is_current_stream_capturing():
-        raise KernelError(f"torch is capturing a CUDA graph on {obj.device}; {NOT_IN_CUDA_GRAPHS}. "
-                          f"The capture is left as it was.")
 
 
 def _is_bf16(obj):

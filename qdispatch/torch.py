@@ -31,7 +31,8 @@ import torch
 from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor
 from ._core import q_matmul as _qd_matmul
-from .errors import BackendMismatchError, BackendUnavailableError, ShapeError
+from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, KernelError,
+                     ShapeError)
 from .scheme import QuantScheme
 
 __all__ = ["q_matmul", "QLinear", "QMatmul", "from_torch", "to_torch"]
@@ -55,15 +56,38 @@ def from_torch(x, device=None):
     rows."""
     if not x.is_contiguous():
         x = x.contiguous()
-    if x.device.type == "cpu" and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
+    if x.is_cpu and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
         return tensor_api.host_view(x.detach().resolve_neg().numpy(), device)
-    if x.is_cuda and device is None and x.dtype in _CUDA_VIEW_DTYPES:
-        index = x.get_device()
-        cuda = _cuda_ready.get(index) or _cuda_backend(index)
-        if cuda is not None:  # the pointer directly: DLPack's negotiation costs more than a decode kernel
-            return cuda.tensor_viewing(x.data_ptr(), tuple(x.shape), _CUDA_VIEW_DTYPES[x.dtype], index,
-                                       x, _current_raw_stream(index))
-    return tensor_api.from_dlpack(x.detach(), device=device)
+    if x.is_cuda:
+        t = _from_torch_cuda(x)
+        return t if device is None else t.to(device)
+    return tensor_api.import_dlpack(x.detach(), device=device)
+
+
+def _from_torch_cuda(x):
+    """A qdispatch cuda Tensor sharing CUDA tensor x's memory, ordered after torch's
+    current stream; x's memory is not reused by torch before our work on it is done."""
+    index = x.get_device()
+    stream = _current_raw_stream(index)
+    cuda = _cuda_ready.get(index) or _cuda_backend(index)
+    if cuda is not None and x.dtype in _CUDA_VIEW_DTYPES:
+        # the pointer directly: DLPack's negotiation costs more than a decode kernel;
+        # the view refuses a capturing stream
+        t = cuda.tensor_viewing(x.data_ptr(), tuple(x.shape), _CUDA_VIEW_DTYPES[x.dtype], index,
+                                x, stream)
+    else:
+        if cuda is not None and torch.cuda.is_current_stream_capturing():
+            # DLPack's import would make our stream wait on the capturing one: invalid there
+            raise KernelError(f"torch is capturing a CUDA graph on {x.device}; {NOT_IN_CUDA_GRAPHS}. "
+                              f"The capture is left as it was.")
+        t = tensor_api.import_dlpack(x.detach())
+    if stream:
+        # Our work runs on the legacy default stream, torch's default stream.  torch's
+        # allocator reuses a freed block on the stream that allocated it, so tell it
+        # the block is in use there too, or the next tensor on a side stream could
+        # overwrite x while our kernel still waits to read it.
+        x.record_stream(torch.cuda.default_stream(index))
+    return t
 
 
 def _cuda_backend(index):
@@ -91,10 +115,10 @@ def to_torch(t):
 def _operand(x, w):
     """x as a qdispatch Tensor next to w, or the mismatch error the dispatcher
     would raise when qdispatch has no backend for x's device."""
-    if x.device.type == "cpu":
+    if x.is_cpu:
         return from_torch(x, device=w.device if w.device.is_host else None)
     reason = f"qdispatch has no backend for torch device {str(x.device)!r}"
-    if x.device.type == "cuda":
+    if x.is_cuda:
         try:
             return from_torch(x)
         except BackendUnavailableError as exc:

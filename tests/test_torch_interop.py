@@ -304,3 +304,52 @@ def test_cuda_q_matmul_is_ordered_with_torchs_current_stream():
             x.fill_(step)
             y = q_matmul(x, w) * 1  # the read, queued on `side` right after our kernel
             torch.testing.assert_close(y.cpu(), want * step, rtol=1e-5, atol=1e-3)
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
+        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cross", [from_torch, qd.from_dlpack, qd.tensor])
+def test_cuda_input_freed_on_a_side_stream_waits_for_our_kernel(cross):
+    """x made on a side stream and freed right after the call: torch must not give its
+    memory to the next tensor on that stream while our kernel, queued behind a long
+    wait on our stream, has yet to read x."""
+    _needs_cuda()
+    w = weight((1024, 512), SCHEMES[0], "cuda")
+    ones = np.ones((8, 1024), np.float32)
+    want = qd.q_matmul(qd.tensor(ones, device="cuda"), w).numpy()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.ones(8, 1024, device="cuda")
+    torch.cuda._sleep(50_000_000)  # about 25 ms on torch's default stream, which is ours
+    with torch.cuda.stream(side):
+        y = qd.q_matmul(cross(x), w)  # stays in qdispatch: nothing on `side` waits for it
+        del x
+        torch.full((8, 1024), 7.0, device="cuda")  # a write that would take x's block at once
+    np.testing.assert_array_equal(y.numpy(), want)
+
+
+@pytest.mark.cuda
+def test_cuda_result_freed_on_a_side_stream_waits_for_its_readers():
+    """A result read on a side stream after a long wait there, then freed: its memory
+    goes back to qdispatch's cache, and the next qdispatch call must not overwrite
+    it before that read has run."""
+    _needs_cuda()
+    w = weight((1024, 512), SCHEMES[0], "cuda")
+    x, x3 = (qd.tensor(np.full((8, 1024), v, np.float32), device="cuda") for v in (1, 3))
+    want, want3 = qd.q_matmul(x, w).numpy(), qd.q_matmul(x3, w).numpy()
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        y = to_torch(qd.q_matmul(x, w))  # `side` waits for our kernel
+        torch.cuda._sleep(50_000_000)  # about 25 ms on `side`
+        read = y.clone()  # runs after the wait
+        del y
+    later = [qd.q_matmul(x3, w) for _ in range(3)]  # results of y's size, from qdispatch's cache
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(read.cpu().numpy(), want)
+    for z in later:
+        np.testing.assert_array_equal(z.numpy(), want3)
