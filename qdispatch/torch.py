@@ -8,6 +8,8 @@
 - `QLinear`: a `torch.nn.Module` holding a QTensor weight [out_features,
   in_features] and an optional float bias; `QLinear.from_linear(linear, scheme)`
   quantizes an existing `nn.Linear`.
+- `quantize_linears(model, scheme, skip=...)`: every `nn.Linear` of a model
+  replaced by a `QLinear`, in place.
 - `from_torch` / `to_torch`: tensors cross by DLPack without copies, on CPU and,
   when qdispatch's cuda backend is built, on CUDA.
 
@@ -32,10 +34,10 @@ from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor
 from ._core import q_matmul as _qd_matmul
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, KernelError,
-                     ShapeError)
+                     QDispatchError, ShapeError)
 from .scheme import QuantScheme
 
-__all__ = ["q_matmul", "QLinear", "QMatmul", "from_torch", "to_torch"]
+__all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "from_torch", "to_torch"]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CUDA_VIEW_DTYPES = {**_KERNEL_DTYPES, torch.int8: "int8", torch.int32: "int32"}
@@ -297,3 +299,51 @@ class QLinear(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.weight.scheme!r}, "
                 f"device='{self.weight.device}'")
+
+
+def quantize_linears(model, scheme, skip=(), device=None):
+    """Replace every `nn.Linear` in `model` by a `QLinear` holding its weight
+    quantized with `scheme`, in place, and return the model (a QLinear when
+    `model` itself is an nn.Linear).
+
+    `skip` keeps layers in float: names as `model.named_modules()` gives them
+    (e.g. ["lm_head"]), or a function `(name, linear) -> bool`.  A layer reached
+    under several names (shared) is quantized once and stays shared.  Weights are
+    quantized where they live (host weights on the default backend) unless
+    `device` names another.  Every layer is quantized before any is replaced, so
+    an error (naming the layer) leaves the model as it was.  The Linears that
+    torch's fused layers read as tensors stay in float: MultiheadAttention's
+    out_proj and TransformerEncoderLayer's linear1/linear2."""
+    if isinstance(skip, str):
+        skip = (skip,)
+    keep = skip if callable(skip) else (lambda name, _, names=frozenset(skip): name in names)
+    if isinstance(model, torch.nn.Linear):
+        return model if keep("", model) else _quantized_linear("", model, scheme, device)
+    places, quantized = [], {}  # (parent, attribute, linear); id(linear) -> its QLinear
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent._modules.items():  # named_children() hides a repeat
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if _replaceable(parent, child) and not keep(name, child):
+                places.append((parent, child_name, child))
+                if id(child) not in quantized:
+                    quantized[id(child)] = _quantized_linear(name, child, scheme, device)
+    for parent, child_name, child in places:
+        setattr(parent, child_name, quantized[id(child)])
+    return model
+
+
+def _replaceable(parent, module):
+    # torch's fused layers read these Linears' weights as tensors: MultiheadAttention
+    # its out_proj, TransformerEncoderLayer its feed-forward pair (in eval mode)
+    return (isinstance(module, torch.nn.Linear)
+            and not isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
+            and not isinstance(parent, torch.nn.TransformerEncoderLayer))
+
+
+def _quantized_linear(name, linear, scheme, device):
+    try:
+        return QLinear.from_linear(linear, scheme, device=device)
+    except QDispatchError as exc:  # say which layer: a model's layers differ in shape and values
+        raise type(exc)(
+            f"layer {name or 'model'!r} ({linear.in_features} -> {linear.out_features} features): {exc}; "
+            f"pick a scheme that fits it or keep it in float with skip=[{name!r}]") from exc

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 import qdispatch as qd  # noqa: E402
 from qdispatch import BackendMismatchError, QuantScheme, ShapeError  # noqa: E402
-from qdispatch.torch import QLinear, from_torch, q_matmul, to_torch  # noqa: E402
+from qdispatch.torch import QLinear, from_torch, q_matmul, quantize_linears, to_torch  # noqa: E402
 from helpers import run_python  # noqa: E402
 
 DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
@@ -259,6 +259,87 @@ def test_qlinear_deepcopy_and_pickle(tmp_path):
     torch.save(layer, tmp_path / "layer.pt")  # the whole module, pickled
     again = torch.load(tmp_path / "layer.pt", weights_only=False)
     torch.testing.assert_close(again(x), layer(x), rtol=0, atol=0)
+
+
+# ---- whole models ----------------------------------------------------------------------
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 64)
+        self.act = torch.nn.GELU()
+        self.down = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Block(), _Block(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 48))
+
+
+def test_quantize_linears_replaces_every_linear_in_place():
+    scheme, device = QuantScheme("q8s", axis=0), DEVICES[-1]
+    model, x = _model(), torch.randn(5, 32)
+    expected = copy.deepcopy(model)  # each layer replaced by hand
+    for block in expected[:2]:
+        block.up = QLinear.from_linear(block.up, scheme, device=device)
+        block.down = QLinear.from_linear(block.down, scheme, device=device)
+    expected[3] = QLinear.from_linear(expected[3], scheme, device=device)
+    with torch.no_grad():
+        float_out = model(x)
+        assert quantize_linears(model, scheme, device=device) is model
+        assert [n for n, m in model.named_modules() if isinstance(m, QLinear)] == \
+            ["0.up", "0.down", "1.up", "1.down", "3"]
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert model[3].weight.device == device and model[0].down.bias is None
+        torch.testing.assert_close(model(x), expected(x), rtol=0, atol=0)
+        torch.testing.assert_close(model(x), float_out, rtol=0, atol=0.05)
+
+
+def test_quantize_linears_skips_layers_by_name_or_predicate():
+    scheme = QuantScheme("q8s", axis=0)
+    model = quantize_linears(_model(), scheme, skip=["3", "0.down"])
+    assert type(model[3]) is torch.nn.Linear and type(model[0].down) is torch.nn.Linear
+    assert isinstance(model[0].up, QLinear) and isinstance(model[1].down, QLinear)
+    assert type(quantize_linears(_model(), scheme, skip="3")[3]) is torch.nn.Linear  # one name
+    model = quantize_linears(_model(), scheme, skip=lambda name, linear: linear.out_features == 64)
+    assert type(model[0].up) is torch.nn.Linear and isinstance(model[0].down, QLinear)
+    linear = torch.nn.Linear(32, 8)
+    assert isinstance(quantize_linears(linear, scheme), QLinear)  # a model that is one Linear
+    assert quantize_linears(linear, scheme, skip=lambda *_: True) is linear
+
+
+def test_quantize_linears_keeps_shared_layers_shared():
+    shared = torch.nn.Linear(16, 16)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    quantize_linears(model, QuantScheme("q8s", axis=0))
+    assert isinstance(model[0], QLinear) and model[0] is model[2]
+
+
+def test_quantize_linears_names_the_layer_that_does_not_fit_and_changes_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 30))
+    scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32")  # 32 along in_features
+    with pytest.raises(qd.QuantSchemeError, match=r"layer '1' \(8 -> 30 features\).*skip=\['1'\]"):
+        quantize_linears(model, scheme)
+    assert all(type(m) is torch.nn.Linear for m in model)
+    quantize_linears(model, scheme, skip=["1"])
+    assert isinstance(model[0], QLinear) and type(model[1]) is torch.nn.Linear
+
+
+def test_quantize_linears_leaves_the_linears_torchs_fused_layers_read_as_tensors():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64,
+                                             batch_first=True, dropout=0.0).eval()
+    model = torch.nn.Sequential(layer, torch.nn.Linear(32, 8))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        float_out = model(x)  # torch's fused path
+        quantize_linears(model, QuantScheme("q8s", axis=0))
+        assert isinstance(model[1], QLinear)
+        assert not any(isinstance(m, QLinear) for m in layer.modules())
+        torch.testing.assert_close(model(x), float_out, rtol=0, atol=0.05)
 
 
 def test_torch_compile_runs_around_qdispatch():
