@@ -31,6 +31,8 @@ cdef extern from "cuda_runtime_api.h" nogil:
         cudaStreamCaptureStatusNone
         cudaStreamCaptureStatusActive
         cudaStreamCaptureStatusInvalidated
+    cdef enum cudaStreamCaptureMode:
+        cudaStreamCaptureModeRelaxed
     cdef int cudaSuccess
     cdef int cudaErrorMemoryAllocation
     cdef int cudaMemcpyHostToDevice
@@ -62,6 +64,8 @@ cdef extern from "cuda_runtime_api.h" nogil:
     cudaError_t cudaEventDestroy(cudaEvent_t event)
     cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t event, unsigned flags)
     cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status)
+    cudaError_t cudaEventQuery(cudaEvent_t event)
+    cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode *mode)
     const char *cudaGetErrorString(cudaError_t err)
     const char *cudaGetErrorName(cudaError_t err)
 
@@ -247,6 +251,74 @@ def cached_bytes(int device):
     return sum(size * len(blocks) for (dev, size), blocks in _free_blocks.items() if dev == device)
 
 
+# ---- memory lent by other libraries ----------------------------------------------
+# A DLPack producer's (or a viewed torch tensor's) memory goes back to its owner when
+# our Tensor over it dies, but our kernels reading it may still be queued.  The
+# owner's allocator could then give it to a new tensor on another stream, written
+# before our kernel reads.  So it goes back once our stream has passed an event
+# recorded at release; until then `_lent` holds it.  The event calls run in relaxed
+# capture mode: they must not disturb another library's CUDA graph capture.
+
+cdef list _lent = []  # (event, DLManagedTensor address or 0, owner or None)
+
+
+cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owner) noexcept:
+    if _lent is None:  # the module is being torn down: nothing runs after this
+        _give_back(managed)
+        return
+    cdef cudaEvent_t ev = NULL
+    cdef int previous = 0
+    cdef cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed
+    cudaThreadExchangeStreamCaptureMode(&mode)
+    cudaGetDevice(&previous)
+    if previous != device:
+        cudaSetDevice(device)
+    if cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess:
+        if cudaEventRecord(ev, NULL) != cudaSuccess:
+            cudaEventDestroy(ev)
+            ev = NULL
+    cudaGetLastError()
+    if previous != device:
+        cudaSetDevice(previous)
+    cudaThreadExchangeStreamCaptureMode(&mode)
+    if ev == NULL:  # no event to wait on: the device, then give it back now
+        cudaDeviceSynchronize()
+        cudaGetLastError()
+        _give_back(managed)
+        return
+    _lent.append((<uintptr_t>ev, managed, owner))
+    _give_back_passed()
+
+
+cdef void _give_back(uintptr_t managed) noexcept:
+    cdef DLManagedTensor *m = <DLManagedTensor *>managed
+    if m != NULL and m.deleter != NULL:
+        m.deleter(m)
+
+
+cdef void _give_back_passed() noexcept:
+    """Gives back the lent memory whose events our stream has passed."""
+    global _lent
+    cdef cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed
+    pending, _lent = _lent, []  # an owner's deleter may free more of ours, which lands in _lent
+    still = []
+    cudaThreadExchangeStreamCaptureMode(&mode)
+    for entry in pending:
+        if cudaEventQuery(<cudaEvent_t><uintptr_t>entry[0]) == cudaSuccess:
+            cudaEventDestroy(<cudaEvent_t><uintptr_t>entry[0])
+            _give_back(entry[1])  # an owner goes with the entry
+        else:
+            still.append(entry)
+    cudaGetLastError()  # "not ready" is no error
+    cudaThreadExchangeStreamCaptureMode(&mode)
+    _lent = still + _lent
+
+
+def lent_count():
+    """How many lent blocks wait for our stream before going back to their owners."""
+    return len(_lent)
+
+
 cdef class DeviceBuffer:
     """Device memory: owned (from the cache or cudaMalloc), borrowed from a DLPack
     producer and handed back through its deleter, or viewed in a Python object
@@ -257,6 +329,7 @@ cdef class DeviceBuffer:
     cdef DLManagedTensor *borrowed
     cdef object owner
     cdef bint viewed  # a flag, not `owner is None`: a collector may clear owner first
+    cdef bint lent_by_another_stream  # viewed memory whose producer works on another stream
 
     @staticmethod
     cdef DeviceBuffer allocate(size_t nbytes, int device):
@@ -267,6 +340,8 @@ cdef class DeviceBuffer:
         cdef cudaError_t err
         cdef size_t free_b = 0, total_b = 0
         b.nbytes, b.device = size, device
+        if _lent:
+            _give_back_passed()
         blocks = _free_blocks.get((device, size))
         if blocks:
             b.ptr = <void *><uintptr_t>blocks.pop()
@@ -290,11 +365,12 @@ cdef class DeviceBuffer:
 
     def __dealloc__(self):
         global _cached_bytes
-        if self.borrowed != NULL:
-            if self.borrowed.deleter != NULL:
-                self.borrowed.deleter(self.borrowed)
+        if self.borrowed != NULL:  # a DLPack producer's stream is unknown: always after ours
+            _give_back_after_our_stream(self.device, <uintptr_t>self.borrowed, None)
             return
         if self.viewed:  # the owner frees it
+            if self.lent_by_another_stream and self.owner is not None:
+                _give_back_after_our_stream(self.device, 0, self.owner)
             return
         if self.ptr == NULL:
             return
@@ -416,6 +492,7 @@ def synchronize(int device):
         with nogil:
             err = cudaDeviceSynchronize()
         _check(err, "cudaDeviceSynchronize")
+    _give_back_passed()
 
 
 def memory_info(int device):
@@ -912,7 +989,8 @@ def view(uintptr_t ptr, tuple shape, str dtype, int device, object owner, uintpt
     say) holds, kept alive meanwhile: what from_dlpack gives, without the protocol's
     negotiation, which costs more than a decode kernel.  Work queued before now on
     `producer_stream` (a raw handle; 0 or 1: the legacy default, ours) becomes
-    visible to our stream first."""
+    visible to our stream first; when that is another stream, `owner` is let go
+    only once our stream has passed our reads (see "memory lent by other libraries")."""
     if producer_stream > 1:
         _stream_waits(device, NULL, <cudaStream_t>producer_stream)
     cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
@@ -920,6 +998,7 @@ def view(uintptr_t ptr, tuple shape, str dtype, int device, object owner, uintpt
     b.device = device
     b.owner = owner
     b.viewed = True
+    b.lent_by_another_stream = producer_stream > 1
     b.nbytes = ITEMSIZE[dtype]
     for d in shape:
         b.nbytes *= d

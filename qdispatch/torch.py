@@ -68,28 +68,20 @@ def from_torch(x, device=None):
 
 def _from_torch_cuda(x):
     """A qdispatch cuda Tensor sharing CUDA tensor x's memory, ordered after torch's
-    current stream; x's memory is not reused by torch before our work on it is done."""
+    current stream.  When that is a side stream, x's memory goes back to torch only
+    once our stream has passed our reads of it (see `_cuda.view`)."""
     index = x.get_device()
-    stream = _current_raw_stream(index)
     cuda = _cuda_ready.get(index) or _cuda_backend(index)
     if cuda is not None and x.dtype in _CUDA_VIEW_DTYPES:
         # the pointer directly: DLPack's negotiation costs more than a decode kernel;
         # the view refuses a capturing stream
-        t = cuda.tensor_viewing(x.data_ptr(), tuple(x.shape), _CUDA_VIEW_DTYPES[x.dtype], index,
-                                x, stream)
-    else:
-        if cuda is not None and torch.cuda.is_current_stream_capturing():
-            # DLPack's import would make our stream wait on the capturing one: invalid there
-            raise KernelError(f"torch is capturing a CUDA graph on {x.device}; {NOT_IN_CUDA_GRAPHS}. "
-                              f"The capture is left as it was.")
-        t = tensor_api.import_dlpack(x.detach())
-    if stream:
-        # Our work runs on the legacy default stream, torch's default stream.  torch's
-        # allocator reuses a freed block on the stream that allocated it, so tell it
-        # the block is in use there too, or the next tensor on a side stream could
-        # overwrite x while our kernel still waits to read it.
-        x.record_stream(torch.cuda.default_stream(index))
-    return t
+        return cuda.tensor_viewing(x.data_ptr(), tuple(x.shape), _CUDA_VIEW_DTYPES[x.dtype], index,
+                                   x, _current_raw_stream(index))
+    if cuda is not None and torch.cuda.is_current_stream_capturing():
+        # DLPack's import would make our stream wait on the capturing one: invalid there
+        raise KernelError(f"torch is capturing a CUDA graph on {x.device}; {NOT_IN_CUDA_GRAPHS}. "
+                          f"The capture is left as it was.")
+    return tensor_api.import_dlpack(x.detach())
 
 
 def _cuda_backend(index):
@@ -292,8 +284,10 @@ class QLinear(torch.nn.Module):
         self.weight = weight
 
     def forward(self, x):
-        y = q_matmul(x, self.weight.T)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y, bias = q_matmul(x, self.weight.T), self.bias
+        if bias is None:
+            return y
+        return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # .to costs a microsecond
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -820,6 +820,81 @@ def test_dlpack_out_on_torch_side_stream(rng):
     np.testing.assert_array_equal(out2.numpy(), out.numpy())
 
 
+# A kernel that holds its stream for `cycles` clock ticks: work queued after it runs late.
+_SPIN = r"""extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}"""
+
+
+def test_dlpack_cupy_zero_copy(rng):
+    cp = pytest.importorskip("cupy")
+    src = cp.arange(12, dtype=cp.float32).reshape(3, 4)
+    t = qd.from_dlpack(src)
+    assert t.device == "cuda:0" and t.shape == (3, 4) and t.dtype == "float32"
+    assert t.payload.ptr == src.data.ptr  # the same memory
+    src += 1
+    np.testing.assert_array_equal(t.numpy(), cp.asnumpy(src))
+    back = cp.from_dlpack(t)
+    assert back.data.ptr == src.data.ptr and back.dtype == cp.float32
+    for dtype in (np.float16, np.int8):
+        a = cp.asarray(rng.integers(-100, 100, (5, 7)).astype(dtype))
+        np.testing.assert_array_equal(qd.from_dlpack(a).numpy(), cp.asnumpy(a))
+    wq = qd.quantize(rng.standard_normal((128, 256)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device="cuda")
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    out = qd.q_matmul(qd.from_dlpack(cp.asarray(x)), wq.T)
+    np.testing.assert_array_equal(out.numpy(), qd.q_matmul(qd.tensor(x, device="cuda"), wq.T).numpy())
+    np.testing.assert_array_equal(cp.asnumpy(cp.from_dlpack(out)), out.numpy())
+
+
+@pytest.mark.parametrize("stream", ["non_blocking", "null", "ptds"])
+def test_dlpack_cupy_stream_contract(rng, stream):
+    """x written on CuPy's current stream after a long spin there: our kernel waits
+    for the write, and CuPy's read of the product waits for our kernel."""
+    cp = pytest.importorskip("cupy")
+    spin = cp.RawKernel(_SPIN, "spin")
+    wq = qd.quantize(rng.standard_normal((128, 256)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device="cuda")
+    x_host = rng.standard_normal((4, 256)).astype(np.float32)
+    want = qd.q_matmul(qd.tensor(x_host, device="cuda"), wq.T).numpy()
+    s = {"non_blocking": lambda: cp.cuda.Stream(non_blocking=True), "null": lambda: cp.cuda.Stream.null,
+         "ptds": lambda: cp.cuda.Stream.ptds}[stream]()
+    x_dev = cp.asarray(x_host)
+    cp.cuda.Device().synchronize()
+    with s:
+        x = cp.zeros((4, 256), cp.float32)
+        spin((1,), (1,), (cp.int64(50_000_000),))  # about 25 ms on `s`
+        x[...] = x_dev  # the write, after the spin
+        out = qd.q_matmul(qd.from_dlpack(x), wq.T)
+        y = cp.from_dlpack(out) * 1  # the read, on `s`
+    s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(y), want)
+
+
+def test_cupy_input_freed_on_its_stream_waits_for_our_kernel(rng):
+    """x made on a CuPy stream and freed right after the call: CuPy's pool must not
+    give its memory to the next array on that stream while our kernel, queued behind
+    a long spin on our stream, has yet to read x; afterwards it does go back."""
+    cp = pytest.importorskip("cupy")
+    spin = cp.RawKernel(_SPIN, "spin")
+    wq = qd.quantize(rng.standard_normal((128, 256)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device="cuda")
+    want = qd.q_matmul(qd.tensor(np.ones((8, 256), np.float32), device="cuda"), wq.T).numpy()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        x = cp.ones((8, 256), cp.float32)
+    spin((1,), (1,), (cp.int64(50_000_000),))  # about 25 ms on the legacy default stream, ours
+    with s:
+        out = qd.q_matmul(qd.from_dlpack(x), wq.T)
+        del x
+        cp.full((8, 256), 7, cp.float32)  # a write that would take x's block at once
+    np.testing.assert_array_equal(out.numpy(), want)
+    qd.synchronize("cuda:0")
+    from qdispatch import _cuda
+    assert _cuda.lent_count() == 0  # x went back to CuPy
+
+
 def test_cuda_graph_capture_is_refused_and_left_intact(rng):
     """qdispatch's work is not part of CUDA graphs.  Inside torch.cuda.graph the
     DLPack crossings (a wait between torch's capturing stream and ours) would

@@ -1,5 +1,6 @@
 """qdispatch.torch: q_matmul as an autograd.Function, QLinear, DLPack crossings."""
 import copy
+import weakref
 
 import numpy as np
 import pytest
@@ -408,9 +409,12 @@ def test_cuda_input_freed_on_a_side_stream_waits_for_our_kernel(cross):
     torch.cuda._sleep(50_000_000)  # about 25 ms on torch's default stream, which is ours
     with torch.cuda.stream(side):
         y = qd.q_matmul(cross(x), w)  # stays in qdispatch: nothing on `side` waits for it
+        x_alive = weakref.ref(x)
         del x
         torch.full((8, 1024), 7.0, device="cuda")  # a write that would take x's block at once
     np.testing.assert_array_equal(y.numpy(), want)
+    qd.synchronize("cuda:0")
+    assert x_alive() is None  # and once our kernel is done, x goes back to torch
 
 
 @pytest.mark.cuda
