@@ -277,13 +277,13 @@ cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owne
         if cudaEventRecord(ev, NULL) != cudaSuccess:
             cudaEventDestroy(ev)
             ev = NULL
+    if ev == NULL:  # no event to wait on: the device waits
+        cudaDeviceSynchronize()
     cudaGetLastError()
     if previous != device:
         cudaSetDevice(previous)
     cudaThreadExchangeStreamCaptureMode(&mode)
-    if ev == NULL:  # no event to wait on: the device, then give it back now
-        cudaDeviceSynchronize()
-        cudaGetLastError()
+    if ev == NULL:
         _give_back(managed)
         return
     _lent.append((<uintptr_t>ev, managed, owner))
@@ -927,6 +927,8 @@ cdef void _wait_for_consumer(int device, cudaStream_t consumer) noexcept nogil:
     cdef int previous = 0
     cdef cudaEvent_t ev
     cdef cudaStreamCaptureStatus status
+    cdef cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed
+    cudaThreadExchangeStreamCaptureMode(&mode)  # not to disturb another stream's capture
     cudaGetDevice(&previous)
     if previous != device:
         cudaSetDevice(device)
@@ -942,6 +944,7 @@ cdef void _wait_for_consumer(int device, cudaStream_t consumer) noexcept nogil:
     cudaGetLastError()
     if previous != device:
         cudaSetDevice(previous)
+    cudaThreadExchangeStreamCaptureMode(&mode)
 
 
 cdef void _capsule_destructor(object capsule) noexcept:

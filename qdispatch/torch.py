@@ -314,13 +314,20 @@ def quantize_linears(model, scheme, skip=(), device=None):
     if isinstance(model, torch.nn.Linear):
         return model if keep("", model) else _quantized_linear("", model, scheme, device)
     places, quantized = [], {}  # (parent, attribute, linear); id(linear) -> its QLinear
+    linear_names = set()
     for parent_name, parent in model.named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
             name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, torch.nn.Linear):
+                linear_names.add(name)
             if _replaceable(parent, child) and not keep(name, child):
                 places.append((parent, child_name, child))
                 if id(child) not in quantized:
                     quantized[id(child)] = _quantized_linear(name, child, scheme, device)
+    unknown = [] if callable(skip) else sorted(set(skip) - linear_names)
+    if unknown:  # a misspelt name would quantize the layer it meant to keep
+        raise ValueError(f"skip names {unknown} that are not nn.Linear layers of the model; its Linears "
+                         f"are {sorted(linear_names)}")
     for parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
     return model

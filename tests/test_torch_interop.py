@@ -305,6 +305,10 @@ def test_quantize_linears_skips_layers_by_name_or_predicate():
     assert type(model[3]) is torch.nn.Linear and type(model[0].down) is torch.nn.Linear
     assert isinstance(model[0].up, QLinear) and isinstance(model[1].down, QLinear)
     assert type(quantize_linears(_model(), scheme, skip="3")[3]) is torch.nn.Linear  # one name
+    model = _model()
+    with pytest.raises(ValueError, match=r"skip names \['0.dwn'\] that are not nn.Linear.*'0.down'"):
+        quantize_linears(model, scheme, skip=["0.dwn"])  # misspelt: refused, nothing changed
+    assert not any(isinstance(m, QLinear) for m in model.modules())
     model = quantize_linears(_model(), scheme, skip=lambda name, linear: linear.out_features == 64)
     assert type(model[0].up) is torch.nn.Linear and isinstance(model[0].down, QLinear)
     linear = torch.nn.Linear(32, 8)
@@ -415,6 +419,31 @@ def test_cuda_input_freed_on_a_side_stream_waits_for_our_kernel(cross):
     np.testing.assert_array_equal(y.numpy(), want)
     qd.synchronize("cuda:0")
     assert x_alive() is None  # and once our kernel is done, x goes back to torch
+
+
+@pytest.mark.cuda
+def test_cuda_memory_freed_inside_a_graph_capture_leaves_it_intact():
+    """A view of a torch tensor lent on a side stream and a result read there, both let
+    go while torch captures a CUDA graph: what their release does on the streams must
+    not touch the capture."""
+    _needs_cuda()
+    w = weight((256, 128), SCHEMES[0], "cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.randn(4, 256, device="cuda")
+        view = from_torch(x)  # lent to qdispatch on `side`
+        y = to_torch(qd.q_matmul(view, w))  # read by torch on `side`
+    torch.cuda.synchronize()
+    graph, a = torch.cuda.CUDAGraph(), torch.randn(64, device="cuda")
+    b = torch.empty_like(a)
+    with torch.cuda.graph(graph):
+        b.copy_(a * 2)
+        del view, y
+    graph.replay()
+    torch.testing.assert_close(b, a * 2)
+    qd.synchronize("cuda:0")
+    from qdispatch import _cuda
+    assert _cuda.lent_count() == 0
 
 
 @pytest.mark.cuda
