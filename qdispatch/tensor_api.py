@@ -160,7 +160,8 @@ def tensor_transpose(t):
 
 def from_dlpack(obj, device=None):
     """A Tensor viewing a DLPack-capable object (torch, CuPy, numpy) without a copy
-    where the memory is on a device qdispatch serves."""
+    where the memory is on a device qdispatch serves.  A torch tensor goes through
+    `qdispatch.torch.from_torch`, which knows torch's streams."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         from .torch import from_torch  # torch's streams and allocator need more than DLPack says

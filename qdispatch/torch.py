@@ -10,8 +10,9 @@
   quantizes an existing `nn.Linear`.
 - `quantize_linears(model, scheme, skip=...)`: every `nn.Linear` of a model
   replaced by a `QLinear`, in place.
-- `from_torch` / `to_torch`: tensors cross by DLPack without copies, on CPU and,
-  when qdispatch's cuda backend is built, on CUDA.
+- `from_torch` / `to_torch`: tensors cross without copies, on CPU (as numpy views)
+  and, when qdispatch's cuda backend is built, on CUDA (by pointer in, by DLPack
+  out), ordered with torch's current stream.
 
 Gradients flow to the float input only: `dX = dY @ dequantize(W).T`, computed
 with the same quantized weight (its free transpose).  The weight is a constant
