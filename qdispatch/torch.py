@@ -35,8 +35,8 @@ from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor
 from ._core import q_matmul as _qd_matmul
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, KernelError,
-                     QDispatchError, ShapeError)
-from .scheme import QuantScheme
+                     QDispatchError, QuantSchemeError, ShapeError)
+from .scheme import QuantScheme, as_scheme
 
 __all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "from_torch", "to_torch"]
 
@@ -64,6 +64,9 @@ def from_torch(x, device=None):
     if x.is_cuda:
         t = _from_torch_cuda(x)
         return t if device is None else t.to(device)
+    if x.is_meta:
+        raise BackendUnavailableError(f"a tensor on torch device 'meta' has no values to share: load or "
+                                      f"initialize it first (e.g. with load_state_dict or to_empty)")
     return tensor_api.import_dlpack(x.detach(), device=device)
 
 
@@ -309,6 +312,7 @@ def quantize_linears(model, scheme, skip=(), device=None):
     an error (naming the layer) leaves the model as it was.  The Linears that
     torch's fused layers read as tensors stay in float: MultiheadAttention's
     out_proj and TransformerEncoderLayer's linear1/linear2."""
+    scheme = as_scheme(scheme)  # a bad scheme is no layer's fault
     if isinstance(skip, str):
         skip = (skip,)
     keep = skip if callable(skip) else (lambda name, _, names=frozenset(skip): name in names)
@@ -346,6 +350,7 @@ def _quantized_linear(name, linear, scheme, device):
     try:
         return QLinear.from_linear(linear, scheme, device=device)
     except QDispatchError as exc:  # say which layer: a model's layers differ in shape and values
-        raise type(exc)(
-            f"layer {name or 'model'!r} ({linear.in_features} -> {linear.out_features} features): {exc}; "
-            f"pick a scheme that fits it or keep it in float with skip=[{name!r}]") from exc
+        hint = (f"; pick a scheme that fits it or keep it in float with skip=[{name!r}]"
+                if isinstance(exc, QuantSchemeError) else "")
+        raise type(exc)(f"layer {name or 'model'!r} ({linear.in_features} -> {linear.out_features} "
+                        f"features): {exc}{hint}") from exc

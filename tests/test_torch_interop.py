@@ -333,6 +333,16 @@ def test_quantize_linears_names_the_layer_that_does_not_fit_and_changes_nothing(
     assert isinstance(model[0], QLinear) and type(model[1]) is torch.nn.Linear
 
 
+def test_quantize_linears_refuses_a_bad_scheme_and_weights_without_values():
+    with pytest.raises(qd.QuantSchemeError, match="Expected a QuantScheme.*got 42"):
+        quantize_linears(_model(), 42)
+    with torch.device("meta"):  # a model built empty, to be loaded later
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    with pytest.raises(qd.BackendUnavailableError, match="layer '0'.*'meta' has no values.*load"):
+        quantize_linears(model, QuantScheme("q8s", axis=0))
+    assert type(model[0]) is torch.nn.Linear
+
+
 def test_quantize_linears_leaves_the_linears_torchs_fused_layers_read_as_tensors():
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64,
