@@ -322,6 +322,13 @@ def qtensor_to(q, device):
     return QTensor(storage, q.layout, q.transposed, dev.kind, dev.index)
 
 
+def qtensor_zeros(shape, scheme, device=None):
+    """A QTensor of zeros (unit scales) in `scheme`'s layout: room for values to come."""
+    layout = QLayout.for_shape(as_scheme(scheme), shape)
+    return qtensor_from_parts(np.zeros(shape, np.int8), np.ones(layout.grid, np.float32), scheme,
+                              device=device)
+
+
 def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     """A QTensor from already-quantized int8 values and a float32 scale grid
     (for loaders); values must lie in the scheme's range."""

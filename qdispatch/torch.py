@@ -251,11 +251,17 @@ class QLinear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear, scheme, device=None):
         """Quantize `linear.weight` with `scheme` (on `device`, default: where the
-        weight lives, host weights on the default backend); the bias is copied."""
+        weight lives, host weights on the default backend); the bias is copied.
+        A Linear on torch's meta device (a model built empty, to be loaded) gets a
+        weight of zeros in the scheme's layout, on `device` or the default backend,
+        for `load_state_dict(..., assign=True)` to replace."""
         weight = linear.weight.detach()
-        if device is not None and Device.parse(device).is_host:
-            weight = weight.cpu()
-        qweight = tensor_api.quantize(from_torch(weight), scheme, device=device)
+        if weight.is_meta:
+            qweight = tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
+        else:
+            if device is not None and Device.parse(device).is_host:
+                weight = weight.cpu()
+            qweight = tensor_api.quantize(from_torch(weight), scheme, device=device)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(qweight, bias)
 

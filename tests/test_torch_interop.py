@@ -336,11 +336,25 @@ def test_quantize_linears_names_the_layer_that_does_not_fit_and_changes_nothing(
 def test_quantize_linears_refuses_a_bad_scheme_and_weights_without_values():
     with pytest.raises(qd.QuantSchemeError, match="Expected a QuantScheme.*got 42"):
         quantize_linears(_model(), 42)
-    with torch.device("meta"):  # a model built empty, to be loaded later
-        model = torch.nn.Sequential(torch.nn.Linear(16, 8))
-    with pytest.raises(qd.BackendUnavailableError, match="layer '0'.*'meta' has no values.*load"):
-        quantize_linears(model, QuantScheme("q8s", axis=0))
-    assert type(model[0]) is torch.nn.Linear
+    with pytest.raises(qd.BackendUnavailableError, match="'meta' has no values.*load"):
+        from_torch(torch.empty(3, 4, device="meta"))
+
+
+def test_quantize_linears_of_an_empty_model_then_load_state_dict(tmp_path):
+    """A model built on torch's meta device (no float weights in memory), made quantized
+    and loaded from a quantized checkpoint: the same layers as the saved ones."""
+    scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32")
+    source = quantize_linears(_model(), scheme)
+    torch.save(source.state_dict(), tmp_path / "model.pt")
+    with torch.device("meta"):
+        model = _model()
+    quantize_linears(model, scheme)
+    assert [type(m).__name__ for m in model[0].children()] == ["QLinear", "GELU", "QLinear"]
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), assign=True)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
+    np.testing.assert_array_equal(model[3].weight.values, source[3].weight.values)
 
 
 def test_quantize_linears_leaves_the_linears_torchs_fused_layers_read_as_tensors():
