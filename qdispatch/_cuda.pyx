@@ -263,7 +263,7 @@ cdef list _lent = []  # (event, DLManagedTensor address or 0, owner or None)
 
 
 cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owner) noexcept:
-    if _lent is None:  # the module is being torn down: nothing runs after this
+    if _lent is None:  # the module never finished its import: nothing waits
         _give_back(managed)
         return
     cdef cudaEvent_t ev = NULL
