@@ -10,6 +10,8 @@
   quantizes an existing `nn.Linear`.
 - `quantize_linears(model, scheme, skip=...)`: every `nn.Linear` of a model
   replaced by a `QLinear`, in place.
+- `save_model(model, path)` / `load_model(model, path)`: a model with QLinears
+  as one safetensors file (qdispatch's format), nothing pickled.
 - `from_torch` / `to_torch`: tensors cross without copies, on CPU (as numpy views)
   and, when qdispatch's cuda backend is built, on CUDA (by pointer in, by DLPack
   out), ordered with torch's current stream.
@@ -28,17 +30,21 @@ The input must be on the weight's backend: a torch CPU tensor works with a
 QTensor on any host backend ('cpu' or 'reference'); anything else raises
 `BackendMismatchError`, e.g. a CUDA input with a 'cpu' weight.
 """
+import itertools
+
 import numpy as np
 import torch
 
 from . import policy, quantmath, tensor_api
-from ._core import Device, QTensor
+from ._core import Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
+from .io import load as load_tensors, save as save_tensors
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, KernelError,
-                     QDispatchError, QuantSchemeError, ShapeError)
+                     QDispatchError, QuantSchemeError, SerializationError, ShapeError)
 from .scheme import QuantScheme, as_scheme
 
-__all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "from_torch", "to_torch"]
+__all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "save_model", "load_model",
+           "from_torch", "to_torch"]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CUDA_VIEW_DTYPES = {**_KERNEL_DTYPES, torch.int8: "int8", torch.int32: "int32"}
@@ -222,6 +228,14 @@ _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda
 
 # ---- nn.Module ---------------------------------------------------------------------------
 
+def _stored_weight(w):
+    """QTensor w as a QLinear's extra state: its stored values and scales as torch
+    tensors, its scheme as plain values."""
+    values, scales, scheme, transposed = tensor_api.qtensor_stored(w)
+    return {"qvalues": torch.from_numpy(values), "qscales": torch.from_numpy(scales),
+            "scheme": scheme.to_record(), "transposed": transposed}
+
+
 class QLinear(torch.nn.Module):
     """`y = x @ weight.T + bias` with a QTensor weight [out_features, in_features].
 
@@ -278,9 +292,7 @@ class QLinear(torch.nn.Module):
     def get_extra_state(self):
         # The quantized weight in state_dict(), as torch tensors and plain values, so
         # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
-        values, scales, scheme, transposed = tensor_api.qtensor_stored(self.weight)
-        return {"qvalues": torch.from_numpy(values), "qscales": torch.from_numpy(scales),
-                "scheme": scheme.to_record(), "transposed": transposed}
+        return _stored_weight(self.weight)
 
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight
@@ -328,7 +340,7 @@ def quantize_linears(model, scheme, skip=(), device=None):
     linear_names = set()
     for parent_name, parent in model.named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            name = _joined(parent_name, child_name)
             if isinstance(child, torch.nn.Linear):
                 linear_names.add(name)
             if _replaceable(parent, child) and not keep(name, child):
@@ -360,3 +372,56 @@ def _quantized_linear(name, linear, scheme, device):
                 if isinstance(exc, QuantSchemeError) else "")
         raise type(exc)(f"layer {name or 'model'!r} ({linear.in_features} -> {linear.out_features} "
                         f"features): {exc}{hint}") from exc
+
+
+# ---- whole models in safetensors ------------------------------------------------------------
+
+def save_model(model, path):
+    """Write `model`'s state_dict to `path` as one safetensors file in qdispatch's
+    format (`qdispatch.save`): each QLinear's weight as its stored values and scales
+    (`<layer>.weight`), every other parameter and buffer as it is.  Nothing is
+    pickled; `load_model` reads it back bit for bit."""
+    qlinears = _qlinears(model)
+    tensors = {}
+    for key, value in model.state_dict().items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf == "_extra_state" and prefix in qlinears:
+            tensors[_joined(prefix, "weight")] = qlinears[prefix].weight
+        elif isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            tensors[key] = from_torch(value) if value.dtype == torch.bfloat16 else value.numpy()
+        else:
+            raise TypeError(f"save_model can't save {key!r}, a {type(value).__name__}: only tensors and "
+                            f"QLinear weights (use torch.save for other state)")
+    save_tensors(path, tensors)
+
+
+def load_model(model, path):
+    """Fill `model` from a `save_model` file and return it.  The model must have the
+    saved structure, its QLinears included: build it (on torch's meta device, to
+    hold no float weights) and run `quantize_linears` with the saved scheme first.
+    Quantized weights land where each QLinear's weight is; a model on the meta
+    device takes the loaded tensors as they are (`load_state_dict(assign=True)`)."""
+    qlinears = _qlinears(model)
+    state = {}
+    for key, value in load_tensors(path, device="reference").items():  # the stored parts, as they are
+        prefix, _, leaf = key.rpartition(".")
+        if isinstance(value, QTensor):
+            if leaf != "weight" or prefix not in qlinears:
+                raise SerializationError(
+                    f"{path}: {key!r} is a quantized weight, but {prefix or 'the model'!r} is not a QLinear "
+                    f"of this model: run quantize_linears(model, scheme) before load_model")
+            state[_joined(prefix, "_extra_state")] = _stored_weight(value)
+        else:
+            state[key] = to_torch(value) if isinstance(value, Tensor) else torch.from_numpy(value)
+    empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    model.load_state_dict(state, assign=empty)
+    return model
+
+
+def _qlinears(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
+
+
+def _joined(prefix, leaf):
+    return f"{prefix}.{leaf}" if prefix else leaf

@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 
 import qdispatch as qd  # noqa: E402
 from qdispatch import BackendMismatchError, QuantScheme, ShapeError  # noqa: E402
-from qdispatch.torch import QLinear, from_torch, q_matmul, quantize_linears, to_torch  # noqa: E402
+from qdispatch.torch import (QLinear, from_torch, load_model, q_matmul, quantize_linears,  # noqa: E402
+                             save_model, to_torch)
 from helpers import run_python  # noqa: E402
 
 DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
@@ -355,6 +356,41 @@ def test_quantize_linears_of_an_empty_model_then_load_state_dict(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
     np.testing.assert_array_equal(model[3].weight.values, source[3].weight.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_model_and_load_model_through_safetensors(tmp_path, dtype):
+    """A quantized model as one safetensors file (no pickle), loaded into the same
+    structure built empty: the same outputs, bit for bit."""
+    safetensors = pytest.importorskip("safetensors")
+    scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32", scale_dtype="f16")
+    source = quantize_linears(_model().to(dtype), scheme)
+    source.register_buffer("steps", torch.arange(5))
+    path = tmp_path / "model.safetensors"
+    save_model(source, path)
+    with safetensors.safe_open(path, "np") as f:  # any safetensors reader sees the parts
+        assert {"0.up.weight.qvalues", "0.up.weight.qscales", "0.up.bias", "2.weight", "steps"} <= set(f.keys())
+    with torch.device("meta"):
+        model = _model().to(dtype)
+        model.register_buffer("steps", torch.empty(5, dtype=torch.long))
+    assert load_model(quantize_linears(model, scheme), path) is model
+    x = torch.randn(3, 32, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
+    assert torch.equal(model.steps, source.steps) and model[2].weight.dtype == dtype
+    loaded_in_place = quantize_linears(_model().to(dtype), scheme)  # a model with values: copied into
+    loaded_in_place.register_buffer("steps", torch.zeros(5, dtype=torch.long))
+    load_model(loaded_in_place, path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded_in_place(x), source(x), rtol=0, atol=0)
+
+
+def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):
+    pytest.importorskip("safetensors")
+    path = tmp_path / "model.safetensors"
+    save_model(quantize_linears(_model(), QuantScheme("q8s", axis=0)), path)
+    with pytest.raises(qd.SerializationError, match="'0.up' is not a QLinear.*quantize_linears"):
+        load_model(_model(), path)
 
 
 def test_quantize_linears_leaves_the_linears_torchs_fused_layers_read_as_tensors():
