@@ -228,6 +228,14 @@ _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda
 
 # ---- nn.Module ---------------------------------------------------------------------------
 
+def _quantized(weight, scheme, device):
+    """Torch float tensor `weight` quantized with `scheme` on qdispatch device `device`
+    (None: where the weight lives, host weights on the default backend)."""
+    if device is not None and Device.parse(device).is_host:
+        weight = weight.cpu()
+    return tensor_api.quantize(from_torch(weight), scheme, device=device)
+
+
 def _stored_weight(w):
     """QTensor w as a QLinear's extra state: its stored values and scales as torch
     tensors, its scheme as plain values."""
@@ -273,9 +281,7 @@ class QLinear(torch.nn.Module):
         if weight.is_meta:
             qweight = tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
         else:
-            if device is not None and Device.parse(device).is_host:
-                weight = weight.cpu()
-            qweight = tensor_api.quantize(from_torch(weight), scheme, device=device)
+            qweight = _quantized(weight, scheme, device)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(qweight, bias)
 
@@ -293,6 +299,25 @@ class QLinear(torch.nn.Module):
         # The quantized weight in state_dict(), as torch tensors and plain values, so
         # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
         return _stored_weight(self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # A float checkpoint (an nn.Linear's "weight") is quantized into this layer's
+        # scheme as it loads, so a model built empty never holds all its float weights.
+        weight_key, state_key = prefix + "weight", prefix + "_extra_state"
+        if weight_key not in state_dict or state_key in state_dict:
+            return
+        for keys, key in ((unexpected_keys, weight_key), (missing_keys, state_key)):
+            if key in keys:
+                keys.remove(key)
+        weight = state_dict[weight_key]
+        if tuple(weight.shape) != self.weight.shape:
+            error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
+                              f"but this QLinear's is {self.weight.shape}")
+            return
+        self.weight = _quantized(weight.detach(), self.weight.scheme, self.weight.device)
 
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight

@@ -358,6 +358,26 @@ def test_quantize_linears_of_an_empty_model_then_load_state_dict(tmp_path):
     np.testing.assert_array_equal(model[3].weight.values, source[3].weight.values)
 
 
+def test_a_float_checkpoint_loads_into_qlinears_quantizing_as_it_goes():
+    """A model built empty and made quantized takes an nn.Linear checkpoint: each
+    layer quantizes its float weight as it loads (the float model never exists whole)."""
+    scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32")
+    float_model = _model()
+    expected = quantize_linears(copy.deepcopy(float_model), scheme)
+    with torch.device("meta"):
+        model = _model()
+    quantize_linears(model, scheme)
+    model.load_state_dict(float_model.state_dict(), assign=True)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected(x), rtol=0, atol=0)
+    assert model[3].weight.scheme == expected[3].weight.scheme
+    wrong = float_model.state_dict()
+    wrong["3.weight"] = torch.randn(48, 31)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 3.weight.*\(48, 31\).*\(48, 32\)"):
+        quantize_linears(_model(), scheme).load_state_dict(wrong)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_save_model_and_load_model_through_safetensors(tmp_path, dtype):
     """A quantized model as one safetensors file (no pickle), loaded into the same
