@@ -22,6 +22,11 @@ SCHEMES = [
 ]
 
 
+def _needs_cuda():
+    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
+        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+
+
 def weight(shape, scheme, device, seed=0):
     w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     return qd.quantize(w, scheme, device=device)
@@ -149,8 +154,7 @@ def test_cuda_input_with_host_weight_is_a_mismatch():
 
 @pytest.mark.cuda
 def test_cuda_round_trip_without_copies():
-    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
-        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+    _needs_cuda()
     w = weight((32, 16), SCHEMES[0], "cuda")
     x = torch.randn(4, 32, device="cuda", requires_grad=True)
     y = q_matmul(x, w)
@@ -213,8 +217,7 @@ def test_qlinear_refused_move_leaves_the_layer_as_it_was():
 
 @pytest.mark.cuda
 def test_qlinear_moves_its_weight_with_the_module():
-    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
-        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+    _needs_cuda()
     torch.manual_seed(0)
     host = QLinear.from_linear(torch.nn.Linear(64, 24), QuantScheme("q4s", block=32, store="packed_u32"),
                                device=DEVICES[-1])
@@ -457,8 +460,7 @@ def test_quantize_takes_a_parameter_by_its_values():
 def test_cuda_q_matmul_is_ordered_with_torchs_current_stream():
     """x written on a side stream after a long wait, the product read there at once:
     qdispatch's kernel waits for the write and the read waits for the kernel."""
-    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
-        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+    _needs_cuda()
     w = weight((1024, 512), SCHEMES[0], "cuda")
     want = torch.ones(8, 1024) @ dequantized(w)
     side = torch.cuda.Stream()
@@ -470,11 +472,6 @@ def test_cuda_q_matmul_is_ordered_with_torchs_current_stream():
             x.fill_(step)
             y = q_matmul(x, w) * 1  # the read, queued on `side` right after our kernel
             torch.testing.assert_close(y.cpu(), want * step, rtol=1e-5, atol=1e-3)
-
-
-def _needs_cuda():
-    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
-        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
 
 
 @pytest.mark.cuda
