@@ -222,9 +222,7 @@ def quantize_activation(x, scheme):
 
 def _quantize(x, scheme, device, weight):
     scheme = as_scheme(scheme)
-    if not isinstance(x, Tensor):
-        if getattr(x, "requires_grad", False):  # an nn.Parameter, say: quantized tensors
-            x = x.detach()                      # get no gradient, so take its values
+    if not isinstance(x, Tensor):  # a torch Parameter crosses by its values (from_torch)
         x = tensor(x, device=device)
     elif device is not None:
         x = x.to(device)
