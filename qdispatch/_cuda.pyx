@@ -251,23 +251,42 @@ def cached_bytes(int device):
     return sum(size * len(blocks) for (dev, size), blocks in _free_blocks.items() if dev == device)
 
 
+# ---- ordering streams ------------------------------------------------------------
+
+cdef cudaError_t _order_after(cudaStream_t waiter, cudaStream_t producer) noexcept nogil:
+    """`waiter` waits for the work queued on `producer` so far (an event between them)."""
+    cdef cudaEvent_t ev
+    cdef cudaError_t err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)
+    if err != cudaSuccess:
+        return err
+    err = cudaEventRecord(ev, producer)
+    if err == cudaSuccess:
+        err = cudaStreamWaitEvent(waiter, ev, 0)
+    cudaEventDestroy(ev)
+    return err
+
+
 # ---- memory lent by other libraries ----------------------------------------------
 # A DLPack producer's (or a viewed torch tensor's) memory goes back to its owner when
 # our Tensor over it dies, but our kernels reading it may still be queued.  The
 # owner's allocator could then give it to a new tensor on another stream, written
 # before our kernel reads.  So it goes back once our stream has passed an event
-# recorded at release; until then `_lent` holds it.  The event calls run in relaxed
-# capture mode: they must not disturb another library's CUDA graph capture.
+# recorded at release; until then `_lent` holds it.  When the producer's stream is
+# known (a viewed torch tensor), that stream waits for the event too, so that the
+# owner's own later writes to the memory come after our reads.  The event calls run
+# in relaxed capture mode: they must not disturb another library's CUDA graph capture.
 
 cdef list _lent = []  # (event, DLManagedTensor address or 0, owner or None)
 
 
-cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owner) noexcept:
+cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owner,
+                                      cudaStream_t producer) noexcept:
     if _lent is None:  # the module never finished its import: nothing waits
         _give_back(managed)
         return
     cdef cudaEvent_t ev = NULL
     cdef int previous = 0
+    cdef cudaStreamCaptureStatus status
     cdef cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed
     cudaThreadExchangeStreamCaptureMode(&mode)
     cudaGetDevice(&previous)
@@ -277,6 +296,10 @@ cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owne
         if cudaEventRecord(ev, NULL) != cudaSuccess:
             cudaEventDestroy(ev)
             ev = NULL
+        # a capturing producer ran nothing yet, and an outside event would invalidate its capture
+        elif producer != NULL and cudaStreamIsCapturing(producer, &status) == cudaSuccess and \
+                status == cudaStreamCaptureStatusNone and cudaStreamWaitEvent(producer, ev, 0) != cudaSuccess:
+            cudaDeviceSynchronize()
     if ev == NULL:  # no event to wait on: the device waits
         cudaDeviceSynchronize()
     cudaGetLastError()
@@ -330,6 +353,7 @@ cdef class DeviceBuffer:
     cdef object owner
     cdef bint viewed  # a flag, not `owner is None`: a collector may clear owner first
     cdef bint lent_by_another_stream  # viewed memory whose producer works on another stream
+    cdef cudaStream_t producer  # that stream, when known
 
     @staticmethod
     cdef DeviceBuffer allocate(size_t nbytes, int device):
@@ -366,11 +390,11 @@ cdef class DeviceBuffer:
     def __dealloc__(self):
         global _cached_bytes
         if self.borrowed != NULL:  # a DLPack producer's stream is unknown: always after ours
-            _give_back_after_our_stream(self.device, <uintptr_t>self.borrowed, None)
+            _give_back_after_our_stream(self.device, <uintptr_t>self.borrowed, None, NULL)
             return
         if self.viewed:  # the owner frees it
             if self.lent_by_another_stream and self.owner is not None:
-                _give_back_after_our_stream(self.device, 0, self.owner)
+                _give_back_after_our_stream(self.device, 0, self.owner, self.producer)
             return
         if self.ptr == NULL:
             return
@@ -925,22 +949,16 @@ cdef void _wait_for_consumer(int device, cudaStream_t consumer) noexcept nogil:
     A capturing stream ran nothing yet (captured work runs at replay; torch syncs
     before a capture).  A stream that can't be queried is gone: then the device waits."""
     cdef int previous = 0
-    cdef cudaEvent_t ev
     cdef cudaStreamCaptureStatus status
     cdef cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed
     cudaThreadExchangeStreamCaptureMode(&mode)  # not to disturb another stream's capture
     cudaGetDevice(&previous)
     if previous != device:
         cudaSetDevice(device)
-    if cudaStreamIsCapturing(consumer, &status) != cudaSuccess:
+    if cudaStreamIsCapturing(consumer, &status) != cudaSuccess or \
+            (status == cudaStreamCaptureStatusNone and _order_after(NULL, consumer) != cudaSuccess):
         cudaGetLastError()
         cudaDeviceSynchronize()
-    elif status == cudaStreamCaptureStatusNone and \
-            cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess:
-        if cudaEventRecord(ev, consumer) != cudaSuccess or cudaStreamWaitEvent(NULL, ev, 0) != cudaSuccess:
-            cudaGetLastError()
-            cudaDeviceSynchronize()
-        cudaEventDestroy(ev)
     cudaGetLastError()
     if previous != device:
         cudaSetDevice(previous)
@@ -959,7 +977,6 @@ cdef int _stream_waits(int device, cudaStream_t waiter, cudaStream_t producer) e
     ours (the legacy default stream, NULL), the other another library's.  A wait
     involving a stream that captures a CUDA graph would invalidate the capture:
     refused first, the capture left as it was."""
-    cdef cudaEvent_t ev
     cdef cudaStreamCaptureStatus status
     with on_device(device):
         _check(cudaStreamIsCapturing(producer if waiter == NULL else waiter, &status),
@@ -967,12 +984,7 @@ cdef int _stream_waits(int device, cudaStream_t waiter, cudaStream_t producer) e
         if status != cudaStreamCaptureStatusNone:
             raise KernelError(f"A stream on cuda:{device} is capturing a CUDA graph; "
                               f"{NOT_IN_CUDA_GRAPHS}. The capture is left as it was.")
-        _check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate")
-        try:
-            _check(cudaEventRecord(ev, producer), "cudaEventRecord")
-            _check(cudaStreamWaitEvent(waiter, ev, 0), "cudaStreamWaitEvent")
-        finally:
-            cudaEventDestroy(ev)
+        _check(_order_after(waiter, producer), "an event ordering two streams")
     return 0
 
 
@@ -993,7 +1005,8 @@ def view(uintptr_t ptr, tuple shape, str dtype, int device, object owner, uintpt
     negotiation, which costs more than a decode kernel.  Work queued before now on
     `producer_stream` (a raw handle; 0 or 1: the legacy default, ours) becomes
     visible to our stream first; when that is another stream, `owner` is let go
-    only once our stream has passed our reads (see "memory lent by other libraries")."""
+    only once our stream has passed our reads, and work queued on that stream after
+    the view's release waits for them (see "memory lent by other libraries")."""
     if producer_stream > 1:
         _stream_waits(device, NULL, <cudaStream_t>producer_stream)
     cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
@@ -1002,6 +1015,7 @@ def view(uintptr_t ptr, tuple shape, str dtype, int device, object owner, uintpt
     b.owner = owner
     b.viewed = True
     b.lent_by_another_stream = producer_stream > 1
+    b.producer = <cudaStream_t>producer_stream if producer_stream > 1 else NULL
     b.nbytes = ITEMSIZE[dtype]
     for d in shape:
         b.nbytes *= d

@@ -408,6 +408,31 @@ def test_save_model_and_load_model_through_safetensors(tmp_path, dtype):
         torch.testing.assert_close(loaded_in_place(x), source(x), rtol=0, atol=0)
 
 
+@pytest.mark.cuda
+def test_cuda_model_built_empty_loads_float_and_quantized_checkpoints(tmp_path):
+    """The GPU flow: a model built on the meta device, made quantized on cuda, filled
+    from a float checkpoint or a save_model file, then moved with .to('cuda')."""
+    _needs_cuda()
+    pytest.importorskip("safetensors")
+    scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32")
+    float_model = _model()
+    expected = quantize_linears(copy.deepcopy(float_model), scheme, device="cuda").to("cuda")
+    path = tmp_path / "model.safetensors"
+    save_model(expected, path)
+    x = torch.randn(3, 32, device="cuda")
+    with torch.no_grad():
+        want = expected(x)
+    for fill in (lambda m: m.load_state_dict(float_model.state_dict(), assign=True),
+                 lambda m: load_model(m, path)):
+        with torch.device("meta"):
+            model = _model()
+        fill(quantize_linears(model, scheme, device="cuda"))
+        model.to("cuda")
+        assert str(model[3].weight.device) == "cuda:0" and model[3].bias.is_cuda
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
 def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):
     pytest.importorskip("safetensors")
     path = tmp_path / "model.safetensors"
@@ -475,11 +500,12 @@ def test_cuda_q_matmul_is_ordered_with_torchs_current_stream():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("then", ["freed", "written"])
 @pytest.mark.parametrize("cross", [from_torch, qd.from_dlpack, qd.tensor])
-def test_cuda_input_freed_on_a_side_stream_waits_for_our_kernel(cross):
-    """x made on a side stream and freed right after the call: torch must not give its
-    memory to the next tensor on that stream while our kernel, queued behind a long
-    wait on our stream, has yet to read x."""
+def test_cuda_input_lent_on_a_side_stream_waits_for_our_kernel(cross, then):
+    """x made on a side stream, lent for one call, then freed or written there: torch
+    must not give its memory to the next tensor on that stream, nor write it, while
+    our kernel, queued behind a long wait on our stream, has yet to read x."""
     _needs_cuda()
     w = weight((1024, 512), SCHEMES[0], "cuda")
     ones = np.ones((8, 1024), np.float32)
@@ -491,11 +517,14 @@ def test_cuda_input_freed_on_a_side_stream_waits_for_our_kernel(cross):
     with torch.cuda.stream(side):
         y = qd.q_matmul(cross(x), w)  # stays in qdispatch: nothing on `side` waits for it
         x_alive = weakref.ref(x)
-        del x
-        torch.full((8, 1024), 7.0, device="cuda")  # a write that would take x's block at once
+        if then == "written":
+            x.fill_(7.0)
+        else:
+            del x
+            torch.full((8, 1024), 7.0, device="cuda")  # a write that would take x's block at once
     np.testing.assert_array_equal(y.numpy(), want)
     qd.synchronize("cuda:0")
-    assert x_alive() is None  # and once our kernel is done, x goes back to torch
+    assert (x_alive() is None) == (then == "freed")  # once our kernel is done, x goes back to torch
 
 
 @pytest.mark.cuda
