@@ -352,8 +352,7 @@ cdef class DeviceBuffer:
     cdef DLManagedTensor *borrowed
     cdef object owner
     cdef bint viewed  # a flag, not `owner is None`: a collector may clear owner first
-    cdef bint lent_by_another_stream  # viewed memory whose producer works on another stream
-    cdef cudaStream_t producer  # that stream, when known
+    cdef cudaStream_t producer  # viewed memory's producer stream when it is not ours, else NULL
 
     @staticmethod
     cdef DeviceBuffer allocate(size_t nbytes, int device):
@@ -393,7 +392,7 @@ cdef class DeviceBuffer:
             _give_back_after_our_stream(self.device, <uintptr_t>self.borrowed, None, NULL)
             return
         if self.viewed:  # the owner frees it
-            if self.lent_by_another_stream and self.owner is not None:
+            if self.producer != NULL and self.owner is not None:
                 _give_back_after_our_stream(self.device, 0, self.owner, self.producer)
             return
         if self.ptr == NULL:
@@ -1014,7 +1013,6 @@ def view(uintptr_t ptr, tuple shape, str dtype, int device, object owner, uintpt
     b.device = device
     b.owner = owner
     b.viewed = True
-    b.lent_by_another_stream = producer_stream > 1
     b.producer = <cudaStream_t>producer_stream if producer_stream > 1 else NULL
     b.nbytes = ITEMSIZE[dtype]
     for d in shape:
