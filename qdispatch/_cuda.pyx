@@ -252,6 +252,30 @@ def cached_bytes(int device):
 
 
 # ---- ordering streams ------------------------------------------------------------
+# What runs when memory is released (possibly while another library captures a CUDA
+# graph, possibly with another GPU current) runs in a quiet scope: relaxed capture
+# mode, so that its event calls don't disturb that capture, on the memory's device.
+
+cdef struct QuietScope:
+    int device, previous
+    cudaStreamCaptureMode mode
+
+
+cdef void _enter_quietly(QuietScope *scope, int device) noexcept nogil:
+    scope.mode = cudaStreamCaptureModeRelaxed
+    cudaThreadExchangeStreamCaptureMode(&scope.mode)
+    scope.device = device
+    cudaGetDevice(&scope.previous)
+    if scope.previous != device:
+        cudaSetDevice(device)
+
+
+cdef void _leave_quietly(QuietScope *scope) noexcept nogil:
+    cudaGetLastError()  # what failed in the scope was handled there
+    if scope.previous != scope.device:
+        cudaSetDevice(scope.previous)
+    cudaThreadExchangeStreamCaptureMode(&scope.mode)
+
 
 cdef cudaError_t _order_after(cudaStream_t waiter, cudaStream_t producer) noexcept nogil:
     """`waiter` waits for the work queued on `producer` so far (an event between them)."""
@@ -273,8 +297,7 @@ cdef cudaError_t _order_after(cudaStream_t waiter, cudaStream_t producer) noexce
 # before our kernel reads.  So it goes back once our stream has passed an event
 # recorded at release; until then `_lent` holds it.  When the producer's stream is
 # known (a viewed torch tensor), that stream waits for the event too, so that the
-# owner's own later writes to the memory come after our reads.  The event calls run
-# in relaxed capture mode: they must not disturb another library's CUDA graph capture.
+# owner's own later writes to the memory come after our reads.
 
 cdef list _lent = []  # (event, DLManagedTensor address or 0, owner or None)
 
@@ -285,13 +308,9 @@ cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owne
         _give_back(managed)
         return
     cdef cudaEvent_t ev = NULL
-    cdef int previous = 0
     cdef cudaStreamCaptureStatus status
-    cdef cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed
-    cudaThreadExchangeStreamCaptureMode(&mode)
-    cudaGetDevice(&previous)
-    if previous != device:
-        cudaSetDevice(device)
+    cdef QuietScope scope
+    _enter_quietly(&scope, device)
     if cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess:
         if cudaEventRecord(ev, NULL) != cudaSuccess:
             cudaEventDestroy(ev)
@@ -302,10 +321,7 @@ cdef void _give_back_after_our_stream(int device, uintptr_t managed, object owne
             cudaDeviceSynchronize()
     if ev == NULL:  # no event to wait on: the device waits
         cudaDeviceSynchronize()
-    cudaGetLastError()
-    if previous != device:
-        cudaSetDevice(previous)
-    cudaThreadExchangeStreamCaptureMode(&mode)
+    _leave_quietly(&scope)
     if ev == NULL:
         _give_back(managed)
         return
@@ -947,21 +963,14 @@ cdef void _wait_for_consumer(int device, cudaStream_t consumer) noexcept nogil:
     the memory goes back to our block cache, whose next user runs on our stream.
     A capturing stream ran nothing yet (captured work runs at replay; torch syncs
     before a capture).  A stream that can't be queried is gone: then the device waits."""
-    cdef int previous = 0
     cdef cudaStreamCaptureStatus status
-    cdef cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed
-    cudaThreadExchangeStreamCaptureMode(&mode)  # not to disturb another stream's capture
-    cudaGetDevice(&previous)
-    if previous != device:
-        cudaSetDevice(device)
+    cdef QuietScope scope
+    _enter_quietly(&scope, device)
     if cudaStreamIsCapturing(consumer, &status) != cudaSuccess or \
             (status == cudaStreamCaptureStatusNone and _order_after(NULL, consumer) != cudaSuccess):
         cudaGetLastError()
         cudaDeviceSynchronize()
-    cudaGetLastError()
-    if previous != device:
-        cudaSetDevice(previous)
-    cudaThreadExchangeStreamCaptureMode(&mode)
+    _leave_quietly(&scope)
 
 
 cdef void _capsule_destructor(object capsule) noexcept:
