@@ -1,4 +1,4 @@
-"""The installed build: portable baseline code, ISA override, single-sourced version."""
+"""The installed build: portable baseline code, ISA override, single-sourced version, license."""
 import importlib.metadata
 import os
 import platform
@@ -104,6 +104,17 @@ def test_version_is_single_sourced():
     assert proc.returncode == 0, proc.stderr
     assert qd.__version__ == installed
     assert proc.stdout.splitlines()[0] == f"qdispatch {installed}"
+
+
+def test_install_declares_and_ships_its_license():
+    try:
+        dist = importlib.metadata.distribution("qdispatch")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("qdispatch is not installed (no distribution metadata)")
+    assert dist.metadata["License-Expression"] == "Apache-2.0"
+    shipped = [f for f in dist.files or () if f.name == "LICENSE"]
+    assert shipped, "the wheel should carry the LICENSE file its metadata names"
+    assert "Apache License" in shipped[0].read_text() and "Version 2.0" in shipped[0].read_text()
 
 
 def test_info_shows_the_build_configuration():
