@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <vector>
 
 #include "common.cuh"
 #include "fq_tiles.cuh"
@@ -700,19 +701,28 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
     }
 }
 
+// The split-K scratch (partial sums and tickets) of one stream.  Kernels touch it
+// only after earlier grids finish, so launches on one stream never share it at
+// once; each stream has its own, so launches on two streams (eager calls beside a
+// CUDA graph's replay, say) don't either.  A launch captured into a graph keeps
+// the scratch's address in the graph: from then on it is never freed.
+struct StreamScratch {
+    cudaStream_t stream = nullptr;
+    float *partial = nullptr;
+    size_t cap = 0;
+    unsigned *tickets = nullptr;  // zero between launches: each band's last warp resets its own
+    bool captured = false;
+};
+
 // Per device: multiprocessor count, shared memory per block, whether the kernels
-// may launch early (they run sm_90 code), and the split-K scratch (partial sums
-// and tickets).  Kernels touch the scratch only after earlier grids finish, so
-// launches on one stream never share it; launches on two streams at once would,
-// which is why the header asks for one stream per device.
+// may launch early (they run sm_90 code), and the streams' split-K scratch.
 struct DeviceState {
     std::atomic<int> sms{0};  // set last: nonzero once the rest is
     int device = 0;           // its index
     int block_smem = 0;       // dynamic shared memory per block: half an SM's
     bool early = false;
-    float *partial = nullptr;
-    size_t cap = 0;
-    unsigned *tickets = nullptr;
+    std::vector<StreamScratch> scratch;
+    std::vector<float *> kept;  // outgrown partial sums that graphs still hold
 };
 DeviceState states[qd::MAX_DEVICES];
 // Guards the states' set-up and the scratch: a launch that uses the scratch is
@@ -747,20 +757,60 @@ qd_status device_state(DeviceState **out) {
     return QD_OK;
 }
 
-// Grows the split-K scratch to `floats` partial sums; the caller holds state_mutex.
-qd_status scratch(DeviceState &d, size_t floats) {
-    qd_status st;
-    if (!d.tickets) {
-        if ((st = qd::check(cudaMalloc(&d.tickets, MAX_TICKETS * sizeof(unsigned)))) != QD_OK) return st;
-        if ((st = qd::check(cudaMemset(d.tickets, 0, MAX_TICKETS * sizeof(unsigned)))) != QD_OK) return st;
+// While alive, this thread may allocate and free while a stream captures a CUDA
+// graph (in the default, global capture mode those calls would end the capture).
+struct RelaxedCaptureMode {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode); }
+    ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode); }
+};
+
+// `bytes` of zeros in new device memory, zeroed on a stream of its own: the
+// legacy stream would join a capture on a blocking stream, and the launch's
+// stream, if capturing, would zero it only when the graph runs.
+qd_status zeroed(void **out, size_t bytes) {
+    cudaStream_t own = nullptr;
+    qd_status st = qd::check(cudaMalloc(out, bytes));
+    if (st != QD_OK) return st;
+    if ((st = qd::check(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking))) == QD_OK) {
+        if ((st = qd::check(cudaMemsetAsync(*out, 0, bytes, own))) == QD_OK) st = qd::check(cudaStreamSynchronize(own));
+        cudaStreamDestroy(own);
     }
-    if (d.cap < floats) {
-        if (d.partial) cudaFree(d.partial);  // synchronizes: no launch still reads it
-        d.partial = nullptr;
-        d.cap = 0;
-        if ((st = qd::check(cudaMalloc(&d.partial, floats * sizeof(float)))) != QD_OK) return st;
-        d.cap = floats;
+    if (st != QD_OK) cudaFree(*out);
+    return st;
+}
+
+// Stream s's split-K scratch with room for `floats` partial sums; the caller
+// holds state_mutex and queues its launch before letting go of it (so another
+// thread growing the scratch frees the old buffer only after that launch).
+qd_status stream_scratch(DeviceState &d, cudaStream_t s, size_t floats, StreamScratch **out) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    qd_status st = qd::check(cudaStreamIsCapturing(s, &capture));
+    if (st != QD_OK) return st;
+    StreamScratch *sc = nullptr;
+    for (StreamScratch &each : d.scratch)
+        if (each.stream == s) sc = &each;
+    if (!sc || sc->cap < floats) {
+        RelaxedCaptureMode relaxed;
+        if (!sc) {
+            StreamScratch fresh;
+            fresh.stream = s;
+            if ((st = zeroed(reinterpret_cast<void **>(&fresh.tickets), MAX_TICKETS * sizeof(unsigned))) != QD_OK)
+                return st;
+            d.scratch.push_back(fresh);
+            sc = &d.scratch.back();
+        }
+        const size_t cap = std::max(floats, 2 * sc->cap);  // doubling: few outgrown buffers to keep
+        float *grown = nullptr;
+        if ((st = qd::check(cudaMalloc(&grown, cap * sizeof(float)))) != QD_OK) return st;
+        // cudaFree synchronizes (no launch still reads the old buffer), which a capture can't
+        if (sc->captured || capture != cudaStreamCaptureStatusNone) d.kept.push_back(sc->partial);
+        else if (sc->partial) cudaFree(sc->partial);
+        sc->partial = grown;
+        sc->cap = cap;
     }
+    sc->captured |= capture != cudaStreamCaptureStatusNone;
+    *out = sc;
     return QD_OK;
 }
 
@@ -922,9 +972,10 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, bool invarian
     // every warp's sums as its lanes hold them: 32 x 4 floats per n8 tile of x
     const size_t partial_floats = (size_t)(op.bands * splits * kw) * 32 * 4 * x_tiles(op.M);
     std::lock_guard<std::mutex> lock(state_mutex);  // queued before the scratch can move
-    if ((st = scratch(*d, partial_floats)) != QD_OK) return st;
-    plan.partial = d->partial;
-    plan.tickets = d->tickets;
+    StreamScratch *sc = nullptr;
+    if ((st = stream_scratch(*d, s, partial_floats, &sc)) != QD_OK) return st;
+    plan.partial = sc->partial;
+    plan.tickets = sc->tickets;
     return launch_bits(bits, plan, op, out, out_dtype, *d, s);
 }
 

@@ -244,9 +244,12 @@ qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int
  * pool, taken in stream order).  x: [M, ldx] of
  * x_dtype (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16), its rows 16-byte aligned (x too);
  * tiles and scale_tiles: the weight laid out as above, block_k its scales' block
- * along K; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Calls on one device share
- * its scratch for partial sums: queue them on one stream, or order the streams (events)
- * so that no two calls run at once.  Calls from several threads are safe. */
+ * along K; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Each stream has its own
+ * scratch for partial sums, so calls on several streams may run at once, and calls from
+ * several threads are safe.  A call may be captured into a CUDA graph (once the weight's
+ * tiles are laid out): the graph holds the capturing stream's scratch, kept from then on
+ * for the process's life, so graphs captured on one stream must not run at the same time
+ * as each other or as calls queued on that stream. */
 qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
                             const void *tiles, const void *scale_tiles, int bits, int64_t N,
                             int64_t K, int64_t block_k, void *out, int out_dtype, void *stream);
