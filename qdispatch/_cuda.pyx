@@ -213,6 +213,20 @@ cdef class on_device:
         return False
 
 
+cdef int _switch_device(int device) except -1:
+    """Makes `device` current and returns the device that was (on_device without an object)."""
+    cdef int previous = 0
+    _check(cudaGetDevice(&previous), "cudaGetDevice")
+    if previous != device:
+        _check(cudaSetDevice(device), f"cudaSetDevice({device})")
+    return previous
+
+
+cdef void _restore_device(int previous, int device) noexcept:
+    if previous != device:
+        cudaSetDevice(previous)
+
+
 # ---- memory --------------------------------------------------------------------
 # Freed blocks are kept per (device, size) and reused, as framework allocators do:
 # cudaMalloc/cudaFree synchronise the device and would dominate small calls.
@@ -880,29 +894,45 @@ def fq_matmul(DeviceArray x, DeviceArray tiles, DeviceArray scale_tiles, int bit
     """x [M, ldx] (float32/float16/bfloat16) @ dequantize(w [N, K])^T -> out_dtype [M, N];
     `tiles` from fq_tile_weights, `scale_tiles` from fq_tile_scales."""
     x = _aligned_rows(x)  # rows are copied in aligned 16-byte pieces
-    cdef int64_t m = x.shape[0], l = x.shape[1]
-    cdef int device = x.buffer.device, previous = 0
-    cdef int xd = DTYPES[x.dtype], od = DTYPES[out_dtype]
-    cdef void *px = P(x)
+    # The call runs per decode step: no context-manager object, a direct allocation.
+    cdef int device = x.buffer.device
+    cdef int previous = _switch_device(device)
+    try:
+        out = DeviceArray(DeviceBuffer.allocate(x.shape[0] * N * ITEMSIZE[out_dtype], device), 0,
+                          (x.shape[0], N), out_dtype)
+        _fq_launch(P(x), DTYPES[x.dtype], x.shape[0], x.shape[1], tiles, scale_tiles, bits, N, K,
+                   block_k, P(out), DTYPES[out_dtype], NULL)
+    finally:
+        _restore_device(previous, device)
+    return out
+
+
+def fq_matmul_into(uintptr_t x, str x_dtype, int64_t m, int64_t ldx, DeviceArray tiles,
+                   DeviceArray scale_tiles, int bits, int64_t N, int64_t K, int64_t block_k,
+                   uintptr_t out, str out_dtype, uintptr_t stream):
+    """fq_matmul on memory another library owns, queued on its `stream` (a torch tensor's
+    on torch's current stream, which may be capturing a CUDA graph): x [m, ldx] rows on
+    16-byte bounds, ldx a multiple of 16 bytes, out [m, N] dense.  Nothing here
+    allocates or synchronizes, so the call can be captured."""
+    cdef int device = tiles.buffer.device
+    cdef int previous = _switch_device(device)
+    try:
+        _fq_launch(<void *>x, DTYPES[x_dtype], m, ldx, tiles, scale_tiles, bits, N, K, block_k,
+                   <void *>out, DTYPES[out_dtype], <void *>stream)
+    finally:
+        _restore_device(previous, device)
+
+
+cdef int _fq_launch(void *px, int xd, int64_t m, int64_t ldx, DeviceArray tiles,
+                    DeviceArray scale_tiles, int bits, int64_t N, int64_t K, int64_t block_k,
+                    void *po, int od, void *stream) except -1:
+    """The decode kernel's C call, on the current device, without the GIL."""
     cdef void *pw = P(tiles)
     cdef void *ps = P(scale_tiles)
-    cdef void *po
     cdef qd_status st
-    # The call runs per decode step: no context-manager object, a direct allocation.
-    _check(cudaGetDevice(&previous), "cudaGetDevice")
-    if previous != device:
-        _check(cudaSetDevice(device), f"cudaSetDevice({device})")
-    try:
-        out = DeviceArray(DeviceBuffer.allocate(m * N * ITEMSIZE[out_dtype], device), 0, (m, N),
-                          out_dtype)
-        po = P(out)
-        with nogil:
-            st = qd_cuda_fq_matmul(px, xd, m, l, pw, ps, bits, N, K, block_k, po, od, NULL)
-        _status(st, "fq_matmul")
-    finally:
-        if previous != device:
-            cudaSetDevice(previous)
-    return out
+    with nogil:
+        st = qd_cuda_fq_matmul(px, xd, m, ldx, pw, ps, bits, N, K, block_k, po, od, stream)
+    return _status(st, "fq_matmul")
 
 
 # ---- DLPack --------------------------------------------------------------------

@@ -49,4 +49,5 @@ class SerializationError(QDispatchError, ValueError):
 
 # Said wherever a CUDA graph capture meets qdispatch's work (which would invalidate it).
 NOT_IN_CUDA_GRAPHS = ("qdispatch queues its work on the legacy default stream, which can't be part of "
-                      "a CUDA graph: run qdispatch calls outside the captured region")
+                      "a CUDA graph: only qdispatch.torch's products (QLinear, q_matmul) are captured; "
+                      "run other qdispatch calls outside the captured region")

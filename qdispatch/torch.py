@@ -145,7 +145,47 @@ def _matmul(x, w):
     """x @ w as a torch tensor of x's dtype (no autograd)."""
     if x.dtype == torch.float64:
         return x @ _dequantize_f64(w, x.device)
+    if x.is_cuda and not w.device.is_host and w.device.index == x.get_device() and _capturing(x):
+        return _matmul_captured(x, w)
     return to_torch(_qd_matmul(_operand(x, w), w, out_dtype=_KERNEL_DTYPES[x.dtype]))
+
+
+def _capturing(x):
+    """Whether torch captures a CUDA graph on its current stream on x's GPU (never the
+    default stream: torch refuses to capture there)."""
+    return _current_raw_stream(x.get_device()) != 0 and torch.cuda.is_current_stream_capturing()
+
+
+def _matmul_captured(x, w):
+    """x @ w while torch captures a CUDA graph: the decode kernel queued on torch's
+    capturing stream, reading x in place into an output torch allocates there.  Nothing
+    crosses, allocates on our side or waits, so the capture holds it.  The same kernel
+    as an eager call at every row count (eager calls of many rows may take a GEMM).
+    Eager calls keep crossing: a capsule for the output costs less host time than
+    torch.empty."""
+    index = x.get_device()
+    backend = _cuda_ready.get(index) or _cuda_backend(index)
+    call = backend.fq_prepared(w, lay_out=False)
+    if call is None:
+        raise KernelError(f"torch is capturing a CUDA graph on {x.device}, and this {w.shape} weight has "
+                          f"not been multiplied yet: its first product lays out its tiles, which "
+                          f"synchronizes. Run the model once before capturing (torch's warm-up does).")
+    if call is False:
+        raise KernelError(f"torch is capturing a CUDA graph on {x.device}, and this weight's blocking along "
+                          f"K ({w.layout.logical_block(w.transposed)[0]}) runs on the host, which a graph "
+                          f"can't hold: run it outside the captured region, or quantize with a block of 16 "
+                          f"or more along K")
+    K, N = w.shape
+    x2 = x.detach().reshape(-1, K).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
+    if rows:
+        pad = -K % (16 // x2.element_size())
+        if pad or x2.data_ptr() % 16:  # the kernel copies rows in aligned 16-byte pieces
+            x2 = torch.nn.functional.pad(x2, (0, pad)) if pad else x2.clone()
+        backend.fq_matmul_into(call, x2.data_ptr(), _KERNEL_DTYPES[x.dtype], rows, x2.shape[1],
+                               out.data_ptr(), _current_raw_stream(index))
+    return out.view(*x.shape[:-1], N)
 
 
 def _torch_device(dev):

@@ -896,17 +896,18 @@ def test_cupy_input_freed_on_its_stream_waits_for_our_kernel(rng):
 
 
 def test_cuda_graph_capture_is_refused_and_left_intact(rng):
-    """qdispatch's work is not part of CUDA graphs.  Inside torch.cuda.graph the
-    DLPack crossings (a wait between torch's capturing stream and ours) would
-    invalidate the capture: they raise first and leave it as it was."""
+    """Only qdispatch.torch's products run on torch's capturing stream (see
+    test_torch_interop).  Inside torch.cuda.graph the crossings (a wait between
+    torch's capturing stream and ours) would invalidate the capture: they raise
+    first and leave it as it was."""
     torch = pytest.importorskip("torch")
-    from qdispatch.torch import q_matmul
+    from qdispatch.torch import from_torch, q_matmul
     wq = qd.quantize(rng.standard_normal((64, 32)).astype(np.float32), qd.QuantScheme("q8s", axis=1), device="cuda")
     x = torch.randn(4, 64, device="cuda")
     want = q_matmul(x, wq)
     out = qd.from_dlpack(want)
     graph, doubled = torch.cuda.CUDAGraph(), torch.empty_like(x)
-    for call in (lambda: q_matmul(x, wq),         # QLinear's path (x's pointer, torch's stream)
+    for call in (lambda: from_torch(x),             # a torch tensor in by its pointer
                  lambda: qd.from_dlpack(x),         # a torch tensor in by DLPack
                  lambda: torch.from_dlpack(out)):   # out
         with pytest.raises(qd.KernelError, match="capturing a CUDA graph.*outside the captured region"):

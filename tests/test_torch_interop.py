@@ -11,6 +11,7 @@ import qdispatch as qd  # noqa: E402
 from qdispatch import BackendMismatchError, QuantScheme, ShapeError  # noqa: E402
 from qdispatch.torch import (QLinear, from_torch, load_model, q_matmul, quantize_linears,  # noqa: E402
                              save_model, to_torch)
+from qdispatch.tensor_api import backend_for  # noqa: E402
 from helpers import run_python  # noqa: E402
 
 DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
@@ -431,6 +432,125 @@ def test_cuda_model_built_empty_loads_float_and_quantized_checkpoints(tmp_path):
         assert str(model[3].weight.device) == "cuda:0" and model[3].bias.is_cuda
         with torch.no_grad():
             torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+# ---- CUDA graphs and torch's default stream --------------------------------------------
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+GRAPH_SCHEMES = {"int8 per channel": QuantScheme("q8s", axis=0),
+                 "int4 block 128": QuantScheme("q4s", block=(1, 128), store="packed_u32"),
+                 "int4 block 32": QuantScheme("q4f", block=(1, 32), store="packed_u32")}
+
+
+def _cuda_qlinear(K, N, scheme, seed=0):
+    torch.manual_seed(seed)
+    return QLinear.from_linear(torch.nn.Linear(K, N), scheme, device="cuda").to("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])
+@pytest.mark.parametrize("scheme", list(GRAPH_SCHEMES))
+def test_cuda_qlinear_replays_inside_a_cuda_graph(scheme, rows, dtype):
+    """A QLinear captured in torch.cuda.graph, replayed on new inputs: each replay's
+    output is what the layer computes eagerly, bit for bit where eagerly it runs the
+    same decode kernel (below the rows where eager calls take the GEMM)."""
+    _needs_cuda()
+    if dtype != torch.bfloat16 and rows not in (1, 16):
+        pytest.skip("other dtypes at decode rows only")
+    K, N = (4096, 4096) if rows == 16 else (512, 384)  # 16 x 4096^2: splits of K in device memory
+    layer = _cuda_qlinear(K, N, GRAPH_SCHEMES[scheme])
+    static_x = torch.randn(rows, K, device="cuda", dtype=dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        layer(static_x)  # warm-up: lays out the weight's tiles
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        _, backend = backend_for("cuda")
+        gemm = backend.fq_runs_as_gemm(backend.fq_prepared(layer.weight.T), rows, DTYPE_NAMES[dtype])
+        for seed in range(3):
+            x = torch.randn(rows, K, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(seed))
+            static_x.copy_(x)
+            graph.replay()
+            eager = layer(x)
+            if gemm:
+                torch.testing.assert_close(static_y, eager, rtol=2e-2, atol=2e-2)
+            else:
+                assert torch.equal(static_y, eager), f"replay {seed} differs from the eager call"
+            want = x.float() @ dequantized(layer.weight).cuda().T + layer.bias.float()
+            tol = 2e-2 if dtype != torch.float32 else 1e-4
+            torch.testing.assert_close(static_y.float(), want, rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_beside_eager_calls_on_another_stream():
+    """A graph holds the split-K scratch of the stream it was captured on: replays on a
+    side stream and eager calls on the default stream, at once, each get their own."""
+    _needs_cuda()
+    layer = _cuda_qlinear(4096, 4096, GRAPH_SCHEMES["int8 per channel"])
+    inputs = [torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    with torch.no_grad():
+        want = [layer(x) for x in inputs]
+        static_x = inputs[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        side, replays, eager = torch.cuda.Stream(), [], []
+        side.wait_stream(torch.cuda.current_stream())
+        for _ in range(20):
+            with torch.cuda.stream(side):
+                graph.replay()
+                replays.append(static_y.clone())
+            eager.append(layer(inputs[1]))  # on torch's default stream, while `side` replays
+        torch.cuda.synchronize()
+    for got in replays:
+        assert torch.equal(got, want[0])
+    for got in eager:
+        assert torch.equal(got, want[1])
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_before_the_first_call_says_to_warm_up():
+    _needs_cuda()
+    layer = _cuda_qlinear(256, 128, GRAPH_SCHEMES["int4 block 32"])
+    x = torch.randn(2, 256, device="cuda")
+    graph, doubled = torch.cuda.CUDAGraph(), torch.empty_like(x)
+    with torch.no_grad():
+        with pytest.raises(qd.KernelError, match="not been multiplied yet.*Run the model once before capturing"):
+            with torch.cuda.graph(graph):
+                doubled.copy_(x * 2)
+                layer(x)
+        graph.replay()  # the capture ended cleanly: what torch recorded runs
+        torch.testing.assert_close(doubled, x * 2)
+        want = x @ dequantized(layer.weight).cuda().T + layer.bias
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # and the layer works after
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_captured_q_matmul_takes_any_row_layout(dtype):
+    """In a graph the decode kernel reads x in place: rows of any length and offset,
+    strided inputs, leading batch dims and empty batches give what eager calls give."""
+    _needs_cuda()
+    w = weight((37, 40), QuantScheme("q8s", axis=1), "cuda")
+    big = torch.randn(4, 6, 48, device="cuda", dtype=dtype)
+    layouts = (lambda: big[..., 1:38],                   # rows of 37 values, one value in: unaligned
+               lambda: big[:, :, :37].transpose(0, 1),  # strided
+               lambda: big[0, :5, 3:40].contiguous(),   # dense rows of 37 values
+               lambda: big[:, :0, :37])                 # no rows
+    with torch.no_grad():
+        q_matmul(big[0, :, :37], w)  # warm-up: lays out the weight's tiles
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = [q_matmul(x(), w) for x in layouts]
+        big.copy_(torch.randn_like(big))
+        graph.replay()
+        for x, got in zip(layouts, captured):
+            assert got.shape == (*x().shape[:-1], 40) and got.dtype == dtype
+            assert torch.equal(got, q_matmul(x(), w))
 
 
 def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):

@@ -303,23 +303,40 @@ class CudaBackend(Backend):
         bkb, bn = rhs.layout.logical_block(rhs.transposed)
         return _cuda.qq_matmul(a, bt, K, sa, bm, bka, sb, bn, bkb)
 
-    def fq_matmul(self, x, w, out_dtype="float32"):
-        # The kernel's operands are derived once per weight and orientation: a call
-        # is then one dict lookup and the launch.
+    def fq_prepared(self, w, lay_out=True):
+        """w's fq operands (see _fq_call), derived on its first fq call and kept with its
+        storage: a call is then one dict lookup and the launch.  None when they are not
+        derived yet and `lay_out` is false (laying out the tiles synchronizes)."""
         key = ("fq_call", w.transposed)
         call = w.storage.cache.get(key)
-        if call is None:
+        if call is None and lay_out:
             call = w.storage.cache[key] = self._fq_call(w)
+        return call
+
+    def fq_matmul(self, x, w, out_dtype="float32"):
+        call = self.fq_prepared(w)
         if call is False:
             return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
-        decode, gemm_rows, scales, bn = call
+        decode, _, scales, bn = call
         # batch-invariant: never the GEMM, whose sums would follow the rows' count
-        if x.shape[0] >= gemm_rows[x.dtype == "float32"] and not self._batch_invariant:
+        if self.fq_runs_as_gemm(call, x.shape[0], x.dtype):
             if x.dtype != "float32":
                 return self._fq_gemm(x, decode, scales, bn, out_dtype)
             # hi, mid and lo bf16 parts stacked as rows, their products added
             return _cuda.sum3(self._fq_gemm(_cuda.split_bf16(x), decode, scales, bn, "float32"), out_dtype)
         return _cuda.fq_matmul(x, *decode, out_dtype)
+
+    def fq_runs_as_gemm(self, call, rows, x_dtype):
+        """Whether fq_matmul runs `rows` rows of x_dtype x as a GEMM, given w's fq_prepared."""
+        return rows >= call[1][x_dtype == "float32"] and not self._batch_invariant
+
+    def fq_matmul_into(self, call, x, x_dtype, rows, ldx, out, stream):
+        """The decode kernel's x @ w, w's fq_prepared `call`, on memory another library
+        owns (device addresses: x [rows, ldx] of x_dtype on 16-byte bounds, ldx * its
+        size a multiple of 16; out [rows, N] of x_dtype), queued on its `stream`.  It
+        neither allocates nor waits, so a CUDA graph can capture it; at any rows (a
+        GEMM would allocate)."""
+        _cuda.fq_matmul_into(x, x_dtype, rows, ldx, *call[0], out, x_dtype, stream)
 
     def _fq_gemm(self, x, decode, scales, bn, out_dtype):
         """fq as a GEMM on the weight's values expanded to x's 16-bit dtype."""
