@@ -7,7 +7,8 @@ inputs rotated over enough buffers that each call reads them from HBM rather
 than from the 50 MB L2.  Contenders: `torch._int_mm` (cuBLASLt int8) raw and
 followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
 to benchmarks/results/cuda_h200.json (batched decode: cuda_h200_batched.json;
-prefill-sized fq: cuda_h200_prefill.json) with the GPU's name and clocks."""
+prefill-sized fq: cuda_h200_prefill.json; decode layers in CUDA graphs:
+cuda_h200_graphs.json) with the GPU's name and clocks."""
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 RESULTS = os.path.join(RESULTS_DIR, "cuda_h200.json")
 PREFILL_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_prefill.json")
 BATCHED_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_batched.json")
+GRAPH_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_graphs.json")
 L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
 QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
 FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
@@ -255,3 +257,50 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
         "ratio_vs_bf16": bf16 / ours, "speedup_vs_without_gemm": decode / ours, "rel_err": err},
         results=PREFILL_RESULTS)
     benchmark.pedantic(lambda: (ours_fn(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+def graph_ms(layers, x, reps=5):
+    """ms per layer of `layers` (functions of x), each applied to x in turn, captured
+    in one CUDA graph and replayed: GPU time with no host time between launches."""
+    with torch.no_grad():
+        for layer in layers:  # warm-up (lays out qdispatch weights)
+            layer(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [layer(x) for layer in layers]
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / len(layers))
+    return float(np.median(times)), outs
+
+
+@pytest.mark.parametrize("M,K,N", FQ_SHAPES)
+@pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
+def test_fq_decode_layers_in_a_cuda_graph(benchmark, M, K, N, wname, scheme):
+    """Decode layers captured in a CUDA graph: qdispatch.torch.q_matmul (QLinear's
+    product) on bf16 x over enough weights to defeat L2, against bf16 torch.matmul
+    captured the same way, and eager bf16 torch.matmul, same run."""
+    from qdispatch.torch import q_matmul
+    probe = _weights(N, K, scheme, 1)[0]
+    ws = [probe] + _weights(N, K, scheme, n_sets(probe.nbytes) - 1)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    ours, outs = graph_ms([lambda x, w=w: q_matmul(x, w.T) for w in ws], x)
+    tw = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(n_sets(N * K * 2))]
+    bf16_graph, _ = graph_ms([lambda x, w=w: torch.matmul(x, w.t()) for w in tw], x)
+    bf16 = _torch_bf16(M, K, N, calls=50)[0]
+    expect = x.float() @ torch.from_dlpack(ws[-1].dequantize()).t()
+    err = float(((outs[-1].float() - expect).norm() / expect.norm()).item())
+    figures = {"qdispatch_in_graph": ours, "torch_bf16_matmul_in_graph": bf16_graph, "torch_bf16_matmul": bf16}
+    record(benchmark, f"fq_graph_bf16_x_{wname}", (M, K, N), figures, {
+        "weight_bytes": probe.nbytes, "weight_GBps_in_graph": probe.nbytes / ours / 1e6,
+        "speedup_vs_bf16_in_graph": bf16_graph / ours, "speedup_vs_bf16": bf16 / ours, "rel_err": err},
+        results=GRAPH_RESULTS)
+    benchmark.pedantic(lambda: (q_matmul(x, ws[0].T), torch.cuda.synchronize()), rounds=3, iterations=1)
