@@ -15,6 +15,9 @@
 - `from_torch` / `to_torch`: tensors cross without copies, on CPU (as numpy views)
   and, when qdispatch's cuda backend is built, on CUDA (by pointer in, by DLPack
   out), ordered with torch's current stream.
+- Inside `torch.cuda.graph`, `q_matmul` and `QLinear` on CUDA are captured: the
+  decode kernel runs on torch's capturing stream into an output torch allocates.
+  Run each layer once first (its first product lays out the weight's tiles).
 
 Gradients flow to the float input only: `dX = dY @ dequantize(W).T`, computed
 with the same quantized weight (its free transpose).  The weight is a constant
