@@ -1010,6 +1010,13 @@ cdef void _capsule_destructor(object capsule) noexcept:
             <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor"))
 
 
+def capturing(uintptr_t stream):
+    """Whether `stream` (another library's, on any GPU) is capturing a CUDA graph."""
+    cdef cudaStreamCaptureStatus status
+    _check(cudaStreamIsCapturing(<cudaStream_t>stream, &status), "cudaStreamIsCapturing")
+    return status != cudaStreamCaptureStatusNone
+
+
 cdef int _stream_waits(int device, cudaStream_t waiter, cudaStream_t producer) except -1:
     """`waiter` waits for the work queued on `producer` so far; one of the two is
     ours (the legacy default stream, NULL), the other another library's.  A wait

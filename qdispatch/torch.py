@@ -155,8 +155,14 @@ def _matmul(x, w):
 
 def _capturing(x):
     """Whether torch captures a CUDA graph on its current stream on x's GPU (never the
-    default stream: torch refuses to capture there)."""
-    return _current_raw_stream(x.get_device()) != 0 and torch.cuda.is_current_stream_capturing()
+    default stream: torch refuses to capture there).  Asked of that stream itself:
+    torch's own query looks at the current GPU's, which need not be x's."""
+    index = x.get_device()
+    stream = _current_raw_stream(index)
+    if stream == 0:
+        return False
+    backend = _cuda_ready.get(index) or _cuda_backend(index)
+    return backend is not None and backend.capturing(stream)
 
 
 def _matmul_captured(x, w):

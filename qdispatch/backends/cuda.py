@@ -326,6 +326,10 @@ class CudaBackend(Backend):
             return _cuda.sum3(self._fq_gemm(_cuda.split_bf16(x), decode, scales, bn, "float32"), out_dtype)
         return _cuda.fq_matmul(x, *decode, out_dtype)
 
+    def capturing(self, stream):
+        """Whether another library's `stream` (a raw handle) is capturing a CUDA graph."""
+        return _cuda.capturing(stream)
+
     def fq_runs_as_gemm(self, call, rows, x_dtype):
         """Whether fq_matmul runs `rows` rows of x_dtype x as a GEMM, given w's fq_prepared."""
         return rows >= call[1][x_dtype == "float32"] and not self._batch_invariant
