@@ -12,6 +12,8 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
+import sys
+
 import numpy as np
 
 from .errors import NOT_IN_CUDA_GRAPHS, KernelError, NonFiniteError, ScaleOverflowError
@@ -372,6 +374,30 @@ def lent_count():
     return len(_lent)
 
 
+cdef object _torch_raw_stream = None  # torch's current stream of a GPU, once torch's CUDA state exists
+
+
+cdef int _refuse_inside_torch_capture(int device) except -1:
+    """qdispatch's own calls run on our stream at once.  Inside a torch graph capture
+    they would run now, outside the graph, and a replay would not repeat them: stale
+    results later.  Every such call allocates its output, so allocation refuses it.
+    torch can only be capturing once its CUDA state exists (never set up here)."""
+    global _torch_raw_stream
+    if _torch_raw_stream is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return 0
+        _torch_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+                             or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+    cdef uintptr_t stream = _torch_raw_stream(device)
+    if stream != 0 and capturing(stream):
+        raise KernelError(f"torch is capturing a CUDA graph on cuda:{device}: this qdispatch call would run "
+                          f"now, outside the graph, and a replay would not repeat it. In a graph, multiply torch "
+                          f"tensors with qdispatch.torch (q_matmul, QLinear); run other qdispatch calls outside "
+                          f"the captured region. The capture is left as it was.")
+    return 0
+
+
 cdef class DeviceBuffer:
     """Device memory: owned (from the cache or cudaMalloc), borrowed from a DLPack
     producer and handed back through its deleter, or viewed in a Python object
@@ -387,6 +413,7 @@ cdef class DeviceBuffer:
     @staticmethod
     cdef DeviceBuffer allocate(size_t nbytes, int device):
         global _cached_bytes
+        _refuse_inside_torch_capture(device)
         cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
         cdef size_t size = _bin(nbytes)
         cdef void *p = NULL

@@ -898,19 +898,26 @@ def test_cupy_input_freed_on_its_stream_waits_for_our_kernel(rng):
 def test_cuda_graph_capture_is_refused_and_left_intact(rng):
     """Only qdispatch.torch's products run on torch's capturing stream (see
     test_torch_interop).  Inside torch.cuda.graph the crossings (a wait between
-    torch's capturing stream and ours) would invalidate the capture: they raise
-    first and leave it as it was."""
+    torch's capturing stream and ours) would invalidate the capture, and a call on
+    qdispatch tensors alone would run at once, outside the graph: they raise first
+    and leave the capture as it was."""
     torch = pytest.importorskip("torch")
     from qdispatch.torch import from_torch, q_matmul
     wq = qd.quantize(rng.standard_normal((64, 32)).astype(np.float32), qd.QuantScheme("q8s", axis=1), device="cuda")
     x = torch.randn(4, 64, device="cuda")
     want = q_matmul(x, wq)
     out = qd.from_dlpack(want)
+    xq = qd.tensor(x.cpu().numpy(), device="cuda")
     graph, doubled = torch.cuda.CUDAGraph(), torch.empty_like(x)
-    for call in (lambda: from_torch(x),             # a torch tensor in by its pointer
-                 lambda: qd.from_dlpack(x),         # a torch tensor in by DLPack
-                 lambda: torch.from_dlpack(out)):   # out
-        with pytest.raises(qd.KernelError, match="capturing a CUDA graph.*outside the captured region"):
+    for call, says in ((lambda: qd.q_matmul(xq, wq),    # qdispatch tensors alone: would run eagerly
+                        "would run now, outside the graph.*qdispatch.torch"),
+                       (lambda: from_torch(x),         # a torch tensor in by its pointer
+                        "capturing a CUDA graph.*outside the captured region"),
+                       (lambda: qd.from_dlpack(x),     # a torch tensor in by DLPack
+                        "capturing a CUDA graph.*outside the captured region"),
+                       (lambda: torch.from_dlpack(out),  # out
+                        "capturing a CUDA graph.*outside the captured region")):
+        with pytest.raises(qd.KernelError, match=says):
             with torch.cuda.graph(graph):
                 doubled.copy_(x * 2)
                 call()
