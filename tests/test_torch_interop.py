@@ -512,20 +512,29 @@ def test_cuda_graph_replays_beside_eager_calls_on_another_stream():
 
 
 @pytest.mark.cuda
-def test_cuda_graph_capture_before_the_first_call_says_to_warm_up():
+@pytest.mark.parametrize("case", ["not run yet", "blocks of 8 along K"])
+def test_cuda_graph_capture_refuses_what_it_cannot_hold(case):
+    """A weight not multiplied yet (its first product lays out its tiles, and
+    synchronizes) or blocked along K too finely for the kernels (the host runs it):
+    a clear error, torch's capture ends cleanly, and the layer works after."""
     _needs_cuda()
-    layer = _cuda_qlinear(256, 128, GRAPH_SCHEMES["int4 block 32"])
+    scheme = GRAPH_SCHEMES["int4 block 32"] if case == "not run yet" else QuantScheme("q8f", block=(1, 8))
+    layer = _cuda_qlinear(256, 128, scheme)
     x = torch.randn(2, 256, device="cuda")
     graph, doubled = torch.cuda.CUDAGraph(), torch.empty_like(x)
+    says = "not been multiplied yet.*Run the model once before capturing" if case == "not run yet" \
+        else r"blocking along K \(8\) runs on the host"
     with torch.no_grad():
-        with pytest.raises(qd.KernelError, match="not been multiplied yet.*Run the model once before capturing"):
+        if case != "not run yet":
+            layer(x)  # warmed up, yet still on the host
+        with pytest.raises(qd.KernelError, match=says):
             with torch.cuda.graph(graph):
                 doubled.copy_(x * 2)
                 layer(x)
         graph.replay()  # the capture ended cleanly: what torch recorded runs
         torch.testing.assert_close(doubled, x * 2)
         want = x @ dequantized(layer.weight).cuda().T + layer.bias
-        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # and the layer works after
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda
