@@ -1,4 +1,5 @@
-"""Saving and loading tensors in the safetensors format (optional extra `io`).
+"""Saving and loading tensors in the safetensors format (saving needs the optional
+extra `io`; loading reads the format itself).
 
     qdispatch.save("model.safetensors", {"w": qtensor, "b": tensor, "meta": ndarray})
     tensors = qdispatch.load("model.safetensors", device="cpu")
@@ -25,6 +26,7 @@ renamed over it, so a crash mid-write leaves the old file intact.
 """
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -60,7 +62,7 @@ def _safetensors():
     try:
         import safetensors
     except ImportError:
-        raise ImportError("Saving and loading needs the safetensors package: "
+        raise ImportError("Saving needs the safetensors package: "
                           "pip install 'qdispatch[io]'") from None
     return safetensors
 
@@ -107,7 +109,8 @@ def _little_endian(a):
 
 
 def _crc(data):
-    return zlib.crc32(memoryview(data).cast("B"))
+    view = memoryview(data)
+    return zlib.crc32(view.cast("B") if view.nbytes else b"")  # a view with a zero in its shape can't cast
 
 
 def _encode_scales(name, scales, scale_dtype):
@@ -194,23 +197,23 @@ def _spec_dtype(code, array):
 
 # ---- decoding ----------------------------------------------------------------------
 
-def _read_header(path, buf):
-    """The parsed JSON header, after checking that every entry's bytes are in
-    the file (a truncated file names the tensors it cut)."""
-    if len(buf) < 8:
-        raise SerializationError(f"{path} is not a safetensors file: it holds only {len(buf)} bytes")
-    size = int.from_bytes(buf[:8], "little")
-    if 8 + size > len(buf):
+def _read_header(path, f):
+    """The parsed JSON header, the data section's size and where it starts."""
+    file_size = os.fstat(f.fileno()).st_size
+    if file_size < 8:
+        raise SerializationError(f"{path} is not a safetensors file: it holds only {file_size} bytes")
+    size = int.from_bytes(f.read(8), "little")
+    if 8 + size > file_size:
         raise SerializationError(
             f"{path} is truncated or not a safetensors file: its header claims {size} bytes "
-            f"but the file holds {len(buf)}")
+            f"but the file holds {file_size}")
     try:
-        header = json.loads(bytes(buf[8:8 + size]))
+        header = json.loads(f.read(size))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except ValueError as exc:
         raise SerializationError(f"{path} has a corrupted safetensors header ({exc})") from None
-    return header, len(buf) - 8 - size
+    return header, file_size - 8 - size, 8 + size
 
 
 def _metadata(path, header):
@@ -239,7 +242,7 @@ def _check_complete(path, header, data_size, records):
             if not isinstance(info, dict):
                 raise SerializationError(f"Tensor {name!r} in {path} is missing its entry {key!r}")
             end = (info.get("data_offsets") or [0, 0])[-1]
-            if end > data_size:
+            if _is_count(end) and end > data_size:
                 raise SerializationError(
                     f"Tensor {name!r} in {path} is truncated: its data ends at byte {end} of the "
                     f"data section but the file holds {data_size}; the file is incomplete, write it again")
@@ -247,39 +250,67 @@ def _check_complete(path, header, data_size, records):
 
 def load(path, device=None):
     """Read a file written by `save`: {name: QTensor | Tensor | ndarray}, the
-    tensors on `device` (default: the default backend)."""
-    st = _safetensors()
+    tensors on `device` (default: the default backend).  Each entry is read from
+    the file straight into its own array, so loading holds no second copy of the
+    file in memory (and needs no package beyond numpy)."""
     dev, _ = backend_for(device) if device is not None else (None, None)
     with open(path, "rb") as f:
-        buf = f.read()
-    header, data_size = _read_header(path, buf)
-    records = _metadata(path, header)
-    _check_complete(path, header, data_size, records)
-    try:
-        entries = dict(st.deserialize(buf))
-    except Exception as exc:  # SafetensorError: what safetensors itself rejects
-        raise SerializationError(f"{path} is not a valid safetensors file: {exc}") from None
-    del buf
-    out = {}
-    for name, record in records.items():
-        try:
-            out[name] = _decode(name, record, entries, dev)
-        except SerializationError:
-            raise
-        except (QDispatchError, ValueError, TypeError, LookupError) as exc:  # a record that lies
-            raise SerializationError(f"Can't load tensor {name!r} from {path}: {exc}") from exc
+        header, data_size, data_start = _read_header(path, f)
+        records = _metadata(path, header)
+        _check_complete(path, header, data_size, records)
+        entries = _Entries(path, f, header, data_start, data_size)
+        out = {}
+        for name, record in records.items():
+            try:
+                out[name] = _decode(name, record, entries, dev)
+            except SerializationError:
+                raise
+            except (QDispatchError, ValueError, TypeError, LookupError) as exc:  # a record that lies
+                raise SerializationError(f"Can't load tensor {name!r} from {path}: {exc}") from exc
     return out
 
 
-def _entry(name, key, entries, code, shape, crc):
-    entry = entries[key]
-    if entry["dtype"] != code or tuple(entry["shape"]) != tuple(shape):
-        raise SerializationError(
-            f"Tensor {name!r}: entry {key!r} holds {entry['dtype']}{list(entry['shape'])} but its "
-            f"record says {code}{list(shape)}; the file does not match its metadata")
-    if _crc(entry["data"]) != crc:
-        raise SerializationError(f"Tensor {name!r}: the bytes of {key!r} are corrupted (CRC-32 mismatch)")
-    return np.frombuffer(entry["data"], dtype=np.dtype(_NUMPY_OF[code]).newbyteorder("<")).reshape(shape)
+def _is_count(n):
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+class _Entries:
+    """The file's entries by key: each header record, and `read` for its bytes."""
+
+    def __init__(self, path, f, header, data_start, data_size):
+        self.path, self.f, self.header = path, f, header
+        self.data_start, self.data_size = data_start, data_size
+
+    def __getitem__(self, key):
+        return self.header[key]
+
+    def read(self, name, key, code, shape, crc):
+        """Entry `key` of tensor `name` as a new array of `code` [shape] (little-endian),
+        after checking it against the record and its CRC-32."""
+        entry = self.header[key]
+        if entry.get("dtype") != code or list(entry.get("shape", ())) != list(shape):
+            raise SerializationError(
+                f"Tensor {name!r}: entry {key!r} holds {entry.get('dtype')}{list(entry.get('shape', ()))} but "
+                f"its record says {code}{list(shape)}; the file does not match its metadata")
+        dtype = np.dtype(_NUMPY_OF[code]).newbyteorder("<")
+        shape = tuple(shape)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise SerializationError(f"Tensor {name!r}: entry {key!r} has no valid shape ({list(shape)})")
+        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize  # checked before allocating
+        offsets = entry.get("data_offsets")
+        begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
+        if not (_is_count(begin) and _is_count(end) and begin <= end <= self.data_size and end - begin == nbytes):
+            raise SerializationError(
+                f"Tensor {name!r}: entry {key!r} spans bytes {begin} to {end} of the data section, but "
+                f"{code}{list(shape)} takes {nbytes}; the file does not match its header")
+        arr = np.empty(shape, dtype=dtype)
+        raw = arr.reshape(-1).view(np.uint8)  # its bytes, read in place
+        self.f.seek(self.data_start + begin)
+        if self.f.readinto(raw) != nbytes:
+            raise SerializationError(f"Tensor {name!r}: the file ended inside entry {key!r}; write it again")
+        if _crc(raw) != crc:
+            raise SerializationError(f"Tensor {name!r}: the bytes of {key!r} are corrupted (CRC-32 mismatch)")
+        return arr
 
 
 def _decode(name, record, entries, dev):
@@ -290,10 +321,10 @@ def _decode(name, record, entries, dev):
     entry = entries[name]
     if kind == "tensor":
         dtype = record["dtype"]
-        arr = _entry(name, name, entries, _TENSOR_CODES[dtype], entry["shape"], crcs[0])
+        arr = entries.read(name, name, _TENSOR_CODES[dtype], entry["shape"], crcs[0])
         return tensor(arr.astype(arr.dtype.newbyteorder("="), copy=False), device=dev, dtype=dtype)
     if kind == "array":
-        arr = _entry(name, name, entries, entry["dtype"], entry["shape"], crcs[0])
+        arr = entries.read(name, name, entry["dtype"], entry["shape"], crcs[0])
         return arr.astype(arr.dtype.newbyteorder("="), copy=False)
     raise SerializationError(f"Tensor {name!r} has an unknown kind {kind!r} in its record")
 
@@ -307,14 +338,14 @@ def _decode_qtensor(name, record, entries, dev, crcs):
     if scheme.store == "packed_u32":
         per_word = 32 // scheme.bits
         words_shape = layout.shape[:-1] + (-(-layout.shape[-1] // per_word),)
-        words = _entry(name, vkey, entries, "U32", words_shape, crcs[0])
+        words = entries.read(name, vkey, "U32", words_shape, crcs[0])
         values = quantmath.unpack_u32(words, scheme.bits, layout.shape[-1])
         if not np.array_equal(quantmath.pack_u32(values, scheme.bits), words):
             raise SerializationError(
                 f"Tensor {name!r}: packed words have bits set outside their {layout.shape[-1]} values")
     else:
-        values = _entry(name, vkey, entries, "I8", layout.shape, crcs[0])
-    raw = _entry(name, skey, entries, _SCALE_CODES[scheme.scale_dtype], layout.grid, crcs[1])
+        values = entries.read(name, vkey, "I8", layout.shape, crcs[0])
+    raw = entries.read(name, skey, _SCALE_CODES[scheme.scale_dtype], layout.grid, crcs[1])
     scales = (quantmath.bf16_bits_to_f32(raw) if scheme.scale_dtype == "bf16"
               else raw.astype(np.float32))
     if not np.all(np.isfinite(scales)):

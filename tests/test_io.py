@@ -2,6 +2,7 @@
 clear errors for files that can't be trusted."""
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -215,6 +216,48 @@ def test_save_rejects_bad_input(tmp_path):
     with pytest.raises(SerializationError, match="collides"):
         qd.save(tmp_path / "x.st", {"w": q, "w.qvalues": np.zeros(1)})
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("entry", [{"shape": [10**12]}, {"shape": [-2]}, {"shape": "2"},
+                                   {"data_offsets": ["0", 8]}, {"data_offsets": [8, 0]}, {"data_offsets": [0]}],
+                         ids=["huge shape", "negative shape", "shape not a list", "offset not a number",
+                              "offsets reversed", "one offset"])
+def test_entry_that_lies_about_its_bytes(saved, entry):
+    """An entry whose shape or offsets don't describe its bytes: a clear error that
+    names the tensor, raised before anything of the claimed size is allocated."""
+    rewrite_metadata(saved, lambda h: h["small"].update(entry))
+    with pytest.raises(SerializationError, match="'small'"):
+        qd.load(saved)
+
+
+def test_load_holds_no_second_copy_of_the_file(tmp_path):
+    """Entries are read from the file into their own arrays, one at a time: the
+    memory load allocates stays near what it returns (reading the whole file and
+    then splitting it took twice the file's size)."""
+    import tracemalloc
+    weights = {"w8": qd.quantize(data((512, 1024)), QuantScheme("q8s", axis=0), device="reference"),
+               "w4": qd.quantize(data((512, 1024)), QuantScheme("q4f", block=32, store="packed_u32"),
+                                 device="reference")}
+    path = tmp_path / "big.st"
+    qd.save(path, {**weights, **{f"a{i}": data((256, 256), seed=i) for i in range(4)}})
+    tracemalloc.start()
+    try:
+        loaded = qd.load(path, device="reference")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.6 * os.path.getsize(path)
+    for name, q in weights.items():
+        assert_same_qtensor(loaded[name], q)
+
+
+def test_load_needs_no_package_beyond_numpy(saved, monkeypatch):
+    want = qd.load(saved, device="reference")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
+    got = qd.load(saved, device="reference")
+    assert_same_qtensor(got["weight"], want["weight"])
+    with pytest.raises(ImportError, match=r"Saving needs the safetensors package.*qdispatch\[io\]"):
+        qd.save(saved, got)
 
 
 def test_invalid_scheme_record(saved):
