@@ -258,7 +258,7 @@ def load(path, device=None):
         header, data_size, data_start = _read_header(path, f)
         records = _metadata(path, header)
         _check_complete(path, header, data_size, records)
-        entries = _Entries(path, f, header, data_start, data_size)
+        entries = _Entries(f, header, data_start, data_size)
         out = {}
         for name, record in records.items():
             try:
@@ -277,8 +277,8 @@ def _is_count(n):
 class _Entries:
     """The file's entries by key: each header record, and `read` for its bytes."""
 
-    def __init__(self, path, f, header, data_start, data_size):
-        self.path, self.f, self.header = path, f, header
+    def __init__(self, f, header, data_start, data_size):
+        self.f, self.header = f, header
         self.data_start, self.data_size = data_start, data_size
 
     def __getitem__(self, key):
