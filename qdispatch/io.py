@@ -271,7 +271,8 @@ def load(path, device=None):
 
 
 def _is_count(n):
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+    """A size or offset: a non-negative integer (JSON's true is not one)."""
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
 
 
 class _Entries:
@@ -294,7 +295,7 @@ class _Entries:
                 f"its record says {code}{list(shape)}; the file does not match its metadata")
         dtype = np.dtype(_NUMPY_OF[code]).newbyteorder("<")
         shape = tuple(shape)
-        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if not all(_is_count(d) for d in shape):
             raise SerializationError(f"Tensor {name!r}: entry {key!r} has no valid shape ({list(shape)})")
         nbytes = math.prod(int(d) for d in shape) * dtype.itemsize  # checked before allocating
         offsets = entry.get("data_offsets")
