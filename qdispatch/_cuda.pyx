@@ -387,8 +387,8 @@ cdef int _refuse_inside_torch_capture(int device) except -1:
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
             return 0
-        _torch_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
-                             or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+        from .torch import _current_raw_stream  # qdispatch.torch's getter: one place knows torch's API
+        _torch_raw_stream = _current_raw_stream
     cdef uintptr_t stream = _torch_raw_stream(device)
     if stream != 0 and capturing(stream):
         raise KernelError(f"torch is capturing a CUDA graph on cuda:{device}: this qdispatch call would run "

@@ -71,7 +71,7 @@ def from_torch(x, device=None):
     if x.is_cpu and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
         return tensor_api.host_view(x.detach().resolve_neg().numpy(), device)
     if x.is_cuda:
-        t = _from_torch_cuda(x)
+        t = _from_torch_cuda(x, _current_raw_stream(x.get_device()))
         return t if device is None else t.to(device)
     if x.is_meta:
         raise BackendUnavailableError(f"a tensor on torch device 'meta' has no values to share: load or "
@@ -79,17 +79,18 @@ def from_torch(x, device=None):
     return tensor_api.import_dlpack(x.detach(), device=device)
 
 
-def _from_torch_cuda(x):
-    """A qdispatch cuda Tensor sharing CUDA tensor x's memory, ordered after torch's
-    current stream.  When that is a side stream, x's memory goes back to torch only
-    once our stream has passed our reads of it (see `_cuda.view`)."""
+def _from_torch_cuda(x, stream):
+    """A qdispatch cuda Tensor sharing dense CUDA tensor x's memory, ordered after
+    `stream`, torch's current stream on x's GPU (a raw handle).  When that is a side
+    stream, x's memory goes back to torch only once our stream has passed our reads
+    of it (see `_cuda.view`)."""
     index = x.get_device()
     cuda = _cuda_ready.get(index) or _cuda_backend(index)
     if cuda is not None and x.dtype in _CUDA_VIEW_DTYPES:
         # the pointer directly: DLPack's negotiation costs more than a decode kernel;
         # the view refuses a capturing stream
         return cuda.tensor_viewing(x.data_ptr(), tuple(x.shape), _CUDA_VIEW_DTYPES[x.dtype], index,
-                                   x, _current_raw_stream(index))
+                                   x, stream)
     if cuda is not None and torch.cuda.is_current_stream_capturing():
         # DLPack's import would make our stream wait on the capturing one: invalid there
         raise KernelError(f"torch is capturing a CUDA graph on {x.device}; {NOT_IN_CUDA_GRAPHS}. "
@@ -109,8 +110,8 @@ def _cuda_backend(index):
 
 def to_torch(t):
     """A torch tensor sharing the memory of qdispatch Tensor t."""
-    if not t.device.is_host:  # a capsule ordered for torch's current stream (DLPack calls ours 1)
-        return torch.from_dlpack(t.__dlpack__(stream=_current_raw_stream(t.index) or 1))
+    if not t.device.is_host:
+        return _to_torch_cuda(t, _current_raw_stream(t.index))
     if t.dtype == "bfloat16":
         # numpy has no bfloat16: the host payload holds its 16-bit patterns
         return torch.from_numpy(t.payload).view(torch.bfloat16)
@@ -119,15 +120,22 @@ def to_torch(t):
     return torch.from_dlpack(t)
 
 
-def _operand(x, w):
+def _to_torch_cuda(t, stream):
+    """to_torch of a CUDA Tensor t: a capsule ordered for `stream`, torch's current
+    stream on t's GPU (a raw handle; DLPack calls the legacy default stream 1)."""
+    return torch.from_dlpack(t.__dlpack__(stream=stream or 1))
+
+
+def _operand(x, w, stream):
     """x as a qdispatch Tensor next to w, or the mismatch error the dispatcher
-    would raise when qdispatch has no backend for x's device."""
+    would raise when qdispatch has no backend for x's device.  `stream`: torch's
+    current stream on CUDA x's GPU."""
     if x.is_cpu:
         return from_torch(x, device=w.device if w.device.is_host else None)
     reason = f"qdispatch has no backend for torch device {str(x.device)!r}"
     if x.is_cuda:
         try:
-            return from_torch(x)
+            return _from_torch_cuda(x.contiguous(), stream)
         except BackendUnavailableError as exc:
             reason = str(exc)
     lhs, rhs = str(x.device), str(w.device)
@@ -148,24 +156,29 @@ def _matmul(x, w):
     """x @ w as a torch tensor of x's dtype (no autograd)."""
     if x.dtype == torch.float64:
         return x @ _dequantize_f64(w, x.device)
-    if x.is_cuda and not w.device.is_host and w.device.index == x.get_device() and _capturing(x):
-        return _matmul_captured(x, w)
-    return to_torch(_qd_matmul(_operand(x, w), w, out_dtype=_KERNEL_DTYPES[x.dtype]))
-
-
-def _capturing(x):
-    """Whether torch captures a CUDA graph on its current stream on x's GPU (never the
-    default stream: torch refuses to capture there).  Asked of that stream itself:
-    torch's own query looks at the current GPU's, which need not be x's."""
+    if not x.is_cuda:
+        return to_torch(_qd_matmul(_operand(x, w, None), w, out_dtype=_KERNEL_DTYPES[x.dtype]))
     index = x.get_device()
-    stream = _current_raw_stream(index)
+    stream = _current_raw_stream(index)  # looked up once a call: each lookup costs host time
+    on_x_gpu = not w.device.is_host and w.device.index == index
+    if on_x_gpu and _capturing(index, stream):
+        return _matmul_captured(x, w, stream)
+    y = _qd_matmul(_operand(x, w, stream), w, out_dtype=_KERNEL_DTYPES[x.dtype])
+    return _to_torch_cuda(y, stream) if on_x_gpu else to_torch(y)  # else a transfer policy placed y
+
+
+def _capturing(index, stream):
+    """Whether torch captures a CUDA graph on `stream`, its current stream on GPU
+    `index` (never the default stream, 0: torch refuses to capture there).  Asked of
+    that stream itself: torch's own query looks at the current GPU's, which need
+    not be x's."""
     if stream == 0:
         return False
     backend = _cuda_ready.get(index) or _cuda_backend(index)
     return backend is not None and backend.capturing(stream)
 
 
-def _matmul_captured(x, w):
+def _matmul_captured(x, w, stream):
     """x @ w while torch captures a CUDA graph: the decode kernel queued on torch's
     capturing stream, reading x in place into an output torch allocates there.  Nothing
     crosses, allocates on our side or waits, so the capture holds it.  The same kernel
@@ -193,7 +206,7 @@ def _matmul_captured(x, w):
         if pad or x2.data_ptr() % 16:  # the kernel copies rows in aligned 16-byte pieces
             x2 = torch.nn.functional.pad(x2, (0, pad)) if pad else x2.clone()
         backend.fq_matmul_into(call, x2.data_ptr(), _KERNEL_DTYPES[x.dtype], rows, x2.shape[1],
-                               out.data_ptr(), _current_raw_stream(index))
+                               out.data_ptr(), stream)
     return out.view(*x.shape[:-1], N)
 
 
