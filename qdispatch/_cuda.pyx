@@ -838,7 +838,7 @@ def fq_tile_scales(DeviceArray scales, int64_t N, int64_t K, int64_t block_n, in
     return out
 
 
-cdef DeviceArray _aligned_rows(DeviceArray x):
+cpdef DeviceArray aligned_rows(DeviceArray x):
     """x, or a copy whose rows are whole 16-byte pieces on 16-byte bounds (zeros past its columns)."""
     cdef int64_t per16 = 16 // ITEMSIZE[x.dtype]
     if x.shape[1] % per16 or <uintptr_t>P(x) % 16:
@@ -846,81 +846,65 @@ cdef DeviceArray _aligned_rows(DeviceArray x):
     return x
 
 
-def fq_expand_weights(DeviceArray tiles, int64_t N, int64_t K, int bits, str dtype):
-    """The tiled form's values as float16/bfloat16 rows [N, ld] (ld: K rounded up to 8,
-    zeros past K), exact integers: fq_gemm's weight operand."""
-    cdef int64_t ld = -(-K // 8) * 8
-    out = empty((N, ld), dtype, tiles.device)
+# The many-rows path of fq (the GEMM on the weight's values expanded to 16 bits) as
+# calls on device addresses queued on `stream`: its temporaries come from the caller
+# (our block cache, or another library's allocator while it captures a CUDA graph).
+
+def fq_expand_weights_into(DeviceArray tiles, int64_t N, int64_t K, int bits, str dtype, uintptr_t w16,
+                           int64_t ld, uintptr_t stream):
+    """The tiled form's values as float16/bfloat16 rows w16 [N, ld] (ld: a multiple of 8,
+    K <= ld, zeros past K), exact integers: fq_gemm_into's weight operand."""
     cdef void *pt = P(tiles)
-    cdef void *po = P(out)
     cdef int d = DTYPES[dtype]
     cdef qd_status st
     with on_device(tiles.device):
         with nogil:
-            st = qd_cuda_fq_expand_weights(pt, N, K, bits, d, po, ld, NULL)
+            st = qd_cuda_fq_expand_weights(pt, N, K, bits, d, <void *>w16, ld, <void *>stream)
         _status(st, "fq_expand_weights")
-    return out
 
 
-def split_bf16(DeviceArray x):
-    """float32 x [rows, cols] -> its three bfloat16 parts [3 * rows, ld] (hi rows, then mid,
-    then lo; ld: cols rounded up to 8, zeros past cols)."""
-    rows, cols = x.shape
-    cdef int64_t r = rows, c = cols, ld = -(-cols // 8) * 8
-    out = empty((3 * rows, ld), "bfloat16", x.device)
-    cdef void *px = P(x)
-    cdef void *po = P(out)
+def split_bf16_into(uintptr_t x, int64_t rows, int64_t cols, int64_t ldx, uintptr_t parts, int64_t ld,
+                    int device, uintptr_t stream):
+    """float32 x [rows, cols] (rows ldx apart) -> its three bfloat16 parts [3 * rows, ld]
+    (hi rows, then mid, then lo; zeros past cols)."""
     cdef qd_status st
-    with on_device(x.device):
+    with on_device(device):
         with nogil:
-            st = qd_cuda_split_bf16(<float *>px, r, c, c, po, ld, NULL)
+            st = qd_cuda_split_bf16(<float *>x, rows, cols, ldx, <void *>parts, ld, <void *>stream)
         _status(st, "split_bf16")
-    return out
 
 
-def sum3(DeviceArray a, str out_dtype="float32"):
-    """float32 a [3 * rows, cols] -> a[:rows] + a[rows:2 rows] + a[2 rows:] as out_dtype."""
-    rows, cols = a.shape[0] // 3, a.shape[1]
-    out = empty((rows, cols), out_dtype, a.device)
-    cdef int64_t n = rows * cols
-    cdef void *pa = P(a)
-    cdef void *po = P(out)
+def sum3_into(uintptr_t a, int64_t n, uintptr_t out, str out_dtype, int device, uintptr_t stream):
+    """float32 a [3][n] -> out[i] = a[i] + a[n + i] + a[2n + i] as out_dtype."""
     cdef int od = DTYPES[out_dtype]
     cdef qd_status st
-    with on_device(a.device):
+    with on_device(device):
         with nogil:
-            st = qd_cuda_sum3_f32(<float *>pa, n, po, od, NULL)
+            st = qd_cuda_sum3_f32(<float *>a, n, <void *>out, od, <void *>stream)
         _status(st, "sum3")
-    return out
 
 
-def fq_gemm(DeviceArray x, DeviceArray w16, DeviceArray scales, int64_t block_n, int64_t block_k,
-            int64_t K, str out_dtype="float32"):
-    """x [M, K or more] @ (w16 [N, ld] * scales)^T -> out_dtype [M, N], x and w16 of one 16-bit
-    dtype, w16 from fq_expand_weights, scales [N/block_n, K/block_k] float32."""
-    x = _aligned_rows(x)
-    cdef int64_t m = x.shape[0], n = w16.shape[0], ld = w16.shape[1]
-    if x.shape[1] != ld or x.dtype != w16.dtype:
-        raise ValueError(f"fq_gemm: x {x.dtype} {x.shape} does not match the weight's rows {w16.dtype} {w16.shape}")
-    out = empty((m, n), out_dtype, x.device)
-    cdef void *px = P(x)
-    cdef void *pw = P(w16)
+def fq_gemm_into(uintptr_t x, uintptr_t w16, str dtype, int64_t m, int64_t N, int64_t K, int64_t ld,
+                 DeviceArray scales, int64_t block_n, int64_t block_k, uintptr_t out, str out_dtype,
+                 uintptr_t stream):
+    """out [m, N] (out_dtype) = x [m, ld] @ (w16 [N, ld] * scales)^T, x and w16 of one 16-bit
+    dtype on 16-byte bounds, zeros past K; w16 from fq_expand_weights_into, scales
+    [N/block_n, K/block_k] float32."""
     cdef void *ps = P(scales)
-    cdef void *po = P(out)
-    cdef int d = DTYPES[x.dtype], od = DTYPES[out_dtype]
+    cdef int d = DTYPES[dtype], od = DTYPES[out_dtype]
     cdef qd_status st
-    with on_device(x.device):
+    with on_device(scales.device):
         with nogil:
-            st = qd_cuda_fq_gemm(px, pw, d, m, n, K, ld, <float *>ps, block_n, block_k, po, od, NULL)
+            st = qd_cuda_fq_gemm(<void *>x, <void *>w16, d, m, N, K, ld, <float *>ps, block_n, block_k,
+                                 <void *>out, od, <void *>stream)
         _status(st, "fq_gemm")
-    return out
 
 
 def fq_matmul(DeviceArray x, DeviceArray tiles, DeviceArray scale_tiles, int bits, int64_t N,
               int64_t K, int64_t block_k, str out_dtype="float32"):
     """x [M, ldx] (float32/float16/bfloat16) @ dequantize(w [N, K])^T -> out_dtype [M, N];
     `tiles` from fq_tile_weights, `scale_tiles` from fq_tile_scales."""
-    x = _aligned_rows(x)  # rows are copied in aligned 16-byte pieces
+    x = aligned_rows(x)  # rows are copied in aligned 16-byte pieces
     # The call runs per decode step: no context-manager object, a direct allocation.
     cdef int device = x.buffer.device
     cdef int previous = _switch_device(device)

@@ -179,12 +179,11 @@ def _capturing(index, stream):
 
 
 def _matmul_captured(x, w, stream):
-    """x @ w while torch captures a CUDA graph: the decode kernel queued on torch's
-    capturing stream, reading x in place into an output torch allocates there.  Nothing
-    crosses, allocates on our side or waits, so the capture holds it.  The same kernel
-    as an eager call at every row count (eager calls of many rows may take a GEMM).
-    Eager calls keep crossing: a capsule for the output costs less host time than
-    torch.empty."""
+    """x @ w while torch captures a CUDA graph: the kernels an eager call runs (the
+    decode kernel, or at many rows the GEMM), queued on torch's capturing stream,
+    reading x in place into an output and temporaries torch allocates there.  Nothing
+    crosses, allocates on our side or waits, so the capture holds it.  Eager calls
+    keep crossing: a capsule for the output costs less host time than torch.empty."""
     index = x.get_device()
     backend = _cuda_ready.get(index) or _cuda_backend(index)
     call = backend.fq_prepared(w, lay_out=False)
@@ -203,10 +202,16 @@ def _matmul_captured(x, w, stream):
     out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
     if rows:
         pad = -K % (16 // x2.element_size())
-        if pad or x2.data_ptr() % 16:  # the kernel copies rows in aligned 16-byte pieces
+        if pad or x2.data_ptr() % 16:  # the kernels read rows in aligned 16-byte pieces
             x2 = torch.nn.functional.pad(x2, (0, pad)) if pad else x2.clone()
+        held = []  # the GEMM's temporaries, from the graph's pool: reused in the stream's order
+
+        def scratch(nbytes):
+            held.append(torch.empty(nbytes, dtype=torch.uint8, device=x.device))
+            return held[-1].data_ptr()
+
         backend.fq_matmul_into(call, x2.data_ptr(), _KERNEL_DTYPES[x.dtype], rows, x2.shape[1],
-                               out.data_ptr(), stream)
+                               out.data_ptr(), stream, scratch)
     return out.view(*x.shape[:-1], N)
 
 

@@ -449,15 +449,16 @@ def _cuda_qlinear(K, N, scheme, seed=0):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 16, 64, 300])
+@pytest.mark.parametrize("rows", [1, 16, 64, 300, 400])
 @pytest.mark.parametrize("scheme", list(GRAPH_SCHEMES))
-def test_cuda_qlinear_replays_inside_a_cuda_graph(scheme, rows, dtype):
+def test_cuda_qlinear_replays_inside_a_cuda_graph(monkeypatch, scheme, rows, dtype):
     """A QLinear captured in torch.cuda.graph, replayed on new inputs: each replay's
-    output is what the layer computes eagerly, bit for bit where eagerly it runs the
-    same decode kernel (below the rows where eager calls take the GEMM)."""
+    output is what the layer computes eagerly, bit for bit: the same kernels run,
+    the decode kernel or, from the backend's threshold of rows, the GEMM with its
+    temporaries from the graph's pool."""
     _needs_cuda()
-    if dtype != torch.bfloat16 and rows not in (1, 16):
-        pytest.skip("other dtypes at decode rows only")
+    if dtype != torch.bfloat16 and rows not in (1, 16, 400):
+        pytest.skip("other dtypes at 1, 16 and 400 rows only")
     K, N = (4096, 4096) if rows == 16 else (512, 384)  # 16 x 4096^2: splits of K in device memory
     layer = _cuda_qlinear(K, N, GRAPH_SCHEMES[scheme])
     static_x = torch.randn(rows, K, device="cuda", dtype=dtype)
@@ -465,19 +466,23 @@ def test_cuda_qlinear_replays_inside_a_cuda_graph(scheme, rows, dtype):
     with torch.no_grad():
         layer(static_x)  # warm-up: lays out the weight's tiles
         torch.cuda.synchronize()
+        from qdispatch import _cuda
+        gemm_calls, gemm = [], _cuda.fq_gemm_into
+        monkeypatch.setattr(_cuda, "fq_gemm_into", lambda *args: gemm_calls.append(args) or gemm(*args))
         with torch.cuda.graph(graph):
             static_y = layer(static_x)
+        monkeypatch.undo()
         _, backend = backend_for("cuda")
-        gemm = backend.fq_runs_as_gemm(backend.fq_prepared(layer.weight.T), rows, DTYPE_NAMES[dtype])
+        assert bool(gemm_calls) == backend.fq_runs_as_gemm(backend.fq_prepared(layer.weight.T), rows,
+                                                           DTYPE_NAMES[dtype])
+        if scheme == "int8 per channel" and rows >= 300:  # past every GPU's threshold of rows
+            assert gemm_calls, "the graph holds the decode kernel where eager calls take the GEMM"
         for seed in range(3):
             x = torch.randn(rows, K, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(seed))
             static_x.copy_(x)
             graph.replay()
             eager = layer(x)
-            if gemm:
-                torch.testing.assert_close(static_y, eager, rtol=2e-2, atol=2e-2)
-            else:
-                assert torch.equal(static_y, eager), f"replay {seed} differs from the eager call"
+            assert torch.equal(static_y, eager), f"replay {seed} differs from the eager call"
             want = x.float() @ dequantized(layer.weight).cuda().T + layer.bias.float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
             torch.testing.assert_close(static_y.float(), want, rtol=tol, atol=tol * 4)
@@ -539,12 +544,14 @@ def test_cuda_graph_capture_refuses_what_it_cannot_hold(case):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_captured_q_matmul_takes_any_row_layout(dtype):
-    """In a graph the decode kernel reads x in place: rows of any length and offset,
-    strided inputs, leading batch dims and empty batches give what eager calls give."""
+@pytest.mark.parametrize("batch", [6, 80])
+def test_cuda_captured_q_matmul_takes_any_row_layout(dtype, batch):
+    """In a graph the kernels read x in place: rows of any length and offset, strided
+    inputs, leading batch dims and empty batches give what eager calls give, on the
+    decode kernel and (4 x 80 rows) on the GEMM."""
     _needs_cuda()
     w = weight((37, 40), QuantScheme("q8s", axis=1), "cuda")
-    big = torch.randn(4, 6, 48, device="cuda", dtype=dtype)
+    big = torch.randn(4, batch, 48, device="cuda", dtype=dtype)
     layouts = (lambda: big[..., 1:38],                   # rows of 37 values, one value in: unaligned
                lambda: big[:, :, :37].transpose(0, 1),  # strided
                lambda: big[0, :5, 3:40].contiguous(),   # dense rows of 37 values

@@ -317,14 +317,19 @@ class CudaBackend(Backend):
         call = self.fq_prepared(w)
         if call is False:
             return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
-        decode, _, scales, bn = call
-        # batch-invariant: never the GEMM, whose sums would follow the rows' count
         if self.fq_runs_as_gemm(call, x.shape[0], x.dtype):
             if x.dtype != "float32":
-                return self._fq_gemm(x, decode, scales, bn, out_dtype)
-            # hi, mid and lo bf16 parts stacked as rows, their products added
-            return _cuda.sum3(self._fq_gemm(_cuda.split_bf16(x), decode, scales, bn, "float32"), out_dtype)
-        return _cuda.fq_matmul(x, *decode, out_dtype)
+                x = _cuda.aligned_rows(x)  # the GEMM reads whole 16-byte pieces of rows
+            out = _cuda.empty((x.shape[0], call[0][3]), out_dtype, x.device)
+            held = []  # temporaries, back to the block cache in our stream's order once this returns
+
+            def scratch(nbytes):
+                held.append(_cuda.empty((nbytes,), "int8", x.device))
+                return held[-1].ptr
+
+            self._fq_gemm_into(call, x.ptr, x.dtype, x.shape[0], x.shape[1], out.ptr, out_dtype, 0, scratch)
+            return out
+        return _cuda.fq_matmul(x, *call[0], out_dtype)
 
     def capturing(self, stream):
         """Whether another library's `stream` (a raw handle) is capturing a CUDA graph."""
@@ -334,19 +339,37 @@ class CudaBackend(Backend):
         """Whether fq_matmul runs `rows` rows of x_dtype x as a GEMM, given w's fq_prepared."""
         return rows >= call[1][x_dtype == "float32"] and not self._batch_invariant
 
-    def fq_matmul_into(self, call, x, x_dtype, rows, ldx, out, stream):
-        """The decode kernel's x @ w, w's fq_prepared `call`, on memory another library
-        owns (device addresses: x [rows, ldx] of x_dtype on 16-byte bounds, ldx * its
-        size a multiple of 16; out [rows, N] of x_dtype), queued on its `stream`.  It
-        neither allocates nor waits, so a CUDA graph can capture it; at any rows (a
-        GEMM would allocate)."""
-        _cuda.fq_matmul_into(x, x_dtype, rows, ldx, *call[0], out, x_dtype, stream)
+    def fq_matmul_into(self, call, x, x_dtype, rows, ldx, out, stream, scratch):
+        """fq_matmul's x @ w, w's fq_prepared `call`, on memory another library owns
+        (device addresses: x [rows, ldx] of x_dtype on 16-byte bounds, ldx * its size a
+        multiple of 16, zeros past K; out [rows, N] of x_dtype), queued on its `stream`,
+        with temporaries from `scratch(nbytes)` (an address, valid in that stream's
+        order).  Nothing here allocates or waits, so a CUDA graph can capture it; it
+        takes the decode kernel or the GEMM as fq_matmul does, so the two agree bit
+        for bit."""
+        if self.fq_runs_as_gemm(call, rows, x_dtype):
+            self._fq_gemm_into(call, x, x_dtype, rows, ldx, out, x_dtype, stream, scratch)
+        else:
+            _cuda.fq_matmul_into(x, x_dtype, rows, ldx, *call[0], out, x_dtype, stream)
 
-    def _fq_gemm(self, x, decode, scales, bn, out_dtype):
-        """fq as a GEMM on the weight's values expanded to x's 16-bit dtype."""
-        tiles, _, bits, N, K, bk = decode
-        w16 = _cuda.fq_expand_weights(tiles, N, K, bits, x.dtype)  # per call: the weight stays small
-        return _cuda.fq_gemm(x, w16, scales, bn, bk, K, out_dtype)
+    def _fq_gemm_into(self, call, x, x_dtype, rows, ldx, out, out_dtype, stream, scratch):
+        """fq as a GEMM on the weight's values expanded to 16 bits (a temporary: the
+        weight keeps its quantized size); float32 x as its hi, mid and lo bf16 parts
+        stacked as rows, their products added."""
+        (tiles, _, bits, N, K, bk), _, scales, bn = call
+        ld = _round_up(K, 8)
+        dtype = "bfloat16" if x_dtype == "float32" else x_dtype
+        w16 = scratch(N * ld * 2)
+        _cuda.fq_expand_weights_into(tiles, N, K, bits, dtype, w16, ld, stream)
+        if x_dtype != "float32":
+            if ldx != ld:
+                raise ValueError(f"fq's GEMM reads rows of x {ld} values apart (K = {K} rounded up to 8), got {ldx}")
+            _cuda.fq_gemm_into(x, w16, dtype, rows, N, K, ld, scales, bn, bk, out, out_dtype, stream)
+            return
+        parts, sums = scratch(3 * rows * ld * 2), scratch(3 * rows * N * 4)
+        _cuda.split_bf16_into(x, rows, K, ldx, parts, ld, tiles.device, stream)
+        _cuda.fq_gemm_into(parts, w16, dtype, 3 * rows, N, K, ld, scales, bn, bk, sums, "float32", stream)
+        _cuda.sum3_into(sums, rows * N, out, out_dtype, tiles.device, stream)
 
     def _fq_call(self, w):
         """fq_matmul's weight arguments for w: those of the decode kernel (the tiled
