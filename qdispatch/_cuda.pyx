@@ -205,18 +205,16 @@ cdef class on_device:
         self.index = index
 
     def __enter__(self):
-        _check(cudaGetDevice(&self.previous), "cudaGetDevice")
-        if self.previous != self.index:
-            _check(cudaSetDevice(self.index), f"cudaSetDevice({self.index})")
+        self.previous = _switch_device(self.index)
 
     def __exit__(self, *exc):
-        if self.previous != self.index:
-            cudaSetDevice(self.previous)
+        _restore_device(self.previous, self.index)
         return False
 
 
 cdef int _switch_device(int device) except -1:
-    """Makes `device` current and returns the device that was (on_device without an object)."""
+    """Makes `device` current and returns the device that was (on_device without an
+    object, for calls made per decode step)."""
     cdef int previous = 0
     _check(cudaGetDevice(&previous), "cudaGetDevice")
     if previous != device:

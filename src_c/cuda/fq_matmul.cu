@@ -804,7 +804,7 @@ qd_status stream_scratch(DeviceState &d, cudaStream_t s, size_t floats, StreamSc
         float *grown = nullptr;
         if ((st = qd::check(cudaMalloc(&grown, cap * sizeof(float)))) != QD_OK) return st;
         // cudaFree synchronizes (no launch still reads the old buffer), which a capture can't
-        if (sc->captured || capture != cudaStreamCaptureStatusNone) d.kept.push_back(sc->partial);
+        if (sc->partial && (sc->captured || capture != cudaStreamCaptureStatusNone)) d.kept.push_back(sc->partial);
         else if (sc->partial) cudaFree(sc->partial);
         sc->partial = grown;
         sc->cap = cap;
