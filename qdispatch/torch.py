@@ -42,8 +42,8 @@ from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
 from .io import load as load_tensors, save as save_tensors
-from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, KernelError,
-                     QDispatchError, QuantSchemeError, SerializationError, ShapeError)
+from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
+                     KernelError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
 from .scheme import QuantScheme, as_scheme
 
 __all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "save_model", "load_model",
@@ -138,11 +138,19 @@ def _operand(x, w, stream):
             return _from_torch_cuda(x.contiguous(), stream)
         except BackendUnavailableError as exc:
             reason = str(exc)
+    raise _mismatch(x, w, f"({reason})")
+
+
+def _mismatch(x, w, reason):
+    """The error for torch tensor x beside QTensor w on another device, as the
+    dispatcher words it, with `reason` (why it can't be moved here) after."""
     lhs, rhs = str(x.device), str(w.device)
-    move_x = "x.cpu()" if w.device.is_host else f"x.to({rhs!r})"
-    raise BackendMismatchError(
-        f"q_matmul inputs are on different backends: lhs is on {lhs!r}, rhs is on {rhs!r}. "
-        f"Move one operand first ({move_x} or w.to({lhs!r})). ({reason})")
+    move = f"Move one operand first ({'x.cpu()' if w.device.is_host else f'x.to({rhs!r})'} or w.to({lhs!r}))"
+    if x.is_cuda and not w.device.is_host:
+        return DeviceMismatchError(f"q_matmul inputs are on different devices of the cuda backend: lhs is on "
+                                   f"{lhs!r}, rhs is on {rhs!r}. {move}. {reason}")
+    return BackendMismatchError(f"q_matmul inputs are on different backends: lhs is on {lhs!r}, rhs is on "
+                                f"{rhs!r}. {move}. {reason}")
 
 
 def _dequantize_f64(w, device):
@@ -161,7 +169,10 @@ def _matmul(x, w):
     index = x.get_device()
     stream = _current_raw_stream(index)  # looked up once a call: each lookup costs host time
     on_x_gpu = not w.device.is_host and w.device.index == index
-    if on_x_gpu and _capturing(index, stream):
+    if _capturing(index, stream):
+        if not on_x_gpu:  # an eager call would move x or refuse; a graph can't hold the move
+            raise _mismatch(x, w, f"torch is capturing a CUDA graph on {x.device}, which can't hold "
+                                  f"a move between devices: place the weight on x's GPU before capturing.")
         return _matmul_captured(x, w, stream)
     y = _qd_matmul(_operand(x, w, stream), w, out_dtype=_KERNEL_DTYPES[x.dtype])
     return _to_torch_cuda(y, stream) if on_x_gpu else to_torch(y)  # else a transfer policy placed y

@@ -516,28 +516,44 @@ def test_cuda_graph_replays_beside_eager_calls_on_another_stream():
         assert torch.equal(got, want[1])
 
 
+_CAPTURE_REFUSALS = {
+    "not run yet": (qd.KernelError, "not been multiplied yet.*Run the model once before capturing"),
+    "blocks of 8 along K": (qd.KernelError, r"blocking along K \(8\) runs on the host"),
+    "weight on the CPU": (qd.BackendMismatchError,
+                          r"lhs is on 'cuda:0', rhs is on 'cpu'.*capturing a CUDA graph on cuda:0.*before capturing"),
+    "weight on another GPU": (qd.DeviceMismatchError,
+                              r"lhs is on 'cuda:0', rhs is on 'cuda:1'.*capturing a CUDA graph on cuda:0"),
+}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["not run yet", "blocks of 8 along K"])
+@pytest.mark.parametrize("case", list(_CAPTURE_REFUSALS))
 def test_cuda_graph_capture_refuses_what_it_cannot_hold(case):
     """A weight not multiplied yet (its first product lays out its tiles, and
-    synchronizes) or blocked along K too finely for the kernels (the host runs it):
-    a clear error, torch's capture ends cleanly, and the layer works after."""
+    synchronizes), blocked along K too finely for the kernels (the host runs it), or
+    on another device than x (a graph can't hold the move; the mismatch error comes
+    first, as an eager call raises it): a clear error, torch's capture ends cleanly,
+    and the layer works after."""
     _needs_cuda()
-    scheme = GRAPH_SCHEMES["int4 block 32"] if case == "not run yet" else QuantScheme("q8f", block=(1, 8))
+    if case == "weight on another GPU" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    scheme = QuantScheme("q8f", block=(1, 8)) if case == "blocks of 8 along K" else GRAPH_SCHEMES["int4 block 32"]
     layer = _cuda_qlinear(256, 128, scheme)
-    x = torch.randn(2, 256, device="cuda")
+    x = torch.randn(2, 256, device="cuda:0")
     graph, doubled = torch.cuda.CUDAGraph(), torch.empty_like(x)
-    says = "not been multiplied yet.*Run the model once before capturing" if case == "not run yet" \
-        else r"blocking along K \(8\) runs on the host"
+    error, says = _CAPTURE_REFUSALS[case]
     with torch.no_grad():
         if case != "not run yet":
-            layer(x)  # warmed up, yet still on the host
-        with pytest.raises(qd.KernelError, match=says):
+            layer(x)  # warmed up (blocked by 8 along K: still on the host)
+        if case.startswith("weight on"):
+            layer.weight = layer.weight.to("cpu" if case == "weight on the CPU" else "cuda:1")
+        with pytest.raises(error, match=says):
             with torch.cuda.graph(graph):
                 doubled.copy_(x * 2)
                 layer(x)
         graph.replay()  # the capture ended cleanly: what torch recorded runs
         torch.testing.assert_close(doubled, x * 2)
+        layer.weight = layer.weight.to("cuda:0")
         want = x @ dequantized(layer.weight).cuda().T + layer.bias
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
 
