@@ -225,6 +225,10 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
     // off the kernel to tell an sm_90a build from the empty ones (see probe()).
     __shared__ uint64_t full[STAGES], empty[STAGES];
     constexpr int TN = tile_n(GROUPED_), STAGE_BYTES = stage_bytes(GROUPED_);
+    // GROUPED: each consumer warpgroup's column scales of the block of K that ends,
+    // two buffers in turn (the barrier at one block's end then keeps the reads of
+    // the block before apart from the writes of the block after)
+    __shared__ __align__(16) float block_scales[GROUPED_ ? 2 * 2 * TN : 1];
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
 
@@ -287,6 +291,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         for (int i = 0; i < DR; ++i) d[i] = Sum(0);
         int stage = 0;
         uint32_t phase = 0;
+        int turn = 0;  // GROUPED: which block_scales buffer the next block's end takes
         for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
             int tm, tn, kt0, kt1;
             locate(t, tm, tn, kt0, kt1);
@@ -296,31 +301,36 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
             const int r0 = tm * BM + wg * WG_ROWS + warp * 16 + lane / 4;
             const int c0 = tn * TN + 2 * (lane % 4);
 
-            // The scales of those rows and columns (clamped to the last one) for the
-            // block of K holding byte k, loaded ahead so that their latency hides
-            // behind the wgmmas.
+            // The scales of those rows and columns (clamped to the last one), loaded
+            // ahead so that their latency hides behind the wgmmas.
             float sa[2], sb[TN / 8][2];
-            auto load_sb = [&](int64_t k) {
-                const int64_t kb = min(k, Kp - 1) / sc.b_bk;
+            if constexpr (SCALED && !GROUPED_) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    sa[h] = sc.a ? __ldg(sc.a + (unsigned)min(r0 + 8 * h, M - 1) / a_bm * sc.a_ld) : 1.0f;
 #pragma unroll
                 for (int j = 0; j < TN / 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        sb[j][e] = __ldg(sc.b + (unsigned)min(c0 + 8 * j + e, N - 1) / b_bn * sc.b_ld + kb);
-            };
-            if constexpr (SCALED) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    sa[h] = sc.a ? __ldg(sc.a + (unsigned)min(r0 + 8 * h, M - 1) / a_bm * sc.a_ld) : 1.0f;
-                load_sb((int64_t)kt0 * BK);
+                        sb[j][e] = __ldg(sc.b + (unsigned)min(c0 + 8 * j + e, N - 1) / b_bn * sc.b_ld);
             }
+            // GROUPED: each thread loads one column's scale of each block a block
+            // ahead (a tile's K range starts on a block), and the warpgroup shares
+            // them through shared memory as the block ends.
+            const int group_steps = GROUPED_ ? (int)sc.group_steps : 1;
+            int left = group_steps;  // wgmma steps left in this block of K
+            int block = GROUPED_ ? kt0 * (BK / KSTEP) / group_steps : 0;
+            const float *column_scales = nullptr;
+            float next_scale = 0.0f;
             if constexpr (GROUPED_) {
+                const int col = min(tn * TN + (int)(threadIdx.x % 128), N - 1);
+                column_scales = sc.b + (int64_t)((unsigned)col / b_bn) * sc.b_ld;
+                next_scale = __ldg(column_scales + min(block, (int)sc.b_ld - 1));
 #pragma unroll
                 for (int i = 0; i < DR; ++i) block_sums[i] = 0.0f;
             }
 
             int prev = 0;
-            int64_t step = (int64_t)kt0 * (BK / KSTEP);  // wgmma steps of this tile's K so far
             for (int kt = kt0; kt < kt1; ++kt) {
                 mbar_wait(&full[stage], phase);
                 const uint8_t *s = smem + stage * STAGE_BYTES;
@@ -329,21 +339,29 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
 #pragma unroll
                 for (int ks = 0; ks < BK / KSTEP; ++ks) {  // start field counts 16 bytes
                     if constexpr (GROUPED_) {
-                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, step % sc.group_steps != 0);
-                        if (++step % sc.group_steps == 0) {
+                        // a block's first step overwrites the sums of the block before
+                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, left != group_steps);
+                        if (--left == 0) {
                             // A block of K ends: its sums, scaled, go into block_sums as
                             // gemm_s8.cu's GROUPED adds them (steps past K add zeros).
+                            left = group_steps;
                             wgmma_commit();
                             wgmma_wait<0>();
                             fence_registers(d);
+                            float *shared = block_scales + (2 * (warpgroup - 1) + turn) * TN;
+                            turn ^= 1;
+                            shared[threadIdx.x % 128] = next_scale;
+                            // the warpgroup's 128 threads (barrier 0 is the whole block's)
+                            asm volatile("bar.sync %0, 128;\n" ::"r"(warpgroup) : "memory");
+                            next_scale = __ldg(column_scales + min(++block, (int)sc.b_ld - 1));
 #pragma unroll
-                            for (int j = 0; j < TN / 8; ++j)
+                            for (int j = 0; j < TN / 8; ++j) {
+                                const float2 pair = *reinterpret_cast<const float2 *>(shared + 8 * j + 2 * (lane % 4));
 #pragma unroll
                                 for (int e = 0; e < 4; ++e)
-                                    block_sums[4 * j + e] = __fadd_rn(
-                                        block_sums[4 * j + e],
-                                        __fmul_rn(__fmul_rn(sa[e >> 1], sb[j][e & 1]), d[4 * j + e]));
-                            load_sb(step * KSTEP);
+                                    block_sums[4 * j + e] = __fadd_rn(block_sums[4 * j + e],
+                                                                      __fmul_rn(e & 1 ? pair.y : pair.x, d[4 * j + e]));
+                            }
                             wgmma_fence();  // the registers read above before the next wgmma writes them
                         }
                     } else {
