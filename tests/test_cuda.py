@@ -450,20 +450,25 @@ def test_fq_gemm_at_few_rows(rng, monkeypatch, fq_gemm_calls, scheme, M):
     assert rel_err(decode, gemm) < FQ_TOL
 
 
-@pytest.mark.parametrize("scheme,block_k", [(GEMM_SCHEMES[0], 1024), (GEMM_SCHEMES[3], 128), (GEMM_SCHEMES[4], 32)],
-                         ids=["whole-K", "block-128", "block-32"])
-def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, block_k):
+@pytest.mark.parametrize("scheme,block_k,kind", [
+    (GEMM_SCHEMES[0], 1024, "whole_k"), (GEMM_SCHEMES[5], 1024, "whole_k_packed"),
+    (qd.QuantScheme("q8s", block=128), 128, "blocks_128"), (GEMM_SCHEMES[3], 128, "blocks_128_packed"),
+    (GEMM_SCHEMES[6], 64, "blocks_64_packed"), (GEMM_SCHEMES[4], 32, "fine_blocks_packed")],
+    ids=["whole-K", "whole-K-4-bit", "block-128", "block-128-4-bit", "block-64-2-bit", "block-32-4-bit"])
+def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, block_k, kind):
     """A prefill-sized bf16 x takes the GEMM from the backend's threshold of rows
-    on: FQ_GEMM_MIN_ROWS (144 rows over all of K, 384 with blocks of 64 or more), or
-    on an H100/H200, whose one-launch kernel for many rows leads further,
-    FQ_GEMM_MIN_ROWS_WIDE (257 over all of K, never with blocks).  Blocks of 32 never
-    take it."""
+    for its weight's blocks along K and bits on: FQ_GEMM_MIN_ROWS (144 rows over
+    all of K, 384 with blocks of 64 or more), or on an H100/H200, whose one-launch
+    kernel for many rows leads further, FQ_GEMM_MIN_ROWS_WIDE (over all of K, 257
+    rows of 8-bit weights and 640 of 4-bit ones; with blocks of 128, 384 and 1536;
+    never with finer blocks).  Blocks of 32 never take it."""
     from qdispatch import _cuda
     from qdispatch.backends import cuda as cuda_backend
     K, N = 1024, 200
-    rows = cuda_backend.fq_gemm_min_rows(block_k, K, _cuda.fq_wide_supported())
-    table = cuda_backend.FQ_GEMM_MIN_ROWS_WIDE if _cuda.fq_wide_supported() else cuda_backend.FQ_GEMM_MIN_ROWS
-    assert rows == {1024: table["whole_k"], 128: table["blocks"], 32: None}[block_k]
+    wide = _cuda.fq_wide_supported()
+    assert cuda_backend.fq_gemm_kind(block_k, K, scheme.bits) == kind
+    rows = cuda_backend.fq_gemm_min_rows(block_k, K, scheme.bits, wide)
+    assert rows == (cuda_backend.FQ_GEMM_MIN_ROWS_WIDE if wide else cuda_backend.FQ_GEMM_MIN_ROWS)[kind]
     wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
     for M in (rows - 1, rows) if rows else (600,):
         x = rng.standard_normal((M, K)).astype(np.float32)

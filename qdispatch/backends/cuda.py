@@ -39,27 +39,37 @@ _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 
 
 # From how many rows of x fq runs as a GEMM on the weight's values expanded to
-# 16 bits, by the weight's scale blocks along K: one block over all of K, blocks of
-# 64 values or more, finer blocks (None: never; a block's sums are scaled as it
-# ends, which the GEMM does at a cost).  Below that, fq runs as decode launches of
-# 32 rows (16 of float32 x) that each stream the whole weight, or, for more than 40
-# rows of 16-bit x on an H100/H200 (_cuda.fq_wide_supported), as one launch that
-# streams it once per 64 rows, which beats the GEMM further (FQ_GEMM_MIN_ROWS_WIDE:
-# with scales over all of K up to 256 rows, where its splits of K still meet in
-# clusters; at 256 rows it took 34 us at 4096^2 against the GEMM's 49, and 94
-# against 93 at N = 11008).
-# Measured on an H200 at K = 4096, N = 4096 and 11008 (benchmarks/cuda_notes.md).
+# 16 bits (None: never), by the weight's scale blocks along K (one over all of K,
+# blocks of 128 values or more, of 64 or more, finer ones: the GEMM handles a
+# block's end at a cost) and its bits (8, or 4 and 2: "packed").  Below that, fq
+# runs as decode launches of 32 rows (16 of float32 x) that each stream the whole
+# weight (FQ_GEMM_MIN_ROWS; measured with 8-bit weights), or, for more than 40 rows
+# of 16-bit x on an H100/H200 (_cuda.fq_wide_supported), as one launch that streams
+# it once per 64 rows, which leads the GEMM further (FQ_GEMM_MIN_ROWS_WIDE).  The
+# one launch's cost follows the weight's bytes and the GEMM's does not, so packed
+# weights keep the one launch longer: over all of K up to 256 rows of 8-bit weights
+# (34 us at 4096^2 against the GEMM's 49) and 639 of 4-bit ones (42 against 60 at
+# 512 rows); with blocks of 128 or more up to 383 and 1535 rows; with blocks of 64
+# at every row count measured (up to 4096).  Each threshold is where a Llama-7B
+# block's linear layers (K = N = 4096; K = 4096, N = 11008; K = 11008, N = 4096)
+# take least time in all, measured on an H200 (benchmarks/cuda_notes.md).
 # float32 x is cut into three bfloat16 parts, for the GEMM as for the decode kernel.
-FQ_GEMM_MIN_ROWS = {"whole_k": 144, "blocks": 384, "fine_blocks": None}
-FQ_GEMM_MIN_ROWS_WIDE = {"whole_k": 257, "blocks": None, "fine_blocks": None}
+FQ_GEMM_MIN_ROWS = {"whole_k": 144, "whole_k_packed": 144, "blocks_128": 384, "blocks_128_packed": 384,
+                    "blocks_64": 384, "blocks_64_packed": 384, "fine_blocks": None, "fine_blocks_packed": None}
+FQ_GEMM_MIN_ROWS_WIDE = {"whole_k": 257, "whole_k_packed": 640, "blocks_128": 384, "blocks_128_packed": 1536,
+                         "blocks_64": None, "blocks_64_packed": None, "fine_blocks": None, "fine_blocks_packed": None}
 
 
-def fq_gemm_min_rows(block_k, K, wide=False):
+def fq_gemm_kind(block_k, K, bits):
+    """The key of fq_gemm_min_rows's tables for a weight."""
+    blocks = "whole_k" if block_k == K else "blocks_128" if block_k >= 128 else "blocks_64" if block_k >= 64 \
+        else "fine_blocks"
+    return blocks + ("_packed" if bits < 8 else "")
+
+
+def fq_gemm_min_rows(block_k, K, bits, wide=False):
     """The rows of x from which fq runs as a GEMM, or None."""
-    table = FQ_GEMM_MIN_ROWS_WIDE if wide else FQ_GEMM_MIN_ROWS
-    if block_k == K:
-        return table["whole_k"]
-    return table["blocks" if block_k >= 64 else "fine_blocks"]
+    return (FQ_GEMM_MIN_ROWS_WIDE if wide else FQ_GEMM_MIN_ROWS)[fq_gemm_kind(block_k, K, bits)]
 
 
 def _build_reason():
@@ -388,7 +398,8 @@ class CudaBackend(Backend):
         w.storage.release_values(_StoreFromTiles(tiles, w.layout, N, K, flip=not w.transposed))
         # for (16-bit x, float32 x)
         gemm_rows = tuple(float("inf") if rows is None else rows
-                          for rows in (fq_gemm_min_rows(bk, K, _cuda.fq_wide_supported()), fq_gemm_min_rows(bk, K)))
+                          for rows in (fq_gemm_min_rows(bk, K, bits, _cuda.fq_wide_supported()),
+                                       fq_gemm_min_rows(bk, K, bits)))
         return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), gemm_rows, scales, bn)
 
     def _fq_on_host(self, x, w):
