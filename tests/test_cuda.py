@@ -453,15 +453,17 @@ def test_fq_gemm_at_few_rows(rng, monkeypatch, fq_gemm_calls, scheme, M):
 @pytest.mark.parametrize("scheme,block_k,kind", [
     (GEMM_SCHEMES[0], 1024, "whole_k"), (GEMM_SCHEMES[5], 1024, "whole_k_packed"),
     (qd.QuantScheme("q8s", block=128), 128, "blocks_128"), (GEMM_SCHEMES[3], 128, "blocks_128_packed"),
-    (GEMM_SCHEMES[6], 64, "blocks_64_packed"), (GEMM_SCHEMES[4], 32, "fine_blocks_packed")],
-    ids=["whole-K", "whole-K-4-bit", "block-128", "block-128-4-bit", "block-64-2-bit", "block-32-4-bit"])
+    (qd.QuantScheme("q8s", block=64), 64, "blocks_64"), (GEMM_SCHEMES[6], 64, "blocks_64_packed"),
+    (GEMM_SCHEMES[4], 32, "fine_blocks_packed")],
+    ids=["whole-K", "whole-K-4-bit", "block-128", "block-128-4-bit", "block-64", "block-64-2-bit", "block-32-4-bit"])
 def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, block_k, kind):
     """A prefill-sized bf16 x takes the GEMM from the backend's threshold of rows
     for its weight's blocks along K and bits on: FQ_GEMM_MIN_ROWS (144 rows over
     all of K, 384 with blocks of 64 or more), or on an H100/H200, whose one-launch
     kernel for many rows leads further, FQ_GEMM_MIN_ROWS_WIDE (over all of K, 257
     rows of 8-bit weights and 640 of 4-bit ones; with blocks of 128, 384 and 1536;
-    never with finer blocks).  Blocks of 32 never take it."""
+    with blocks of 64, 2048 rows of 8-bit weights, never 4- or 2-bit ones).  Blocks of
+    32 never take it."""
     from qdispatch import _cuda
     from qdispatch.backends import cuda as cuda_backend
     K, N = 1024, 200
