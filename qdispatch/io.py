@@ -254,20 +254,37 @@ def load(path, device=None):
     the file straight into its own array, so loading holds no second copy of the
     file in memory (and needs no package beyond numpy)."""
     dev, _ = backend_for(device) if device is not None else (None, None)
+    with reading(path) as stored:
+        return {name: stored.decode(name, dev) for name in stored.records}
+
+
+@contextlib.contextmanager
+def reading(path):
+    """A file written by `save`, open for reading one tensor at a time (a
+    `StoredFile`), so that a loader holds one tensor's bytes at a time."""
     with open(path, "rb") as f:
+        yield StoredFile(path, f)
+
+
+class StoredFile:
+    """An open file written by `save`: `records` ({name: its record}) and
+    `decode(name, dev)` for one tensor, as `load` returns it."""
+
+    def __init__(self, path, f):
         header, data_size, data_start = _read_header(path, f)
-        records = _metadata(path, header)
-        _check_complete(path, header, data_size, records)
-        entries = _Entries(f, header, data_start, data_size)
-        out = {}
-        for name, record in records.items():
-            try:
-                out[name] = _decode(name, record, entries, dev)
-            except SerializationError:
-                raise
-            except (QDispatchError, ValueError, TypeError, LookupError) as exc:  # a record that lies
-                raise SerializationError(f"Can't load tensor {name!r} from {path}: {exc}") from exc
-    return out
+        self.path, self.records = path, _metadata(path, header)
+        _check_complete(path, header, data_size, self.records)
+        self._entries = _Entries(f, header, data_start, data_size)
+
+    def decode(self, name, dev):
+        """Tensor `name` read from the file, on qdispatch device `dev` (None: the
+        default backend)."""
+        try:
+            return _decode(name, self.records[name], self._entries, dev)
+        except SerializationError:
+            raise
+        except (QDispatchError, ValueError, TypeError, LookupError) as exc:  # a record that lies
+            raise SerializationError(f"Can't load tensor {name!r} from {self.path}: {exc}") from exc
 
 
 def _is_count(n):

@@ -41,7 +41,7 @@ import torch
 from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
-from .io import load as load_tensors, save as save_tensors
+from .io import reading as read_stored, save as save_tensors
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
                      KernelError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
 from .scheme import QuantScheme, as_scheme
@@ -400,9 +400,12 @@ class QLinear(torch.nn.Module):
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight
         # lands on the device of the weight it replaces.
-        weight = tensor_api.qtensor_from_stored(
-            state["qvalues"].cpu().numpy(), state["qscales"].cpu().numpy(),
-            QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)
+        if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
+            weight = state.read(self.weight.device)
+        else:
+            weight = tensor_api.qtensor_from_stored(
+                state["qvalues"].cpu().numpy(), state["qscales"].cpu().numpy(),
+                QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)
         if weight.shape != self.weight.shape:
             raise ShapeError(f"QLinear state holds a weight of shape {weight.shape}, but this layer's "
                              f"is {self.weight.shape}")
@@ -503,23 +506,39 @@ def load_model(model, path):
     """Fill `model` from a `save_model` file and return it.  The model must have the
     saved structure, its QLinears included: build it (on torch's meta device, to
     hold no float weights) and run `quantize_linears` with the saved scheme first.
-    Quantized weights land where each QLinear's weight is; a model on the meta
+    Quantized weights land where each QLinear's weight is, each read from the file
+    as its layer loads, so the host holds one of them at a time (a weight whose
+    bytes are corrupted raises SerializationError with the layers before it loaded,
+    as torch's load_state_dict leaves a model on an error); a model on the meta
     device takes the loaded tensors as they are (`load_state_dict(assign=True)`)."""
     qlinears = _qlinears(model)
     state = {}
-    for key, value in load_tensors(path, device="reference").items():  # the stored parts, as they are
-        prefix, _, leaf = key.rpartition(".")
-        if isinstance(value, QTensor):
-            if leaf != "weight" or prefix not in qlinears:
-                raise SerializationError(
-                    f"{path}: {key!r} is a quantized weight, but {prefix or 'the model'!r} is not a QLinear "
-                    f"of this model: run quantize_linears(model, scheme) before load_model")
-            state[_joined(prefix, "_extra_state")] = _stored_weight(value)
-        else:
-            state[key] = to_torch(value) if isinstance(value, Tensor) else torch.from_numpy(value)
-    empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-    model.load_state_dict(state, assign=empty)
+    with read_stored(path) as stored:
+        for key, record in stored.records.items():
+            prefix, _, leaf = key.rpartition(".")
+            if record.get("kind") == "qtensor":
+                if leaf != "weight" or prefix not in qlinears:
+                    raise SerializationError(
+                        f"{path}: {key!r} is a quantized weight, but {prefix or 'the model'!r} is not a QLinear "
+                        f"of this model: run quantize_linears(model, scheme) before load_model")
+                state[_joined(prefix, "_extra_state")] = _WeightInFile(stored, key)
+            else:
+                value = stored.decode(key, Device.parse("reference"))  # a bias or buffer, as stored
+                state[key] = to_torch(value) if isinstance(value, Tensor) else torch.from_numpy(value)
+        empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+        model.load_state_dict(state, assign=empty)
     return model
+
+
+class _WeightInFile:
+    """A QLinear's quantized weight in an open `save_model` file, read when its
+    layer loads it (QLinear.set_extra_state), straight onto the layer's device."""
+
+    def __init__(self, stored, name):
+        self.stored, self.name = stored, name
+
+    def read(self, device):
+        return self.stored.decode(self.name, device)
 
 
 def _qlinears(model):

@@ -585,6 +585,48 @@ def test_cuda_captured_q_matmul_takes_any_row_layout(dtype, batch):
             assert torch.equal(got, q_matmul(x(), w))
 
 
+def test_load_model_holds_one_quantized_weight_at_a_time(tmp_path):
+    """load_model reads each QLinear's weight from the file as its layer loads it,
+    so the host holds one weight's stored values at a time, not the whole model's."""
+    pytest.importorskip("safetensors")
+    import tracemalloc
+    scheme = QuantScheme("q4s", block=(1, 64), store="packed_u32")
+    layers, K = 12, 1024  # one weight's decode takes about three weights' bytes a moment
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(K, K, bias=False) for _ in range(layers)])
+
+    source = quantize_linears(build(), scheme)
+    path = tmp_path / "model.safetensors"
+    save_model(source, path)
+    with torch.device("meta"):
+        model = quantize_linears(build(), scheme)
+    tracemalloc.start()
+    try:
+        load_model(model, path)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    one_weight = K * K  # its values as int8, what a QTensor's stored values take on the host
+    assert peak - held < 6 * one_weight, f"load_model held {(peak - held) / one_weight:.1f} weights at once"
+    x = torch.randn(3, K)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
+
+
+def test_load_model_names_a_corrupted_weight(tmp_path):
+    pytest.importorskip("safetensors")
+    scheme = QuantScheme("q8s", axis=0)
+    path = tmp_path / "model.safetensors"
+    save_model(quantize_linears(_model(), scheme), path)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40  # a bit flip inside the last entry's data
+    path.write_bytes(bytes(raw))
+    with pytest.raises(qd.SerializationError, match=r"Tensor '[\w.]+': the bytes of .* are corrupted"):
+        load_model(quantize_linears(_model(), scheme), path)
+
+
 def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):
     pytest.importorskip("safetensors")
     path = tmp_path / "model.safetensors"
