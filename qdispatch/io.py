@@ -1,5 +1,5 @@
-"""Saving and loading tensors in the safetensors format (saving needs the optional
-extra `io`; loading reads the format itself).
+"""Saving and loading tensors in the safetensors format (written and read here,
+with numpy only).
 
     qdispatch.save("model.safetensors", {"w": qtensor, "b": tensor, "meta": ndarray})
     tensors = qdispatch.load("model.safetensors", device="cpu")
@@ -58,15 +58,6 @@ _SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 _TENSOR_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "int32": "I32"}
 
 
-def _safetensors():
-    try:
-        import safetensors
-    except ImportError:
-        raise ImportError("Saving needs the safetensors package: "
-                          "pip install 'qdispatch[io]'") from None
-    return safetensors
-
-
 # ---- atomic writes -------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -102,7 +93,7 @@ def _fsync_dir(folder):
 # ---- encoding --------------------------------------------------------------------
 
 def _little_endian(a):
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # ascontiguousarray would make a 0-d array 1-d
     if sys.byteorder == "big" and a.dtype.itemsize > 1:
         a = a.astype(a.dtype.newbyteorder("<"))
     return a
@@ -132,34 +123,45 @@ def _encode_scales(name, scales, scale_dtype):
     return stored
 
 
-def _encode(name, obj):
-    """(record, {entry key: (safetensors dtype code, little-endian array)})."""
+def _stored_shapes(scheme, layout):
+    """The shapes of a QTensor's two entries, in storage orientation: its values
+    (int8, or uint32 words packed along the last dim) and its scale grid."""
+    values = tuple(layout.shape)
+    if scheme.store == "packed_u32":
+        values = values[:-1] + (-(-values[-1] // (32 // scheme.bits)),)
+    return values, tuple(layout.grid)
+
+
+def _plan(name, obj):
+    """(record, [(entry key, dtype code, shape)], fetch) for one object: what its
+    entries hold, known before any of its bytes are fetched, and fetch() -> their
+    little-endian arrays in that order (a device tensor comes to the host only as
+    it is written)."""
     if isinstance(obj, QTensor):
-        values, scales, scheme, transposed = qtensor_stored(obj)
-        if scheme.store == "packed_u32":
-            values, vcode = quantmath.pack_u32(values, scheme.bits), "U32"
-        else:
-            vcode = "I8"
-        entries = {name + _SUFFIXES[0]: (vcode, _little_endian(values)),
-                   name + _SUFFIXES[1]: (_SCALE_CODES[scheme.scale_dtype],
-                                         _little_endian(_encode_scales(name, scales, scheme.scale_dtype)))}
+        scheme = obj.layout.scheme  # in storage orientation, as the bytes are (obj.scheme is logical)
+        packed = scheme.store == "packed_u32"
+        values_shape, scales_shape = _stored_shapes(scheme, obj.layout)
+        entries = [(name + _SUFFIXES[0], "U32" if packed else "I8", values_shape),
+                   (name + _SUFFIXES[1], _SCALE_CODES[scheme.scale_dtype], scales_shape)]
+
+        def fetch():
+            values, scales, _, _ = qtensor_stored(obj)
+            if packed:
+                values = quantmath.pack_u32(values, scheme.bits)
+            return [_little_endian(values), _little_endian(_encode_scales(name, scales, scheme.scale_dtype))]
         record = {"kind": "qtensor", "scheme": scheme.to_record(), "shape": list(obj.shape),
-                  "transposed": transposed}
-    elif isinstance(obj, Tensor):
-        raw, _, _ = tensor_stored(obj)
-        entries = {name: (_TENSOR_CODES[obj.dtype], _little_endian(raw))}
-        record = {"kind": "tensor", "dtype": obj.dtype}
-    elif isinstance(obj, np.ndarray):
+                  "transposed": bool(obj.transposed)}
+        return record, entries, fetch
+    if isinstance(obj, Tensor):
+        return ({"kind": "tensor", "dtype": obj.dtype}, [(name, _TENSOR_CODES[obj.dtype], tuple(obj.shape))],
+                lambda: [_little_endian(tensor_stored(obj)[0])])
+    if isinstance(obj, np.ndarray):
         code = _CODE_OF_NUMPY.get(obj.dtype.newbyteorder("="))
         if code is None:
             raise TypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
-        entries = {name: (code, _little_endian(obj))}
-        record = {"kind": "array"}
-    else:
-        raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: "
-                        f"expected a QTensor, a Tensor or a numpy array")
-    record["crc32"] = [_crc(a) for _, a in entries.values()]
-    return record, entries
+        return {"kind": "array"}, [(name, code, obj.shape)], lambda: [_little_endian(obj)]
+    raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: "
+                    f"expected a QTensor, a Tensor or a numpy array")
 
 
 def _entry_keys(name, record):
@@ -168,31 +170,50 @@ def _entry_keys(name, record):
 
 def save(path, tensors):
     """Write `{name: QTensor | Tensor | ndarray}` to `path` as one safetensors
-    file, atomically.  `qdispatch.load` reads it back bit for bit."""
-    st = _safetensors()
+    file, atomically.  `qdispatch.load` reads it back bit for bit.  Tensors are
+    fetched and written one at a time, so the host holds one tensor's bytes at a
+    time (a model on the GPU is never on the host whole)."""
     if not isinstance(tensors, Mapping):
         raise TypeError(f"save expects a dict of name -> tensor, got {type(tensors).__name__}")
-    records, entries = {}, {}
+    plans, keys = [], set()
     for name, obj in tensors.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"Tensor names must be non-empty strings, got {name!r}")
-        record, own = _encode(name, obj)
-        for key in own:
-            if key in entries or (key != name and key in tensors):
+        record, entries, fetch = _plan(name, obj)
+        for key, _, _ in entries:
+            if key in keys or (key != name and key in tensors):
                 raise SerializationError(
                     f"Can't save tensor {name!r}: its entry {key!r} collides with another name; rename one")
-        records[name] = record
-        entries.update(own)
-    specs = {key: st.TensorSpec(dtype=_spec_dtype(code, a), shape=list(a.shape),
-                                data_ptr=a.ctypes.data, data_len=a.nbytes)
-             for key, (code, a) in entries.items()}
+            keys.add(key)
+        plans.append((record, entries, fetch))
+    header, offset = {}, 0
+    for _, entries, _ in plans:
+        for key, code, shape in entries:
+            end = offset + math.prod(shape) * np.dtype(_NUMPY_OF[code]).itemsize
+            header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+    records = {name: record for name, (record, _, _) in zip(tensors, plans)}
+    for record, entries, _ in plans:
+        record["crc32"] = [0xFFFFFFFF] * len(entries)  # the widest CRC: the header's room is reserved
+    room = -(-len(_header_json(header, records)) // 8) * 8  # safetensors pads its header to 8 bytes
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.seek(8 + room)
+        for record, entries, fetch in plans:
+            arrays = fetch()
+            for (key, code, shape), a in zip(entries, arrays):
+                if a.dtype.str != np.dtype(_NUMPY_OF[code]).newbyteorder("<").str or a.shape != tuple(shape):
+                    raise RuntimeError(f"qdispatch bug: entry {key!r} holds {a.dtype}{a.shape}, "
+                                       f"planned {code}{list(shape)}")
+                f.write(memoryview(a).cast("B") if a.nbytes else b"")
+            record["crc32"] = [_crc(a) for a in arrays]
+            del arrays  # before the next tensor's bytes arrive
+        f.seek(0)
+        f.write(room.to_bytes(8, "little") + _header_json(header, records).ljust(room, b" "))
+
+
+def _header_json(header, records):
     metadata = {_VERSION_KEY: str(FORMAT_VERSION), _TENSORS_KEY: json.dumps(records)}
-    with atomic_path(path) as tmp:
-        st.serialize_file(specs, tmp, metadata=metadata)
-
-
-def _spec_dtype(code, array):
-    return "bfloat16" if code == "BF16" else array.dtype.name
+    return json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
 
 
 # ---- decoding ----------------------------------------------------------------------
@@ -353,17 +374,16 @@ def _decode_qtensor(name, record, entries, dev, crcs):
     transposed = bool(record["transposed"])
     layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
     vkey, skey = _entry_keys(name, record)
+    values_shape, scales_shape = _stored_shapes(scheme, layout)
     if scheme.store == "packed_u32":
-        per_word = 32 // scheme.bits
-        words_shape = layout.shape[:-1] + (-(-layout.shape[-1] // per_word),)
-        words = entries.read(name, vkey, "U32", words_shape, crcs[0])
+        words = entries.read(name, vkey, "U32", values_shape, crcs[0])
         values = quantmath.unpack_u32(words, scheme.bits, layout.shape[-1])
         if not np.array_equal(quantmath.pack_u32(values, scheme.bits), words):
             raise SerializationError(
                 f"Tensor {name!r}: packed words have bits set outside their {layout.shape[-1]} values")
     else:
-        values = entries.read(name, vkey, "I8", layout.shape, crcs[0])
-    raw = entries.read(name, skey, _SCALE_CODES[scheme.scale_dtype], layout.grid, crcs[1])
+        values = entries.read(name, vkey, "I8", values_shape, crcs[0])
+    raw = entries.read(name, skey, _SCALE_CODES[scheme.scale_dtype], scales_shape, crcs[1])
     scales = (quantmath.bf16_bits_to_f32(raw) if scheme.scale_dtype == "bf16"
               else raw.astype(np.float32))
     if not np.all(np.isfinite(scales)):
