@@ -35,6 +35,8 @@ Tensors or arrays (F32, F16, BF16), atomically.  Anything else raises
 Only tensors cross; GGUF key-value metadata other than the architecture is not
 read or written.
 """
+import math
+
 import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
@@ -100,6 +102,7 @@ _QUANT_TYPES = {
 }
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _FLOAT_TYPE_OF = {v: k for k, v in _FLOAT_TYPES.items()}
+_FLOAT_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 # ---- load ------------------------------------------------------------------------
@@ -149,8 +152,10 @@ def _quant_type(q):
     return {8: "Q8_0", 4: "Q4_0"}.get(scheme.bits)
 
 
-def _encode(name, obj):
-    """(array, ggml type name) as the gguf writer takes them."""
+def _plan(name, obj):
+    """(byte-or-value shape, numpy dtype, ggml type name, fetch) for one object:
+    what the gguf writer is told before any bytes are fetched (every check is
+    here), and fetch() -> the array it writes."""
     if isinstance(obj, QTensor):
         kind = _quant_type(obj)
         if kind is None:
@@ -159,40 +164,54 @@ def _encode(name, obj):
                 f"QuantScheme('q8s' or 'q8f', block=32, scale_dtype='f16'), Q4_0 needs "
                 f"QuantScheme('q4f', block=32, store='packed_u32', scale_dtype='f16'); "
                 f"or export its dequantize() as F32")
-        values, scales = qtensor_host(obj)
-        encode = _QUANT_TYPES[kind][3]
-        return _join_blocks(scales, encode(np.ascontiguousarray(values)), obj.shape), kind
+        _, block_bytes, _, encode = _QUANT_TYPES[kind]
+        shape = tuple(obj.shape[:-1]) + (obj.shape[-1] // BLOCK * block_bytes,)
+
+        def fetch():
+            values, scales = qtensor_host(obj)
+            return _join_blocks(scales, encode(np.ascontiguousarray(values)), obj.shape)
+        return shape, np.dtype(np.uint8), kind, fetch
     if isinstance(obj, Tensor):
-        dtype, data = obj.dtype, get_backend(obj.kind).to_host(obj.payload)
+        dtype, fetch = obj.dtype, lambda: get_backend(obj.kind).to_host(obj.payload)
     elif isinstance(obj, np.ndarray):
-        dtype, data = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(obj.dtype), obj
+        dtype, fetch = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(obj.dtype), lambda: obj
     else:
         raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected a QTensor, "
                         f"a Tensor or a numpy array")
     if dtype not in _FLOAT_TYPE_OF:
         raise SerializationError(f"Can't export tensor {name!r} of dtype {dtype or obj.dtype}: GGUF "
                                  f"export takes float32, float16 or bfloat16 data")
-    data = np.ascontiguousarray(data)
-    if data.ndim == 0:
+    if len(obj.shape) == 0:
         raise SerializationError(f"Can't export tensor {name!r}: GGUF tensors need at least one dim")
     if dtype == "bfloat16":  # raw 16-bit patterns, handed over as bytes
-        data = data.view(np.uint8).reshape(data.shape[:-1] + (-1,))
-    return data, _FLOAT_TYPE_OF[dtype]
+        shape = tuple(obj.shape[:-1]) + (obj.shape[-1] * 2,)
+        return shape, np.dtype(np.uint8), "BF16", lambda: np.ascontiguousarray(fetch()).view(np.uint8).reshape(shape)
+    return tuple(obj.shape), np.dtype(_FLOAT_DTYPES[dtype]), _FLOAT_TYPE_OF[dtype], \
+        lambda: np.ascontiguousarray(fetch())
 
 
 def export(path, tensors, arch="qdispatch"):
     """Write `{name: QTensor | Tensor | ndarray}` to a GGUF file, atomically.
-    `arch` is written as general.architecture."""
+    `arch` is written as general.architecture.  Every tensor is checked first;
+    then they are fetched and written one at a time, so the host holds one
+    tensor's bytes at a time (a model on the GPU is never on the host whole)."""
     gguf = _gguf()
-    encoded = [(name, *_encode(name, obj)) for name, obj in tensors.items()]  # all checks first
+    plans = [(name, *_plan(name, obj)) for name, obj in tensors.items()]  # all checks first
     with atomic_path(path) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         try:
-            for name, data, kind in encoded:
-                raw = gguf.GGMLQuantizationType[kind]
-                writer.add_tensor(name, data, raw_dtype=raw if data.dtype == np.uint8 else None)
+            for name, shape, dtype, kind, _ in plans:
+                raw = gguf.GGMLQuantizationType[kind] if dtype == np.uint8 else None
+                writer.add_tensor_info(name, shape, dtype, math.prod(shape) * dtype.itemsize, raw_dtype=raw)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
+            writer.write_ti_data_to_file()
+            for name, shape, dtype, _, fetch in plans:
+                data = fetch()
+                if data.shape != shape or data.dtype != dtype:
+                    raise RuntimeError(f"qdispatch bug: tensor {name!r} holds {data.dtype}{data.shape}, "
+                                       f"planned {dtype}{shape}")
+                writer.write_tensor_data(data)
+                del data  # before the next tensor's bytes arrive
         finally:
             writer.close()

@@ -1,4 +1,4 @@
-"""Error measures shared by the tests."""
+"""Error measures and probes shared by the tests."""
 import numpy as np
 
 
@@ -39,3 +39,16 @@ def run_python(*args, **env):
     where = os.path.dirname(os.path.dirname(os.path.abspath(qdispatch.__file__)))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
                           cwd=where, env={**os.environ, "PYTHONPATH": where, **env})
+
+
+def transient_bytes(fn):
+    """Host memory that fn() takes while it runs and gives back by its end (tracemalloc's
+    peak less what is still held), e.g. what a writer holds of its tensors at once."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        fn()
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - held

@@ -10,6 +10,7 @@ gguf = pytest.importorskip("gguf")
 import qdispatch as qd  # noqa: E402
 from qdispatch import QuantScheme, SerializationError  # noqa: E402
 from qdispatch import gguf as qgguf  # noqa: E402
+from helpers import transient_bytes  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
@@ -158,3 +159,21 @@ def test_export_rejects_schemes_without_a_gguf_type(tmp_path):
     with pytest.raises(SerializationError, match="'i'.*int8"):
         qgguf.export(tmp_path / "o.gguf", {"i": qd.tensor(np.zeros(4, np.int8), device="reference")})
     assert os.listdir(tmp_path) == []
+
+
+def test_export_holds_one_tensor_at_a_time(tmp_path):
+    """export checks every tensor, then fetches and writes them one at a time:
+    exporting many costs the host no more than exporting one (before, every
+    tensor's blocks were gathered first)."""
+    scheme = FITTING["Q4_0"][0]
+    weights = {f"w{i}": qd.quantize(np.random.default_rng(i).standard_normal((256, 1024)).astype(np.float32),
+                                    scheme, device="reference") for i in range(24)}
+
+    def transient(items):
+        return transient_bytes(lambda: qgguf.export(tmp_path / "o.gguf", items))
+
+    one_weight = 256 * 1024 // 32 * 18  # its Q4_0 blocks
+    many = transient(weights)
+    back = qgguf.load(tmp_path / "o.gguf", device="reference")
+    np.testing.assert_array_equal(back["w23"].values, weights["w23"].values)
+    assert many < transient({"w0": weights["w0"]}) + 2 * one_weight

@@ -10,6 +10,7 @@ import pytest
 import qdispatch as qd
 from qdispatch import QuantScheme, SerializationError
 from qdispatch import io as qio
+from helpers import transient_bytes
 
 HOST_DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
 
@@ -296,18 +297,11 @@ def test_every_entry_reads_back_through_safetensors(tmp_path):
 def test_save_holds_one_tensor_at_a_time(tmp_path):
     """save fetches and writes each tensor in turn: saving many costs the host no
     more than saving one (before, every tensor's stored bytes were gathered first)."""
-    import tracemalloc
     scheme = QuantScheme("q4f", block=32, store="packed_u32")
     weights = {f"w{i}": qd.quantize(data((256, 1024), seed=i), scheme, device="reference") for i in range(24)}
 
     def transient(items):
-        tracemalloc.start()
-        try:
-            qd.save(tmp_path / "w.st", items)
-            held, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        return peak - held
+        return transient_bytes(lambda: qd.save(tmp_path / "w.st", items))
 
     one_weight = 256 * 1024 // 2  # its packed words
     assert transient(weights) < transient({"w0": weights["w0"]}) + 2 * one_weight

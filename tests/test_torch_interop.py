@@ -12,7 +12,7 @@ from qdispatch import BackendMismatchError, QuantScheme, ShapeError  # noqa: E40
 from qdispatch.torch import (QLinear, from_torch, load_model, q_matmul, quantize_linears,  # noqa: E402
                              save_model, to_torch)
 from qdispatch.tensor_api import backend_for  # noqa: E402
-from helpers import run_python  # noqa: E402
+from helpers import run_python, transient_bytes  # noqa: E402
 
 DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
 
@@ -414,7 +414,6 @@ def test_cuda_model_built_empty_loads_float_and_quantized_checkpoints(tmp_path):
     """The GPU flow: a model built on the meta device, made quantized on cuda, filled
     from a float checkpoint or a save_model file, then moved with .to('cuda')."""
     _needs_cuda()
-    pytest.importorskip("safetensors")
     scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32")
     float_model = _model()
     expected = quantize_linears(copy.deepcopy(float_model), scheme, device="cuda").to("cuda")
@@ -588,8 +587,6 @@ def test_cuda_captured_q_matmul_takes_any_row_layout(dtype, batch):
 def test_load_model_holds_one_quantized_weight_at_a_time(tmp_path):
     """load_model reads each QLinear's weight from the file as its layer loads it,
     so the host holds one weight's stored values at a time, not the whole model's."""
-    pytest.importorskip("safetensors")
-    import tracemalloc
     scheme = QuantScheme("q4s", block=(1, 64), store="packed_u32")
     layers, K = 12, 1024  # one weight's decode takes about three weights' bytes a moment
 
@@ -602,21 +599,15 @@ def test_load_model_holds_one_quantized_weight_at_a_time(tmp_path):
     save_model(source, path)
     with torch.device("meta"):
         model = quantize_linears(build(), scheme)
-    tracemalloc.start()
-    try:
-        load_model(model, path)
-        held, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    transient = transient_bytes(lambda: load_model(model, path))
     one_weight = K * K  # its values as int8, what a QTensor's stored values take on the host
-    assert peak - held < 6 * one_weight, f"load_model held {(peak - held) / one_weight:.1f} weights at once"
+    assert transient < 6 * one_weight, f"load_model held {transient / one_weight:.1f} weights at once"
     x = torch.randn(3, K)
     with torch.no_grad():
         torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
 
 
 def test_load_model_names_a_corrupted_weight(tmp_path):
-    pytest.importorskip("safetensors")
     scheme = QuantScheme("q8s", axis=0)
     path = tmp_path / "model.safetensors"
     save_model(quantize_linears(_model(), scheme), path)
@@ -628,7 +619,6 @@ def test_load_model_names_a_corrupted_weight(tmp_path):
 
 
 def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):
-    pytest.importorskip("safetensors")
     path = tmp_path / "model.safetensors"
     save_model(quantize_linears(_model(), QuantScheme("q8s", axis=0)), path)
     with pytest.raises(qd.SerializationError, match="'0.up' is not a QLinear.*quantize_linears"):
