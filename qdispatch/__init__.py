@@ -17,7 +17,7 @@ from .backends import cpu as _cpu_backend  # noqa: F401
 from .backends import cuda as _cuda_backend  # noqa: F401
 from .policy import batch_invariant, default_device, set_batch_invariant, set_default_backend, transfer_policy
 from .tensor_api import dequantize, from_dlpack, quantize, qtensor_from_parts, tensor
-from .io import load, save  # safetensors is imported on first use
+from .io import load, save
 from .gpu import empty_cache, memory_info, synchronize
 from .info import available_backends, get_include, get_library_dir, info, set_isa, \
     set_num_threads, get_num_threads

@@ -269,14 +269,26 @@ def _check_complete(path, header, data_size, records):
                     f"data section but the file holds {data_size}; the file is incomplete, write it again")
 
 
-def load(path, device=None):
+def load(path, device=None, names=None):
     """Read a file written by `save`: {name: QTensor | Tensor | ndarray}, the
-    tensors on `device` (default: the default backend).  Each entry is read from
-    the file straight into its own array, so loading holds no second copy of the
-    file in memory (and needs no package beyond numpy)."""
+    tensors on `device` (default: the default backend); with `names`, only those
+    tensors (the rest of the file is not read).  Each entry is read from the file
+    straight into its own array, so loading holds no second copy of the file in
+    memory (and needs no package beyond numpy)."""
     dev, _ = backend_for(device) if device is not None else (None, None)
     with reading(path) as stored:
-        return {name: stored.decode(name, dev) for name in stored.records}
+        if names is None:
+            names = stored.records
+        elif isinstance(names, str):
+            raise TypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
+                            f"write names=[{names!r}]")
+        else:
+            missing = [name for name in names if name not in stored.records]
+            if missing:
+                held = list(stored.records)
+                some = ", ".join(map(repr, held[:8])) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
+                raise KeyError(f"{path} holds no tensor named {', '.join(map(repr, missing))}; it holds {some}")
+        return {name: stored.decode(name, dev) for name in names}
 
 
 @contextlib.contextmanager

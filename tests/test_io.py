@@ -251,6 +251,22 @@ def test_load_holds_no_second_copy_of_the_file(tmp_path):
         assert_same_qtensor(loaded[name], q)
 
 
+def test_load_only_the_named_tensors(tmp_path, monkeypatch):
+    items = {f"w{i}": qd.quantize(data(seed=i), QuantScheme("q8s", axis=0), device="reference") for i in range(10)}
+    qd.save(tmp_path / "m.st", {**items, "step": np.array([7])})
+    read = []
+    decode = qio.StoredFile.decode
+    monkeypatch.setattr(qio.StoredFile, "decode", lambda self, name, dev: read.append(name) or decode(self, name, dev))
+    got = qd.load(tmp_path / "m.st", device="reference", names=["w3", "step"])
+    assert list(got) == ["w3", "step"] and read == ["w3", "step"]  # nothing else is read
+    assert_same_qtensor(got["w3"], items["w3"])
+    np.testing.assert_array_equal(got["step"], [7])
+    with pytest.raises(KeyError, match=r"no tensor named 'w10'; it holds 'w0', .*\(11 in all\)"):
+        qd.load(tmp_path / "m.st", names=["w10"])
+    with pytest.raises(TypeError, match=r"names=\['w3'\]"):
+        qd.load(tmp_path / "m.st", names="w3")
+
+
 def test_save_and_load_need_no_package_beyond_numpy(saved, monkeypatch):
     want = qd.load(saved, device="reference")
     monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
