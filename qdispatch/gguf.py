@@ -102,7 +102,6 @@ _QUANT_TYPES = {
 }
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _FLOAT_TYPE_OF = {v: k for k, v in _FLOAT_TYPES.items()}
-_FLOAT_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 # ---- load ------------------------------------------------------------------------
@@ -186,8 +185,7 @@ def _plan(name, obj):
     if dtype == "bfloat16":  # raw 16-bit patterns, handed over as bytes
         shape = tuple(obj.shape[:-1]) + (obj.shape[-1] * 2,)
         return shape, np.dtype(np.uint8), "BF16", lambda: np.ascontiguousarray(fetch()).view(np.uint8).reshape(shape)
-    return tuple(obj.shape), np.dtype(_FLOAT_DTYPES[dtype]), _FLOAT_TYPE_OF[dtype], \
-        lambda: np.ascontiguousarray(fetch())
+    return tuple(obj.shape), np.dtype(dtype), _FLOAT_TYPE_OF[dtype], lambda: np.ascontiguousarray(fetch())
 
 
 def export(path, tensors, arch="qdispatch"):
