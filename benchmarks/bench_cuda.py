@@ -8,7 +8,7 @@ than from the 50 MB L2.  Contenders: `torch._int_mm` (cuBLASLt int8) raw and
 followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
 to benchmarks/results/cuda_h200.json (batched decode: cuda_h200_batched.json;
 prefill-sized fq: cuda_h200_prefill.json; decode layers in CUDA graphs:
-cuda_h200_graphs.json) with the GPU's name and clocks."""
+cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json) with the GPU's name and clocks."""
 import json
 import os
 import subprocess
@@ -31,6 +31,7 @@ RESULTS = os.path.join(RESULTS_DIR, "cuda_h200.json")
 PREFILL_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_prefill.json")
 BATCHED_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_batched.json")
 GRAPH_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_graphs.json")
+QQ_BLOCK_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_qq_blocks.json")
 L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
 QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
 FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
@@ -127,6 +128,51 @@ def test_qq_int8_per_row_per_col(benchmark, M, K, N):
         "speedup_vs_int_mm_dequant": deq / ours, "ratio_vs_raw_int_mm": raw / ours,
         "max_rel_diff_vs_torch": err})
     benchmark.pedantic(lambda: (qd.q_matmul(sets[0][4], sets[0][5].T), torch.cuda.synchronize()),
+                       rounds=3, iterations=1)
+
+
+QQ_BLOCKINGS = [  # (name, scheme of x [M, K], scheme of w [N, K])
+    ("x_1x128_w_128x128", qd.QuantScheme("q8s", block=128), qd.QuantScheme("q8s", block=(128, 128))),
+    ("x_per_row_w_blocks_32", qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", block=32)),
+]
+
+
+@pytest.mark.parametrize("M,K,N", [QQ_SHAPES[0], QQ_SHAPES[2]])
+@pytest.mark.parametrize("blocking,x_scheme,w_scheme", QQ_BLOCKINGS, ids=[b[0] for b in QQ_BLOCKINGS])
+def test_qq_int8_blocks_along_k(benchmark, M, K, N, blocking, x_scheme, w_scheme):
+    """Scaled int8 GEMM with scale blocks along K: each block's int32 sums scaled by
+    its x and w scales and added.  torch has no such kernel: its contender for
+    blocks of 128 is one `torch._int_mm` per block, scaled and added in torch."""
+    count = n_sets(M * K + N * K)
+    sets = [(qd.quantize(torch.randn(M, K, device="cuda"), x_scheme),
+             qd.quantize(torch.randn(N, K, device="cuda"), w_scheme)) for _ in range(count)]
+    ours = gpu_ms(lambda xq, wq: qd.q_matmul(xq, wq.T), sets)
+    on_gpu = lambda a: torch.as_tensor(np.asarray(a), device="cuda")
+    raw_sets = [(on_gpu(xq.values), on_gpu(wq.values)) for xq, wq in sets]
+    raw = gpu_ms(lambda a, w: torch._int_mm(a, w.t()), raw_sets)
+    figures = {"qdispatch": ours, "torch_int_mm": raw}
+    if blocking == "x_1x128_w_128x128":
+        def blockwise(a, w, sa, sw):
+            out = torch.zeros(M, N, device="cuda")
+            for b in range(K // 128):
+                ks = slice(128 * b, 128 * (b + 1))
+                out += torch._int_mm(a[:, ks], w[:, ks].t()).float() * sa[:, b:b + 1] * sw[:, b][None, :]
+            return out
+        scaled = [(a, w, on_gpu(xq.scales).float(), on_gpu(wq.scales).float().repeat_interleave(128, dim=0)[:N])
+                  for (a, w), (xq, wq) in zip(raw_sets, sets)]
+        figures["torch_int_mm_per_block_dequant"] = gpu_ms(blockwise, scaled, calls=3)
+        a, w, sa, sw = scaled[-1]
+        expect = blockwise(a, w, sa, sw)
+        got = torch.from_dlpack(qd.q_matmul(sets[-1][0], sets[-1][1].T))
+        rel_diff = float(((got - expect).norm() / expect.norm()).item())
+    else:
+        rel_diff = None
+    tops = lambda ms: 2 * M * N * K / ms / 1e9
+    record(benchmark, f"qq_int8_{blocking}_f32out", (M, K, N), figures, {
+        "tops": {k: tops(v) for k, v in figures.items()},
+        "ratio_vs_raw_int_mm": raw / ours, "rel_diff_vs_torch_per_block": rel_diff},
+        results=QQ_BLOCK_RESULTS)
+    benchmark.pedantic(lambda: (qd.q_matmul(sets[0][0], sets[0][1].T), torch.cuda.synchronize()),
                        rounds=3, iterations=1)
 
 

@@ -142,6 +142,41 @@ def test_qq_matches_reference(rng, a_scheme, w_scheme, M, N):
     assert rel_err(expect, out.numpy()) < QQ_TOL
 
 
+QQ_BLOCK_PAIRS = [  # scale blocks along K, for x [M, K] and w [N, K]
+    (qd.QuantScheme("q8s", block=32), qd.QuantScheme("q8s", block=32)),          # a block ends every step
+    (qd.QuantScheme("q8s", block=(4, 128)), qd.QuantScheme("q8s", block=32)),    # a row scale spans 4 blocks
+    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", block=(64, 128))),    # blocks of 128 x 128 weights
+    (qd.QuantScheme("q8s", block=256), qd.QuantScheme("q8f", block=512)),       # blocks over two k tiles
+    (qd.QuantScheme("q8s", block=64), qd.QuantScheme("q4s", block=32, store="packed_u32")),
+]
+
+
+@pytest.mark.parametrize("a_scheme,w_scheme", QQ_BLOCK_PAIRS, ids=repr)
+def test_qq_blocks_along_k_over_many_tiles(rng, a_scheme, w_scheme):
+    """Blocks of K over several output tiles each way, with tails in M and N: each
+    block's int32 sums, scaled by its pair of scales, are added in order of K, as
+    the reference adds them, bit for bit."""
+    M, K, N = 260, 1024, 320
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    xq, wq = qd.quantize(x, a_scheme, device="cuda"), qd.quantize(w, w_scheme, device="cuda")
+    np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
+
+
+@pytest.mark.parametrize("K", [262080, 140000], ids=["whole-parts", "a-part-left-over"])
+def test_qq_longer_k_than_int32_holds(K):
+    """One scale over a K whose sums overflow int32 (127 * 127 * K > 2^31): K is
+    cut into exact parts, whether or not they divide it."""
+    x = np.ones((3, K), np.float32)
+    x[1] = -1.0
+    w = np.ones((5, K), np.float32)
+    xq = qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="cuda")
+    wq = qd.quantize(w, qd.QuantScheme("q8s", axis=0), device="cuda")
+    out = qd.q_matmul(xq, wq.T).numpy()
+    assert rel_err(qd.q_matmul(ref(xq), ref(wq).T).numpy(), out) < QQ_TOL
+    np.testing.assert_allclose(out, np.float32(K) * np.array([[1.0] * 5, [-1.0] * 5, [1.0] * 5]), rtol=1e-5)
+
+
 @pytest.mark.parametrize("M,K,N", TAIL_SHAPES)
 def test_qq_tails_per_row_per_column(rng, M, K, N):
     xq = qd.quantize(rng.standard_normal((M, K)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
@@ -950,3 +985,28 @@ def test_fq_padded_chunks_past_k_stay_finite(rng, value, block, K):
         want = qd.q_matmul(x, qd.quantize(w, scheme, device="reference").T).numpy()
         assert np.all(np.isfinite(got))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_save_and_gguf_export_fetch_gpu_tensors(tmp_path, rng):
+    """qd.save and gguf export fetch GPU tensors one at a time; what they wrote
+    loads back onto the GPU bit for bit."""
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    q8 = qd.quantize(x, qd.QuantScheme("q8s", block=32, scale_dtype="f16"), device="cuda")
+    q4 = qd.quantize(x, qd.QuantScheme("q4s", axis=0, store="packed_u32"), device="cuda")
+    half = qd.tensor(x, device="cuda", dtype="bfloat16")
+    qd.save(tmp_path / "m.st", {"q8": q8, "q4t": q4.T, "half": half})
+    back = qd.load(tmp_path / "m.st", device="cuda")
+    for name, want in (("q8", q8), ("q4t", q4.T)):
+        got = back[name]
+        assert got.device == "cuda:0" and got.shape == want.shape and got.scheme == want.scheme
+        np.testing.assert_array_equal(got.dequantize().numpy(), ref(want).dequantize().numpy())
+    np.testing.assert_array_equal(back["half"].numpy(), half.numpy())
+
+    gguf = pytest.importorskip("gguf")
+    from qdispatch import gguf as qgguf
+    qgguf.export(tmp_path / "m.gguf", {"q8": q8, "half": half})
+    stored = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    np.testing.assert_array_equal(gguf.quants.dequantize(stored["q8"].data, stored["q8"].tensor_type),
+                                  ref(q8).dequantize().numpy())
+    np.testing.assert_array_equal(qgguf.load(tmp_path / "m.gguf", device="cuda")["q8"].dequantize().numpy(),
+                                  ref(q8).dequantize().numpy())

@@ -8,9 +8,9 @@
 // scale pair (the gcd of the two K blocks), as the reference does.  16-bit
 // operands sum in float32 per K group the same way.
 //
-// On Hopper (sm_90a builds) INT32_OUT, ONE_GROUP and 16-bit GROUPED run
-// gemm_s8_sm90.cu's wgmma kernel instead; int8 GROUPED and every other GPU use
-// this one.
+// On Hopper (sm_90a builds) every mode runs gemm_s8_sm90.cu's wgmma kernel
+// instead, but for blocks that do not end on K (one group cut every
+// MAX_GROUP_STEPS steps); every other GPU uses this one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -236,7 +236,9 @@ template <int MODE, int OPS = S8>
 qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
                       int64_t ld, void *out, int out_dtype, const Scales &sc, void *stream) {
     const int64_t Kp = (K + 15) / 16 * 16;
-    if ((MODE != GROUPED || OPS != S8) && qd::gemm_s8_sm90_usable())
+    // the Hopper kernel ends blocks of K on whole blocks only
+    const bool whole_blocks = MODE != GROUPED || Kp % (sc.group_steps * KSTEP) == 0;
+    if (whole_blocks && qd::gemm_s8_sm90_usable())
         return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE), Operands(OPS),
                                 qd::as_stream(stream));
     static unsigned long long configured = 0;

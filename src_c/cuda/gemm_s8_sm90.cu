@@ -9,9 +9,10 @@
 // memory, exact int32 sums in 128 registers per thread), then stores its rows
 // straight from the registers while the producer already loads the next tile.
 // fq_gemm's 16-bit operands run the same kernel with wgmma m64n256k16 (the same
-// 32 bytes of K per row) and float32 sums.  With a scale per block of K (GROUPED,
-// 16-bit operands only), each block's sums are scaled into a second set of float
-// sums as the block ends; both sets fit in the registers at 128 columns a tile.
+// 32 bytes of K per row) and float32 sums.  With scales per block of K (GROUPED),
+// each block's sums are scaled (int8: by its row's and column's scales; 16-bit:
+// by its column's) into a second set of float sums as the block ends; both sets
+// fit in the registers at 128 columns a tile.
 // 16-bit products with too few tiles to fill the SMs (prefill of a few hundred
 // rows) also cut K into splits, each a tile's range of K on a CTA of its own:
 // the splits store their float32 sums apart and add_split_sums (split_sums.cuh)
@@ -116,52 +117,60 @@ __device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int 
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "      \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// d[64x256] (+)= a[64 x 32 bytes] * b[256 x 32 bytes]^T; accumulate = 0 overwrites d.
-template <int OPS>
-__device__ __forceinline__ void wgmma_step(typename Sums<OPS>::type (&d)[128], uint64_t a, uint64_t b,
+// One wgmma on the sum registers d (64 or 128 a thread; their operand list D_LIST),
+// `accumulate` = 0 overwriting them.  TAIL: the scale and transpose operands that
+// 16-bit types take (both operands K-major, unscaled).
+#define QD_WGMMA(SHAPE_TYPES, D_LIST, A, B, P, TAIL, ...)                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                      \
+                 "wgmma.mma_async.sync.aligned." SHAPE_TYPES " {" D_LIST "}, " A ", " B ", p" TAIL ";\n}\n" \
+                 : __VA_ARGS__                                                                         \
+                 : "l"(a), "l"(b), "r"(accumulate))
+#define QD_WGMMA_256(SHAPE_TYPES, TAIL, C) \
+    QD_WGMMA(SHAPE_TYPES, QD_WGMMA_D, "%128", "%129", "%130", TAIL, QD_D64(C, 0), QD_D64(C, 64))
+#define QD_WGMMA_128(SHAPE_TYPES, TAIL, C) QD_WGMMA(SHAPE_TYPES, QD_WGMMA_D64, "%64", "%65", "%66", TAIL, QD_D64(C, 0))
+#define QD_16BIT ", 1, 1, 0, 0"
+
+// d[64 x 2*DR] (+)= a[64 x 32 bytes] * b[2*DR x 32 bytes]^T: 256 columns, or 128
+// where block sums are kept beside (GROUPED).
+template <int OPS, int DR>
+__device__ __forceinline__ void wgmma_step(typename Sums<OPS>::type (&d)[DR], uint64_t a, uint64_t b,
                                            int accumulate) {
-    if constexpr (OPS == S8)
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {" QD_WGMMA_D "}, %128, %129, p;\n}\n"
-            : QD_D64("+r", 0), QD_D64("+r", 64)
-            : "l"(a), "l"(b), "r"(accumulate));
-    else if constexpr (OPS == F16)  // both operands K-major (no transpose), unscaled
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" QD_WGMMA_D "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-            : QD_D64("+f", 0), QD_D64("+f", 64)
-            : "l"(a), "l"(b), "r"(accumulate));
-    else
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" QD_WGMMA_D "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-            : QD_D64("+f", 0), QD_D64("+f", 64)
-            : "l"(a), "l"(b), "r"(accumulate));
+    static_assert(DR == 128 || DR == 64, "tiles of 256 or 128 columns");
+    if constexpr (DR == 128) {
+        if constexpr (OPS == S8) QD_WGMMA_256("m64n256k32.s32.s8.s8", "", "+r");
+        else if constexpr (OPS == F16) QD_WGMMA_256("m64n256k16.f32.f16.f16", QD_16BIT, "+f");
+        else QD_WGMMA_256("m64n256k16.f32.bf16.bf16", QD_16BIT, "+f");
+    } else {
+        if constexpr (OPS == S8) QD_WGMMA_128("m64n128k32.s32.s8.s8", "", "+r");
+        else if constexpr (OPS == F16) QD_WGMMA_128("m64n128k16.f32.f16.f16", QD_16BIT, "+f");
+        else QD_WGMMA_128("m64n128k16.f32.bf16.bf16", QD_16BIT, "+f");
+    }
 }
-// d[64x128] (+)= a[64 x 32 bytes] * b[128 x 32 bytes]^T, 16-bit operands (GROUPED).
-template <int OPS>
-__device__ __forceinline__ void wgmma_step(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
-    static_assert(OPS != S8, "block sums are for 16-bit operands");
-    if constexpr (OPS == F16)
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" QD_WGMMA_D64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : QD_D64("+f", 0)
-            : "l"(a), "l"(b), "r"(accumulate));
-    else
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" QD_WGMMA_D64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : QD_D64("+f", 0)
-            : "l"(a), "l"(b), "r"(accumulate));
-}
+#undef QD_16BIT
+#undef QD_WGMMA_128
+#undef QD_WGMMA_256
+#undef QD_WGMMA
 #undef QD_WGMMA_D
 #undef QD_WGMMA_D64
 #undef QD_D64
 #undef QD_D16
 #undef QD_D4
 
+
+// Which of a row's (or a column's) scales along K the current block of K takes:
+// `per` blocks to a scale, counted down; past the last scale (blocks beyond K,
+// which sum zeros) the index stays on it.
+struct BlockWalk {
+    int per, left, index, last;
+    __device__ BlockWalk(int per, int last, int block)
+        : per(per), left(per - block % per), index(min(block / per, last)), last(last) {}
+    __device__ void next() {
+        if (--left == 0) {
+            left = per;
+            index = min(index + 1, last);
+        }
+    }
+};
 
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -209,7 +218,8 @@ __device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
 #endif  // sm_90a
 
 // T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype,
-// or GROUPED (scales per block of K, sc.group_steps wgmma steps long; no a scales).
+// or GROUPED (scales per block of K, sc.group_steps wgmma steps long; a scales only
+// for int8 operands).
 // OPS: the operands' type (Operands).
 // With splits > 1, tile t of the walk is split t / (tiles_m * tiles_n) of its
 // output tile, k tiles [split * kt_per, +kt_per), and the split's sums (for
@@ -292,6 +302,11 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         int stage = 0;
         uint32_t phase = 0;
         int turn = 0;  // GROUPED: which block_scales buffer the next block's end takes
+        // GROUPED: blocks of K (group_steps wgmma steps each) to one scale of a row
+        // and of a column; the scales' blocks are whole multiples of them
+        const int64_t block_bytes = sc.group_steps * KSTEP;
+        const int a_per = GROUPED_ && OPS == S8 ? (int)(sc.a_bk / block_bytes) : 1;
+        const int b_per = GROUPED_ ? (int)(sc.b_bk / block_bytes) : 1;
         for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
             int tm, tn, kt0, kt1;
             locate(t, tm, tn, kt0, kt1);
@@ -316,16 +331,25 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
             }
             // GROUPED: each thread loads one column's scale of each block a block
             // ahead (a tile's K range starts on a block), and the warpgroup shares
-            // them through shared memory as the block ends.
+            // them through shared memory as the block ends; int8 operands also take
+            // the scales of the thread's two rows, loaded a block ahead as well.
             const int group_steps = GROUPED_ ? (int)sc.group_steps : 1;
             int left = group_steps;  // wgmma steps left in this block of K
-            int block = GROUPED_ ? kt0 * (BK / KSTEP) / group_steps : 0;
-            const float *column_scales = nullptr;
-            float next_scale = 0.0f;
+            const int block = GROUPED_ ? kt0 * (BK / KSTEP) / group_steps : 0;
+            BlockWalk b_walk(b_per, (int)sc.b_ld - 1, block), a_walk(a_per, (int)sc.a_ld - 1, block);
+            const float *column_scales = nullptr, *row_scales[2] = {nullptr, nullptr};
+            float next_scale = 0.0f, next_row_scale[2] = {1.0f, 1.0f};
             if constexpr (GROUPED_) {
                 const int col = min(tn * TN + (int)(threadIdx.x % 128), N - 1);
                 column_scales = sc.b + (int64_t)((unsigned)col / b_bn) * sc.b_ld;
-                next_scale = __ldg(column_scales + min(block, (int)sc.b_ld - 1));
+                next_scale = __ldg(column_scales + b_walk.index);
+                if constexpr (OPS == S8) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        row_scales[h] = sc.a + (int64_t)((unsigned)min(r0 + 8 * h, M - 1) / a_bm) * sc.a_ld;
+                        next_row_scale[h] = __ldg(row_scales[h] + a_walk.index);
+                    }
+                }
 #pragma unroll
                 for (int i = 0; i < DR; ++i) block_sums[i] = 0.0f;
             }
@@ -353,14 +377,25 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                             shared[threadIdx.x % 128] = next_scale;
                             // the warpgroup's 128 threads (barrier 0 is the whole block's)
                             asm volatile("bar.sync %0, 128;\n" ::"r"(warpgroup) : "memory");
-                            next_scale = __ldg(column_scales + min(++block, (int)sc.b_ld - 1));
+                            const float row_scale[2] = {next_row_scale[0], next_row_scale[1]};
+                            b_walk.next();
+                            next_scale = __ldg(column_scales + b_walk.index);
+                            if constexpr (OPS == S8) {
+                                a_walk.next();
+#pragma unroll
+                                for (int h = 0; h < 2; ++h) next_row_scale[h] = __ldg(row_scales[h] + a_walk.index);
+                            }
 #pragma unroll
                             for (int j = 0; j < TN / 8; ++j) {
                                 const float2 pair = *reinterpret_cast<const float2 *>(shared + 8 * j + 2 * (lane % 4));
 #pragma unroll
-                                for (int e = 0; e < 4; ++e)
-                                    block_sums[4 * j + e] = __fadd_rn(block_sums[4 * j + e],
-                                                                      __fmul_rn(e & 1 ? pair.y : pair.x, d[4 * j + e]));
+                                for (int e = 0; e < 4; ++e) {
+                                    // d[4j + e]: row + 8 * (e / 2), column e % 2 of the pair
+                                    float scale = e & 1 ? pair.y : pair.x;
+                                    if constexpr (OPS == S8) scale = __fmul_rn(row_scale[e >> 1], scale);
+                                    block_sums[4 * j + e] =
+                                        __fadd_rn(block_sums[4 * j + e], __fmul_rn(scale, (float)d[4 * j + e]));
+                                }
                             }
                             wgmma_fence();  // the registers read above before the next wgmma writes them
                         }
@@ -416,21 +451,18 @@ using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t, S8, false>);
 #define QD_OUTS(OPS, G)                                                                          \
     gemm_s8_sm90_kernel<float, OPS, G>, gemm_s8_sm90_kernel<__half, OPS, G>,                     \
         gemm_s8_sm90_kernel<__nv_bfloat16, OPS, G>
-// Indexed by kernel_index(): int32 out; ONE_GROUP for int8, float16 and bfloat16
-// operands; GROUPED for float16 and bfloat16 operands.
+// Indexed by kernel_index(): int32 out; ONE_GROUP, then GROUPED, for int8, float16
+// and bfloat16 operands.
 constexpr Kernel KERNELS[] = {gemm_s8_sm90_kernel<int32_t, S8, false>,
                               QD_OUTS(S8, false), QD_OUTS(F16, false), QD_OUTS(BF16, false),
-                              QD_OUTS(F16, true), QD_OUTS(BF16, true)};
+                              QD_OUTS(S8, true),  QD_OUTS(F16, true), QD_OUTS(BF16, true)};
 #undef QD_OUTS
 constexpr int FIRST_GROUPED = 10;
 bool grouped_kernel(int k) { return k >= FIRST_GROUPED; }
 
 int kernel_index(GemmMode mode, int out_dtype, Operands ops) {
-    int base;
     if (mode == INT32_OUT) return ops == S8 ? 0 : -1;
-    if (mode == ONE_GROUP) base = 1 + 3 * (int)ops;
-    else if (ops != S8) base = FIRST_GROUPED + 3 * ((int)ops - 1);
-    else return -1;  // int8 block sums stay on gemm_s8.cu's kernel
+    const int base = (mode == ONE_GROUP ? 1 : FIRST_GROUPED) + 3 * (int)ops;
     switch (out_dtype) {
     case QD_CUDA_F32: return base;
     case QD_CUDA_F16: return base + 1;
@@ -552,7 +584,10 @@ qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, 
     if (st != QD_OK) return st;
     if (!d->usable) return QD_ERR_CUDA_UNAVAILABLE;
     const int k = kernel_index(mode, out_dtype, ops);
-    if (k < 0 || Kp % 16 || (mode == GROUPED && sc.a)) return QD_ERR_ARGUMENT;  // GROUPED: fq only
+    // GROUPED: blocks end on whole blocks only; a scales for int8 (qq) and none for 16-bit operands (fq)
+    if (k < 0 || Kp % 16 ||
+        (mode == GROUPED && (Kp % (sc.group_steps * KSTEP) || (ops == S8) != (sc.a != nullptr))))
+        return QD_ERR_ARGUMENT;
     const bool grouped = grouped_kernel(k);
     const int64_t tiles = ceil_div(M, BM) * ceil_div(N, tile_n(grouped));
     if (M > INT_MAX || N > INT_MAX || tiles > INT_MAX) return QD_ERR_SHAPE;
