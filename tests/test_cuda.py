@@ -142,23 +142,28 @@ def test_qq_matches_reference(rng, a_scheme, w_scheme, M, N):
     assert rel_err(expect, out.numpy()) < QQ_TOL
 
 
-QQ_BLOCK_PAIRS = [  # scale blocks along K, for x [M, K] and w [N, K]
-    (qd.QuantScheme("q8s", block=32), qd.QuantScheme("q8s", block=32)),          # a block ends every step
-    (qd.QuantScheme("q8s", block=(4, 128)), qd.QuantScheme("q8s", block=32)),    # a row scale spans 4 blocks
-    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", block=(64, 128))),    # blocks of 128 x 128 weights
-    (qd.QuantScheme("q8s", block=256), qd.QuantScheme("q8f", block=512)),       # blocks over two k tiles
-    (qd.QuantScheme("q8s", block=64), qd.QuantScheme("q4s", block=32, store="packed_u32")),
+QQ_BLOCK_PAIRS = [  # scale blocks along K, for x [M, K] and w [N, K]; N
+    (qd.QuantScheme("q8s", block=32), qd.QuantScheme("q8s", block=32), 320),     # a block ends every step
+    (qd.QuantScheme("q8s", block=(4, 128)), qd.QuantScheme("q8s", block=32), 320),  # a row scale spans 4 blocks
+    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", block=(64, 128)), 320),   # 64 columns to a scale
+    (qd.QuantScheme("q8s", block=128), qd.QuantScheme("q8s", block=(128, 128)), 384),  # a tile's columns share one
+    (qd.QuantScheme("q8s", block=256), qd.QuantScheme("q8f", block=512), 320),    # blocks over two k tiles
+    (qd.QuantScheme("q8s", block=512), qd.QuantScheme("q8s", block=(128, 512)), 384),  # sums past 2^22
+    (qd.QuantScheme("q8s", block=64), qd.QuantScheme("q4s", block=32, store="packed_u32"), 320),
 ]
 
 
-@pytest.mark.parametrize("a_scheme,w_scheme", QQ_BLOCK_PAIRS, ids=repr)
-def test_qq_blocks_along_k_over_many_tiles(rng, a_scheme, w_scheme):
-    """Blocks of K over several output tiles each way, with tails in M and N: each
-    block's int32 sums, scaled by its pair of scales, are added in order of K, as
-    the reference adds them, bit for bit."""
-    M, K, N = 260, 1024, 320
+@pytest.mark.parametrize("a_scheme,w_scheme,N", QQ_BLOCK_PAIRS, ids=repr)
+def test_qq_blocks_along_k_over_many_tiles(rng, a_scheme, w_scheme, N):
+    """Blocks of K over several output tiles each way, with tails in M (and N where
+    the weight's blocks allow): each block's int32 sums, scaled by its pair of
+    scales, are added in order of K, as the reference adds them, bit for bit."""
+    M, K = 260, 1024
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((N, K)).astype(np.float32)
+    if a_scheme.block == (512,):  # out[i, i]: each block sums 512 * 127^2 > 2^22, past the small-sum conversion
+        x, w = np.sign(x), np.sign(w)
+        w[:M] = x
     xq, wq = qd.quantize(x, a_scheme, device="cuda"), qd.quantize(w, w_scheme, device="cuda")
     np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
 
