@@ -220,12 +220,13 @@ __device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
 // T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype,
 // or GROUPED (scales per block of K, sc.group_steps wgmma steps long; a scales only
 // for int8 operands).
-// OPS: the operands' type (Operands).
+// OPS: the operands' type (Operands).  ONE_COLUMN_SCALE: int8 GROUPED whose tiles'
+// columns share one scale block of the weight (its blocks span 128 columns).
 // With splits > 1, tile t of the walk is split t / (tiles_m * tiles_n) of its
 // output tile, k tiles [split * kt_per, +kt_per), and the split's sums (for
 // ONE_GROUP unscaled, for GROUPED its blocks' scaled sums) go to partial
 // [splits][M][N] instead of out.
-template <typename T, int OPS, bool GROUPED_>
+template <typename T, int OPS, bool GROUPED_, bool ONE_COLUMN_SCALE = false>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     const __grid_constant__ CUtensorMap map_b, int M, int N, int64_t Kp,
@@ -307,10 +308,11 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         const int64_t block_bytes = sc.group_steps * KSTEP;
         const int a_per = GROUPED_ && OPS == S8 ? (int)(sc.a_bk / block_bytes) : 1;
         const int b_per = GROUPED_ ? (int)(sc.b_bk / block_bytes) : 1;
-        // int8 whose columns' scale blocks span whole tiles (128 x 128 blocks of the
-        // weight): every column of a tile takes the thread's own column scale, and a
-        // row's product of scales serves all its sums
-        const bool one_column_scale = OPS == S8 && GROUPED_ && b_bn % TN == 0;
+        // ONE_COLUMN_SCALE: every column of a tile takes the thread's own column
+        // scale, and a row's product of scales serves all its sums.  A kernel of its
+        // own: the code of both ways in one loop ran slower from the instruction
+        // cache (blocks of 32 at 4096^3: 789 us, against 613 alone).
+        static_assert(!ONE_COLUMN_SCALE || (GROUPED_ && OPS == S8), "int8 block sums only");
         for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
             int tm, tn, kt0, kt1;
             locate(t, tm, tn, kt0, kt1);
@@ -382,7 +384,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                             const float row_scale[2] = {next_row_scale[0], next_row_scale[1]},
                                         column_scale = next_scale;
                             float *shared = block_scales + (2 * (warpgroup - 1) + turn) * TN;
-                            if (!one_column_scale) {
+                            if constexpr (!ONE_COLUMN_SCALE) {
                                 turn ^= 1;
                                 shared[threadIdx.x % 128] = next_scale;
                                 // the warpgroup's 128 threads (barrier 0 is the whole block's)
@@ -411,7 +413,7 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                                 const float scale = e & 1 ? pair.y : pair.x;
                                 return OPS == S8 ? __fmul_rn(row_scale[e >> 1], scale) : scale;
                             };
-                            if (one_column_scale) {
+                            if constexpr (ONE_COLUMN_SCALE) {
                                 const float scale[2] = {__fmul_rn(row_scale[0], column_scale),
                                                         __fmul_rn(row_scale[1], column_scale)};
                                 add_block([&](int, int e) { return scale[e >> 1]; });
@@ -469,21 +471,25 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
 
 using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t, S8, false>);
 // The three output dtypes (float32, float16, bfloat16) of one kind of kernel.
-#define QD_OUTS(OPS, G)                                                                          \
-    gemm_s8_sm90_kernel<float, OPS, G>, gemm_s8_sm90_kernel<__half, OPS, G>,                     \
-        gemm_s8_sm90_kernel<__nv_bfloat16, OPS, G>
+#define QD_OUTS(OPS, ...)                                                                        \
+    gemm_s8_sm90_kernel<float, OPS, __VA_ARGS__>, gemm_s8_sm90_kernel<__half, OPS, __VA_ARGS__>, \
+        gemm_s8_sm90_kernel<__nv_bfloat16, OPS, __VA_ARGS__>
 // Indexed by kernel_index(): int32 out; ONE_GROUP, then GROUPED, for int8, float16
-// and bfloat16 operands.
+// and bfloat16 operands; int8 GROUPED with one column scale a tile.
 constexpr Kernel KERNELS[] = {gemm_s8_sm90_kernel<int32_t, S8, false>,
                               QD_OUTS(S8, false), QD_OUTS(F16, false), QD_OUTS(BF16, false),
-                              QD_OUTS(S8, true),  QD_OUTS(F16, true), QD_OUTS(BF16, true)};
+                              QD_OUTS(S8, true),  QD_OUTS(F16, true), QD_OUTS(BF16, true),
+                              QD_OUTS(S8, true, true)};
 #undef QD_OUTS
-constexpr int FIRST_GROUPED = 10;
+constexpr int FIRST_GROUPED = 10, ONE_COLUMN_SCALE_GROUPED = 19;
 bool grouped_kernel(int k) { return k >= FIRST_GROUPED; }
 
-int kernel_index(GemmMode mode, int out_dtype, Operands ops) {
+// one_column_scale: int8 GROUPED whose weight scale blocks span whole tiles.
+int kernel_index(GemmMode mode, int out_dtype, Operands ops, bool one_column_scale) {
     if (mode == INT32_OUT) return ops == S8 ? 0 : -1;
-    const int base = (mode == ONE_GROUP ? 1 : FIRST_GROUPED) + 3 * (int)ops;
+    const int base = mode == ONE_GROUP      ? 1 + 3 * (int)ops
+                     : one_column_scale ? ONE_COLUMN_SCALE_GROUPED
+                                        : FIRST_GROUPED + 3 * (int)ops;
     switch (out_dtype) {
     case QD_CUDA_F32: return base;
     case QD_CUDA_F16: return base + 1;
@@ -604,7 +610,7 @@ qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, 
     qd_status st = current_device(&d);
     if (st != QD_OK) return st;
     if (!d->usable) return QD_ERR_CUDA_UNAVAILABLE;
-    const int k = kernel_index(mode, out_dtype, ops);
+    const int k = kernel_index(mode, out_dtype, ops, mode == GROUPED && ops == S8 && sc.b_bn % tile_n(true) == 0);
     // GROUPED: blocks end on whole blocks only; a scales for int8 (qq) and none for 16-bit operands (fq)
     if (k < 0 || Kp % 16 ||
         (mode == GROUPED && (Kp % (sc.group_steps * KSTEP) || (ops == S8) != (sc.a != nullptr))))
