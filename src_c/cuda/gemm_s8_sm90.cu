@@ -337,8 +337,9 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
             }
             // GROUPED: each thread loads one column's scale of each block a block
             // ahead (a tile's K range starts on a block), and the warpgroup shares
-            // them through shared memory as the block ends; int8 operands also take
-            // the scales of the thread's two rows, loaded a block ahead as well.
+            // them through shared memory as the block ends (with ONE_COLUMN_SCALE
+            // each thread's is every column's); int8 operands also take the scales
+            // of the thread's two rows, loaded a block ahead as well.
             const int group_steps = GROUPED_ ? (int)sc.group_steps : 1;
             int left = group_steps;  // wgmma steps left in this block of K
             const int block = GROUPED_ ? kt0 * (BK / KSTEP) / group_steps : 0;
