@@ -168,6 +168,18 @@ def test_qq_blocks_along_k_over_many_tiles(rng, a_scheme, w_scheme, N):
     np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
 
 
+@pytest.mark.parametrize("w_scheme", [qd.QuantScheme("q8s", block=96), qd.QuantScheme("q8s", block=(64, 480)),
+                                      qd.QuantScheme("q8s", block=(128, 480))], ids=repr)
+def test_qq_blocks_that_straddle_k_tiles(rng, w_scheme):
+    """Blocks of 96 values end inside the kernels' 128-byte k tiles, and K = 960 ends
+    half way through the last one: each block still takes its own pair of scales
+    (a weight scale spans five of them with blocks of 480)."""
+    M, K, N = 130, 960, 256
+    xq = qd.quantize(rng.standard_normal((M, K)).astype(np.float32), qd.QuantScheme("q8s", block=96), device="cuda")
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), w_scheme, device="cuda")
+    np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
+
+
 @pytest.mark.parametrize("K", [262080, 140000], ids=["whole-parts", "a-part-left-over"])
 def test_qq_longer_k_than_int32_holds(K):
     """One scale over a K whose sums overflow int32 (127 * 127 * K > 2^31): K is
