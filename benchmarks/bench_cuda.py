@@ -8,7 +8,8 @@ than from the 50 MB L2.  Contenders: `torch._int_mm` (cuBLASLt int8) raw and
 followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
 to benchmarks/results/cuda_h200.json (batched decode: cuda_h200_batched.json;
 prefill-sized fq: cuda_h200_prefill.json; decode layers in CUDA graphs:
-cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json) with the GPU's name and clocks."""
+cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json)
+with the GPU's name and clocks."""
 import json
 import os
 import subprocess

@@ -142,6 +142,11 @@ def test_qq_matches_reference(rng, a_scheme, w_scheme, M, N):
     assert rel_err(expect, out.numpy()) < QQ_TOL
 
 
+def assert_qq_bits_match_reference(xq, wq):
+    """x @ w.T on the GPU gives the reference's float32 bits."""
+    np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
+
+
 QQ_BLOCK_PAIRS = [  # scale blocks along K, for x [M, K] and w [N, K]; N
     (qd.QuantScheme("q8s", block=32), qd.QuantScheme("q8s", block=32), 320),     # a block ends every step
     (qd.QuantScheme("q8s", block=(4, 128)), qd.QuantScheme("q8s", block=32), 320),  # a row scale spans 4 blocks
@@ -161,11 +166,10 @@ def test_qq_blocks_along_k_over_many_tiles(rng, a_scheme, w_scheme, N):
     M, K = 260, 1024
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((N, K)).astype(np.float32)
-    if a_scheme.block == (512,):  # out[i, i]: each block sums 512 * 127^2 > 2^22, past the small-sum conversion
+    if a_scheme.block == (512,):  # out[i, i]: each block sums 512 * 127^2, the most a block of 512 can
         x, w = np.sign(x), np.sign(w)
         w[:M] = x
-    xq, wq = qd.quantize(x, a_scheme, device="cuda"), qd.quantize(w, w_scheme, device="cuda")
-    np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
+    assert_qq_bits_match_reference(qd.quantize(x, a_scheme, device="cuda"), qd.quantize(w, w_scheme, device="cuda"))
 
 
 @pytest.mark.parametrize("w_scheme", [qd.QuantScheme("q8s", block=96), qd.QuantScheme("q8s", block=(64, 480)),
@@ -176,8 +180,8 @@ def test_qq_blocks_that_straddle_k_tiles(rng, w_scheme):
     (a weight scale spans five of them with blocks of 480)."""
     M, K, N = 130, 960, 256
     xq = qd.quantize(rng.standard_normal((M, K)).astype(np.float32), qd.QuantScheme("q8s", block=96), device="cuda")
-    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), w_scheme, device="cuda")
-    np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
+    assert_qq_bits_match_reference(xq, qd.quantize(rng.standard_normal((N, K)).astype(np.float32), w_scheme,
+                                                   device="cuda"))
 
 
 @pytest.mark.parametrize("K", [262080, 140000], ids=["whole-parts", "a-part-left-over"])

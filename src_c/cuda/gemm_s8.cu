@@ -9,8 +9,8 @@
 // operands sum in float32 per K group the same way.
 //
 // On Hopper (sm_90a builds) every mode runs gemm_s8_sm90.cu's wgmma kernel
-// instead, but for blocks that do not end on K (one group cut every
-// MAX_GROUP_STEPS steps); every other GPU uses this one.
+// instead, except one group over a long K cut every MAX_GROUP_STEPS steps into
+// parts that do not divide K; every other GPU uses this one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
