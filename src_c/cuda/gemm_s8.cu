@@ -86,27 +86,32 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
     auto row_of = [&](int i, int half) { return m0 + wm * 64 + i * 16 + g + half * 8; };
     auto col_of = [&](int j, int odd) { return n0 + wn * 32 + j * 8 + t * 2 + odd; };
 
-    // The scales of this thread's rows and columns for the K group holding byte k;
-    // without a scales (fq_gemm) their factor is 1.  GROUPED loads a group's as it
-    // starts, so that their latency hides behind its mma steps.
+    // The scales of this thread's rows and columns for one K group, the a_index-th
+    // of the rows' and the b_index-th of the columns'; without a scales (fq_gemm)
+    // a row's factor is 1.  locate_scales() finds where each row's and column's
+    // scales start, once: GROUPED before its first group, ONE_GROUP after its last
+    // step (so that the pointers hold no registers in the loop).  GROUPED loads a
+    // group's scales as it starts, so that their latency hides behind its steps.
     float sa[4][2], sb[4][2];
-    auto load_scales = [&](int64_t k) {
-        if constexpr (SCALED) {
+    const float *a_rows[4][2], *b_columns[4][2];
+    auto locate_scales = [&]() {
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    int r = min(row_of(i, h), M - 1);
-                    sa[i][h] = sc.a ? sc.a[(r / sc.a_bm) * sc.a_ld + k / sc.a_bk] : 1.0f;
-                }
+            for (int h = 0; h < 2; ++h) {
+                const unsigned r = min(row_of(i, h), M - 1), c = min(col_of(i, h), N - 1);  // <= M, N: 32 bits
+                a_rows[i][h] = sc.a ? sc.a + (int64_t)(r / (unsigned)sc.a_bm) * sc.a_ld : nullptr;
+                b_columns[i][h] = sc.b + (int64_t)(c / (unsigned)sc.b_bn) * sc.b_ld;
+            }
+    };
+    auto load_scales = [&](int a_index, int b_index) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int o = 0; o < 2; ++o) {
-                    int c = min(col_of(j, o), N - 1);
-                    sb[j][o] = sc.b[(c / sc.b_bn) * sc.b_ld + k / sc.b_bk];
-                }
-        }
+            for (int h = 0; h < 2; ++h) {
+                sa[i][h] = sc.a ? a_rows[i][h][a_index] : 1.0f;
+                sb[i][h] = b_columns[i][h][b_index];
+            }
     };
     // Adds each sum times its scale pair into facc (GROUPED) or returns in place
     // of acc (ONE_GROUP, at the end; as float bits in int32 sums).
@@ -138,7 +143,17 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
         cp_async_commit();
     }
     const int64_t ksteps = (Kp + KSTEP - 1) / KSTEP;
-    if constexpr (MODE == GROUPED) load_scales(0);
+    // GROUPED: steps left in the K group, and the scales' walk along K (the
+    // scales' blocks are whole groups, or one block over all of K)
+    const int group_steps = (int)sc.group_steps;  // <= MAX_GROUP_STEPS
+    int left = group_steps;
+    const int64_t group_bytes = (MODE == GROUPED ? sc.group_steps : 1) * KSTEP;
+    BlockWalk a_walk((int)max(sc.a_bk / group_bytes, (int64_t)1), (int)sc.a_ld - 1, 0),
+        b_walk((int)max(sc.b_bk / group_bytes, (int64_t)1), (int)sc.b_ld - 1, 0);
+    if constexpr (MODE == GROUPED) {
+        locate_scales();
+        load_scales(a_walk.index, b_walk.index);
+    }
     for (int kt = 0; kt < ktiles; ++kt) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile kt landed for all; stage (kt-1)%STAGES is free again
@@ -164,16 +179,20 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
                 for (int j = 0; j < 4; ++j)
                     mma_step<OPS>(acc[i][j], fa[i], fb[j >> 1][(j & 1) * 2], fb[j >> 1][(j & 1) * 2 + 1]);
             if constexpr (MODE == GROUPED) {
-                if ((step + 1) % sc.group_steps == 0 || step + 1 == ksteps) {
+                if (--left == 0 || step + 1 == ksteps) {
                     flush();
-                    if (step + 1 < ksteps) load_scales((step + 1) * KSTEP);
+                    left = group_steps;
+                    a_walk.next();
+                    b_walk.next();
+                    if (step + 1 < ksteps) load_scales(a_walk.index, b_walk.index);
                 }
             }
         }
     }
     cp_async_wait<0>();
     if constexpr (MODE == ONE_GROUP) {
-        load_scales(0);
+        locate_scales();
+        load_scales(0, 0);
         flush();
     }
 

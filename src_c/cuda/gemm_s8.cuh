@@ -24,6 +24,21 @@ template <> struct Sums<S8> { using type = int32_t; };
 // them once by the pair of one K group covering all of K, or flush per K group.
 enum GemmMode { INT32_OUT = 0, ONE_GROUP = 1, GROUPED = 2 };
 
+// Which of a row's (or a column's) scales along K the current block of K takes,
+// without a division a block: `per` blocks to a scale, counted down; past the
+// last scale (blocks beyond K, which sum zeros) the index stays on it.
+struct BlockWalk {
+    int per, left, index, last;
+    __device__ BlockWalk(int per, int last, int block)
+        : per(per), left(per - block % per), index(min(block / per, last)), last(last) {}
+    __device__ void next() {
+        if (--left == 0) {
+            left = per;
+            index = min(index + 1, last);
+        }
+    }
+};
+
 // Grouped rasterization: tile t of a tiles_m x tiles_n grid, visiting group_m
 // tile rows column by column so that they share the B tiles they read in L2.
 __host__ __device__ inline void raster(int t, int tiles_m, int tiles_n, int group_m, int &tm,

@@ -157,21 +157,6 @@ __device__ __forceinline__ void wgmma_step(typename Sums<OPS>::type (&d)[DR], ui
 #undef QD_D4
 
 
-// Which of a row's (or a column's) scales along K the current block of K takes:
-// `per` blocks to a scale, counted down; past the last scale (blocks beyond K,
-// which sum zeros) the index stays on it.
-struct BlockWalk {
-    int per, left, index, last;
-    __device__ BlockWalk(int per, int last, int block)
-        : per(per), left(per - block % per), index(min(block / per, last)), last(last) {}
-    __device__ void next() {
-        if (--left == 0) {
-            left = per;
-            index = min(index + 1, last);
-        }
-    }
-};
-
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
@@ -384,8 +369,9 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                             fence_registers(d);
                             const float row_scale[2] = {next_row_scale[0], next_row_scale[1]},
                                         column_scale = next_scale;
-                            float *shared = block_scales + (2 * (warpgroup - 1) + turn) * TN;
+                            float *shared = nullptr;  // the warpgroup's column scales of the block
                             if constexpr (!ONE_COLUMN_SCALE) {
+                                shared = block_scales + (2 * (warpgroup - 1) + turn) * TN;
                                 turn ^= 1;
                                 shared[threadIdx.x % 128] = next_scale;
                                 // the warpgroup's 128 threads (barrier 0 is the whole block's)
@@ -408,18 +394,17 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                                         block_sums[4 * j + e] = __fadd_rn(
                                             block_sums[4 * j + e], __fmul_rn(scale_of(j, e), (float)d[4 * j + e]));
                             };
-                            // d[4j + e]: row + 8 * (e / 2), column e % 2 of pair j in shared
-                            const auto shared_scale = [&](int j, int e) {
-                                const float2 pair = *reinterpret_cast<const float2 *>(shared + 8 * j + 2 * (lane % 4));
-                                const float scale = e & 1 ? pair.y : pair.x;
-                                return OPS == S8 ? __fmul_rn(row_scale[e >> 1], scale) : scale;
-                            };
                             if constexpr (ONE_COLUMN_SCALE) {
                                 const float scale[2] = {__fmul_rn(row_scale[0], column_scale),
                                                         __fmul_rn(row_scale[1], column_scale)};
                                 add_block([&](int, int e) { return scale[e >> 1]; });
                             } else {
-                                add_block(shared_scale);
+                                // d[4j + e]: row + 8 * (e / 2), column e % 2 of pair j in shared
+                                add_block([&](int j, int e) {
+                                    const float2 pair = *reinterpret_cast<const float2 *>(shared + 8 * j + 2 * (lane % 4));
+                                    const float scale = e & 1 ? pair.y : pair.x;
+                                    return OPS == S8 ? __fmul_rn(row_scale[e >> 1], scale) : scale;
+                                });
                             }
                             wgmma_fence();  // the registers read above before the next wgmma writes them
                         }
