@@ -193,23 +193,34 @@ def test_build_jobs_default_to_the_usable_cores(cuda_build, monkeypatch):
     assert cuda_build.build_jobs() == 5
 
 
-def test_each_hopper_gemm_kernel_index_names_its_kernel(cuda_build, tmp_path):
-    """The Hopper GEMM's kernel table: for every mode, operand type, output dtype and
-    way of taking column scales, kernel_index() names the kernel built for it.  Host
-    code, so it runs wherever a toolkit is, GPU or not."""
+def run_host_cuda_program(cuda_build, tmp_path, source, *library_sources):
+    """Builds tests/<source> (with src_c/cuda's library_sources) for the host with
+    nvcc and runs it: GEMM code checked wherever a toolkit is, GPU or not."""
     found, _ = cuda_build.find_toolkit()
     if found is None or not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
         pytest.skip("no CUDA toolkit with a host compiler")
     cuda_dir = os.path.join(ROOT, "src_c", "cuda")
-    exe = str(tmp_path / "gemm_kernel_table")
+    exe = str(tmp_path / os.path.splitext(source)[0])
     built = subprocess.run([found[1], "-std=c++17", "-DQD_WITH_CUDA", "--expt-relaxed-constexpr", "-arch=sm_80",
                             "-I", os.path.join(ROOT, "src_c", "include"), "-I", cuda_dir,
-                            os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_kernel_table.cu"),
-                            os.path.join(cuda_dir, "runtime.cu"), os.path.join(cuda_dir, "elementwise.cu"),
+                            os.path.join(os.path.dirname(os.path.abspath(__file__)), source),
+                            *(os.path.join(cuda_dir, name) for name in library_sources),
                             "-o", exe], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr
     run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout
+
+
+def test_each_hopper_gemm_kernel_index_names_its_kernel(cuda_build, tmp_path):
+    """The Hopper GEMM's kernel table: for every mode, operand type, output dtype and
+    way of taking column scales, kernel_index() names the kernel built for it."""
+    run_host_cuda_program(cuda_build, tmp_path, "gemm_kernel_table.cu", "runtime.cu", "elementwise.cu")
+
+
+def test_gemm_block_walk_finds_the_scales_a_division_finds(cuda_build, tmp_path):
+    """Both int8 GEMMs find each block of K's scales by counting blocks down
+    (BlockWalk); from any starting block it takes the index min(block / per, last)."""
+    run_host_cuda_program(cuda_build, tmp_path, "gemm_block_walk.cu")
 
 
 # ---- the C kernel library (build_support/cpu.py) ----

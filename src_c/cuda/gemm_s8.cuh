@@ -29,9 +29,9 @@ enum GemmMode { INT32_OUT = 0, ONE_GROUP = 1, GROUPED = 2 };
 // last scale (blocks beyond K, which sum zeros) the index stays on it.
 struct BlockWalk {
     int per, left, index, last;
-    __device__ BlockWalk(int per, int last, int block)
+    __host__ __device__ BlockWalk(int per, int last, int block)
         : per(per), left(per - block % per), index(min(block / per, last)), last(last) {}
-    __device__ void next() {
+    __host__ __device__ void next() {
         if (--left == 0) {
             left = per;
             index = min(index + 1, last);
