@@ -125,7 +125,7 @@ QQ_PAIRS = [  # (lhs scheme for [M, K], rhs scheme for w [N, K])
     (qd.QuantScheme("q8s", block=64), qd.QuantScheme("q8f", block=128)),  # G = 64
     (qd.QuantScheme("q8s", block=128), qd.QuantScheme("q8s", block=32, scale_dtype="bf16")),
     (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=32, store="packed_u32")),
-    (qd.QuantScheme("q8s", block=16), qd.QuantScheme("q8s", axis=0)),   # G = 16: the simple kernel
+    (qd.QuantScheme("q8s", block=16), qd.QuantScheme("q8s", axis=0)),   # G = 16: spread to whole mma steps
 ]
 
 
@@ -182,6 +182,31 @@ def test_qq_blocks_that_straddle_k_tiles(rng, w_scheme):
     xq = qd.quantize(rng.standard_normal((M, K)).astype(np.float32), qd.QuantScheme("q8s", block=96), device="cuda")
     assert_qq_bits_match_reference(xq, qd.quantize(rng.standard_normal((N, K)).astype(np.float32), w_scheme,
                                                    device="cuda"))
+
+
+QQ_OFF_STEP_PAIRS = [  # K blocks of x [M, K] and w [N, K] whose common divisor G is no multiple of 32
+    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", block=16)),          # G = 16: 32-byte slots
+    (qd.QuantScheme("q8s", block=48), qd.QuantScheme("q8s", block=(8, 48))),   # G = 48: 64-byte slots
+    (qd.QuantScheme("q8s", block=48), qd.QuantScheme("q8s", block=32)),        # G = 16, blocks of 3 and 2 slots
+    (qd.QuantScheme("q8s", block=40), qd.QuantScheme("q8f", block=24)),        # G = 8: 4x the bytes
+    (qd.QuantScheme("q8s", block=(2, 8)), qd.QuantScheme("q8s", axis=0)),      # G = 8, two rows to a scale
+    (qd.QuantScheme("q8s", block=4), qd.QuantScheme("q8s", block=32)),         # G = 4: one thread per output
+]
+
+
+@pytest.mark.parametrize("a_scheme,w_scheme", QQ_OFF_STEP_PAIRS, ids=repr)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_qq_blocks_off_the_mma_steps(rng, a_scheme, w_scheme, out_dtype):
+    """K blocks that end inside the tensor cores' 32-value steps: each piece of G
+    values of both operands is spread to whole steps, zeros after it, so every
+    block's int32 sums, scaled and added in order of K, give the reference's bits.
+    K = 960 ends inside a k tile; M and N have tails."""
+    M, K, N = 130, 960, 200
+    xq = qd.quantize(rng.standard_normal((M, K)).astype(np.float32), a_scheme, device="cuda")
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), w_scheme, device="cuda")
+    out = qd.q_matmul(xq, wq.T, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.shape == (M, N)
+    np.testing.assert_array_equal(out.numpy(), qd.q_matmul(ref(xq), ref(wq).T, out_dtype=out_dtype).numpy())
 
 
 @pytest.mark.parametrize("K", [262080, 140000], ids=["whole-parts", "a-part-left-over"])

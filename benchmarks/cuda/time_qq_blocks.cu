@@ -35,6 +35,10 @@ const Blocking BLOCKINGS[] = {
     {"per row x 1x32", 1, 0, 1, 32},
     {"1x128 x 1x128", 1, 128, 1, 128},
     {"1x256 x 128x256", 1, 256, 128, 256},
+    // blocks off the mma's 32-byte steps, spread to whole steps
+    {"per row x 1x16", 1, 0, 1, 16},
+    {"1x48 x 1x48", 1, 48, 1, 48},
+    {"1x8 x per column", 1, 8, 1, 0},
 };
 
 uint64_t next_random(uint64_t &state) {
@@ -149,10 +153,13 @@ bool run(const Blocking &bl, int64_t M, int64_t K, int64_t N, bool check) {
 
 int main(int argc, char **argv) {
     const bool check = argc > 1 && std::string(argv[1]) == "--check";
-    const int64_t timed[][3] = {{4096, 4096, 4096}, {2048, 4096, 11008}};
-    const int64_t checked[][3] = {{260, 1024, 384}, {130, 512, 256}};  // tails in M, several tiles
+    const int64_t timed[][3] = {{4096, 4096, 4096}, {2048, 4096, 11008}, {2048, 4800, 4096}};
+    // tails in M, several tiles; K = 960 ends inside a k tile (blockings that divide K only)
+    const int64_t checked[][3] = {{260, 1024, 384}, {130, 512, 256}, {130, 960, 200}};
     bool ok = true;
     for (const auto &shape : check ? checked : timed)
-        for (const Blocking &bl : BLOCKINGS) ok &= run(bl, shape[0], shape[1], shape[2], check);
+        for (const Blocking &bl : BLOCKINGS)
+            if (shape[1] % std::max<int64_t>(bl.a_block_k, 1) == 0 && shape[1] % std::max<int64_t>(bl.b_block_k, 1) == 0)
+                ok &= run(bl, shape[0], shape[1], shape[2], check);
     return ok ? 0 : 1;
 }

@@ -30,6 +30,9 @@ constexpr int SMEM_BYTES = STAGES * (BM + BN) * LDS;
 constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
 constexpr int KSTEP = 32;     // K bytes per mma
 constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
+// K groups of at least this many values that fall off the mma steps are spread to
+// whole steps (qq_spread: at most 4x the bytes); finer ones run qq_simple_kernel.
+constexpr int64_t MIN_SPREAD_GROUP = KSTEP / 4;
 
 template <int OPS>
 __device__ __forceinline__ void mma_step(typename Sums<OPS>::type (&c)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -237,6 +240,25 @@ __global__ void qq_simple_kernel(const int8_t *a, const int8_t *bt, int M, int N
     }
 }
 
+// Rows [rows, ld] of int8 values whose K is cut into pieces of `piece` values, each
+// copied to a slot of `slot` bytes (slot >= piece, a multiple of 4) followed by zeros:
+// dst [rows, pieces * slot].  Four bytes a thread, which never span two slots.
+__global__ void spread_pieces_kernel(const int8_t *__restrict__ src, int64_t rows, int64_t ld, int piece,
+                                     int slot, int64_t pieces, int8_t *__restrict__ dst) {
+    const int64_t words_per_row = pieces * slot / 4, words = rows * words_per_row;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < words;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / words_per_row, k = (i - r * words_per_row) * 4, p = k / slot;
+        const int at = (int)(k - p * slot);
+        const int8_t *from = src + r * ld + p * piece;
+        uint32_t word = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (at + j < piece) word |= (uint32_t)(uint8_t)from[at + j] << (8 * j);
+        reinterpret_cast<uint32_t *>(dst)[i] = word;
+    }
+}
+
 int64_t gcd(int64_t x, int64_t y) {
     while (y) { int64_t t = x % y; x = y; y = t; }
     return x;
@@ -313,6 +335,40 @@ extern "C" qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, in
     return launch_gemm<INT32_OUT>(a, bt, M, N, K, ld, c, QD_CUDA_S32, Scales{}, stream);
 }
 
+namespace {
+
+// qq whose K blocks share no multiple of 32 values (blocks of 16 or 48, say):
+// each piece of G values (the blocks' common divisor) of both operands goes to a
+// slot of the next multiple of 32 bytes, zeros after it, so that every block ends
+// on an mma step.  Each block's int32 sums, and the order they are scaled and
+// added in, are unchanged: the same bits, on the tensor cores, at up to 4x the
+// bytes and the tensor work (MIN_SPREAD_GROUP).  The spread operands are
+// temporaries from the stream's memory pool.
+qd_status qq_spread(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K, int64_t ld,
+                    const float *a_scales, int64_t a_block_m, int64_t a_block_k, const float *b_scales,
+                    int64_t b_block_n, int64_t b_block_k, int64_t G, void *out, int out_dtype, void *stream) {
+    const int64_t slot = ceil_div(G, KSTEP) * KSTEP, pieces = K / G, K2 = pieces * slot;
+    cudaStream_t s = as_stream(stream);
+    int8_t *a2 = nullptr, *b2 = nullptr;
+    qd_status st = check(cudaMallocAsync(reinterpret_cast<void **>(&a2), M * K2, s));
+    if (st != QD_OK) return st;
+    st = check(cudaMallocAsync(reinterpret_cast<void **>(&b2), N * K2, s));
+    if (st == QD_OK) {
+        spread_pieces_kernel<<<grid_for(M * K2 / 4, 256), 256, 0, s>>>(a, M, ld, (int)G, (int)slot, pieces, a2);
+        spread_pieces_kernel<<<grid_for(N * K2 / 4, 256), 256, 0, s>>>(bt, N, ld, (int)G, (int)slot, pieces, b2);
+        st = launched();
+        if (st == QD_OK)
+            st = qd_cuda_qq_matmul(a2, b2, M, N, K2, K2, a_scales, a_block_m, a_block_k / G * slot, b_scales,
+                                   b_block_n, b_block_k / G * slot, out, out_dtype, stream);
+        const qd_status freed = check(cudaFreeAsync(b2, s));
+        if (st == QD_OK) st = freed;
+    }
+    const qd_status freed = check(cudaFreeAsync(a2, s));
+    return st != QD_OK ? st : freed;
+}
+
+}  // namespace
+
 extern "C" qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
                                        int64_t K, int64_t ld, const float *a_scales,
                                        int64_t a_block_m, int64_t a_block_k,
@@ -341,6 +397,12 @@ extern "C" qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_
         if (G == K && steps * KSTEP >= K)
             return launch_gemm<ONE_GROUP>(a, bt, M, N, K, ld, out, out_dtype, sc, stream);
         return launch_gemm<GROUPED>(a, bt, M, N, K, ld, out, out_dtype, sc, stream);
+    }
+    if (G >= MIN_SPREAD_GROUP && ceil_div(G, KSTEP) <= MAX_GROUP_STEPS) {  // a slot's sums stay one group
+        const qd_status spread = qq_spread(a, bt, M, N, K, ld, a_scales, a_block_m, a_block_k, b_scales,
+                                           b_block_n, b_block_k, G, out, out_dtype, stream);
+        if (spread != QD_ERR_NO_MEMORY) return spread;
+        (void)cudaGetLastError();  // no room for the spread operands: the simple kernel needs none
     }
     if (G > QD_INT_MATMUL_MAX_K) return QD_ERR_K_TOO_LARGE;
     qq_simple_kernel<<<qd::grid_for(M * N, 256), 256, 0, qd::as_stream(stream)>>>(
