@@ -299,6 +299,12 @@ def _operand(x, TensorBase other):
     return tensor_api.as_host_operand(x, other)
 
 
+cdef _check_transfer(transfer):
+    """A bad `transfer=` is an error whether or not the operands need a move."""
+    from . import policy
+    policy.resolve(transfer)
+
+
 cdef tuple _reconcile(str op, TensorBase lhs, TensorBase rhs, transfer):
     """Called only when the devices differ: apply the transfer policy or raise."""
     from . import policy
@@ -327,6 +333,8 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
     Mixed devices raise BackendMismatchError / DeviceMismatchError unless a
     transfer policy (argument or `transfer_policy()` context) says what to move."""
     cdef TensorBase l, r
+    if transfer is not None:
+        _check_transfer(transfer)
     if not isinstance(lhs, TensorBase) and not isinstance(rhs, TensorBase):
         raise TypeError("q_matmul needs at least one QTensor operand; for two float arrays use numpy's matmul")
     l = _operand(lhs, rhs if isinstance(rhs, TensorBase) else None)
@@ -360,6 +368,8 @@ cdef object _decode_step(object backend, TensorBase lhs, TensorBase rhs, object 
 def int_matmul(a, b, *, transfer=None):
     """Exact int8 x int8 -> int32 matrix product, any shape (M = 1 included)."""
     cdef TensorBase l, r
+    if transfer is not None:
+        _check_transfer(transfer)
     if not isinstance(a, TensorBase) and not isinstance(b, TensorBase):
         from . import tensor_api
         l = tensor_api.as_host_operand(a, None)
@@ -380,4 +390,4 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
                    transfer=transfer, activation_scheme=activation_scheme)
     if bias is None:
         return out
-    return ops_module().add_bias(out, bias, out_dtype)
+    return ops_module().add_bias(out, bias, out_dtype, transfer)

@@ -166,24 +166,30 @@ def int_matmul(backend, a, b):
     out_shape = batch + (ls[-2], rs[-1])
     payload = _batched(backend, lambda x, y: backend.int_matmul(x.payload, y.payload), a, b,
                        batch, out_shape, dtype="int32")
-    if squeeze and not batch:
-        out_shape = out_shape[1:]
+    if squeeze:  # a 1-D a is one row, dropped again as numpy's matmul drops it
+        out_shape = batch + (rs[-1],)
         payload = backend.reshape(payload, out_shape)
     return Tensor(payload, "int32", out_shape, a.kind, a.index)
 
 
-def add_bias(out, bias, out_dtype):
+def add_bias(out, bias, out_dtype, transfer=None):
+    """out + bias, then cast to out_dtype.  A bias on another device follows the
+    product there when a transfer policy (argument or context) allows moves."""
     check_dtype(out_dtype)
+    from .policy import resolve
     from .tensor_api import get_backend, tensor
     backend = get_backend(out.kind)
     payload = out.payload
     if bias is not None:
         b = bias if isinstance(bias, Tensor) else tensor(bias, device=out.device)
         if b.device != out.device:
-            from .errors import BackendMismatchError
-            raise BackendMismatchError(
-                f"linear's bias is on {str(b.device)!r} but the output is on {str(out.device)!r}: "
-                f"move it with bias.to({str(out.device)!r})")
+            if resolve(transfer) == "error":
+                from .errors import BackendMismatchError, DeviceMismatchError
+                kind = BackendMismatchError if b.kind != out.kind else DeviceMismatchError
+                raise kind(
+                    f"linear's bias is on {str(b.device)!r} but the output is on {str(out.device)!r}: "
+                    f"move it with bias.to({str(out.device)!r}), or pass transfer='auto'")
+            b = b.to(out.device)
         if tuple(b.shape) != (out.shape[-1],):
             raise ShapeError(f"linear's bias must have shape ({out.shape[-1]},), got {tuple(b.shape)}")
         payload = backend.add(payload, _as_f32(backend, b))

@@ -277,12 +277,15 @@ def tensor_stored(t):
 
 
 def qtensor_values(q):
-    return qtensor_host(q)[0]
+    """A copy: the host backends' arrays are their storage, which packed kernel
+    panels were built from, so an edit there would reach some products only."""
+    return np.array(qtensor_host(q)[0])
 
 
 def qtensor_scales(q):
-    """Per tensor: a 0-d array; per axis: one scale per index; per block: the grid."""
-    scales = qtensor_host(q)[1]
+    """Per tensor: a 0-d array; per axis: one scale per index; per block: the grid
+    (a copy, as for the values)."""
+    scales = np.array(qtensor_host(q)[1])
     scheme = q.scheme
     if scheme.granularity == "tensor":
         return scales.reshape(())

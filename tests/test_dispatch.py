@@ -60,6 +60,33 @@ def test_every_transfer_policy(operands):
         qd.q_matmul(xq, wt, transfer="sometimes")
 
 
+def test_a_bad_transfer_is_refused_even_when_nothing_moves(rng):
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    w = qd.quantize(rng.standard_normal((4, 32)).astype(np.float32), "q8s", device="cpu")
+    for bad in ("yes", "AUTO", 123):
+        with pytest.raises(ValueError, match="Unknown transfer policy"):
+            qd.q_matmul(x, w.T, transfer=bad)
+        with pytest.raises(ValueError, match="Unknown transfer policy"):
+            qd.linear(x, w, transfer=bad)
+        with pytest.raises(ValueError, match="Unknown transfer policy"):
+            qd.int_matmul(np.ones((2, 3), np.int8), np.ones((3, 2), np.int8), transfer=bad)
+
+
+def test_a_bias_on_another_backend_follows_the_transfer_policy(rng):
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((4, 32)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
+    bias = qd.tensor(rng.standard_normal(4).astype(np.float32), device="reference")
+    expect = qd.linear(x, wq, bias.to("cpu")).numpy()
+    with pytest.raises(qd.BackendMismatchError, match=r"bias is on 'reference' but the output is on 'cpu'.*"
+                                                       r"bias.to\('cpu'\), or pass transfer='auto'"):
+        qd.linear(x, wq, bias)
+    out = qd.linear(x, wq, bias, transfer="auto")
+    assert out.device == "cpu" and bias.device == "reference"
+    np.testing.assert_array_equal(out.numpy(), expect)
+    with qd.transfer_policy("to_lhs"):
+        np.testing.assert_array_equal(qd.linear(x, wq, bias).numpy(), expect)
+
+
 def test_auto_moves_towards_the_faster_backend(operands):
     xq, wt = operands
     assert qd.q_matmul(wt.T.to("reference"), xq.to("cpu").T, transfer="auto").device == "cpu"

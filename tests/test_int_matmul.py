@@ -69,6 +69,10 @@ def test_vector_and_batch_shapes(device, rng):
     v = rng.integers(-128, 128, size=(9,), dtype=np.int8)
     np.testing.assert_array_equal(qd.int_matmul(qd.tensor(v, device=device), qd.tensor(b[0], device=device)).numpy(),
                                   v.astype(np.int64) @ b[0].astype(np.int64))
+    # a vector times a batch drops the vector's row, as numpy's matmul does
+    out = qd.int_matmul(qd.tensor(v, device=device), qd.tensor(b, device=device))
+    assert out.shape == (2, 4)
+    np.testing.assert_array_equal(out.numpy(), v.astype(np.int64) @ b.astype(np.int64))
 
 
 def test_bad_inputs_raise_before_any_kernel():

@@ -57,6 +57,21 @@ def test_scales_shape_per_granularity(rng):
     assert qd.quantize(x, qd.QuantScheme("q8s", block=32), device="reference").scales.shape == (8, 2)
 
 
+def test_values_and_scales_are_copies(device, rng):
+    """Editing what .values or .scales returned leaves the QTensor as it was, for
+    dequantize and for every product (the cpu backend's packed panels included)."""
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), qd.QuantScheme("q8s", block=32), device=device)
+    deq, out = wq.dequantize().numpy(), qd.linear(x, wq).numpy()
+    values, scales = wq.values, wq.scales
+    values[:] = 0
+    scales[:] = 0
+    wq.T.values[:] = 1
+    np.testing.assert_array_equal(wq.dequantize().numpy(), deq)
+    np.testing.assert_array_equal(qd.linear(x, wq).numpy(), out)
+    assert np.any(wq.values != 0) and np.all(wq.scales > 0)
+
+
 def test_qtensor_from_parts_checks_the_range():
     with pytest.raises(qd.QDispatchError, match="outside q4s's range"):
         qd.qtensor_from_parts(np.full((2, 8), 8, np.int8), np.ones(()), qd.QuantScheme("q4s", store="packed_u32"))
