@@ -43,6 +43,12 @@ _ADVICE = {
 }
 
 
+def _scale_overflow_advice(scale_dtype):
+    if scale_dtype == "f32":  # no wider scale dtype to offer
+        return "rescale the input"
+    return _ADVICE[QD_ERR_SCALE_OVERFLOW]
+
+
 def _raise_status(code, what):
     """Raises the exception matching a qd_status code (no-op for QD_OK)."""
     if code == QD_OK:
@@ -150,7 +156,7 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32"):
                                "remove NaN/Inf first (for example np.nan_to_num)")
     if st == QD_ERR_SCALE_OVERFLOW:
         raise _error_class(st)(f"The scale of block {(bad // scales.shape[1], bad % scales.shape[1])} "
-                               f"overflows scale_dtype={scale_dtype!r}: use scale_dtype='f32' or rescale the input")
+                               f"overflows scale_dtype={scale_dtype!r}: {_scale_overflow_advice(scale_dtype)}")
     _check(st, "quantize")
     return q, scales
 
