@@ -223,11 +223,11 @@ def quantize_activation(x, scheme):
 def _quantize(x, scheme, device, weight):
     scheme = as_scheme(scheme)
     if not isinstance(x, Tensor):  # a torch Parameter crosses by its values (from_torch)
-        x = tensor(x, device=device)
+        x = tensor(_float_host_data(x), device=device)
     elif device is not None:
         x = x.to(device)
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"quantize expects float data, got {x.dtype}")
+        raise _not_float_error(x.dtype)
     if len(x.shape) == 0 or 0 in x.shape:
         raise ShapeError(f"Can't quantize a tensor of shape {x.shape}: it needs at least one dim and one value")
     layout = QLayout.for_shape(scheme, x.shape)
@@ -237,6 +237,21 @@ def _quantize(x, scheme, device, weight):
         payload = backend.cast(payload, x.dtype, "float32")
     quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
     return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
+
+
+def _float_host_data(x):
+    """x, checked to be float data when it is host data: `tensor` would make int8
+    of integers, and the error would then name int8 for, say, int64 data."""
+    if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+        return x  # keeps its own dtype through from_dlpack
+    arr = np.asarray(x)
+    if arr.dtype.kind != "f":
+        raise _not_float_error(arr.dtype)
+    return arr
+
+
+def _not_float_error(dtype):
+    return TypeError(f"quantize expects float data, got {dtype}: convert it to float32 first")
 
 
 def dequantize(q, dtype="float32"):

@@ -178,6 +178,15 @@ def test_scale_overflow_in_f32_does_not_advise_f32():
     assert str(info.value).endswith(": rescale the input")
 
 
+def test_non_float_data_is_named_by_its_own_dtype():
+    for data in (np.arange(64).reshape(8, 8), [[1, 2], [3, 4]], np.ones((2, 2), np.uint8)):
+        with pytest.raises(TypeError, match=f"quantize expects float data, got {np.asarray(data).dtype}: "
+                                            f"convert it to float32 first"):
+            qd.quantize(data, device="reference")
+    with pytest.raises(TypeError, match="quantize expects float data, got int8"):
+        qd.quantize(qd.tensor(np.ones((2, 2), np.int8), device="reference"))
+
+
 def test_3d_blocks_follow_burn_semantics(device, rng):
     x = rng.standard_normal((2, 4, 64)).astype(np.float32)
     q = qd.quantize(x, qd.QuantScheme("q8s", block=(1, 32)), device=device)
