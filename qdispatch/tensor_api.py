@@ -47,6 +47,8 @@ def _host_array(data, dtype=None):
             if arr.dtype != np.uint16:
                 arr = quantmath.f32_to_bf16_bits(arr.astype(np.float32))
             return arr, dtype
+        if dtype in ("int8", "int32"):
+            return _as_integers(arr, dtype), dtype
         return arr.astype(DTYPES[dtype], copy=False), dtype
     if arr.dtype in _NUMPY_NAMES:
         return arr, _NUMPY_NAMES[arr.dtype]
@@ -56,6 +58,39 @@ def _host_array(data, dtype=None):
         return arr.astype(np.float32 if arr.dtype.kind == "f" else np.int8), (
             "float32" if arr.dtype.kind == "f" else "int8")
     raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16 or int8 data")
+
+
+def _as_integers(arr, dtype):
+    """arr cast to integer `dtype`, refusing the values the cast would change
+    (numpy's cast wraps out-of-range integers and truncates floats)."""
+    target = DTYPES[dtype]
+    if arr.dtype == target or arr.dtype.kind not in "iuf" or not arr.size:
+        return arr.astype(target, copy=False)
+    lo, hi = int(np.iinfo(target).min), int(np.iinfo(target).max)
+    flat = arr.reshape(-1)
+    with np.errstate(invalid="ignore"):
+        if arr.dtype.kind == "f":
+            flat = flat.astype(np.float64)  # holds both bounds exactly, where float32 rounds 2**31 - 1 up
+            fits = (flat >= lo) & (flat <= hi) & (flat == np.trunc(flat))  # NaN fails every test
+        else:
+            fits = (flat >= lo) & (flat <= hi)
+    if not fits.all():
+        first = int(np.argmin(fits))
+        value = flat[first].item()
+        position = tuple(int(i) for i in np.unravel_index(first, arr.shape))
+        raise TypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: the value {value!r} at position "
+                        f"{position} {_misfit(value, dtype, lo, hi)}; quantize float data instead, or round "
+                        f"and clip it (np.rint, np.clip) to {dtype} first")
+    return arr.astype(target)
+
+
+def _misfit(value, dtype, lo, hi):
+    """Why `value` is no value of integer `dtype` [lo, hi]."""
+    if not np.isfinite(value):
+        return "is not finite"
+    if lo <= value <= hi:
+        return "is not a whole number"
+    return f"is outside {dtype}'s range [{lo}, {hi}]"
 
 
 def tensor(data, device=None, dtype=None):
