@@ -323,7 +323,8 @@ def qtensor_from_stored(values, scales, scheme, transposed, device=None):
 
 def tensor_stored(t):
     """(host array, device, dtype): what `tensor` rebuilds t from (bfloat16 as its bits)."""
-    return np.ascontiguousarray(get_backend(t.kind).to_host(t.payload)), str(t.device), t.dtype
+    # np.asarray keeps a 0-d array 0-d, where np.ascontiguousarray makes it 1-d
+    return np.asarray(get_backend(t.kind).to_host(t.payload), order="C"), str(t.device), t.dtype
 
 
 def qtensor_values(q):

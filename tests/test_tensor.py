@@ -91,6 +91,26 @@ def test_integer_dtype_keeps_data_that_fits(device):
     np.testing.assert_array_equal(qd.int_matmul(a, b).numpy(), [[100 - 200 + 381]])
 
 
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy", "save"])
+def test_0d_tensor_keeps_its_shape_when_copied(device, tmp_path, copier):
+    import copy
+    import pickle
+    t = qd.tensor(np.float32(3.0), device=device)
+    if copier == "save":
+        qd.save(tmp_path / "step.safetensors", {"step": t})
+        twin = qd.load(tmp_path / "step.safetensors", device=device)["step"]
+    else:
+        twin = pickle.loads(pickle.dumps(t)) if copier == "pickle" else copy.deepcopy(t)
+    assert twin.shape == () and twin.dtype == "float32" and twin.device == device
+    assert twin.numpy().shape == () and twin.numpy() == np.float32(3.0)
+
+
+def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
+    with pytest.raises(TypeError, match=r"len\(\) of a 0-d tensor"):
+        len(qd.tensor(3.0, device="reference"))
+    assert len(qd.tensor(np.zeros((3, 2), np.float32), device="reference")) == 3
+
+
 def test_qtensor_says_it_has_no_gradient():
     q = qd.quantize(np.ones((2, 4), np.float32), "q8s", device="reference")
     assert q.requires_grad is False
