@@ -380,16 +380,26 @@ def qtensor_zeros(shape, scheme, device=None):
 
 def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     """A QTensor from already-quantized int8 values and a float32 scale grid
-    (for loaders); values must lie in the scheme's range."""
+    (for loaders); values must lie in the scheme's range.  The QTensor keeps
+    copies: later edits to the arrays passed can't reach it, nor get past the
+    range check."""
     scheme = as_scheme(scheme)
-    values = np.asarray(values)
+    values = np.array(values)
     if values.dtype != np.int8:
         raise TypeError(f"values must be int8, got {values.dtype}")
     layout = QLayout.for_shape(scheme, values.shape)
     lo, hi = scheme.qrange
     if values.size and (values.min() < lo or values.max() > hi):
         raise QDispatchError(f"values outside {scheme.value}'s range [{lo}, {hi}]")
-    scales = np.asarray(scales, dtype=np.float32).reshape(layout.grid)
+    scales = _scale_grid(np.array(scales, dtype=np.float32), scheme, layout)
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return QTensor(backend.qstorage_from_host(values, scales, layout, dev.index),
                    layout, False, dev.kind, dev.index)
+
+
+def _scale_grid(scales, scheme, layout):
+    """scales as the scale grid of `layout` (any shape holding its values in order)."""
+    if scales.size != np.prod(layout.grid, dtype=np.int64):
+        raise ShapeError(f"{scheme!r} on values of shape {layout.shape} takes a scale grid of shape "
+                         f"{layout.grid} (one scale per block), got scales of shape {scales.shape}")
+    return scales.reshape(layout.grid)

@@ -64,6 +64,25 @@ def test_qtensor_from_parts_checks_the_range():
     np.testing.assert_array_equal(q.dequantize().numpy(), 3.5)
 
 
+def test_qtensor_from_parts_names_the_scale_grid_it_takes():
+    scheme = qd.QuantScheme("q8s", axis=0)
+    with pytest.raises(qd.ShapeError, match=r"QuantScheme\('q8s', axis=0\) on values of shape \(2, 4\) takes a "
+                                            r"scale grid of shape \(2, 1\) .*got scales of shape \(3,\)"):
+        qd.qtensor_from_parts(np.ones((2, 4), np.int8), np.ones(3, np.float32), scheme)
+    q = qd.qtensor_from_parts(np.ones((2, 4), np.int8), [0.5, 2.0], scheme, device="reference")
+    np.testing.assert_array_equal(q.dequantize().numpy(), [[0.5] * 4, [2.0] * 4])
+
+
+def test_qtensor_from_parts_keeps_copies_of_what_it_checked(device):
+    values, scales = np.full((4, 2), 5, np.int8), np.ones((4, 1), np.float32)
+    q = qd.qtensor_from_parts(values, scales, qd.QuantScheme("q8s", axis=0), device=device)
+    values[:] = -128  # outside q8s's [-127, 127], written after the check
+    scales[:] = 2.0
+    np.testing.assert_array_equal(q.values, np.full((4, 2), 5, np.int8))
+    np.testing.assert_array_equal(q.scales, np.ones(4, np.float32))
+    np.testing.assert_array_equal(qd.linear(np.ones((1, 2), np.float32), q).numpy(), [[10.0] * 4])
+
+
 @pytest.mark.parametrize("data,dtype,match", [
     ([[200, -300, 127]], "int8", r"the value 200 at position \(0, 0\) is outside int8's range \[-128, 127\]"),
     ([2**40 + 5], "int32", r"the value 1099511627781 at position \(0,\) is outside int32's range"),
