@@ -221,6 +221,13 @@ def test_environment_variables_pick_isa_and_threads():
     assert bad.returncode != 0 and "QDISPATCH_ISA=avx9000: Can't use ISA 'avx9000'" in bad.stderr
 
 
+def test_a_thread_count_that_is_no_number_names_its_variable():
+    bad = run_python("-c", "import qdispatch", QDISPATCH_NUM_THREADS="abc")
+    assert bad.returncode != 0
+    assert ("ValueError: QDISPATCH_NUM_THREADS='abc' is not a whole number: set it to a thread count"
+            in bad.stderr)
+
+
 def test_gil_is_released_during_kernels(rng, threads):
     """Another Python thread keeps running while one long kernel call runs; with
     the GIL held it would get no turn until the call returned."""
