@@ -316,8 +316,10 @@ def qtensor_stored(q):
 
 
 def qtensor_from_stored(values, scales, scheme, transposed, device=None):
-    """The QTensor that qtensor_stored took apart, on `device`."""
-    q = qtensor_from_parts(values, scales, scheme, device=device)
+    """The QTensor that qtensor_stored took apart, on `device`.  It keeps `values`
+    and `scales` (arrays just read from a file or a pickle) without copying them,
+    so a load holds each tensor once."""
+    q = _qtensor_keeping(np.asarray(values), np.asarray(scales, dtype=np.float32), scheme, device)
     return q.T if transposed else q
 
 
@@ -383,15 +385,19 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     (for loaders); values must lie in the scheme's range.  The QTensor keeps
     copies: later edits to the arrays passed can't reach it, nor get past the
     range check."""
+    return _qtensor_keeping(np.array(values), np.array(scales, dtype=np.float32), scheme, device)
+
+
+def _qtensor_keeping(values, scales, scheme, device):
+    """qtensor_from_parts of arrays the QTensor may keep as they are."""
     scheme = as_scheme(scheme)
-    values = np.array(values)
     if values.dtype != np.int8:
         raise TypeError(f"values must be int8, got {values.dtype}")
     layout = QLayout.for_shape(scheme, values.shape)
     lo, hi = scheme.qrange
     if values.size and (values.min() < lo or values.max() > hi):
         raise QDispatchError(f"values outside {scheme.value}'s range [{lo}, {hi}]")
-    scales = _scale_grid(np.array(scales, dtype=np.float32), scheme, layout)
+    scales = _scale_grid(scales, scheme, layout)
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return QTensor(backend.qstorage_from_host(values, scales, layout, dev.index),
                    layout, False, dev.kind, dev.index)
