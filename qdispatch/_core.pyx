@@ -189,6 +189,8 @@ cdef class Tensor(TensorBase):
         return tensor_api.tensor_transpose(self)
 
     def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")  # as numpy says for a 0-d array
         return self.shape[0]
 
     def __getitem__(self, key):

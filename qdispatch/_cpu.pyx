@@ -1,8 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The cpu backend's kernels: a thin wrapper over the C library (qdispatch.h).
 
-Arrays must be C-contiguous numpy arrays of the stated dtype; every kernel runs
-with the GIL released.  A non-OK status from C becomes an exception."""
+Arrays must be C-contiguous numpy arrays of the stated dtype; inputs may be
+read-only (memory-mapped files, np.frombuffer), as the kernels only read them.
+Every kernel runs with the GIL released.  A non-OK status from C becomes an exception."""
 import numpy as np
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
 
@@ -40,6 +41,12 @@ _ADVICE = {
     QD_ERR_SCHEME: "use a value kind among q8s/q8f/q4s/q4f/q2s/q2f and bits among 8/4/2",
     QD_ERR_ARGUMENT: "check the argument ranges (weight values must fit their bit width)",
 }
+
+
+def _scale_overflow_advice(scale_dtype):
+    if scale_dtype == "f32":  # no wider scale dtype to offer
+        return "rescale the input"
+    return _ADVICE[QD_ERR_SCALE_OVERFLOW]
 
 
 def _raise_status(code, what):
@@ -135,7 +142,7 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32"):
         raise _shape_error(f"Block ({br}, {bc}) does not divide shape ({rows}, {cols})")
     q = np.empty((rows, cols), dtype=np.int8)
     scales = np.empty((rows // br, cols // bc), dtype=np.float32)
-    cdef float[:, ::1] xv = x
+    cdef const float[:, ::1] xv = x
     cdef int8_t[:, ::1] qv = q
     cdef float[:, ::1] sv = scales
     cdef int kind = _VALUE_KINDS[value], sdt = _SCALE_DTYPES[scale_dtype]
@@ -149,7 +156,7 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32"):
                                "remove NaN/Inf first (for example np.nan_to_num)")
     if st == QD_ERR_SCALE_OVERFLOW:
         raise _error_class(st)(f"The scale of block {(bad // scales.shape[1], bad % scales.shape[1])} "
-                               f"overflows scale_dtype={scale_dtype!r}: use scale_dtype='f32' or rescale the input")
+                               f"overflows scale_dtype={scale_dtype!r}: {_scale_overflow_advice(scale_dtype)}")
     _check(st, "quantize")
     return q, scales
 
@@ -170,8 +177,8 @@ cdef class PackedWeights:
             raise _shape_error(f"scales must have shape {(N // bn, K // bk)} for block ({bn}, {bk}), got {scales.shape}")
         if bits not in (8, 4, 2):
             raise _error_class(QD_ERR_SCHEME)(f"bits must be 8, 4 or 2, got {bits!r}")
-        cdef int8_t[:, ::1] wv = w
-        cdef float[:, ::1] sv = scales
+        cdef const int8_t[:, ::1] wv = w
+        cdef const float[:, ::1] sv = scales
         cdef int b = bits
         cdef qd_status st
         with nogil:
@@ -237,8 +244,8 @@ def int_matmul(a, b):
     if b.shape[0] != K:
         raise _shape_error(f"int_matmul shapes {a.shape} and {b.shape} do not agree on K")
     c = np.empty((M, N), dtype=np.int32)
-    cdef int8_t[:, ::1] av = a
-    cdef int8_t[:, ::1] bv = b
+    cdef const int8_t[:, ::1] av = a
+    cdef const int8_t[:, ::1] bv = b
     cdef int32_t[:, ::1] cv = c
     cdef qd_status st
     with nogil:
@@ -252,7 +259,7 @@ def int_matmul_packed(a, pw):
     cdef PackedWeights w
     a, w, c = _against_weights(a, np.int8, pw, "a", np.int32)
     cdef int64_t M = a.shape[0], K = a.shape[1]
-    cdef int8_t[:, ::1] av = a
+    cdef const int8_t[:, ::1] av = a
     cdef int32_t[:, ::1] cv = c
     cdef qd_status st
     with nogil:
@@ -271,8 +278,8 @@ def qq_matmul(a, a_scales, a_block_m, a_block_k, pw):
         raise _shape_error(f"Block ({bm}, {bk}) does not divide a's shape ({M}, {K})")
     if a_scales.shape != (M // bm, K // bk):
         raise _shape_error(f"a_scales must have shape {(M // bm, K // bk)}, got {a_scales.shape}")
-    cdef int8_t[:, ::1] av = a
-    cdef float[:, ::1] sv = a_scales
+    cdef const int8_t[:, ::1] av = a
+    cdef const float[:, ::1] sv = a_scales
     cdef float[:, ::1] ov = out
     cdef qd_status st
     with nogil:
@@ -286,7 +293,7 @@ def fq_matmul(x, pw):
     cdef PackedWeights w
     x, w, out = _against_weights(x, np.float32, pw, "x", np.float32)
     cdef int64_t M = x.shape[0], K = x.shape[1]
-    cdef float[:, ::1] xv = x
+    cdef const float[:, ::1] xv = x
     cdef float[:, ::1] ov = out
     cdef qd_status st
     with nogil:
@@ -304,7 +311,7 @@ def w8a8_matmul(x, act_value, act_block_k, pw):
         raise _error_class(QD_ERR_SCHEME)(f"Unknown value kind {act_value!r}: use one of {list(_VALUE_KINDS)}")
     if bk <= 0 or K % bk:
         raise _shape_error(f"act_block_k={bk} does not divide K={K}")
-    cdef float[:, ::1] xv = x
+    cdef const float[:, ::1] xv = x
     cdef float[:, ::1] ov = out
     cdef int kind = _VALUE_KINDS[act_value]
     cdef qd_status st
@@ -325,7 +332,7 @@ def _half_in(h, name):
 def f16_to_f32(h):
     src = _half_in(h, "h")
     out = np.empty(src.shape, dtype=np.float32)
-    cdef uint16_t[::1] s = src.reshape(-1)
+    cdef const uint16_t[::1] s = src.reshape(-1)
     cdef float[::1] d = out.reshape(-1)
     cdef int64_t n = src.size
     if n:
@@ -337,7 +344,7 @@ def f16_to_f32(h):
 def bf16_to_f32(h):
     src = _half_in(h, "h")
     out = np.empty(src.shape, dtype=np.float32)
-    cdef uint16_t[::1] s = src.reshape(-1)
+    cdef const uint16_t[::1] s = src.reshape(-1)
     cdef float[::1] d = out.reshape(-1)
     cdef int64_t n = src.size
     if n:
@@ -349,7 +356,7 @@ def bf16_to_f32(h):
 def f32_to_f16(x):
     src = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(src.shape, dtype=np.float16)
-    cdef float[::1] s = src.reshape(-1)
+    cdef const float[::1] s = src.reshape(-1)
     cdef uint16_t[::1] d = out.view(np.uint16).reshape(-1)
     cdef int64_t n = src.size
     if n:
@@ -361,7 +368,7 @@ def f32_to_f16(x):
 def f32_to_bf16(x):
     src = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty(src.shape, dtype=np.uint16)
-    cdef float[::1] s = src.reshape(-1)
+    cdef const float[::1] s = src.reshape(-1)
     cdef uint16_t[::1] d = out.reshape(-1)
     cdef int64_t n = src.size
     if n:

@@ -1,8 +1,9 @@
 """The quantization arithmetic in numpy: the executable specification that every
 backend's kernels must match bit for bit.
 
-Pinned arithmetic: the scale is computed in float32 as 2*amax/(hi-lo), stored in
-its scale dtype rounded up (never down), and values are quantized with a true
+Pinned arithmetic: the scale is 2*amax/(hi-lo) rounded to float32 (computed as
+amax/((hi-lo)/2), which rounds the same and never overflows), stored in its
+scale dtype rounded up (never down), and values are quantized with a true
 float32 division by the stored scale, rounded half to even, then clamped."""
 import numpy as np
 
@@ -48,8 +49,15 @@ def round_up_to_dtype(scale: np.ndarray, scale_dtype: str) -> np.ndarray:
         worst = float(scale.max())
         raise ScaleOverflowError(
             f"A scale of {worst:g} overflows scale_dtype={scale_dtype!r}: "
-            f"use scale_dtype='f32' or rescale the input")
+            f"{scale_overflow_advice(scale_dtype)}")
     return stored
+
+
+def scale_overflow_advice(scale_dtype):
+    """What to do about a scale too large for `scale_dtype`."""
+    if scale_dtype == "f32":  # no wider scale dtype to offer
+        return "rescale the input"
+    return "use scale_dtype='f32' or rescale the input"
 
 
 # ---- blocks ------------------------------------------------------------------
@@ -87,8 +95,9 @@ def compute_scales(x: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:
     lo, hi = scheme.qrange
     blocked = _blocked(np.abs(x), block)
     amax = blocked.max(axis=tuple(range(1, blocked.ndim, 2))).astype(np.float32)
-    with np.errstate(over="ignore"):
-        scale = (np.float32(2.0) * amax) / np.float32(hi - lo)
+    # Halving hi-lo is exact, so this is the float32 that (2*amax)/(hi-lo) gives,
+    # yet finite where 2*amax would overflow float32.
+    scale = amax / np.float32((hi - lo) / 2)
     # A tiny amax can underflow to 0: rounding up gives the smallest subnormal.
     scale = np.where(scale == 0, np.float32(2.0 ** -149), scale)
     scale = np.where(amax == 0, np.float32(1.0), scale).astype(np.float32)

@@ -47,6 +47,8 @@ def _host_array(data, dtype=None):
             if arr.dtype != np.uint16:
                 arr = quantmath.f32_to_bf16_bits(arr.astype(np.float32))
             return arr, dtype
+        if dtype in ("int8", "int32"):
+            return _as_integers(arr, dtype), dtype
         return arr.astype(DTYPES[dtype], copy=False), dtype
     if arr.dtype in _NUMPY_NAMES:
         return arr, _NUMPY_NAMES[arr.dtype]
@@ -56,6 +58,39 @@ def _host_array(data, dtype=None):
         return arr.astype(np.float32 if arr.dtype.kind == "f" else np.int8), (
             "float32" if arr.dtype.kind == "f" else "int8")
     raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16 or int8 data")
+
+
+def _as_integers(arr, dtype):
+    """arr cast to integer `dtype`, refusing the values the cast would change
+    (numpy's cast wraps out-of-range integers and truncates floats)."""
+    target = DTYPES[dtype]
+    if arr.dtype == target or arr.dtype.kind not in "iuf" or not arr.size:
+        return arr.astype(target, copy=False)
+    lo, hi = int(np.iinfo(target).min), int(np.iinfo(target).max)
+    flat = arr.reshape(-1)
+    with np.errstate(invalid="ignore"):
+        if arr.dtype.kind == "f":
+            flat = flat.astype(np.float64)  # holds both bounds exactly, where float32 rounds 2**31 - 1 up
+            fits = (flat >= lo) & (flat <= hi) & (flat == np.trunc(flat))  # NaN fails every test
+        else:
+            fits = (flat >= lo) & (flat <= hi)
+    if not fits.all():
+        first = int(np.argmin(fits))
+        value = flat[first].item()
+        position = tuple(int(i) for i in np.unravel_index(first, arr.shape))
+        raise TypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: the value {value!r} at position "
+                        f"{position} {_misfit(value, dtype, lo, hi)}; quantize float data instead, or round "
+                        f"and clip it (np.rint, np.clip) to {dtype} first")
+    return arr.astype(target)
+
+
+def _misfit(value, dtype, lo, hi):
+    """Why `value` is no value of integer `dtype` [lo, hi]."""
+    if not np.isfinite(value):
+        return "is not finite"
+    if lo <= value <= hi:
+        return "is not a whole number"
+    return f"is outside {dtype}'s range [{lo}, {hi}]"
 
 
 def tensor(data, device=None, dtype=None):
@@ -223,11 +258,11 @@ def quantize_activation(x, scheme):
 def _quantize(x, scheme, device, weight):
     scheme = as_scheme(scheme)
     if not isinstance(x, Tensor):  # a torch Parameter crosses by its values (from_torch)
-        x = tensor(x, device=device)
+        x = tensor(_float_host_data(x), device=device)
     elif device is not None:
         x = x.to(device)
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"quantize expects float data, got {x.dtype}")
+        raise _not_float_error(x.dtype)
     if len(x.shape) == 0 or 0 in x.shape:
         raise ShapeError(f"Can't quantize a tensor of shape {x.shape}: it needs at least one dim and one value")
     layout = QLayout.for_shape(scheme, x.shape)
@@ -237,6 +272,21 @@ def _quantize(x, scheme, device, weight):
         payload = backend.cast(payload, x.dtype, "float32")
     quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
     return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
+
+
+def _float_host_data(x):
+    """x, checked to be float data when it is host data: `tensor` would make int8
+    of integers, and the error would then name int8 for, say, int64 data."""
+    if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+        return x  # keeps its own dtype through from_dlpack
+    arr = np.asarray(x)
+    if arr.dtype.kind != "f":
+        raise _not_float_error(arr.dtype)
+    return arr
+
+
+def _not_float_error(dtype):
+    return TypeError(f"quantize expects float data, got {dtype}: convert it to float32 first")
 
 
 def dequantize(q, dtype="float32"):
@@ -266,14 +316,17 @@ def qtensor_stored(q):
 
 
 def qtensor_from_stored(values, scales, scheme, transposed, device=None):
-    """The QTensor that qtensor_stored took apart, on `device`."""
-    q = qtensor_from_parts(values, scales, scheme, device=device)
+    """The QTensor that qtensor_stored took apart, on `device`.  It keeps `values`
+    and `scales` (arrays just read from a file or a pickle) without copying them,
+    so a load holds each tensor once."""
+    q = _qtensor_keeping(np.asarray(values), np.asarray(scales, dtype=np.float32), scheme, device)
     return q.T if transposed else q
 
 
 def tensor_stored(t):
     """(host array, device, dtype): what `tensor` rebuilds t from (bfloat16 as its bits)."""
-    return np.ascontiguousarray(get_backend(t.kind).to_host(t.payload)), str(t.device), t.dtype
+    # np.asarray keeps a 0-d array 0-d, where np.ascontiguousarray makes it 1-d
+    return np.asarray(get_backend(t.kind).to_host(t.payload), order="C"), str(t.device), t.dtype
 
 
 def qtensor_values(q):
@@ -332,16 +385,30 @@ def qtensor_zeros(shape, scheme, device=None):
 
 def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     """A QTensor from already-quantized int8 values and a float32 scale grid
-    (for loaders); values must lie in the scheme's range."""
+    (for loaders); values must lie in the scheme's range.  The QTensor keeps
+    copies: later edits to the arrays passed can't reach it, nor get past the
+    range check."""
+    return _qtensor_keeping(np.array(values), np.array(scales, dtype=np.float32), scheme, device)
+
+
+def _qtensor_keeping(values, scales, scheme, device):
+    """qtensor_from_parts of arrays the QTensor may keep as they are."""
     scheme = as_scheme(scheme)
-    values = np.asarray(values)
     if values.dtype != np.int8:
         raise TypeError(f"values must be int8, got {values.dtype}")
     layout = QLayout.for_shape(scheme, values.shape)
     lo, hi = scheme.qrange
     if values.size and (values.min() < lo or values.max() > hi):
         raise QDispatchError(f"values outside {scheme.value}'s range [{lo}, {hi}]")
-    scales = np.asarray(scales, dtype=np.float32).reshape(layout.grid)
+    scales = _scale_grid(scales, scheme, layout)
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return QTensor(backend.qstorage_from_host(values, scales, layout, dev.index),
                    layout, False, dev.kind, dev.index)
+
+
+def _scale_grid(scales, scheme, layout):
+    """scales as the scale grid of `layout` (any shape holding its values in order)."""
+    if scales.size != np.prod(layout.grid, dtype=np.int64):
+        raise ShapeError(f"{scheme!r} on values of shape {layout.shape} takes a scale grid of shape "
+                         f"{layout.grid} (one scale per block), got scales of shape {scales.shape}")
+    return scales.reshape(layout.grid)

@@ -88,6 +88,57 @@ def test_quantize_is_bit_identical_to_the_reference(isa, rng):
         np.testing.assert_array_equal(q.scales, r.scales)
 
 
+def read_only(a, form, path):
+    """a as a read-only array of the kind users meet: a memory-mapped .npy file,
+    np.frombuffer over bytes, or an array locked with flags.writeable."""
+    if form == "mmap":
+        np.save(path, a)
+        out = np.load(path, mmap_mode="r")
+    elif form == "frombuffer":
+        out = np.frombuffer(a.tobytes(), a.dtype).reshape(a.shape)
+    else:
+        out = a.copy()
+        out.flags.writeable = False
+    assert not out.flags.writeable
+    return out
+
+
+@pytest.mark.parametrize("form", ["mmap", "frombuffer", "locked"])
+def test_read_only_arrays_feed_every_kernel(rng, tmp_path, form):
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    a = rng.integers(-128, 128, (4, 64), dtype=np.int8)
+    b = rng.integers(-128, 128, (64, 5), dtype=np.int8)
+    w_ro, x_ro, a_ro, b_ro = (read_only(arr, form, tmp_path / f"{name}.npy")
+                              for name, arr in (("w", w), ("x", x), ("a", a), ("b", b)))
+    scheme = qd.QuantScheme("q8s", axis=0)
+    q, ref = qd.quantize(w_ro, scheme, device="cpu"), qd.quantize(w, scheme, device="reference")
+    np.testing.assert_array_equal(q.values, ref.values)
+    np.testing.assert_array_equal(q.scales, ref.scales)
+    wq = qd.quantize(w, scheme, device="cpu")
+    for act in (None, "q8s"):  # weight-only, and x quantized in C on the way
+        np.testing.assert_array_equal(qd.linear(x_ro, wq, activation_scheme=act).numpy(),
+                                      qd.linear(x, wq, activation_scheme=act).numpy())
+    np.testing.assert_array_equal(qd.q_matmul(x_ro, wq.T).numpy(), qd.q_matmul(x, wq.T).numpy())
+    aq_ro, aq = (qd.qtensor_from_parts(v, np.float32(0.5), "q8f", device="cpu") for v in (a_ro, a))
+    np.testing.assert_array_equal(qd.q_matmul(aq_ro, wq.T).numpy(), qd.q_matmul(aq, wq.T).numpy())
+    np.testing.assert_array_equal(qd.int_matmul(a_ro, b_ro).numpy(), a.astype(np.int64) @ b.astype(np.int64))
+
+
+def test_broadcast_views_quantize_and_multiply_like_their_copies(rng):
+    row = rng.standard_normal(64).astype(np.float32)
+    x = np.broadcast_to(row, (4, 64))  # read-only, rows repeated with stride 0
+    scheme = qd.QuantScheme("q8s", axis=0)
+    q, ref = qd.quantize(x, scheme, device="cpu"), qd.quantize(x.copy(), scheme, device="reference")
+    np.testing.assert_array_equal(q.values, ref.values)
+    np.testing.assert_array_equal(q.scales, ref.scales)
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), scheme, device="cpu")
+    np.testing.assert_array_equal(qd.linear(x, wq).numpy(), qd.linear(x.copy(), wq).numpy())
+    scalar = qd.quantize(np.broadcast_to(np.float32(1.5), (4, 64)), "q8s", device="cpu")
+    assert float(scalar.scales) == np.float32(1.5) / np.float32(127)
+    np.testing.assert_array_equal(scalar.values, np.full((4, 64), 127, np.int8))
+
+
 def test_results_do_not_depend_on_thread_count(rng, threads):
     x = rng.standard_normal((37, 512)).astype(np.float32)
     wq = qd.quantize(rng.standard_normal((300, 512)).astype(np.float32), qd.QuantScheme("q8s", block=32), device="cpu")
@@ -168,6 +219,13 @@ def test_environment_variables_pick_isa_and_threads():
     assert out.stdout.split() == ["scalar", "1"]
     bad = run_python("-c", code, QDISPATCH_ISA="avx9000")
     assert bad.returncode != 0 and "QDISPATCH_ISA=avx9000: Can't use ISA 'avx9000'" in bad.stderr
+
+
+def test_a_thread_count_that_is_no_number_names_its_variable():
+    bad = run_python("-c", "import qdispatch", QDISPATCH_NUM_THREADS="abc")
+    assert bad.returncode != 0
+    assert ("ValueError: QDISPATCH_NUM_THREADS='abc' is not a whole number: set it to a thread count"
+            in bad.stderr)
 
 
 def test_gil_is_released_during_kernels(rng, threads):

@@ -131,9 +131,60 @@ def test_scales_are_rounded_up_into_their_dtype(device, rng, scale_dtype):
 
 
 def test_scale_overflowing_f16_is_an_error(device):
-    with pytest.raises(qd.ScaleOverflowError, match="overflows scale_dtype='f16'"):
+    with pytest.raises(qd.ScaleOverflowError, match="overflows scale_dtype='f16': use scale_dtype='f32' or rescale"):
         qd.quantize(np.full((2, 4), 1e7, np.float32), qd.QuantScheme("q8s", scale_dtype="f16"),
                     device=device)
+
+
+def exact_scale(amax, lo, hi):
+    """The float32 rounding of 2*amax/(hi-lo), where 2*amax itself would overflow
+    float32 for the largest amax: large ones are scaled down by 4 and back up
+    (exact, as both quotients are normal floats)."""
+    amax = np.asarray(amax, np.float32)
+    direct = (np.float32(2) * np.minimum(amax, np.float32(2.0**100))) / np.float32(hi - lo)
+    quarter = np.float32(4) * ((np.float32(2) * (amax / np.float32(4))) / np.float32(hi - lo))
+    scale = np.where(amax < np.float32(2.0**100), direct, quarter)
+    return np.where(amax == 0, np.float32(1), np.where(scale == 0, np.float32(2.0**-149), scale))
+
+
+@pytest.mark.parametrize("value", ALL_VALUES)
+def test_f32_scale_is_2_amax_over_the_range_for_every_finite_amax(device, rng, value):
+    """From subnormals to float32's max, where 2*amax overflows: every f32 scale is
+    the rounding of 2*amax/(hi-lo), the same on every backend."""
+    lo, hi, _ = VALUE_RANGES[value]
+    bits = rng.integers(0, 0x7F7FFFFF, size=2048, dtype=np.uint32, endpoint=True)
+    bits[:4] = [0, 1, 0x7F7FFFFF, 0x7F000000]  # zero, the smallest subnormal, the largest float, 2**127
+    x = bits.view(np.float32).reshape(-1, 1) * np.where(rng.random((2048, 1)) < 0.5, -1, 1).astype(np.float32)
+    scheme = scheme_for(value, axis=0, scale_dtype="f32")
+    q = qd.quantize(x, scheme, device=device)
+    want = exact_scale(np.abs(x[:, 0]), lo, hi)
+    np.testing.assert_array_equal(q.scales, want)
+    np.testing.assert_array_equal(q.values, np.clip(np.rint(x / want[:, None]), lo, hi).astype(np.int8))
+    ref = qd.quantize(x, scheme, device="reference")
+    np.testing.assert_array_equal(q.values, ref.values)
+    np.testing.assert_array_equal(q.scales, ref.scales)
+
+
+def test_data_near_float32s_max_quantizes_with_f32_scales(device):
+    x = np.full((2, 4), 2e38, np.float32)
+    q = qd.quantize(x, qd.QuantScheme("q8s", scale_dtype="f32"), device=device)
+    assert float(q.scales) == np.float32(2e38) / np.float32(127)
+    np.testing.assert_array_equal(q.values, np.full((2, 4), 127, np.int8))
+
+
+def test_scale_overflow_in_f32_does_not_advise_f32():
+    with pytest.raises(qd.ScaleOverflowError, match="overflows scale_dtype='f32'") as info:
+        quantmath.round_up_to_dtype(np.array([np.inf], np.float32), "f32")
+    assert str(info.value).endswith(": rescale the input")
+
+
+def test_non_float_data_is_named_by_its_own_dtype():
+    for data in (np.arange(64).reshape(8, 8), [[1, 2], [3, 4]], np.ones((2, 2), np.uint8)):
+        with pytest.raises(TypeError, match=f"quantize expects float data, got {np.asarray(data).dtype}: "
+                                            f"convert it to float32 first"):
+            qd.quantize(data, device="reference")
+    with pytest.raises(TypeError, match="quantize expects float data, got int8"):
+        qd.quantize(qd.tensor(np.ones((2, 2), np.int8), device="reference"))
 
 
 def test_3d_blocks_follow_burn_semantics(device, rng):

@@ -79,6 +79,72 @@ def test_qtensor_from_parts_checks_the_range():
     np.testing.assert_array_equal(q.dequantize().numpy(), 3.5)
 
 
+def test_qtensor_from_parts_names_the_scale_grid_it_takes():
+    scheme = qd.QuantScheme("q8s", axis=0)
+    with pytest.raises(qd.ShapeError, match=r"QuantScheme\('q8s', axis=0\) on values of shape \(2, 4\) takes a "
+                                            r"scale grid of shape \(2, 1\) .*got scales of shape \(3,\)"):
+        qd.qtensor_from_parts(np.ones((2, 4), np.int8), np.ones(3, np.float32), scheme)
+    q = qd.qtensor_from_parts(np.ones((2, 4), np.int8), [0.5, 2.0], scheme, device="reference")
+    np.testing.assert_array_equal(q.dequantize().numpy(), [[0.5] * 4, [2.0] * 4])
+
+
+def test_qtensor_from_parts_keeps_copies_of_what_it_checked(device):
+    values, scales = np.full((4, 2), 5, np.int8), np.ones((4, 1), np.float32)
+    q = qd.qtensor_from_parts(values, scales, qd.QuantScheme("q8s", axis=0), device=device)
+    values[:] = -128  # outside q8s's [-127, 127], written after the check
+    scales[:] = 2.0
+    np.testing.assert_array_equal(q.values, np.full((4, 2), 5, np.int8))
+    np.testing.assert_array_equal(q.scales, np.ones(4, np.float32))
+    np.testing.assert_array_equal(qd.linear(np.ones((1, 2), np.float32), q).numpy(), [[10.0] * 4])
+
+
+@pytest.mark.parametrize("data,dtype,match", [
+    ([[200, -300, 127]], "int8", r"the value 200 at position \(0, 0\) is outside int8's range \[-128, 127\]"),
+    ([2**40 + 5], "int32", r"the value 1099511627781 at position \(0,\) is outside int32's range"),
+    (np.array([2.0**31], np.float32), "int32", r"the value 2147483648.0 .* is outside int32's range"),
+    (np.array([255], np.uint8), "int8", r"the value 255 .* is outside int8's range"),
+    ([[1.0, 2.7]], "int8", r"the value 2.7 at position \(0, 1\) is not a whole number"),
+    ([3.0, np.nan], "int8", r"the value nan at position \(1,\) is not finite"),
+    ([-np.inf], "int32", r"the value -inf .* is not finite"),
+])
+def test_integer_dtype_refuses_data_the_cast_would_change(data, dtype, match):
+    with pytest.raises(TypeError, match=match) as info:
+        qd.tensor(data, dtype=dtype, device="reference")
+    assert f"Can't make an {dtype} tensor" in str(info.value)
+    assert "quantize float data instead, or round and clip it" in str(info.value)
+
+
+def test_integer_dtype_keeps_data_that_fits(device):
+    t = qd.tensor(np.array([[-128.0, 5.0, 127.0]]), dtype="int8", device=device)
+    assert t.dtype == "int8" and t.numpy().dtype == np.int8
+    np.testing.assert_array_equal(t.numpy(), [[-128, 5, 127]])
+    wide = qd.tensor(np.array([2**31 - 1, -2**31]), dtype="int32", device=device)
+    np.testing.assert_array_equal(wide.numpy(), np.array([2**31 - 1, -2**31], np.int32))
+    a = qd.tensor([[100, -100, 127]], dtype="int8", device=device)
+    b = np.array([[1], [2], [3]], np.int8)
+    np.testing.assert_array_equal(qd.int_matmul(a, b).numpy(), [[100 - 200 + 381]])
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy", "save"])
+def test_0d_tensor_keeps_its_shape_when_copied(device, tmp_path, copier):
+    import copy
+    import pickle
+    t = qd.tensor(np.float32(3.0), device=device)
+    if copier == "save":
+        qd.save(tmp_path / "step.safetensors", {"step": t})
+        twin = qd.load(tmp_path / "step.safetensors", device=device)["step"]
+    else:
+        twin = pickle.loads(pickle.dumps(t)) if copier == "pickle" else copy.deepcopy(t)
+    assert twin.shape == () and twin.dtype == "float32" and twin.device == device
+    assert twin.numpy().shape == () and twin.numpy() == np.float32(3.0)
+
+
+def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
+    with pytest.raises(TypeError, match=r"len\(\) of a 0-d tensor"):
+        len(qd.tensor(3.0, device="reference"))
+    assert len(qd.tensor(np.zeros((3, 2), np.float32), device="reference")) == 3
+
+
 def test_qtensor_says_it_has_no_gradient():
     q = qd.quantize(np.ones((2, 4), np.float32), "q8s", device="reference")
     assert q.requires_grad is False

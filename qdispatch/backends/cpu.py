@@ -36,6 +36,15 @@ def _as_2d_block(shape, block):
     return int(np.prod(lead)), shape[-1], block_rows, block[-1]
 
 
+def _thread_count_setting(text):
+    """QDISPATCH_NUM_THREADS as an int, or ValueError naming the variable."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"QDISPATCH_NUM_THREADS={text!r} is not a whole number: set it to a thread "
+                         f"count such as 4 (0 or less means one per processor), or unset it") from None
+
+
 class CpuBackend(HostBackend):
     kind = BackendKind.CPU
     name = "cpu"
@@ -51,7 +60,7 @@ class CpuBackend(HostBackend):
                 raise BackendUnavailableError(f"QDISPATCH_ISA={isa}: {exc}") from None
         threads = os.environ.get("QDISPATCH_NUM_THREADS")
         if threads:
-            self.set_num_threads(int(threads))
+            self.set_num_threads(_thread_count_setting(threads))
 
     def unavailable_reason(self, index=0):
         if _cpu is None:

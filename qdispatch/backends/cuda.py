@@ -234,8 +234,8 @@ class CudaBackend(Backend):
         except ScaleOverflowError as exc:
             raise ScaleOverflowError(
                 f"The scale of block {exc.index} (flat index in the scale grid) overflows "
-                f"scale_dtype={layout.scheme.scale_dtype!r}: use scale_dtype='f32' or rescale "
-                f"the input") from None
+                f"scale_dtype={layout.scheme.scale_dtype!r}: "
+                f"{quantmath.scale_overflow_advice(layout.scheme.scale_dtype)}") from None
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
     def _int8_values(self, storage, layout, cache=True):

@@ -25,7 +25,9 @@ static float scale_from_amax(float amax, int lo, int hi)
 {
     if (amax == 0.0f)
         return 1.0f;
-    float scale = (2.0f * amax) / (float)(hi - lo);
+    /* amax / ((hi-lo)/2) rounds exactly as (2*amax)/(hi-lo) (halving the exact
+     * integer hi-lo is exact), and does not overflow where 2*amax would. */
+    float scale = amax / (0.5f * (float)(hi - lo));
     /* A tiny amax can underflow to 0; rounding up gives the smallest subnormal. */
     return scale > 0.0f ? scale : 0x1p-149f;
 }

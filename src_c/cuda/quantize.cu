@@ -70,7 +70,8 @@ __global__ void scale_kernel(float *scales, int64_t n, float range, int scale_dt
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float amax = scales[i];
-        float s = amax == 0.0f ? 1.0f : __fdiv_rn(__fmul_rn(2.0f, amax), range);
+        // amax / (range/2): the rounding of 2*amax/range, without 2*amax overflowing
+        float s = amax == 0.0f ? 1.0f : __fdiv_rn(amax, __fmul_rn(0.5f, range));
         if (s == 0.0f) s = 0x1p-149f;  // a tiny amax underflows: rounding up gives the smallest subnormal
         s = round_up(s, scale_dtype);
         if (!isfinite(s)) atomicMin(bad, (unsigned long long)i);
