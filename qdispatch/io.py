@@ -28,7 +28,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import tempfile
 import zlib
 from collections.abc import Mapping
@@ -93,10 +92,11 @@ def _fsync_dir(folder):
 # ---- encoding --------------------------------------------------------------------
 
 def _little_endian(a):
+    """`a` C-contiguous in the file's byte order, little-endian, whatever the host's
+    or the array's own (a big-endian array read from another format included)."""
     a = np.asarray(a, order="C")  # ascontiguousarray would make a 0-d array 1-d
-    if sys.byteorder == "big" and a.dtype.itemsize > 1:
-        a = a.astype(a.dtype.newbyteorder("<"))
-    return a
+    little = a.dtype.newbyteorder("<")
+    return a if a.dtype == little else a.astype(little)
 
 
 def _crc(data):

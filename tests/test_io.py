@@ -327,3 +327,16 @@ def test_invalid_scheme_record(saved):
     rewrite_scheme(saved, "weight", "value", "q9z")
     with pytest.raises(SerializationError, match="'weight'.*q9z"):
         qd.load(saved)
+
+
+@pytest.mark.parametrize("dtype", [">i4", ">f8", ">u2", ">f2", "<i8"])
+def test_big_endian_arrays_are_stored_little_endian(tmp_path, dtype):
+    """The file's byte order is little-endian whatever the array's: the same values
+    come back (in the host's order), and the bytes are what any safetensors reader expects."""
+    a = np.arange(6).reshape(2, 3).astype(dtype)
+    path = tmp_path / "a.st"
+    qd.save(path, {"a": a})
+    loaded = qd.load(path)["a"]
+    assert loaded.dtype == a.dtype.newbyteorder("=") and loaded.dtype.isnative
+    np.testing.assert_array_equal(loaded, a)
+    assert path.read_bytes().endswith(a.astype(a.dtype.newbyteorder("<")).tobytes())
