@@ -169,17 +169,25 @@ def _entry_keys(name, record):
     return [name + s for s in _SUFFIXES] if record.get("kind") == "qtensor" else [name]
 
 
+def check_tensor_dict(tensors, caller):
+    """Refuse anything but {name: tensor} with non-empty str names, before any work
+    (a bad name would otherwise fail deep inside a writer, in its own words)."""
+    if not isinstance(tensors, Mapping):
+        hint = "; for (name, tensor) pairs pass dict(pairs)" if isinstance(tensors, (list, tuple)) else ""
+        raise TypeError(f"{caller} expects a dict of name -> tensor, got {type(tensors).__name__}{hint}")
+    for name in tensors:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Tensor names must be non-empty strings, got {name!r} of type {type(name).__name__}")
+
+
 def save(path, tensors):
     """Write `{name: QTensor | Tensor | ndarray}` to `path` as one safetensors
     file, atomically.  `qdispatch.load` reads it back bit for bit.  Tensors are
     fetched and written one at a time, so the host holds one tensor's bytes at a
     time (a model on the GPU is never on the host whole)."""
-    if not isinstance(tensors, Mapping):
-        raise TypeError(f"save expects a dict of name -> tensor, got {type(tensors).__name__}")
+    check_tensor_dict(tensors, "save")
     plans, keys = [], set()
     for name, obj in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"Tensor names must be non-empty strings, got {name!r}")
         record, entries, fetch = _plan(name, obj)
         for key, _, _ in entries:
             if key in keys or (key != name and key in tensors):
