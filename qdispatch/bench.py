@@ -61,6 +61,8 @@ _REQUIRES = {"fbgemm": ("torch",), "ort_u8u8": ("onnxruntime", "onnx"),
 W8 = qd.QuantScheme("q8s", axis=0)  # [N, K] weight: one scale per output channel
 A8 = qd.QuantScheme("q8s", axis=0)  # [M, K] activation: one scale per row (token)
 W4 = qd.QuantScheme("q4s", block=(1, 32), store="packed_u32")
+# Paths whose weight is quantized in blocks along K: K must be a multiple of the block.
+K_BLOCKS = {"int4": W4.block[-1]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,13 @@ class Shape:
 
     def __str__(self):
         return f"{self.m}x{self.k}x{self.n}"
+
+    def problem(self, path):
+        """Why `path` can't run on this shape, or None."""
+        block = K_BLOCKS.get(path)
+        if block and self.k % block:
+            return f"the {path} path quantizes K in blocks of {block}, so K={self.k} must be a multiple of {block}"
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,7 +505,8 @@ def add_arguments(parser):
     parser.add_argument("--json", metavar="OUT.json", help="write the results and the machine description")
 
 
-def _check_choices(args):
+def _check_arguments(args):
+    """Every mistake in the arguments, found before anything is measured; the contenders to run."""
     contenders = list(CONTENDERS) if args.contenders == ["all"] else args.contenders
     for name, given, known in (("path", args.paths, PATHS), ("contender", contenders, CONTENDERS)):
         unknown = [v for v in given if v not in known]
@@ -506,7 +516,23 @@ def _check_choices(args):
     if missing:
         raise SystemExit(f"backend {', '.join(missing)} not available here "
                          f"(available: {', '.join(qd.available_backends())})")
+    for shape, path in itertools.product(args.shapes, args.paths):
+        problem = shape.problem(path)
+        if problem:
+            raise SystemExit(f"shape {shape} can't be run: {problem} (or leave {path} out of --paths)")
+    for option, out in (("--json", args.json), ("--plot", args.plot)):
+        if out:
+            _check_writable(option, out)
     return contenders
+
+
+def _check_writable(option, path):
+    """Refuse an output file that can't be written before minutes of measuring, not after."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise SystemExit(f"{option} {path}: folder {folder} does not exist; create it or choose another path")
+    if os.path.isdir(path) or not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise SystemExit(f"{option} {path}: can't write there; choose another path")
 
 
 def _progress(done, total, label, stream=sys.stderr):
@@ -550,7 +576,7 @@ def format_table(rows):
 
 
 def run(args):
-    contenders = _check_choices(args)
+    contenders = _check_arguments(args)
     if args.plot:
         require_matplotlib()  # fail before minutes of measuring, not after
     cases = list(plan(args.shapes, args.paths, args.backend, args.threads, contenders,

@@ -41,7 +41,7 @@ import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
 from .errors import SerializationError
-from .io import atomic_path
+from .io import atomic_path, check_tensor_dict
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_parts, qtensor_host, tensor
 
@@ -189,11 +189,12 @@ def _plan(name, obj):
 
 
 def export(path, tensors, arch="qdispatch"):
-    """Write `{name: QTensor | Tensor | ndarray}` to a GGUF file, atomically.
+    """Write `{name: QTensor | Tensor | ndarray}` (str names) to a GGUF file, atomically.
     `arch` is written as general.architecture.  Every tensor is checked first;
     then they are fetched and written one at a time, so the host holds one
     tensor's bytes at a time (a model on the GPU is never on the host whole)."""
     gguf = _gguf()
+    check_tensor_dict(tensors, "export")
     plans = [(name, *_plan(name, obj)) for name, obj in tensors.items()]  # all checks first
     with atomic_path(path) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)

@@ -28,7 +28,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import tempfile
 import zlib
 from collections.abc import Mapping
@@ -56,6 +55,7 @@ _NUMPY_OF = {
 _CODE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items() if k != "BF16"}
 _SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 _TENSOR_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "int32": "I32"}
+_KINDS = ("qtensor", "tensor", "array")
 
 
 # ---- atomic writes -------------------------------------------------------------
@@ -93,10 +93,11 @@ def _fsync_dir(folder):
 # ---- encoding --------------------------------------------------------------------
 
 def _little_endian(a):
+    """`a` C-contiguous in the file's byte order, little-endian, whatever the host's
+    or the array's own (a big-endian array read from another format included)."""
     a = np.asarray(a, order="C")  # ascontiguousarray would make a 0-d array 1-d
-    if sys.byteorder == "big" and a.dtype.itemsize > 1:
-        a = a.astype(a.dtype.newbyteorder("<"))
-    return a
+    little = a.dtype.newbyteorder("<")
+    return a if a.dtype == little else a.astype(little)
 
 
 def _crc(data):
@@ -168,17 +169,25 @@ def _entry_keys(name, record):
     return [name + s for s in _SUFFIXES] if record.get("kind") == "qtensor" else [name]
 
 
+def check_tensor_dict(tensors, caller):
+    """Refuse anything but {name: tensor} with non-empty str names, before any work
+    (a bad name would otherwise fail deep inside a writer, in its own words)."""
+    if not isinstance(tensors, Mapping):
+        hint = "; for (name, tensor) pairs pass dict(pairs)" if isinstance(tensors, (list, tuple)) else ""
+        raise TypeError(f"{caller} expects a dict of name -> tensor, got {type(tensors).__name__}{hint}")
+    for name in tensors:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Tensor names must be non-empty strings, got {name!r} of type {type(name).__name__}")
+
+
 def save(path, tensors):
     """Write `{name: QTensor | Tensor | ndarray}` to `path` as one safetensors
     file, atomically.  `qdispatch.load` reads it back bit for bit.  Tensors are
     fetched and written one at a time, so the host holds one tensor's bytes at a
     time (a model on the GPU is never on the host whole)."""
-    if not isinstance(tensors, Mapping):
-        raise TypeError(f"save expects a dict of name -> tensor, got {type(tensors).__name__}")
+    check_tensor_dict(tensors, "save")
     plans, keys = [], set()
     for name, obj in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"Tensor names must be non-empty strings, got {name!r}")
         record, entries, fetch = _plan(name, obj)
         for key, _, _ in entries:
             if key in keys or (key != name and key in tensors):
@@ -232,13 +241,17 @@ def _read_header(path, f):
         header = json.loads(f.read(size))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise SerializationError(f"{path} has a corrupted safetensors header ({exc})") from None
     return header, file_size - 8 - size, 8 + size
 
 
 def _metadata(path, header):
+    """The records of a file's tensors, each checked to have the fields its kind needs."""
     meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise SerializationError(
+            f"{path} has a corrupted safetensors header: its __metadata__ is {_brief(meta)}, not a JSON object")
     version = meta.get(_VERSION_KEY)
     if version is None or _TENSORS_KEY not in meta:
         raise SerializationError(
@@ -251,9 +264,44 @@ def _metadata(path, header):
         records = json.loads(meta[_TENSORS_KEY])
         if not isinstance(records, dict):
             raise ValueError("not a JSON object")
-    except ValueError as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # TypeError: the metadata is not a string
         raise SerializationError(f"{path} has corrupted qdispatch metadata ({exc})") from None
+    for name, record in records.items():
+        problem = _record_problem(record)
+        if problem:
+            raise SerializationError(f"Tensor {name!r} in {path} has a corrupted record: {problem}")
     return records
+
+
+def _record_problem(record):
+    """What is wrong with one tensor's record, or None: checked when the file is
+    opened, so that decoding can trust the record's fields and their types."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {_brief(record)}"
+    kind = record.get("kind")
+    if kind not in _KINDS:
+        return f"unknown kind {_brief(kind)} (expected one of {', '.join(map(repr, _KINDS))})"
+    crcs, entries = record.get("crc32"), len(_SUFFIXES) if kind == "qtensor" else 1
+    if not (isinstance(crcs, list) and len(crcs) == entries and all(_is_crc(c) for c in crcs)):
+        return f"its crc32 is {_brief(crcs)}, expected a list of {entries} CRC-32 values"
+    if kind == "tensor" and not (isinstance(record.get("dtype"), str) and record["dtype"] in _TENSOR_CODES):
+        return f"its dtype is {_brief(record.get('dtype'))}, expected one of {', '.join(_TENSOR_CODES)}"
+    if kind != "qtensor":
+        return None
+    if not isinstance(record.get("scheme"), dict):
+        return f"its scheme is {_brief(record.get('scheme'))}, expected a JSON object"
+    shape = record.get("shape")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        return f"its shape is {_brief(shape)}, expected a list of sizes"
+    if not isinstance(record.get("transposed"), bool):
+        return f"its transposed flag is {_brief(record.get('transposed'))}, expected true or false"
+    return None
+
+
+def _brief(value, limit=60):
+    """repr(value), cut short: a damaged field may hold anything, of any length."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _check_complete(path, header, data_size, records):
@@ -262,7 +310,7 @@ def _check_complete(path, header, data_size, records):
             info = header.get(key)
             if not isinstance(info, dict):
                 raise SerializationError(f"Tensor {name!r} in {path} is missing its entry {key!r}")
-            end = (info.get("data_offsets") or [0, 0])[-1]
+            _, end = _offsets(info)
             if _is_count(end) and end > data_size:
                 raise SerializationError(
                     f"Tensor {name!r} in {path} is truncated: its data ends at byte {end} of the "
@@ -325,31 +373,47 @@ def _is_count(n):
     return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
 
 
+def _is_crc(n):
+    return _is_count(n) and n <= 0xFFFFFFFF
+
+
+def _offsets(entry):
+    """An entry's (begin, end) in the data section, unchecked; (None, None) when it has no pair."""
+    offsets = entry.get("data_offsets")
+    return tuple(offsets) if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
+
+
 class _Entries:
-    """The file's entries by key: each header record, and `read` for its bytes."""
+    """The file's entries by key: `format` for one's dtype and shape, `read` for its bytes."""
 
     def __init__(self, f, header, data_start, data_size):
         self.f, self.header = f, header
         self.data_start, self.data_size = data_start, data_size
 
-    def __getitem__(self, key):
-        return self.header[key]
+    def format(self, name, key):
+        """Entry `key`'s (dtype code, shape) as its header gives them, checked: a
+        dtype this reader knows and a list of sizes."""
+        entry = self.header[key]
+        code, shape = entry.get("dtype"), entry.get("shape")
+        if not (isinstance(code, str) and code in _NUMPY_OF):
+            raise SerializationError(f"Tensor {name!r}: entry {key!r} has dtype {_brief(code)}, "
+                                     f"expected one of {', '.join(_NUMPY_OF)}")
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            raise SerializationError(f"Tensor {name!r}: entry {key!r} has no valid shape ({_brief(shape)})")
+        return code, shape
 
     def read(self, name, key, code, shape, crc):
         """Entry `key` of tensor `name` as a new array of `code` [shape] (little-endian),
         after checking it against the record and its CRC-32."""
-        entry = self.header[key]
-        if entry.get("dtype") != code or list(entry.get("shape", ())) != list(shape):
+        held_code, held_shape = self.format(name, key)
+        if held_code != code or held_shape != list(shape):
             raise SerializationError(
-                f"Tensor {name!r}: entry {key!r} holds {entry.get('dtype')}{list(entry.get('shape', ()))} but "
+                f"Tensor {name!r}: entry {key!r} holds {held_code}{held_shape} but "
                 f"its record says {code}{list(shape)}; the file does not match its metadata")
         dtype = np.dtype(_NUMPY_OF[code]).newbyteorder("<")
         shape = tuple(shape)
-        if not all(_is_count(d) for d in shape):
-            raise SerializationError(f"Tensor {name!r}: entry {key!r} has no valid shape ({list(shape)})")
         nbytes = math.prod(int(d) for d in shape) * dtype.itemsize  # checked before allocating
-        offsets = entry.get("data_offsets")
-        begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
+        begin, end = _offsets(self.header[key])
         if not (_is_count(begin) and _is_count(end) and begin <= end <= self.data_size and end - begin == nbytes):
             raise SerializationError(
                 f"Tensor {name!r}: entry {key!r} spans bytes {begin} to {end} of the data section, but "
@@ -365,25 +429,23 @@ class _Entries:
 
 
 def _decode(name, record, entries, dev):
-    kind = record.get("kind")
-    crcs = record.get("crc32") or []
+    """One tensor from its record, which `_metadata` checked."""
+    kind, crcs = record["kind"], record["crc32"]
     if kind == "qtensor":
         return _decode_qtensor(name, record, entries, dev, crcs)
-    entry = entries[name]
+    code, shape = entries.format(name, name)
     if kind == "tensor":
         dtype = record["dtype"]
-        arr = entries.read(name, name, _TENSOR_CODES[dtype], entry["shape"], crcs[0])
+        arr = entries.read(name, name, _TENSOR_CODES[dtype], shape, crcs[0])
         return tensor(arr.astype(arr.dtype.newbyteorder("="), copy=False), device=dev, dtype=dtype)
-    if kind == "array":
-        arr = entries.read(name, name, entry["dtype"], entry["shape"], crcs[0])
-        return arr.astype(arr.dtype.newbyteorder("="), copy=False)
-    raise SerializationError(f"Tensor {name!r} has an unknown kind {kind!r} in its record")
+    arr = entries.read(name, name, code, shape, crcs[0])
+    return arr.astype(arr.dtype.newbyteorder("="), copy=False)
 
 
 def _decode_qtensor(name, record, entries, dev, crcs):
     scheme = QuantScheme.from_record(record["scheme"])
-    shape = tuple(int(d) for d in record["shape"])
-    transposed = bool(record["transposed"])
+    shape = tuple(record["shape"])
+    transposed = record["transposed"]
     layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
     vkey, skey = _entry_keys(name, record)
     values_shape, scales_shape = _stored_shapes(scheme, layout)

@@ -5,6 +5,7 @@ import os
 
 from ._core import Device, get_backend
 from .errors import BackendUnavailableError
+from .info import available_backends
 
 TRANSFER_MODES = ("error", "to_lhs", "to_rhs", "auto")
 _transfer = contextvars.ContextVar("qdispatch_transfer", default="error")
@@ -48,10 +49,20 @@ def default_device():
     if _default_device is None:
         env = os.environ.get("QDISPATCH_BACKEND")
         if env:
-            set_default_backend(env)
+            _set_default_from_env(env)
         else:
             _default_device = _best_host()
     return _default_device
+
+
+def _set_default_from_env(env):
+    """set_default_backend(QDISPATCH_BACKEND), its errors naming the variable: they
+    surface at some later call that never mentioned a backend."""
+    try:
+        set_default_backend(env)
+    except (ValueError, BackendUnavailableError) as exc:
+        raise type(exc)(f"QDISPATCH_BACKEND={env!r} can't be the default backend: {exc} (available here: "
+                        f"{', '.join(available_backends())}; set the variable to one of them, or unset it)") from None
 
 
 def default_host_device():

@@ -2,6 +2,7 @@
 
 A scheme is validated when it is built, so a bad combination fails at the line
 that wrote it rather than deep inside a kernel."""
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -135,9 +136,21 @@ class QuantScheme:
         return f"QuantScheme({', '.join(parts)})"
 
 
+_HINT_STEPS = 4096  # how far either side of the block the hint looks: any dim costs the same
+
+
 def _divisor_hint(n, b):
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return min(divisors, key=lambda d: (abs(d - b), -d))
+    """A block that divides `n`: the one nearest `b` (the larger on a tie).
+
+    1 always divides and lies b - 1 below `b`, so no nearer divisor is further
+    than that: the search walks out from `b` and, for blocks up to _HINT_STEPS,
+    finds the nearest one whatever `n` is (a dim read from a damaged file may be
+    in the billions).  A larger block falls back to gcd(n, b), which divides."""
+    for step in range(min(b, _HINT_STEPS)):
+        for d in (b + step, b - step):
+            if 0 < d <= n and n % d == 0:
+                return d
+    return math.gcd(n, b)
 
 
 def as_scheme(scheme) -> QuantScheme:

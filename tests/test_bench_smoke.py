@@ -111,3 +111,27 @@ def test_bad_arguments_are_clear():
     from qdispatch.__main__ import main
     with pytest.raises(SystemExit, match="unknown path"):
         main(["bench", "--paths", "qq_int9"])
+
+
+def refuse_to_run(*args):
+    raise AssertionError("a case ran before every argument was checked")
+
+
+def test_a_shape_a_path_cant_run_is_refused_before_anything_runs(monkeypatch):
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(bench, "_run_cases", refuse_to_run)
+    with pytest.raises(SystemExit, match=r"^shape 3x33x17 can't be run: the int4 path quantizes K in blocks of 32, "
+                                         r"so K=33 must be a multiple of 32 \(or leave int4 out of --paths\)$"):
+        main(["bench", "--shapes", "1x64x64,3x33x17", "--threads", "1"])
+    assert bench.Shape(3, 33, 17).problem("qq_int8") is None
+    assert bench.Shape(3, 64, 17).problem("int4") is None
+
+
+def test_an_output_that_cant_be_written_is_refused_before_anything_runs(monkeypatch, tmp_path):
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(bench, "_run_cases", refuse_to_run)
+    missing = tmp_path / "no such folder" / "bench.json"
+    with pytest.raises(SystemExit, match=r"^--json .*bench\.json: folder .*no such folder does not exist; create it"):
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--json", str(missing)])
+    with pytest.raises(SystemExit, match=r"^--plot .*: can't write there; choose another path$"):
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--plot", str(tmp_path)])

@@ -32,3 +32,20 @@ def test_config_points_at_the_installed_header_and_library():
     include = flags[0][2:]
     assert os.path.exists(os.path.join(include, "qdispatch.h"))
     assert any(f.startswith("-L") and os.path.exists(os.path.join(f[2:], "libqdispatch.so")) for f in flags)
+
+
+def test_bench_refuses_a_bad_shape_in_one_line():
+    out = run_python("-m", "qdispatch", "bench", "--shapes", "1x64x64,3x33x17", "--threads", "1")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == ("shape 3x33x17 can't be run: the int4 path quantizes K in blocks of 32, "
+                          "so K=33 must be a multiple of 32 (or leave int4 out of --paths)\n")
+
+
+def test_a_bad_default_backend_names_its_environment_variable():
+    code = "import numpy as np, qdispatch as qd; qd.quantize(np.ones((2, 4), np.float32))"
+    out = run_python("-c", code, QDISPATCH_BACKEND="gpu")
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == (
+        f"ValueError: QDISPATCH_BACKEND='gpu' can't be the default backend: Unknown device 'gpu': expected "
+        f"'reference', 'cpu', 'cuda' or 'cuda:N' (available here: {', '.join(qd.available_backends())}; "
+        f"set the variable to one of them, or unset it)")

@@ -161,6 +161,17 @@ def test_export_rejects_schemes_without_a_gguf_type(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("tensors,message", [
+    ([("w", np.ones(3, np.float32))], r"export expects a dict of name -> tensor, got list; "
+                                      r"for \(name, tensor\) pairs pass dict\(pairs\)"),
+    ({1: np.ones(3, np.float32)}, "Tensor names must be non-empty strings, got 1 of type int"),
+    ({"": np.ones(3, np.float32)}, "Tensor names must be non-empty strings, got '' of type str"),
+], ids=["list of pairs", "int name", "empty name"])
+def test_export_wants_a_dict_of_str_names(tmp_path, tensors, message):
+    with pytest.raises(TypeError, match=message):
+        qgguf.export(tmp_path / "o.gguf", tensors)
+    assert os.listdir(tmp_path) == []
+
 def test_export_holds_one_tensor_at_a_time(tmp_path):
     """export checks every tensor, then fetches and writes them one at a time:
     exporting many costs the host no more than exporting one (before, every

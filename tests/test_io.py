@@ -141,13 +141,18 @@ def rewrite_metadata(path, change):
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
 
 
+def rewrite_record(path, name, change):
+    """Replace tensor `name`'s record in the metadata by change(record)."""
+    def edit(h):
+        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
+        records[name] = change(records[name])
+        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
+    rewrite_metadata(path, edit)
+
+
 def rewrite_scheme(path, name, field, value):
     """Set one field of tensor `name`'s recorded scheme."""
-    def change(h):
-        records = json.loads(h["__metadata__"]["qdispatch.tensors"])
-        records[name]["scheme"][field] = value
-        h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
-    rewrite_metadata(path, change)
+    rewrite_record(path, name, lambda record: {**record, "scheme": {**record["scheme"], field: value}})
 
 
 def test_truncated_file_names_the_tensor(saved):
@@ -327,3 +332,68 @@ def test_invalid_scheme_record(saved):
     rewrite_scheme(saved, "weight", "value", "q9z")
     with pytest.raises(SerializationError, match="'weight'.*q9z"):
         qd.load(saved)
+
+
+def without(field):
+    return lambda record: {k: v for k, v in record.items() if k != field}
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("weight", lambda r: "qtensor", "expected a JSON object, got 'qtensor'"),
+    ("weight", lambda r: [r], "expected a JSON object, got \\[{"),
+    ("weight", lambda r: {**r, "kind": "qtensr"}, "unknown kind 'qtensr' \\(expected one of 'qtensor'"),
+    ("weight", without("kind"), "unknown kind None"),
+    ("weight", without("crc32"), "its crc32 is None, expected a list of 2 CRC-32 values"),
+    ("small", lambda r: {**r, "crc32": "123"}, "its crc32 is '123', expected a list of 1 CRC-32 values"),
+    ("small", lambda r: {**r, "crc32": [-1]}, "its crc32 is \\[-1\\]"),
+    ("weight", lambda r: {**r, "scheme": ["q8s"]}, "its scheme is \\['q8s'\\], expected a JSON object"),
+    ("weight", without("shape"), "its shape is None, expected a list of sizes"),
+    ("weight", lambda r: {**r, "shape": "864"}, "its shape is '864', expected a list of sizes"),
+    ("weight", lambda r: {**r, "shape": [8, 64.5]}, "its shape is \\[8, 64.5\\]"),
+    ("weight", lambda r: {**r, "transposed": "false"}, "its transposed flag is 'false', expected true or false"),
+    ("small", lambda r: {**r, "kind": "tensor", "dtype": ["float32"]},
+     "its dtype is \\['float32'\\], expected one of float32"),
+], ids=["string", "list", "unknown kind", "no kind", "no crc32", "crc32 a string", "negative crc32",
+        "scheme a list", "no shape", "shape a string", "shape of floats", "transposed a string", "dtype a list"])
+def test_malformed_record_names_the_tensor_and_the_field(saved, name, change, message):
+    """Every record is checked when the file is opened: a damaged one is a
+    SerializationError that says which tensor and what is wrong with it."""
+    rewrite_record(saved, name, change)
+    with pytest.raises(SerializationError, match=f"Tensor '{name}' in .* has a corrupted record: {message}"):
+        qd.load(saved)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda h: h.update({"__metadata__": ["qdispatch"]}), "its __metadata__ is \\['qdispatch'\\], not a JSON object"),
+    (lambda h: h["__metadata__"].update({"qdispatch.tensors": {"small": {}}}), "corrupted qdispatch metadata"),
+    (lambda h: h["small"].update({"data_offsets": 8}), "'small'.*spans bytes None to None"),
+    (lambda h: h["small"].update({"dtype": "F8_E4M3"}), "'small'.*has dtype 'F8_E4M3', expected one of F64"),
+    (lambda h: h["small"].update({"shape": 2}), "'small'.*has no valid shape \\(2\\)"),
+], ids=["metadata a list", "records not a string", "offsets a number", "unknown dtype", "shape a number"])
+def test_malformed_header_is_a_serialization_error(saved, change, message):
+    rewrite_metadata(saved, change)
+    with pytest.raises(SerializationError, match=message):
+        qd.load(saved)
+
+
+def test_damaged_dim_fails_at_once(tmp_path):
+    """A dim of 2**31 - 1 that a block of 32 does not divide: an error naming the
+    tensor straight away (its hint for a block that divides never walks the whole dim)."""
+    path = tmp_path / "q.st"
+    qd.save(path, {"w": qd.quantize(data((4, 64)), QuantScheme("q8s", block=32), device="reference")})
+    rewrite_record(path, "w", lambda r: {**r, "shape": [4, 2**31 - 1]})
+    with pytest.raises(SerializationError, match=r"'w'.*block size 32 does not divide dim 1 of size 2147483647"):
+        qd.load(path)
+
+
+@pytest.mark.parametrize("dtype", [">i4", ">f8", ">u2", ">f2", "<i8"])
+def test_big_endian_arrays_are_stored_little_endian(tmp_path, dtype):
+    """The file's byte order is little-endian whatever the array's: the same values
+    come back (in the host's order), and the bytes are what any safetensors reader expects."""
+    a = np.arange(6).reshape(2, 3).astype(dtype)
+    path = tmp_path / "a.st"
+    qd.save(path, {"a": a})
+    loaded = qd.load(path)["a"]
+    assert loaded.dtype == a.dtype.newbyteorder("=") and loaded.dtype.isnative
+    np.testing.assert_array_equal(loaded, a)
+    assert path.read_bytes().endswith(a.astype(a.dtype.newbyteorder("<")).tobytes())

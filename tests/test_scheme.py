@@ -1,4 +1,5 @@
 import itertools
+import time
 
 import pytest
 
@@ -65,3 +66,19 @@ def test_int_block_and_tuple_normalise():
     assert QuantScheme("q8s", block=32).block == (32,)
     assert QuantScheme("q8s", block=[1, 32]).block == (1, 32)
     assert QuantScheme("q8s", block=32) == QuantScheme("q8s", block=(32,))
+
+
+@pytest.mark.parametrize("block,dim,hint", [
+    (32, 48, 24),                 # the nearest divisor
+    (32, 2**31 - 2, 33),          # 31 and 33 divide it: a tie goes to the larger
+    (32, 2**31 - 1, 1),           # a prime: only 1 divides it
+    (2**20, 2**31 - 2, 1049601),  # a large block on a large dim
+])
+def test_block_hint_is_the_nearest_divisor_and_quick_for_any_dim(block, dim, hint):
+    """The hint walks out from the block, never over every integer up to the dim:
+    a dim of 2**31 - 1 (say, read from a damaged file) answers at once."""
+    start = time.perf_counter()
+    with pytest.raises(QuantSchemeError, match=rf"does not divide dim 1 of size {dim} .*e\.g\. {hint}$"):
+        QuantScheme("q8s", block=block).block_shape((4, dim))
+    assert time.perf_counter() - start < 1  # a walk over every integer up to 2**31 takes minutes
+    assert dim % hint == 0
