@@ -44,9 +44,11 @@ _ADVICE = {
 
 
 def _scale_overflow_advice(scale_dtype):
-    if scale_dtype == "f32":  # no wider scale dtype to offer
-        return "rescale the input"
-    return _ADVICE[QD_ERR_SCALE_OVERFLOW]
+    try:
+        from qdispatch.quantmath import scale_overflow_advice
+    except ImportError:
+        return _ADVICE[QD_ERR_SCALE_OVERFLOW]
+    return scale_overflow_advice(scale_dtype)
 
 
 def _raise_status(code, what):
