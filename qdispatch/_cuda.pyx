@@ -521,7 +521,7 @@ def empty(shape, str dtype, int device):
 
 def from_host(array, str dtype, int device):
     """Copy a numpy array (bfloat16 as uint16 bits) to a new device array."""
-    host = np.ascontiguousarray(array, dtype=HOST_DTYPES[dtype])
+    host = np.asarray(array, dtype=HOST_DTYPES[dtype], order="C")  # a 0-d array stays 0-d
     out = empty(host.shape, dtype, device)
     cdef size_t n = host.nbytes
     cdef uintptr_t src = host.ctypes.data

@@ -197,7 +197,7 @@ class CudaBackend(Backend):
 
     # ---- dense data ----
     def from_host(self, array, index):
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array)
         return _cuda.from_host(array, _HOST_NAMES[array.dtype], index)
 
     def to_host(self, payload):
