@@ -40,8 +40,10 @@ def activation_scheme_for(spec, x_shape):
     """`activation_scheme=` as given: a QuantScheme, or a value name meaning one
     scale per row (per token), the usual dynamic-quantization choice."""
     if isinstance(spec, str):
-        return QuantScheme(spec, axis=-2) if as_scheme(spec).bits == 8 else \
-            QuantScheme(spec, axis=-2, store="packed_u32")
+        # A block of one whole row, not axis=-2: that would give row m of every
+        # batch one shared scale, and a large batch would crush the others' rows.
+        store = "native" if as_scheme(spec).bits == 8 else "packed_u32"
+        return QuantScheme(spec, block=(1, x_shape[-1]), store=store)
     return as_scheme(spec)
 
 

@@ -121,6 +121,21 @@ def test_activation_scheme_takes_the_qq_path(device, rng):
     assert rel_err(x.astype(np.float64) @ deq64(wq).T, out.numpy()) < 0.03
 
 
+def test_activation_scheme_scales_each_row_of_each_batch(device, rng):
+    """A value name quantizes every row on its own: row m of one batch shares no
+    scale with row m of another (a batch 1000x larger used to zero the other)."""
+    x = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    x[0] *= 1000
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device=device)
+    for act in ("q8s", "q4f"):
+        batched = qd.q_matmul(x, wq.T, activation_scheme=act).numpy()
+        for b in range(2):
+            np.testing.assert_array_equal(batched[b], qd.q_matmul(x[b], wq.T, activation_scheme=act).numpy())
+        if act == "q8s":
+            assert rel_err(x[1].astype(np.float64) @ deq64(wq).T, batched[1]) < 0.03
+
+
 def test_linear_with_bias(device, rng):
     x = rng.standard_normal((3, 5, 64)).astype(np.float32)
     w = rng.standard_normal((10, 64)).astype(np.float32)
