@@ -63,7 +63,9 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
         squeeze = True
     ls, rs, batch = _shapes(lhs, rhs, "q_matmul")
     fused = None
-    if activation_scheme is not None:
+    # An empty product runs no kernel, so there is nothing to quantize on the fly
+    # (and quantize refuses empty data).
+    if activation_scheme is not None and not _is_empty(ls, rs, batch):
         if not lq and rq:
             fused = _fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls)
         if fused is None:
@@ -100,6 +102,11 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     return out
 
 
+def _is_empty(ls, rs, batch):
+    """Whether a product of these shapes has no output or sums over K = 0."""
+    return 0 in batch + (ls[-2], ls[-1], rs[-1])
+
+
 def _fused_w8a8(backend, scheme, x_shape):
     """The backend's one-pass W8A8 kernel when it takes this activation scheme
     (8-bit values, one scale per row or per block of K, float32 scales)."""
@@ -125,7 +132,7 @@ def _as_f32(backend, t, transpose=False):
 def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype="float32"):
     """Run a 2-D kernel over broadcast batch dims.  A float lhs against a 2-D
     rhs folds its batch dims into M: one kernel call, one weight pass."""
-    if 0 in out_shape or lhs.shape[-1] == 0:  # nothing to run: an empty sum is zero
+    if _is_empty(lhs.shape, rhs.shape, batch):  # nothing to run: an empty sum is zero
         return backend.from_host(np.zeros(out_shape, DTYPES[dtype]), lhs.index)
     if not batch:
         return kernel(lhs, rhs)

@@ -136,6 +136,13 @@ def test_activation_scheme_scales_each_row_of_each_batch(device, rng):
             assert rel_err(x[1].astype(np.float64) @ deq64(wq).T, batched[1]) < 0.03
 
 
+def test_activation_scheme_on_an_empty_product(device, rng):
+    wq = qd.quantize(rng.standard_normal((8, 16)).astype(np.float32), "q8s", device=device)
+    for shape in ((0, 16), (0, 3, 16)):
+        out = qd.q_matmul(np.zeros(shape, np.float32), wq.T, activation_scheme="q8s")
+        assert out.shape == shape[:-1] + (8,) and out.device == device
+
+
 def test_linear_with_bias(device, rng):
     x = rng.standard_normal((3, 5, 64)).astype(np.float32)
     w = rng.standard_normal((10, 64)).astype(np.float32)
