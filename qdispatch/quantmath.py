@@ -21,7 +21,7 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """Round to nearest even, the conversion every framework uses; NaN stays NaN."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = np.asarray(x, dtype=np.float32, order="C").view(np.uint32)  # ascontiguousarray makes 0-d 1-d
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
     nan = np.isnan(np.asarray(x, dtype=np.float32))
     return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)

@@ -139,6 +139,12 @@ def test_0d_tensor_keeps_its_shape_when_copied(device, tmp_path, copier):
     assert twin.numpy().shape == () and twin.numpy() == np.float32(3.0)
 
 
+def test_0d_bfloat16_tensor_stays_0d(device):
+    t = qd.tensor(np.float32(1.5), device=device, dtype="bfloat16")
+    assert t.shape == () and t.numpy().shape == () and t.numpy() == np.float32(1.5)
+    assert qd.tensor(np.float32(2.0), device=device).shape == ()
+
+
 def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
     with pytest.raises(TypeError, match=r"len\(\) of a 0-d tensor"):
         len(qd.tensor(3.0, device="reference"))
