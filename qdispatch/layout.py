@@ -6,6 +6,7 @@ the logical (user-visible) orientation on demand."""
 from dataclasses import dataclass
 from typing import Tuple
 
+from .errors import ShapeError
 from .scheme import QuantScheme
 
 
@@ -23,6 +24,8 @@ class QLayout:
     @classmethod
     def for_shape(cls, scheme: QuantScheme, shape) -> "QLayout":
         shape = tuple(int(d) for d in shape)
+        if not shape or 0 in shape:  # no block grid to lay out, as quantize says of such data
+            raise ShapeError(f"A QTensor needs at least one dim and one value, got shape {shape}")
         return cls(scheme, shape, scheme.block_shape(shape))
 
     @property

@@ -1,4 +1,6 @@
 """Float tensors: numpy memory sharing, DLPack, devices and reprs."""
+import re
+
 import numpy as np
 import pytest
 
@@ -143,6 +145,17 @@ def test_0d_bfloat16_tensor_stays_0d(device):
     t = qd.tensor(np.float32(1.5), device=device, dtype="bfloat16")
     assert t.shape == () and t.numpy().shape == () and t.numpy() == np.float32(1.5)
     assert qd.tensor(np.float32(2.0), device=device).shape == ()
+
+
+def test_qtensor_parts_of_no_values_are_a_shape_error(device):
+    """quantize refuses such data; building the QTensor from parts does too (an empty
+    dim used to divide by zero, a 0-d QTensor to come back from a pickle 1-d)."""
+    from qdispatch.tensor_api import qtensor_zeros
+    for shape in ((0, 64), (4, 0), ()):
+        with pytest.raises(qd.ShapeError, match=re.escape(f"at least one dim and one value, got shape {shape}")):
+            qd.qtensor_from_parts(np.zeros(shape, np.int8), np.ones(1, np.float32), "q8s", device=device)
+        with pytest.raises(qd.ShapeError, match="at least one dim and one value"):
+            qtensor_zeros(shape, "q8s", device=device)
 
 
 def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
