@@ -124,6 +124,11 @@ def tensor_array(t, dtype=None, copy=None):
             f"Tensor is on the wrong backend (expected a host device, it is on '{t.device}'): "
             f"call .numpy() or .to('cpu') to copy it to host memory")
     arr = tensor_numpy(t)
+    wanted = arr.dtype if dtype is None else np.dtype(dtype)
+    if copy is False and (t.dtype == "bfloat16" or wanted != arr.dtype):
+        # numpy's protocol: copy=False promises a view, so a conversion must refuse
+        raise ValueError(f"Can't view a {t.dtype} Tensor as {wanted} without a copy (copy=False): "
+                         f"pass copy=None to allow one, or convert t.numpy() yourself")
     if dtype is not None:
         arr = arr.astype(dtype, copy=False)
     if copy:

@@ -17,6 +17,22 @@ def test_host_tensor_shares_memory_with_numpy(device):
     assert np.asarray(t)[0, 0] == 42
 
 
+def test_asarray_copy_false_refuses_a_conversion_as_numpy_does(device):
+    """numpy 2 hands __array__ its copy= argument: False promises a view, so a dtype
+    change (or bfloat16, which the host reads as float32) must refuse, not copy."""
+    if device == "cuda":
+        pytest.skip("device memory")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = qd.tensor(a, device=device)
+    assert np.shares_memory(np.asarray(t, dtype=np.float32, copy=False), a)
+    assert not np.shares_memory(np.asarray(t, copy=True), a)
+    np.testing.assert_array_equal(np.asarray(t, dtype=np.float64), a)
+    with pytest.raises(ValueError, match="Can't view a float32 Tensor as float64 without a copy"):
+        np.asarray(t, dtype=np.float64, copy=False)
+    with pytest.raises(ValueError, match="Can't view a bfloat16 Tensor as float32 without a copy"):
+        np.asarray(qd.tensor(a, device=device, dtype="bfloat16"), copy=False)
+
+
 def test_dlpack_round_trip_without_copy():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     t = qd.from_dlpack(a)
