@@ -206,6 +206,10 @@ def from_dlpack(obj, device=None):
     if torch is not None and isinstance(obj, torch.Tensor):
         from .torch import from_torch  # torch's streams and allocator need more than DLPack says
         return from_torch(obj, device)
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        raise TypeError(f"from_dlpack needs an object that speaks DLPack (__dlpack__ and __dlpack_device__: "
+                        f"a numpy array, torch or CuPy tensor), got {type(obj).__name__}: "
+                        f"use qdispatch.tensor(...) for other data")
     return import_dlpack(obj, device)
 
 

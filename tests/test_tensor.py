@@ -41,6 +41,12 @@ def test_dlpack_round_trip_without_copy():
     np.testing.assert_array_equal(back, a)
 
 
+def test_from_dlpack_of_data_without_dlpack_says_what_it_takes():
+    for data in ([1.0, 2.0], np.float32(2.0)):
+        with pytest.raises(TypeError, match=f"speaks DLPack.*got {type(data).__name__}: use qdispatch.tensor"):
+            qd.from_dlpack(data)
+
+
 def test_device_parsing_and_repr(rng):
     assert qd.Device.parse("cuda:1").index == 1 and str(qd.Device.parse("cuda")) == "cuda:0"
     assert qd.Device.parse("cpu") == "cpu" and repr(qd.Device.parse("cpu")) == "Device('cpu')"
