@@ -5,7 +5,7 @@ import numpy as np
 
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, get_backend
-from .errors import BackendUnavailableError, QDispatchError, ShapeError, WrongBackendError
+from .errors import BackendUnavailableError, QuantSchemeError, ShapeError, WrongBackendError
 from .layout import QLayout, swap_last2
 from .scheme import as_scheme
 
@@ -407,8 +407,12 @@ def _qtensor_keeping(values, scales, scheme, device):
         raise TypeError(f"values must be int8, got {values.dtype}")
     layout = QLayout.for_shape(scheme, values.shape)
     lo, hi = scheme.qrange
-    if values.size and (values.min() < lo or values.max() > hi):
-        raise QDispatchError(f"values outside {scheme.value}'s range [{lo}, {hi}]")
+    outside = (values < lo) | (values > hi)
+    if outside.any():
+        first = np.unravel_index(int(np.argmax(outside)), values.shape)
+        raise QuantSchemeError(
+            f"values outside {scheme.value}'s range [{lo}, {hi}]: {int(values[first])} at position "
+            f"{tuple(int(i) for i in first)}; clip them to the range, or pick a scheme whose range holds them")
     scales = _scale_grid(scales, scheme, layout)
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return QTensor(backend.qstorage_from_host(values, scales, layout, dev.index),

@@ -97,8 +97,11 @@ def test_values_and_scales_are_copies(device, rng):
 
 
 def test_qtensor_from_parts_checks_the_range():
-    with pytest.raises(qd.QDispatchError, match="outside q4s's range"):
-        qd.qtensor_from_parts(np.full((2, 8), 8, np.int8), np.ones(()), qd.QuantScheme("q4s", store="packed_u32"))
+    values = np.full((2, 8), 7, np.int8)
+    values[1, 3] = 8
+    # a QuantSchemeError, so a ValueError too, as every error of bad input is
+    with pytest.raises(qd.QuantSchemeError, match=r"outside q4s's range \[-7, 7\]: 8 at position \(1, 3\); clip"):
+        qd.qtensor_from_parts(values, np.ones(()), qd.QuantScheme("q4s", store="packed_u32"))
     q = qd.qtensor_from_parts(np.full((2, 8), 7, np.int8), np.float32(0.5), qd.QuantScheme("q4s", store="packed_u32"))
     np.testing.assert_array_equal(q.dequantize().numpy(), 3.5)
 
