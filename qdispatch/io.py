@@ -331,6 +331,7 @@ def load(path, device=None, names=None):
             raise TypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
                             f"write names=[{names!r}]")
         else:
+            names = list(names)  # read twice below: a generator would be spent by the first pass
             missing = [name for name in names if name not in stored.records]
             if missing:
                 held = list(stored.records)

@@ -272,6 +272,13 @@ def test_load_only_the_named_tensors(tmp_path, monkeypatch):
         qd.load(tmp_path / "m.st", names="w3")
 
 
+def test_load_takes_names_from_any_iterable(tmp_path):
+    qd.save(tmp_path / "m.st", {"w": np.ones(3, np.float32), "v": np.zeros(2, np.float32)})
+    got = qd.load(tmp_path / "m.st", device="reference", names=(name for name in ["w"]))
+    assert list(got) == ["w"]  # a generator was spent checking the names, and nothing came back
+    np.testing.assert_array_equal(got["w"], np.ones(3, np.float32))
+
+
 def test_save_and_load_need_no_package_beyond_numpy(saved, monkeypatch):
     want = qd.load(saved, device="reference")
     monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
