@@ -244,6 +244,17 @@ def test_fq_matmul_matches_float64(isa, rng, bits, case):
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("M", [1, 3])
+def test_fq_matmul_rows_longer_than_a_task_block(isa, rng, M):
+    # K = 65552 float32 is more than the 256 KiB of x rows that one task takes: one row a task.
+    # Whole numbers whose sums stay below 2^24 add up exactly in float32, in any order.
+    K, N = 65552, 5
+    w = rng.integers(-128, 128, (N, K), dtype=np.int8)
+    x = rng.integers(-1, 2, (M, K)).astype(np.float32)
+    out = _cpu.fq_matmul(x, _cpu.PackedWeights(w, np.ones((N, 1), np.float32), 1, K, 8))
+    np.testing.assert_array_equal(out, exact_matmul(x, w.T))
+
+
 @pytest.mark.parametrize("act_value,act_block", [("q8s", None), ("q8f", 32), ("q4s", 16)])
 def test_w8a8_matches_numpy_quantization(isa, rng, act_value, act_block):
     M, K, N = 7, 96, 21
