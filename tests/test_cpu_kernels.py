@@ -327,6 +327,15 @@ def test_quantize_errors_name_the_problem():
         _cpu.quantize(np.ones((3, 4), np.float32), "q8s", 2, 4, "f32")
 
 
+@pytest.mark.parametrize("cols", [2, 256])   # few blocks and many: both of quantize's loops
+def test_quantize_nan_wins_over_an_earlier_overflowing_scale(cols):
+    x = np.ones((1, cols), np.float32)
+    x[0, 0] = 1e30                                  # its f16 scale overflows
+    x[0, cols - 1] = np.nan
+    with pytest.raises(ValueError, match=rf"\(0, {cols - 1}\)"):
+        _cpu.quantize(x, "q8s", 1, 1, "f16")
+
+
 # ---- determinism and threads ----------------------------------------------------------
 
 def _all_kernels(rng, M, K=200, N=70):
