@@ -223,6 +223,12 @@ def test_gemm_block_walk_finds_the_scales_a_division_finds(cuda_build, tmp_path)
     run_host_cuda_program(cuda_build, tmp_path, "gemm_block_walk.cu")
 
 
+def test_cuda_failures_map_to_the_documented_statuses(cuda_build, tmp_path):
+    """No GPU or driver is QD_ERR_CUDA_UNAVAILABLE, out of memory QD_ERR_NO_MEMORY, any
+    other failure QD_ERR_CUDA; an entry point run without a GPU says unavailable."""
+    run_host_cuda_program(cuda_build, tmp_path, "cuda_failure_status.cu", "runtime.cu", "elementwise.cu")
+
+
 # ---- the C kernel library (build_support/cpu.py) ----
 
 CPU_BUILD = os.path.join(os.path.dirname(CUDA_BUILD), "cpu.py")

@@ -244,6 +244,17 @@ def test_fq_matmul_matches_float64(isa, rng, bits, case):
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("M", [1, 3])
+def test_fq_matmul_rows_longer_than_a_task_block(isa, rng, M):
+    # K = 65552 float32 is more than the 256 KiB of x rows that one task takes: one row a task.
+    # Whole numbers whose sums stay below 2^24 add up exactly in float32, in any order.
+    K, N = 65552, 5
+    w = rng.integers(-128, 128, (N, K), dtype=np.int8)
+    x = rng.integers(-1, 2, (M, K)).astype(np.float32)
+    out = _cpu.fq_matmul(x, _cpu.PackedWeights(w, np.ones((N, 1), np.float32), 1, K, 8))
+    np.testing.assert_array_equal(out, exact_matmul(x, w.T))
+
+
 @pytest.mark.parametrize("act_value,act_block", [("q8s", None), ("q8f", 32), ("q4s", 16)])
 def test_w8a8_matches_numpy_quantization(isa, rng, act_value, act_block):
     M, K, N = 7, 96, 21
@@ -314,6 +325,15 @@ def test_quantize_errors_name_the_problem():
         _cpu.quantize(np.full((1, 4), 1e9, np.float32), "q8s", 1, 4, "f16")
     with pytest.raises(ValueError):
         _cpu.quantize(np.ones((3, 4), np.float32), "q8s", 2, 4, "f32")
+
+
+@pytest.mark.parametrize("cols", [2, 256])   # few blocks and many: both of quantize's loops
+def test_quantize_nan_wins_over_an_earlier_overflowing_scale(cols):
+    x = np.ones((1, cols), np.float32)
+    x[0, 0] = 1e30                                  # its f16 scale overflows
+    x[0, cols - 1] = np.nan
+    with pytest.raises(ValueError, match=rf"\(0, {cols - 1}\)"):
+        _cpu.quantize(x, "q8s", 1, 1, "f16")
 
 
 # ---- determinism and threads ----------------------------------------------------------

@@ -106,6 +106,27 @@ def test_every_declared_function_links(c_compiler, shell_env, tmp_path, link):
               tmp_path, shell_env)
 
 
+def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_env, tmp_path):
+    """The tile size helpers are inline in the header: a bit width or block_k that the
+    tiling calls refuse gives 0, not a division by zero in the program."""
+    (tmp_path / "sizes.c").write_text(textwrap.dedent("""\
+        #include <stdio.h>
+        #include <qdispatch.h>
+        int main(void) {
+            volatile int bits[] = {0, 3, 32, 4};
+            volatile long long block_k[] = {0, -32, 32};
+            for (int i = 0; i < 4; i++)
+                printf("%lld ", (long long)qd_cuda_fq_tiles_bytes(17, 100, bits[i]));
+            for (int i = 0; i < 3; i++)
+                printf("%lld ", (long long)qd_cuda_fq_scale_tiles_bytes(17, 96, block_k[i]));
+            return 0;
+        }
+        """))
+    out = run_shell(f"{c_compiler} sizes.c $(python -m qdispatch config --cflags) -o sizes && ./sizes",
+                    tmp_path, shell_env)
+    assert out.split() == ["0", "0", "0", "2048", "0", "0", "384"]
+
+
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
     texts = [open(p).read() for p in DOCS if os.path.exists(p)]

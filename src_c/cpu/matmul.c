@@ -347,9 +347,11 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
         memcpy(xp + m * kp, x + m * K, (size_t)K * sizeof(float));
         memset(xp + m * kp + K, 0, (size_t)(kp - K) * sizeof(float));
     }
-    /* Equal row blocks, each as large as fits: unequal ones would leave a thread idle. */
-    const int64_t fit = FQ_ROW_BYTES / (kp * (int64_t)sizeof(float));
-    const int64_t n_blocks = (M + fit - 1) / (fit > 0 ? fit : 1);
+    /* Equal row blocks, each as large as fits (a row longer than FQ_ROW_BYTES goes
+     * alone): unequal ones would leave a thread idle. */
+    const int64_t fits = FQ_ROW_BYTES / (kp * (int64_t)sizeof(float));
+    const int64_t fit = fits > 0 ? fits : 1;
+    const int64_t n_blocks = (M + fit - 1) / fit;
     const task_grid grid = make_grid(M, w->n_panels, (M + n_blocks - 1) / n_blocks);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;

@@ -133,14 +133,16 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t i = 0; i < rows * grid_cols; i++)
             seg_max[i] = kern->absmax_bits(x + (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols);
-        for (int64_t b = 0; b < nblocks && !not_finite && overflow_at < 0; b++) {
+        /* Past an overflowing scale the blocks are still looked at: a later NaN wins. */
+        for (int64_t b = 0; b < nblocks && !not_finite; b++) {
             const int64_t r0 = (b / grid_cols) * block_rows, gc = b % grid_cols;
             uint32_t amax = 0;
             for (int64_t r = r0; r < r0 + block_rows; r++)
                 amax = seg_max[r * grid_cols + gc] > amax ? seg_max[r * grid_cols + gc] : amax;
             if (amax >= NON_FINITE_BITS)
                 not_finite = 1;
-            else if (!store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, &scales[b]))
+            else if (!store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, &scales[b]) &&
+                     overflow_at < 0)
                 overflow_at = b;
         }
         free(seg_max);

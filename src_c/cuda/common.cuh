@@ -10,7 +10,8 @@
 namespace qd {
 
 // Records the CUDA error's text for qd_cuda_last_error(); out-of-memory maps to
-// QD_ERR_NO_MEMORY so callers can tell it apart from a broken context.
+// QD_ERR_NO_MEMORY so callers can tell it apart from a broken context, no device
+// or driver to QD_ERR_CUDA_UNAVAILABLE.
 qd_status cuda_failure(cudaError_t err);
 
 // After a kernel launch: a launch error (bad configuration, no device) as a status.

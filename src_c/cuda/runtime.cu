@@ -16,6 +16,8 @@ qd_status cuda_failure(cudaError_t err) {
         cudaGetLastError();  // not sticky: clear it so the next call starts clean
         return QD_ERR_NO_MEMORY;
     }
+    // A CUDA build on a machine without a GPU or driver: unavailable, as the header says
+    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) return QD_ERR_CUDA_UNAVAILABLE;
     return QD_ERR_CUDA;
 }
 }  // namespace qd

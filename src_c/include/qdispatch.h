@@ -220,12 +220,17 @@ qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_
  * Both return once the tiles are written (they synchronize `stream`).  On sm_90 GPUs
  * qd_cuda_fq_matmul starts reading the tiles while the kernel before it on the
  * stream still runs (it waits for that kernel before reading x or writing out), so
- * tiles must not be written by work still queued. */
+ * tiles must not be written by work still queued.  Both sizes are 0 for bits other
+ * than 8, 4 or 2 and for block_k <= 0, which the tiling calls refuse. */
 static inline int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits) {
+    if (bits != 8 && bits != 4 && bits != 2)
+        return 0;
     const int64_t tile_k = 16 * (16 / bits);  /* 512-byte tiles of 16 rows */
     return (N + 15) / 16 * ((K + tile_k - 1) / tile_k) * 512;
 }
 static inline int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k) {
+    if (block_k <= 0)
+        return 0;
     return (N + 15) / 16 * (K / block_k) * 64;  /* 16 rows' float32 scales per block */
 }
 qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
