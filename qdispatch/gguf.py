@@ -173,7 +173,9 @@ def _plan(name, obj):
     if isinstance(obj, Tensor):
         dtype, fetch = obj.dtype, lambda: get_backend(obj.kind).to_host(obj.payload)
     elif isinstance(obj, np.ndarray):
-        dtype, fetch = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(obj.dtype), lambda: obj
+        native = obj.dtype.newbyteorder("=")  # a big-endian array goes out in the host's (the file's) order
+        dtype = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(native)
+        fetch = lambda: obj.astype(native, copy=False)
     else:
         raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected a QTensor, "
                         f"a Tensor or a numpy array")

@@ -172,6 +172,15 @@ def test_export_wants_a_dict_of_str_names(tmp_path, tensors, message):
         qgguf.export(tmp_path / "o.gguf", tensors)
     assert os.listdir(tmp_path) == []
 
+@pytest.mark.parametrize("dtype", [">f4", ">f2"])
+def test_export_writes_big_endian_arrays_in_the_files_order(tmp_path, dtype):
+    data = np.arange(-6, 6, dtype=np.float32).reshape(3, 4).astype(dtype)
+    qgguf.export(tmp_path / "o.gguf", {"a": data})
+    back = qgguf.load(tmp_path / "o.gguf", device="reference")["a"]
+    assert back.dtype == np.dtype(dtype).newbyteorder("=").name
+    np.testing.assert_array_equal(back.numpy(), data)
+
+
 def test_export_holds_one_tensor_at_a_time(tmp_path):
     """export checks every tensor, then fetches and writes them one at a time:
     exporting many costs the host no more than exporting one (before, every
