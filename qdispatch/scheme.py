@@ -120,7 +120,12 @@ class QuantScheme:
 
     @classmethod
     def from_record(cls, record) -> "QuantScheme":
-        """The scheme `to_record` wrote, checked as any other."""
+        """The scheme `to_record` wrote, checked as any other.  Every field must be
+        there: a record missing its value would otherwise read as the default q8s."""
+        missing = [f for f in ("value", "block", "axis", "store", "scale_dtype") if f not in record]
+        if missing:
+            raise QuantSchemeError(f"A scheme record needs every field to_record writes; it lacks "
+                                   f"{', '.join(missing)}")
         return cls(**record)
 
     def __repr__(self):

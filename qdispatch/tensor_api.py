@@ -5,7 +5,7 @@ import numpy as np
 
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, get_backend
-from .errors import BackendUnavailableError, QuantSchemeError, ShapeError, WrongBackendError
+from .errors import BackendUnavailableError, NonFiniteError, QuantSchemeError, ShapeError, WrongBackendError
 from .layout import QLayout, swap_last2
 from .scheme import as_scheme
 
@@ -420,8 +420,15 @@ def _qtensor_keeping(values, scales, scheme, device):
 
 
 def _scale_grid(scales, scheme, layout):
-    """scales as the scale grid of `layout` (any shape holding its values in order)."""
+    """scales as the scale grid of `layout` (any shape holding its values in order),
+    finite: a NaN or Inf scale would turn every product of its block into one."""
     if scales.size != np.prod(layout.grid, dtype=np.int64):
         raise ShapeError(f"{scheme!r} on values of shape {layout.shape} takes a scale grid of shape "
                          f"{layout.grid} (one scale per block), got scales of shape {scales.shape}")
-    return scales.reshape(layout.grid)
+    grid = scales.reshape(layout.grid)
+    bad = ~np.isfinite(grid)
+    if bad.any():
+        first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), grid.shape))
+        raise NonFiniteError(f"The scale at {first} of the scale grid is {float(grid[first])}: scales must be "
+                             f"finite (quantize the float data instead, or repair the scales)")
+    return grid

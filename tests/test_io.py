@@ -345,6 +345,13 @@ def without(field):
     return lambda record: {k: v for k, v in record.items() if k != field}
 
 
+def test_scheme_record_without_its_value(saved):
+    """Not read as the default q8s: a q4s weight would come back as q8s values."""
+    rewrite_record(saved, "weight", lambda r: {**r, "scheme": without("value")(r["scheme"])})
+    with pytest.raises(SerializationError, match="'weight'.*lacks value"):
+        qd.load(saved)
+
+
 @pytest.mark.parametrize("name,change,message", [
     ("weight", lambda r: "qtensor", "expected a JSON object, got 'qtensor'"),
     ("weight", lambda r: [r], "expected a JSON object, got \\[{"),

@@ -96,6 +96,14 @@ def test_values_and_scales_are_copies(device, rng):
     assert np.any(wq.values != 0) and np.all(wq.scales > 0)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_qtensor_from_parts_refuses_scales_that_are_not_finite(bad):
+    scales = np.ones((2, 2), np.float32)
+    scales[1, 0] = bad
+    with pytest.raises(qd.NonFiniteError, match=r"scale at \(1, 0\) of the scale grid is (nan|inf|-inf)"):
+        qd.qtensor_from_parts(np.ones((2, 64), np.int8), scales, qd.QuantScheme("q8s", block=32), device="reference")
+
+
 def test_qtensor_from_parts_checks_the_range():
     values = np.full((2, 8), 7, np.int8)
     values[1, 3] = 8
