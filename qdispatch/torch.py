@@ -322,6 +322,12 @@ def _stored_weight(w):
             "scheme": scheme.to_record(), "transposed": transposed}
 
 
+def _owned_array(t):
+    """Torch tensor t's values in a numpy array of their own: the QTensor built from
+    a state dict keeps its arrays, and the state dict's tensors stay the caller's."""
+    return t.detach().to("cpu", copy=True).numpy()
+
+
 class QLinear(torch.nn.Module):
     """`y = x @ weight.T + bias` with a QTensor weight [out_features, in_features].
 
@@ -404,7 +410,7 @@ class QLinear(torch.nn.Module):
             weight = state.read(self.weight.device)
         else:
             weight = tensor_api.qtensor_from_stored(
-                state["qvalues"].cpu().numpy(), state["qscales"].cpu().numpy(),
+                _owned_array(state["qvalues"]), _owned_array(state["qscales"]),
                 QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)
         if weight.shape != self.weight.shape:
             raise ShapeError(f"QLinear state holds a weight of shape {weight.shape}, but this layer's "

@@ -256,6 +256,21 @@ def test_qlinear_state_dict_round_trip_through_torch_save(tmp_path):
         narrow.load_state_dict({"0._extra_state": state["0._extra_state"]})
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlinear_loaded_from_a_state_dict_owns_its_weight(device):
+    torch.manual_seed(0)
+    source = QLinear.from_linear(torch.nn.Linear(16, 8), SCHEMES[0], device=device)
+    state = copy.deepcopy(source.state_dict())
+    layer = QLinear.from_linear(torch.nn.Linear(16, 8), SCHEMES[0], device=device)
+    layer.load_state_dict(state)
+    x = torch.randn(3, 16)
+    expected = source(x)
+    state["_extra_state"]["qvalues"].zero_()   # the caller's tensors, edited after the load
+    state["_extra_state"]["qscales"].fill_(100)
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    np.testing.assert_array_equal(layer.weight.values, source.weight.values)
+
+
 def test_qlinear_deepcopy_and_pickle(tmp_path):
     layer = QLinear(weight((16, 8), SCHEMES[2], DEVICES[-1]).T, bias=torch.randn(8))  # a transposed view
     twin = copy.deepcopy(layer)
