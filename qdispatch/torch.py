@@ -318,7 +318,9 @@ def _stored_weight(w):
     """QTensor w as a QLinear's extra state: its stored values and scales as torch
     tensors, its scheme as plain values."""
     values, scales, scheme, transposed = tensor_api.qtensor_stored(w)
-    return {"qvalues": torch.from_numpy(values), "qscales": torch.from_numpy(scales),
+    # copies: a host weight's stored arrays are its storage, which an edit of the
+    # state dict must not reach
+    return {"qvalues": torch.tensor(values), "qscales": torch.tensor(scales),
             "scheme": scheme.to_record(), "transposed": transposed}
 
 

@@ -271,6 +271,18 @@ def test_qlinear_loaded_from_a_state_dict_owns_its_weight(device):
     np.testing.assert_array_equal(layer.weight.values, source.weight.values)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlinear_state_dict_is_a_copy_of_its_weight(device):
+    torch.manual_seed(0)
+    layer = QLinear.from_linear(torch.nn.Linear(16, 8), SCHEMES[0], device=device)
+    values = layer.weight.values
+    x = torch.randn(3, 16)
+    expected = layer(x)
+    layer.state_dict()["_extra_state"]["qvalues"].zero_()
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    np.testing.assert_array_equal(layer.weight.values, values)
+
+
 def test_qlinear_deepcopy_and_pickle(tmp_path):
     layer = QLinear(weight((16, 8), SCHEMES[2], DEVICES[-1]).T, bias=torch.randn(8))  # a transposed view
     twin = copy.deepcopy(layer)
