@@ -64,12 +64,11 @@ def from_torch(x, device=None):
     """A qdispatch Tensor sharing x's memory (host memory, or CUDA memory when
     the cuda backend is built).  A CPU tensor goes to `device` if that is a host
     device, else to the default backend; both views share x's memory.  A strided
-    x (an expanded gradient, say) is copied to dense rows first: the kernels read
-    rows."""
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x (an expanded gradient, say) or a negative view is copied to dense rows first:
+    the kernels read rows."""
+    x = _dense(x)
     if x.is_cpu and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
-        return tensor_api.host_view(x.detach().resolve_neg().numpy(), device)
+        return tensor_api.host_view(x.detach().numpy(), device)
     if x.is_cuda:
         t = _from_torch_cuda(x, _current_raw_stream(x.get_device()))
         return t if device is None else t.to(device)
@@ -77,6 +76,14 @@ def from_torch(x, device=None):
         raise BackendUnavailableError(f"a tensor on torch device 'meta' has no values to share: load or "
                                       f"initialize it first (e.g. with load_state_dict or to_empty)")
     return tensor_api.import_dlpack(x.detach(), device=device)
+
+
+def _dense(x):
+    """x's values in dense rows: the kernels read rows, and the memory of torch's
+    negative view (`z.conj().imag`, say) holds its values unnegated."""
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _from_torch_cuda(x, stream):
@@ -135,7 +142,7 @@ def _operand(x, w, stream):
     reason = f"qdispatch has no backend for torch device {str(x.device)!r}"
     if x.is_cuda:
         try:
-            return _from_torch_cuda(x.contiguous(), stream)
+            return _from_torch_cuda(_dense(x), stream)
         except BackendUnavailableError as exc:
             reason = str(exc)
     raise _mismatch(x, w, f"({reason})")
@@ -208,7 +215,7 @@ def _matmul_captured(x, w, stream):
                           f"can't hold: run it outside the captured region, or quantize with a block of 16 "
                           f"or more along K")
     K, N = w.shape
-    x2 = x.detach().reshape(-1, K).contiguous()
+    x2 = _dense(x.detach().reshape(-1, K))
     rows = x2.shape[0]
     out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
     if rows:

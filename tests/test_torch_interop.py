@@ -132,6 +132,15 @@ def test_crossings_share_memory(device):
     assert to_torch(from_torch(bf)).equal(bf)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_negative_views_cross_with_their_values(dtype, shape):
+    z = torch.complex(torch.zeros(shape, dtype=dtype), torch.full(shape, 3.0, dtype=dtype))
+    imag = z.conj().imag                       # torch's lazy negation: its memory holds 3.0
+    assert imag.is_neg() and imag.is_contiguous()
+    np.testing.assert_array_equal(from_torch(imag).numpy(), np.full(shape, -3.0, np.float32))
+
+
 def test_host_input_joins_the_weights_host_backend():
     for device in DEVICES:
         w = weight((8, 4), SCHEMES[0], device)
