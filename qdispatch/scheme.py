@@ -3,7 +3,7 @@
 A scheme is validated when it is built, so a bad combination fails at the line
 that wrote it rather than deep inside a kernel."""
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Tuple, Union
 
 from .errors import QuantSchemeError
@@ -122,7 +122,7 @@ class QuantScheme:
     def from_record(cls, record) -> "QuantScheme":
         """The scheme `to_record` wrote, checked as any other.  Every field must be
         there: a record missing its value would otherwise read as the default q8s."""
-        missing = [f for f in ("value", "block", "axis", "store", "scale_dtype") if f not in record]
+        missing = [f.name for f in fields(cls) if f.name not in record]
         if missing:
             raise QuantSchemeError(f"A scheme record needs every field to_record writes; it lacks "
                                    f"{', '.join(missing)}")
