@@ -213,7 +213,8 @@ def run_host_cuda_program(cuda_build, tmp_path, source, *library_sources):
 
 def test_each_hopper_gemm_kernel_index_names_its_kernel(cuda_build, tmp_path):
     """The Hopper GEMM's kernel table: for every mode, operand type, output dtype and
-    way of taking column scales, kernel_index() names the kernel built for it."""
+    way of ending blocks of K, kernel_index() names the kernel built for it, and
+    block_ends() picks the way each blocking takes."""
     run_host_cuda_program(cuda_build, tmp_path, "gemm_kernel_table.cu", "runtime.cu", "elementwise.cu")
 
 

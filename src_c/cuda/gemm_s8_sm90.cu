@@ -12,7 +12,8 @@
 // 32 bytes of K per row) and float32 sums.  With scales per block of K (GROUPED),
 // each block's sums are scaled (int8: by its row's and column's scales; 16-bit:
 // by its column's) into a second set of float sums as the block ends; both sets
-// fit in the registers at 128 columns a tile.
+// fit in the registers at 128 columns a tile.  16-bit blocks of 64 or 128 values
+// take a third set: two sets of sums in turn, one filled while the other is scaled.
 // 16-bit products with too few tiles to fill the SMs (prefill of a few hundred
 // rows) also cut K into splits, each a tile's range of K on a CTA of its own:
 // the splits store their float32 sums apart and add_split_sums (split_sums.cuh)
@@ -202,16 +203,24 @@ __device__ __forceinline__ void store2(T *p, V x, V y, bool both, bool vec) {
 
 #endif  // sm_90a
 
+// How GROUPED ends a block of K: its sums are scaled in place once its wgmmas are
+// done (IN_PLACE); so, with one column scale for the whole tile (int8 whose weight
+// scale blocks span whole tiles, ONE_COLUMN_SCALE_ENDS); or two sets of sums take
+// turns, a block's wgmmas filling one while the block before's are scaled
+// (TWO_SETS_ENDS: 16-bit operands whose blocks are one or two k tiles; at 2048 x
+// 4096 x 4096 on an H200, blocks of 64 took 204 us against 236 in place, of 128
+// 158 against 167, while blocks of 256 took 364 against 354 at N = 11008).
+enum BlockEnds { IN_PLACE = 0, ONE_COLUMN_SCALE_ENDS = 1, TWO_SETS_ENDS = 2 };
+
 // T int32_t: INT32_OUT; float / __half / __nv_bfloat16: ONE_GROUP in that dtype,
 // or GROUPED (scales per block of K, sc.group_steps wgmma steps long; a scales only
 // for int8 operands).
-// OPS: the operands' type (Operands).  ONE_COLUMN_SCALE: int8 GROUPED whose tiles'
-// columns share one scale block of the weight (its blocks span 128 columns).
+// OPS: the operands' type (Operands).  ENDS: how GROUPED ends its blocks (BlockEnds).
 // With splits > 1, tile t of the walk is split t / (tiles_m * tiles_n) of its
 // output tile, k tiles [split * kt_per, +kt_per), and the split's sums (for
 // ONE_GROUP unscaled, for GROUPED its blocks' scaled sums) go to partial
 // [splits][M][N] instead of out.
-template <typename T, int OPS, bool GROUPED_, bool ONE_COLUMN_SCALE = false>
+template <typename T, int OPS, bool GROUPED_, int ENDS = IN_PLACE>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                     const __grid_constant__ CUtensorMap map_b, int M, int N, int64_t Kp,
@@ -280,8 +289,11 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         T *o = static_cast<T *>(out);
         const bool vec = N % 2 == 0 && reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0;
         using Sum = typename Sums<OPS>::type;
+        constexpr bool ONE_COLUMN_SCALE = ENDS == ONE_COLUMN_SCALE_ENDS, TWO_SETS = ENDS == TWO_SETS_ENDS;
+        static_assert(!ONE_COLUMN_SCALE || (GROUPED_ && OPS == S8), "int8 block sums only");
+        static_assert(!TWO_SETS || (GROUPED_ && OPS != S8), "16-bit block sums only");
         constexpr int DR = TN / 2;  // sums a thread holds: 64 x TN over 128 threads
-        Sum d[DR];
+        Sum d[DR], d2[TWO_SETS ? DR : 1];     // TWO_SETS: every other block's sums go to d2
         float block_sums[GROUPED_ ? DR : 1];  // GROUPED: the scaled sums of the blocks so far
 #pragma unroll
         for (int i = 0; i < DR; ++i) d[i] = Sum(0);
@@ -297,7 +309,6 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
         // scale, and a row's product of scales serves all its sums.  A kernel of its
         // own: the code of both ways in one loop ran slower from the instruction
         // cache (blocks of 32 at 4096^3: 789 us, against 613 alone).
-        static_assert(!ONE_COLUMN_SCALE || (GROUPED_ && OPS == S8), "int8 block sums only");
         for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
             int tm, tn, kt0, kt1;
             locate(t, tm, tn, kt0, kt1);
@@ -346,83 +357,130 @@ gemm_s8_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                 for (int i = 0; i < DR; ++i) block_sums[i] = 0.0f;
             }
 
-            int prev = 0;
-            for (int kt = kt0; kt < kt1; ++kt) {
-                mbar_wait(&full[stage], phase);
-                const uint8_t *s = smem + stage * STAGE_BYTES;
-                const uint64_t da = sw128_desc(s + wg * WG_ROWS * BK), db = sw128_desc(s + A_BYTES);
-                wgmma_fence();  // orders the epilogue's register reads before the new sums
-                // int8 GROUPED: one copy of the block's end, not one per step.  Four
-                // copies of its end (converts, row scales) ran slower from the
-                // instruction cache: blocks of 32 took 766 us at 4096^3, against 613.
-#pragma unroll(GROUPED_ && OPS == S8 ? 1 : BK / KSTEP)
-                for (int ks = 0; ks < BK / KSTEP; ++ks) {  // start field counts 16 bytes
-                    if constexpr (GROUPED_) {
-                        // a block's first step overwrites the sums of the block before
-                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, left != group_steps);
-                        if (--left == 0) {
-                            // A block of K ends: its sums, scaled, go into block_sums as
-                            // gemm_s8.cu's GROUPED adds them (steps past K add zeros).
-                            left = group_steps;
-                            wgmma_commit();
-                            wgmma_wait<0>();
-                            fence_registers(d);
-                            const float row_scale[2] = {next_row_scale[0], next_row_scale[1]},
-                                        column_scale = next_scale;
-                            float *shared = nullptr;  // the warpgroup's column scales of the block
-                            if constexpr (!ONE_COLUMN_SCALE) {
-                                shared = block_scales + (2 * (warpgroup - 1) + turn) * TN;
-                                turn ^= 1;
-                                shared[threadIdx.x % 128] = next_scale;
-                                // the warpgroup's 128 threads (barrier 0 is the whole block's)
-                                asm volatile("bar.sync %0, 128;\n" ::"r"(warpgroup) : "memory");
-                            }
-                            b_walk.next();
-                            next_scale = __ldg(column_scales + b_walk.index);
-                            if constexpr (OPS == S8) {
-                                a_walk.next();
-#pragma unroll
-                                for (int h = 0; h < 2; ++h) next_row_scale[h] = __ldg(row_scales[h] + a_walk.index);
-                            }
-                            // Each sum times scale_of(j, e), its pair of scales' product,
-                            // into block_sums.
-                            auto add_block = [&](auto scale_of) {
-#pragma unroll
-                                for (int j = 0; j < TN / 8; ++j)
-#pragma unroll
-                                    for (int e = 0; e < 4; ++e)
-                                        block_sums[4 * j + e] = __fadd_rn(
-                                            block_sums[4 * j + e], __fmul_rn(scale_of(j, e), (float)d[4 * j + e]));
-                            };
-                            if constexpr (ONE_COLUMN_SCALE) {
-                                const float scale[2] = {__fmul_rn(row_scale[0], column_scale),
-                                                        __fmul_rn(row_scale[1], column_scale)};
-                                add_block([&](int, int e) { return scale[e >> 1]; });
-                            } else {
-                                // d[4j + e]: row + 8 * (e / 2), column e % 2 of pair j in shared
-                                add_block([&](int j, int e) {
-                                    const float2 pair = *reinterpret_cast<const float2 *>(shared + 8 * j + 2 * (lane % 4));
-                                    const float scale = e & 1 ? pair.y : pair.x;
-                                    return OPS == S8 ? __fmul_rn(row_scale[e >> 1], scale) : scale;
-                                });
-                            }
-                            wgmma_fence();  // the registers read above before the next wgmma writes them
-                        }
-                    } else {
-                        wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > kt0 || ks > 0);
-                    }
+            // A block of K ends: its sums, once their wgmmas are done, scaled into
+            // block_sums as gemm_s8.cu's GROUPED adds them (steps past K add zeros),
+            // and the next block's scales loaded.
+            auto end_block = [&](Sum (&sums)[DR]) {
+                if constexpr (!GROUPED_) return;
+                fence_registers(sums);
+                const float row_scale[2] = {next_row_scale[0], next_row_scale[1]}, column_scale = next_scale;
+                float *shared = nullptr;  // the warpgroup's column scales of the block
+                if constexpr (!ONE_COLUMN_SCALE) {
+                    shared = block_scales + (2 * (warpgroup - 1) + turn) * TN;
+                    turn ^= 1;
+                    shared[threadIdx.x % 128] = next_scale;
+                    // the warpgroup's 128 threads (barrier 0 is the whole block's)
+                    asm volatile("bar.sync %0, 128;\n" ::"r"(warpgroup) : "memory");
                 }
-                wgmma_commit();
-                // Keep this k-tile's group in flight; the previous one is done, so its
-                // slot goes back to the producer.
+                b_walk.next();
+                next_scale = __ldg(column_scales + b_walk.index);
+                if constexpr (OPS == S8) {
+                    a_walk.next();
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) next_row_scale[h] = __ldg(row_scales[h] + a_walk.index);
+                }
+                // Each sum times scale_of(j, e), its pair of scales' product, into block_sums.
+                auto add_block = [&](auto scale_of) {
+#pragma unroll
+                    for (int j = 0; j < TN / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            block_sums[4 * j + e] =
+                                __fadd_rn(block_sums[4 * j + e], __fmul_rn(scale_of(j, e), (float)sums[4 * j + e]));
+                };
+                if constexpr (ONE_COLUMN_SCALE) {
+                    const float scale[2] = {__fmul_rn(row_scale[0], column_scale),
+                                            __fmul_rn(row_scale[1], column_scale)};
+                    add_block([&](int, int e) { return scale[e >> 1]; });
+                } else {
+                    // sums[4j + e]: row + 8 * (e / 2), column e % 2 of pair j in shared
+                    add_block([&](int j, int e) {
+                        const float2 pair = *reinterpret_cast<const float2 *>(shared + 8 * j + 2 * (lane % 4));
+                        const float scale = e & 1 ? pair.y : pair.x;
+                        return OPS == S8 ? __fmul_rn(row_scale[e >> 1], scale) : scale;
+                    });
+                }
+            };
+
+            int prev = 0;
+            // After a k tile's wgmmas are committed: the tile before is done, so its
+            // slot goes back to the producer (this k tile's group stays in flight).
+            auto release_previous = [&](int kt) {
                 wgmma_wait<1>();
                 if (kt > kt0 && lane == 0) mbar_arrive(&empty[prev]);
                 prev = stage;
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            };
+            if constexpr (TWO_SETS) {
+                // The blocks' sums go to d and d2 in turn: after the first k tile of
+                // a block is committed, the block before's wgmmas are done and its
+                // sums are scaled while the tensor cores work on the new block.
+                const int ktiles_per_block = group_steps / (BK / KSTEP);
+                int done = 0;                          // k tiles of the block so far
+                bool second = false, pending = false;  // block in d2; a block's sums to scale
+                auto ktile_steps = [&](Sum (&sums)[DR], uint64_t da, uint64_t db) {
+#pragma unroll
+                    for (int ks = 0; ks < BK / KSTEP; ++ks)  // a block's first step overwrites
+                        wgmma_step<OPS>(sums, da + ks * KSTEP / 16, db + ks * KSTEP / 16, done > 0 || ks > 0);
+                };
+                for (int kt = kt0; kt < kt1; ++kt) {
+                    mbar_wait(&full[stage], phase);
+                    const uint8_t *s = smem + stage * STAGE_BYTES;
+                    const uint64_t da = sw128_desc(s + wg * WG_ROWS * BK), db = sw128_desc(s + A_BYTES);
+                    wgmma_fence();  // orders the scaling's register reads before the new sums
+                    if (second) ktile_steps(d2, da, db);
+                    else ktile_steps(d, da, db);
+                    wgmma_commit();
+                    release_previous(kt);
+                    if (pending) {  // the other set's block
+                        pending = false;
+                        if (second) end_block(d);
+                        else end_block(d2);
+                    }
+                    if (++done == ktiles_per_block) {
+                        done = 0;
+                        pending = true;
+                        second = !second;
+                    }
+                }
+                wgmma_wait<0>();
+                if (lane == 0) mbar_arrive(&empty[prev]);
+                if (pending) {
+                    if (second) end_block(d);
+                    else end_block(d2);
+                }
+            } else {
+                for (int kt = kt0; kt < kt1; ++kt) {
+                    mbar_wait(&full[stage], phase);
+                    const uint8_t *s = smem + stage * STAGE_BYTES;
+                    const uint64_t da = sw128_desc(s + wg * WG_ROWS * BK), db = sw128_desc(s + A_BYTES);
+                    wgmma_fence();  // orders the epilogue's register reads before the new sums
+                    // int8 GROUPED: one copy of the block's end, not one per step.  Four
+                    // copies of its end (converts, row scales) ran slower from the
+                    // instruction cache: blocks of 32 took 766 us at 4096^3, against 613.
+#pragma unroll(GROUPED_ && OPS == S8 ? 1 : BK / KSTEP)
+                    for (int ks = 0; ks < BK / KSTEP; ++ks) {  // start field counts 16 bytes
+                        if constexpr (GROUPED_) {
+                            // a block's first step overwrites the sums of the block before
+                            wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, left != group_steps);
+                            if (--left == 0) {
+                                left = group_steps;
+                                wgmma_commit();
+                                wgmma_wait<0>();
+                                end_block(d);
+                                wgmma_fence();  // the registers read above before the next wgmma writes them
+                            }
+                        } else {
+                            wgmma_step<OPS>(d, da + ks * KSTEP / 16, db + ks * KSTEP / 16, kt > kt0 || ks > 0);
+                        }
+                    }
+                    wgmma_commit();
+                    release_previous(kt);
+                }
+                wgmma_wait<0>();
+                if (lane == 0) mbar_arrive(&empty[prev]);
+                fence_registers(d);
             }
-            wgmma_wait<0>();
-            if (lane == 0) mbar_arrive(&empty[prev]);
-            fence_registers(d);
 
             // Epilogue straight from the registers, pairs of columns per store.
 #pragma unroll
@@ -461,21 +519,34 @@ using Kernel = decltype(&gemm_s8_sm90_kernel<int32_t, S8, false>);
     gemm_s8_sm90_kernel<float, OPS, __VA_ARGS__>, gemm_s8_sm90_kernel<__half, OPS, __VA_ARGS__>, \
         gemm_s8_sm90_kernel<__nv_bfloat16, OPS, __VA_ARGS__>
 // Indexed by kernel_index(): int32 out; ONE_GROUP, then GROUPED, for int8, float16
-// and bfloat16 operands; int8 GROUPED with one column scale a tile.
+// and bfloat16 operands; int8 GROUPED with one column scale a tile; 16-bit GROUPED
+// with two sets of sums, for float16 and bfloat16.
 constexpr Kernel KERNELS[] = {gemm_s8_sm90_kernel<int32_t, S8, false>,
                               QD_OUTS(S8, false), QD_OUTS(F16, false), QD_OUTS(BF16, false),
                               QD_OUTS(S8, true),  QD_OUTS(F16, true), QD_OUTS(BF16, true),
-                              QD_OUTS(S8, true, true)};
+                              QD_OUTS(S8, true, ONE_COLUMN_SCALE_ENDS),
+                              QD_OUTS(F16, true, TWO_SETS_ENDS), QD_OUTS(BF16, true, TWO_SETS_ENDS)};
 #undef QD_OUTS
-constexpr int FIRST_GROUPED = 10, ONE_COLUMN_SCALE_GROUPED = 19;
+constexpr int FIRST_GROUPED = 10, ONE_COLUMN_SCALE_GROUPED = 19, TWO_SETS_GROUPED = 22;
 bool grouped_kernel(int k) { return k >= FIRST_GROUPED; }
 
-// one_column_scale: int8 GROUPED whose weight scale blocks span whole tiles.
-int kernel_index(GemmMode mode, int out_dtype, Operands ops, bool one_column_scale) {
-    if (mode == INT32_OUT) return ops == S8 ? 0 : -1;
-    const int base = mode == ONE_GROUP      ? 1 + 3 * (int)ops
-                     : one_column_scale ? ONE_COLUMN_SCALE_GROUPED
-                                        : FIRST_GROUPED + 3 * (int)ops;
+// GROUPED's way of ending blocks for these operands and scales (see BlockEnds).
+BlockEnds block_ends(Operands ops, const Scales &sc) {
+    if (ops == S8) return sc.b_bn % tile_n(true) == 0 ? ONE_COLUMN_SCALE_ENDS : IN_PLACE;
+    const int64_t ktiles_per_block = sc.group_steps / (BK / KSTEP);
+    return sc.group_steps % (BK / KSTEP) == 0 && ktiles_per_block <= 2 ? TWO_SETS_ENDS : IN_PLACE;
+}
+
+// ends: GROUPED's way of ending blocks (IN_PLACE for the other modes).
+int kernel_index(GemmMode mode, int out_dtype, Operands ops, BlockEnds ends) {
+    if (mode == INT32_OUT) return ops == S8 && ends == IN_PLACE ? 0 : -1;
+    if ((mode == ONE_GROUP && ends != IN_PLACE) || (ends == ONE_COLUMN_SCALE_ENDS && ops != S8) ||
+        (ends == TWO_SETS_ENDS && ops == S8))
+        return -1;
+    const int base = mode == ONE_GROUP                ? 1 + 3 * (int)ops
+                     : ends == ONE_COLUMN_SCALE_ENDS ? ONE_COLUMN_SCALE_GROUPED
+                     : ends == TWO_SETS_ENDS         ? TWO_SETS_GROUPED + 3 * ((int)ops - F16)
+                                                     : FIRST_GROUPED + 3 * (int)ops;
     switch (out_dtype) {
     case QD_CUDA_F32: return base;
     case QD_CUDA_F16: return base + 1;
@@ -596,12 +667,12 @@ qd_status gemm_s8_sm90(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, 
     qd_status st = current_device(&d);
     if (st != QD_OK) return st;
     if (!d->usable) return QD_ERR_CUDA_UNAVAILABLE;
-    const int k = kernel_index(mode, out_dtype, ops, mode == GROUPED && ops == S8 && sc.b_bn % tile_n(true) == 0);
+    const bool grouped = mode == GROUPED;
+    const int k = kernel_index(mode, out_dtype, ops, grouped ? block_ends(ops, sc) : IN_PLACE);
     // GROUPED: blocks end on whole blocks only; a scales for int8 (qq) and none for 16-bit operands (fq)
     if (k < 0 || Kp % 16 ||
         (mode == GROUPED && (Kp % (sc.group_steps * KSTEP) || (ops == S8) != (sc.a != nullptr))))
         return QD_ERR_ARGUMENT;
-    const bool grouped = grouped_kernel(k);
     const int64_t tiles = ceil_div(M, BM) * ceil_div(N, tile_n(grouped));
     if (M > INT_MAX || N > INT_MAX || tiles > INT_MAX) return QD_ERR_SHAPE;
     CUtensorMap map_a, map_b;  // the encoder checks alignment (16 bytes) and strides
