@@ -543,7 +543,7 @@ def test_fq_many_rows_take_the_gemm(rng, fq_gemm_calls, scheme, block_k, kind):
     all of K, 384 with blocks of 64 or more), or on an H100/H200, whose one-launch
     kernel for many rows leads further, FQ_GEMM_MIN_ROWS_WIDE (over all of K, 257
     rows of 8-bit weights and 640 of 4-bit ones; with blocks of 128, 384 and 1536;
-    with blocks of 64, 2048 rows of 8-bit weights, never 4- or 2-bit ones).  Blocks of
+    with blocks of 64, 1024 rows of 8-bit weights, never 4- or 2-bit ones).  Blocks of
     32 never take it."""
     from qdispatch import _cuda
     from qdispatch.backends import cuda as cuda_backend

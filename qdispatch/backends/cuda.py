@@ -50,7 +50,7 @@ _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 # weights keep the one launch longer: over all of K up to 256 rows of 8-bit weights
 # (34 us at 4096^2 against the GEMM's 49) and 639 of 4-bit ones (42 against 60 at
 # 512 rows); with blocks of 128 or more up to 383 and 1535 rows; with blocks of 64
-# up to 2047 rows of 8-bit weights, and 4-bit ones at every row count measured (up
+# up to 1023 rows of 8-bit weights, and 4-bit ones at every row count measured (up
 # to 4096).  Each threshold is where a Llama-7B block's linear layers (K = N = 4096;
 # K = 4096, N = 11008; K = 11008, N = 4096) take least time in all, measured on an
 # H200 (benchmarks/cuda_notes.md).
@@ -58,7 +58,7 @@ _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 FQ_GEMM_MIN_ROWS = {"whole_k": 144, "whole_k_packed": 144, "blocks_128": 384, "blocks_128_packed": 384,
                     "blocks_64": 384, "blocks_64_packed": 384, "fine_blocks": None, "fine_blocks_packed": None}
 FQ_GEMM_MIN_ROWS_WIDE = {"whole_k": 257, "whole_k_packed": 640, "blocks_128": 384, "blocks_128_packed": 1536,
-                         "blocks_64": 2048, "blocks_64_packed": None, "fine_blocks": None, "fine_blocks_packed": None}
+                         "blocks_64": 1024, "blocks_64_packed": None, "fine_blocks": None, "fine_blocks_packed": None}
 
 
 def fq_gemm_kind(block_k, K, bits):

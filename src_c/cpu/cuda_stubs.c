@@ -1,6 +1,8 @@
 /* The CUDA entry points of a library built without CUDA: each one reports
  * QD_ERR_CUDA_UNAVAILABLE, so C code can probe for CUDA at run time. */
 #ifndef QD_WITH_CUDA
+#include <stdatomic.h>
+
 #include "qdispatch.h"
 
 int qd_cuda_available(void) { return 0; }
@@ -10,10 +12,11 @@ int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
     return 0;
 }
 int qd_cuda_fq_wide_supported(void) { return 0; }
-/* Kept, so that a program may set it whether or not CUDA is there. */
-static int batch_invariant = 0;
-void qd_cuda_set_batch_invariant(int on) { batch_invariant = on != 0; }
-int qd_cuda_batch_invariant(void) { return batch_invariant; }
+/* Kept, so that a program may set it whether or not CUDA is there; atomic, as
+ * the CUDA build's is, since any thread may set it while others read it. */
+static _Atomic int batch_invariant = 0;
+void qd_cuda_set_batch_invariant(int on) { atomic_store(&batch_invariant, on != 0); }
+int qd_cuda_batch_invariant(void) { return atomic_load(&batch_invariant); }
 
 #define UNAVAILABLE { return QD_ERR_CUDA_UNAVAILABLE; }
 
