@@ -269,31 +269,6 @@ struct Timing {
     double new_ms, old_ms;
 };
 
-// Median over runs of 20 back-to-back launches, inputs rotating over > 200 MB.
-template <typename Launch>
-double time_ms(Launch launch, int sets) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; ++i) launch(i % sets);
-    CK(cudaDeviceSynchronize());
-    std::vector<float> runs;
-    int it = 0;
-    for (int r = 0; r < 7; ++r) {
-        CK(cudaEventRecord(e0));
-        for (int i = 0; i < 20; ++i) launch(it++ % sets);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        runs.push_back(ms / 20);
-    }
-    std::sort(runs.begin(), runs.end());
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-    return runs[runs.size() / 2];
-}
-
 Timing time_shape(int64_t M, int64_t N, int64_t K) {
     const size_t set_bytes = (size_t)(M + N) * K;
     const int sets = (int)std::max<size_t>(2, (200u << 20) / set_bytes + 1);
@@ -313,8 +288,8 @@ Timing time_shape(int64_t M, int64_t N, int64_t K) {
     CK(cudaMemcpy(sb, ones.data(), N * 4, cudaMemcpyHostToDevice));
     Scales sc{sa, 1, 1, K, sb, 1, 1, K, qd::ceil_div(K, 32)};
     Timing t{M, N, K, 0, 0};
-    t.new_ms = time_ms([&](int i) { QK(qd::gemm_s8_sm90(as[i], bs[i], M, N, K, K, out, QD_CUDA_F32, sc, ONE_GROUP, S8, 0)); }, sets);
-    t.old_ms = time_ms([&](int i) { old_gemm<ONE_GROUP>(as[i], bs[i], M, N, K, K, out, QD_CUDA_F32, sc); }, sets);
+    t.new_ms = median_ms([&](int i) { QK(qd::gemm_s8_sm90(as[i], bs[i], M, N, K, K, out, QD_CUDA_F32, sc, ONE_GROUP, S8, 0)); }, sets);
+    t.old_ms = median_ms([&](int i) { old_gemm<ONE_GROUP>(as[i], bs[i], M, N, K, K, out, QD_CUDA_F32, sc); }, sets);
     for (int i = 0; i < sets; ++i) {
         CK(cudaFree(as[i]));
         CK(cudaFree(bs[i]));

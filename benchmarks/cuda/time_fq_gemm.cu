@@ -56,30 +56,6 @@ T *to_device(const std::vector<T> &h) {
     return d;
 }
 
-template <typename Launch>
-double median_us(Launch launch, int sets) {
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; ++i) launch(i % sets);
-    CK(cudaDeviceSynchronize());
-    std::vector<float> runs;
-    int it = 0;
-    for (int r = 0; r < 7; ++r) {
-        CK(cudaEventRecord(e0));
-        for (int i = 0; i < 10; ++i) launch(it++ % sets);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        runs.push_back(ms * 100.0f);  // us per call
-    }
-    std::sort(runs.begin(), runs.end());
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
-    return runs[runs.size() / 2];
-}
-
 // Times one shape; returns false when its check fails.
 bool run(const Shape &sh) {
     const int64_t M = sh.M, K = sh.K, N = sh.N, bk = sh.bk ? sh.bk : sh.K, blocks = K / bk;
@@ -124,7 +100,7 @@ bool run(const Shape &sh) {
             }
             worst = std::max(worst, std::fabs(__bfloat162float(ho[m * N + n]) - ref) / (mag + 1e-30));
         }
-    const double us = median_us(call, sets);
+    const double us = 1000.0 * median_ms(call, sets, 10);
     std::printf("%6" PRId64 " x %5" PRId64 " x %5" PRId64 "  block_k %5" PRId64 "  %9.1f us  %7.1f TFLOPS  "
                 "hash %016" PRIx64 "  err %.1e\n",
                 M, K, N, bk, us, 2.0 * M * N * K / us * 1e-6, hash, worst);
