@@ -107,6 +107,15 @@ def test_nan_and_inf_are_rejected_with_their_position(device, bad):
         qd.quantize(x, "q8s", device=device)
 
 
+@pytest.mark.parametrize("gran", [dict(), dict(axis=0), dict(block=(2, 1, 4))], ids=repr)
+def test_a_non_finite_value_is_named_by_its_index_in_an_nd_tensor(device, gran):
+    """Not by its index in the 2-D view a kernel quantizes ((5, 3) for (1, 2, 3))."""
+    x = np.ones((2, 3, 4), np.float32)
+    x[1, 2, 3] = np.nan
+    with pytest.raises(qd.NonFiniteError, match=r"position \(1, 2, 3\)"):
+        qd.quantize(x, qd.QuantScheme("q8s", **gran), device=device)
+
+
 def test_non_divisible_block_is_an_error(device):
     with pytest.raises(qd.QuantSchemeError, match="does not divide"):
         qd.quantize(np.ones((4, 48), np.float32), qd.QuantScheme("q8s", block=32), device=device)

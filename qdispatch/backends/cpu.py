@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import BackendKind, register_backend
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, NonFiniteError
 from .host import HostBackend
 
 try:
@@ -110,8 +110,13 @@ class CpuBackend(HostBackend):
             values, scales, _ = quantmath.quantize_array(payload, layout.scheme)
             return self.qstorage_from_host(values, scales, layout, index, weight=weight)
         rows, cols, br, bc = flat
-        q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc,
-                                  layout.scheme.scale_dtype)
+        try:
+            q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc,
+                                      layout.scheme.scale_dtype)
+        except NonFiniteError:
+            # C names the position in its [rows, cols] view: name it in x's own shape
+            quantmath.check_finite(x)
+            raise
         return self.qstorage_from_host(q.reshape(layout.shape), scales.reshape(layout.grid),
                                        layout, index, weight=weight)
 
