@@ -9,7 +9,8 @@ import numpy as np
 
 from ._core import QTensor, Tensor
 from .backends.base import INT32_EXACT_K
-from .errors import ShapeError
+from .errors import NonFiniteError, ShapeError
+from .quantmath import check_finite
 from .scheme import QuantScheme, as_scheme
 from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation
 
@@ -89,7 +90,13 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
         kernel = lambda w, x: backend.transpose2(
             backend.fq_matmul(_as_f32(backend, x, transpose=True), w.T))
     out_shape = batch + (ls[-2], rs[-1])
-    payload = _batched(backend, kernel, lhs, rhs, batch, out_shape, kernel_dtype)
+    try:
+        payload = _batched(backend, kernel, lhs, rhs, batch, out_shape, kernel_dtype)
+    except NonFiniteError:
+        if fused is not None:
+            # the fused kernel only says that x holds NaN or Inf: name where, as quantize does
+            check_finite(np.asarray(lhs.numpy(), np.float32))
+        raise
     if squeeze:  # drop the 1-row dim a vector lhs was given
         out_shape = out_shape[:-2] + out_shape[-1:]
         payload = backend.reshape(payload, out_shape)

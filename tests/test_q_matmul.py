@@ -1,5 +1,6 @@
 """q_matmul's qq / fq / qf arms and linear, against float64 math on the
 dequantized operands (what each arm is defined to compute)."""
+import re
 import warnings
 
 import numpy as np
@@ -134,6 +135,17 @@ def test_activation_scheme_scales_each_row_of_each_batch(device, rng):
             np.testing.assert_array_equal(batched[b], qd.q_matmul(x[b], wq.T, activation_scheme=act).numpy())
         if act == "q8s":
             assert rel_err(x[1].astype(np.float64) @ deq64(wq).T, batched[1]) < 0.03
+
+
+@pytest.mark.parametrize("shape,bad", [((4, 64), (2, 5)), ((2, 3, 64), (1, 2, 5))])
+def test_activation_scheme_names_a_non_finite_activation_by_its_position(device, rng, shape, bad):
+    """As quantize does, also where the kernel quantizes x on the fly (cpu's fused W8A8)."""
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), "q8s", device=device)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[bad] = np.inf
+    position = re.escape(f"position {bad}")
+    with pytest.raises(qd.NonFiniteError, match=position):
+        qd.q_matmul(x, wq.T, activation_scheme="q8s")
 
 
 def test_activation_scheme_on_an_empty_product(device, rng):
