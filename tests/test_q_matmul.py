@@ -240,6 +240,21 @@ def test_fq_non_finite_activations_propagate_without_warnings(device, rng):
     assert np.isnan(out[2]).all() and np.isfinite(out[[0, 3]]).all()
 
 
+def test_products_past_float32s_range_give_inf_without_warnings(device):
+    """A product past float32's range is inf on every backend, and none warns: the
+    qq sum of scaled groups, and fq against a q8f weight whose -128 * scale lies
+    past float32's max (the value -amax rounds to -128)."""
+    xq = qd.quantize(np.full((2, 4), 3e38, np.float32), "q8s", device=device)
+    wq = qd.quantize(np.ones((3, 4), np.float32), "q8s", device=device)
+    big = qd.quantize(np.array([[-3.4e38, 1.0]], np.float32), "q8f", device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qq = qd.q_matmul(xq, wq.T).numpy()
+        fq = qd.q_matmul(np.ones((1, 1), np.float32), big).numpy()
+    np.testing.assert_array_equal(qq, np.full((2, 3), np.inf, np.float32))
+    np.testing.assert_array_equal(fq, [[-np.inf, 0.0]])
+
+
 def test_matmul_operator_with_a_numpy_lhs(device, rng):
     """`x @ w` for an ndarray x: numpy defers to the QTensor (it used to fail inside
     numpy's matmul), and the product is q_matmul's, on w's device."""

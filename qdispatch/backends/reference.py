@@ -43,19 +43,24 @@ class ReferenceBackend(HostBackend):
         sa_g = group_scales(sa, bm, bka, M, K, G, k_axis=1)      # [M, K/G]
         sb_g = group_scales(sb, bn, bkb, N, K, G, k_axis=0)      # [N, K/G]
         out = np.zeros((M, N), dtype=np.float32)
-        for g in range(K // G):
-            ks = slice(g * G, (g + 1) * G)
-            acc = exact_int_dot(a[:, ks], b[ks, :]).astype(np.float32)
-            scale = sa_g[:, g:g + 1] * sb_g[:, g][None, :]
-            out += scale * acc
+        # a sum past float32's range is inf (and inf - inf NaN), as on the other
+        # backends, without numpy's warnings (errors under `-W error`)
+        with np.errstate(invalid="ignore", over="ignore"):
+            for g in range(K // G):
+                ks = slice(g * G, (g + 1) * G)
+                acc = exact_int_dot(a[:, ks], b[ks, :]).astype(np.float32)
+                scale = sa_g[:, g:g + 1] * sb_g[:, g][None, :]
+                out += scale * acc
         return out
 
     def fq_matmul(self, x, w, out_dtype="float32"):  # fq_dtypes: float32 only
         from ..policy import batch_invariant
-        x, deq = np.asarray(x, dtype=np.float32), self.dequantize(w)
+        x = np.asarray(x, dtype=np.float32)
         # inf and NaN in x propagate as on the other backends, without numpy's
-        # warnings for inf * 0 or an overflow (errors under `-W error`)
+        # warnings for inf * 0 or an overflow (errors under `-W error`), also
+        # where q * scale itself lies past float32's range
         with np.errstate(invalid="ignore", over="ignore"):
+            deq = self.dequantize(w)
             if batch_invariant() and len(x) > 1:
                 # BLAS sums a matrix product in an order that depends on its rows; one
                 # row at a time, every row takes the same path.
