@@ -292,13 +292,13 @@ cdef class QTensor(TensorBase):
 
 # ---- dispatch -----------------------------------------------------------------
 
-def _operand(x, TensorBase other):
+def _operand(x, TensorBase other, float_for=None):
     """Tensors pass through; numpy arrays (or anything array-like) join the
-    other operand's device."""
+    other operand's device (as float data only, when `float_for` names the op)."""
     if isinstance(x, TensorBase):
         return x
     from . import tensor_api
-    return tensor_api.as_host_operand(x, other)
+    return tensor_api.as_host_operand(x, other, float_for)
 
 
 cdef _check_transfer(transfer):
@@ -339,8 +339,9 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
         _check_transfer(transfer)
     if not isinstance(lhs, TensorBase) and not isinstance(rhs, TensorBase):
         raise TypeError("q_matmul needs at least one QTensor operand; for two float arrays use numpy's matmul")
-    l = _operand(lhs, rhs if isinstance(rhs, TensorBase) else None)
-    r = _operand(rhs, l)
+    # a numpy operand can only be the float side (a QTensor never comes from numpy)
+    l = _operand(lhs, rhs if isinstance(rhs, TensorBase) else None, "q_matmul")
+    r = _operand(rhs, l, "q_matmul")
     if l.kind != r.kind or l.index != r.index:
         l, r = _reconcile("q_matmul", l, r, transfer)
     backend = <object>_table[l.kind]

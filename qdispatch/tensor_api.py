@@ -105,9 +105,12 @@ def tensor(data, device=None, dtype=None):
     return Tensor(backend.from_host(arr, dev.index), name, tuple(arr.shape), dev.kind, dev.index)
 
 
-def as_host_operand(x, other):
+def as_host_operand(x, other, float_for=None):
     """numpy data next to `other` joins other's device: plain arrays carry no
-    device tag, so there is nothing to mismatch (on CUDA this copies them over)."""
+    device tag, so there is nothing to mismatch (on CUDA this copies them over).
+    `float_for` names an operation that takes only float data here."""
+    if float_for is not None:
+        x = _float_host_data(x, float_for)
     if other is not None:
         return tensor(x, device=other.device)
     return tensor(x)
@@ -283,19 +286,19 @@ def _quantize(x, scheme, device, weight):
     return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
 
 
-def _float_host_data(x):
+def _float_host_data(x, op="quantize"):
     """x, checked to be float data when it is host data: `tensor` would make int8
     of integers, and the error would then name int8 for, say, int64 data."""
     if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
         return x  # keeps its own dtype through from_dlpack
     arr = np.asarray(x)
     if arr.dtype.kind != "f":
-        raise _not_float_error(arr.dtype)
+        raise _not_float_error(arr.dtype, op)
     return arr
 
 
-def _not_float_error(dtype):
-    return TypeError(f"quantize expects float data, got {dtype}: convert it to float32 first")
+def _not_float_error(dtype, op="quantize"):
+    return TypeError(f"{op} expects float data, got {dtype}: convert it to float32 first")
 
 
 def dequantize(q, dtype="float32"):

@@ -184,6 +184,20 @@ def test_shape_dtype_and_operand_errors(device, rng):
         qd.linear(np.zeros((2, 64), np.float32), np.zeros((8, 64), np.float32))
 
 
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int16, np.uint8, np.bool_])
+def test_integer_numpy_data_on_the_float_side_is_named_by_its_own_dtype(device, rng, dtype):
+    """Not as int8, the dtype qd.tensor makes of small integers before q_matmul sees them."""
+    wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
+    x = np.ones((2, 64), dtype)
+    name = np.dtype(dtype).name
+    with pytest.raises(TypeError, match=f"q_matmul expects float data, got {name}"):
+        qd.q_matmul(x, wq.T)
+    with pytest.raises(TypeError, match=f"q_matmul expects float data, got {name}"):
+        qd.q_matmul(wq, x.T)
+    with pytest.raises(TypeError, match=f"q_matmul expects float data, got {name}"):
+        qd.linear(x, wq)
+
 def test_matmul_operator(device, rng):
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
     x = qd.tensor(rng.standard_normal((2, 64)).astype(np.float32), device=device)
