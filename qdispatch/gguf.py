@@ -41,7 +41,7 @@ import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
 from .errors import SerializationError
-from .io import atomic_path, check_tensor_dict
+from .io import atomic_path, check_tensor_dict, encode_scales
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_parts, qtensor_host, tensor
 
@@ -71,7 +71,8 @@ def _split_blocks(data, block_bytes):
 
 
 def _join_blocks(scales, payload, shape):
-    d = np.ascontiguousarray(scales, dtype=np.float32).astype(np.float16).view(np.uint8)
+    """scales: f16 values (as encode_scales gives them)."""
+    d = np.ascontiguousarray(scales, dtype=np.float16).view(np.uint8)
     blocks = np.concatenate([d.reshape(-1, _SCALE_BYTES), payload], axis=1)
     return blocks.reshape(tuple(shape[:-1]) + (-1,))
 
@@ -168,6 +169,8 @@ def _plan(name, obj):
 
         def fetch():
             values, scales = qtensor_host(obj)
+            # checked as save checks them: f16 would round a scale from qtensor_from_parts
+            scales = encode_scales(name, scales, "f16", op="export")
             return _join_blocks(scales, encode(np.ascontiguousarray(values)), obj.shape)
         return shape, np.dtype(np.uint8), kind, fetch
     if isinstance(obj, Tensor):

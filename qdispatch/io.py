@@ -105,21 +105,22 @@ def _crc(data):
     return zlib.crc32(view.cast("B") if view.nbytes else b"")  # a view with a zero in its shape can't cast
 
 
-def _encode_scales(name, scales, scale_dtype):
+def encode_scales(name, scales, scale_dtype, op="save"):
     """The scale grid as stored: raw 16-bit for f16/bf16, after checking that
     the float32 scales really are values of that dtype (so nothing is rounded)."""
     scales = np.ascontiguousarray(scales, dtype=np.float32)
     if scale_dtype == "f32":
         return scales
     if scale_dtype == "f16":
-        stored = scales.astype(np.float16)
+        with np.errstate(over="ignore"):  # a scale past f16's range is refused below
+            stored = scales.astype(np.float16)
         back = stored.astype(np.float32)
     else:
         stored = quantmath.f32_to_bf16_bits(scales)
         back = quantmath.bf16_bits_to_f32(stored)
     if not np.array_equal(back.view(np.uint32), scales.view(np.uint32)):
         raise SerializationError(
-            f"Can't save tensor {name!r}: its scales are not all {scale_dtype} values, as its "
+            f"Can't {op} tensor {name!r}: its scales are not all {scale_dtype} values, as its "
             f"scheme says; rebuild it with qdispatch.quantize or qtensor_from_parts using {scale_dtype} scales")
     return stored
 
@@ -149,7 +150,7 @@ def _plan(name, obj):
             values, scales, _, _ = qtensor_stored(obj)
             if packed:
                 values = quantmath.pack_u32(values, scheme.bits)
-            return [_little_endian(values), _little_endian(_encode_scales(name, scales, scheme.scale_dtype))]
+            return [_little_endian(values), _little_endian(encode_scales(name, scales, scheme.scale_dtype))]
         record = {"kind": "qtensor", "scheme": scheme.to_record(), "shape": list(obj.shape),
                   "transposed": bool(obj.transposed)}
         return record, entries, fetch

@@ -1,6 +1,7 @@
 """qdispatch.gguf: files built with the gguf package's writer load without
 changing a value, and QTensors whose scheme fits export back."""
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -158,6 +159,19 @@ def test_export_rejects_schemes_without_a_gguf_type(tmp_path):
         qgguf.export(tmp_path / "o.gguf", {"w": q})
     with pytest.raises(SerializationError, match="'i'.*int8"):
         qgguf.export(tmp_path / "o.gguf", {"i": qd.tensor(np.zeros(4, np.int8), device="reference")})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("scale", [0.1, 1e5], ids=["between f16 values", "past f16's range"])
+def test_export_refuses_scales_that_are_no_f16_values(tmp_path, scale):
+    """A QTensor built from parts may hold such scales: GGUF's f16 would round them
+    (0.1 to 0.0999756) or make them inf, so export refuses them, as save does."""
+    q = qd.qtensor_from_parts(np.ones((2, 32), np.int8), np.full((2, 1), scale, np.float32),
+                              FITTING["Q8_0"][0], device="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(SerializationError, match="export tensor 'w': its scales are not all f16 values"):
+            qgguf.export(tmp_path / "o.gguf", {"w": q})
     assert os.listdir(tmp_path) == []
 
 
