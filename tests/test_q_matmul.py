@@ -94,6 +94,21 @@ def test_out_dtype(device, rng, out_dtype):
     assert rel_err(full, out.numpy()) < 1e-2
 
 
+
+def test_float16_results_past_its_range_are_inf_without_warnings(device):
+    """out_dtype='float16' (and dequantize to it) rounds as IEEE does: values past
+    float16's 65504 are inf, and no backend warns (an error under -W error)."""
+    wq = qd.quantize(np.full((2, 64), 2000.0, np.float32), "q8s", device=device)  # sums of 128000
+    big = qd.quantize(np.full((2, 4), 1e5, np.float32), "q8s", device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = qd.q_matmul(np.ones((1, 64), np.float32), wq.T, out_dtype="float16")
+        linear = qd.linear(np.ones((1, 64), np.float32), wq, np.zeros(2, np.float32), out_dtype="float16")
+        deq = big.dequantize("float16")
+    np.testing.assert_array_equal(out.numpy(), np.full((1, 2), np.inf, np.float16))
+    np.testing.assert_array_equal(linear.numpy(), np.full((1, 2), np.inf, np.float16))
+    np.testing.assert_array_equal(deq.numpy(), np.full((2, 4), np.inf, np.float16))
+
 def test_half_inputs(device, rng):
     x = rng.standard_normal((4, 64)).astype(np.float16)
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
