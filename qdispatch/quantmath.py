@@ -126,7 +126,10 @@ def quantize_array(x, scheme: QuantScheme):
 
 
 def dequantize_array(values: np.ndarray, scales: np.ndarray, block) -> np.ndarray:
-    return values.astype(np.float32) * expand_scales(scales, values.shape, block)
+    # q * scale past float32's range is inf (q8f's -128 for -amax near float32's
+    # max), as IEEE and every backend give it, without numpy's warning
+    with np.errstate(over="ignore"):
+        return values.astype(np.float32) * expand_scales(scales, values.shape, block)
 
 
 # ---- packed_u32 store --------------------------------------------------------

@@ -280,8 +280,10 @@ def test_products_past_float32s_range_give_inf_without_warnings(device):
         warnings.simplefilter("error")
         qq = qd.q_matmul(xq, wq.T).numpy()
         fq = qd.q_matmul(np.ones((1, 1), np.float32), big).numpy()
+        deq = big.dequantize().numpy()
     np.testing.assert_array_equal(qq, np.full((2, 3), np.inf, np.float32))
     np.testing.assert_array_equal(fq, [[-np.inf, 0.0]])
+    np.testing.assert_array_equal(deq[0, 0], -np.inf)
 
 
 def test_matmul_operator_with_a_numpy_lhs(device, rng):

@@ -55,12 +55,10 @@ class ReferenceBackend(HostBackend):
 
     def fq_matmul(self, x, w, out_dtype="float32"):  # fq_dtypes: float32 only
         from ..policy import batch_invariant
-        x = np.asarray(x, dtype=np.float32)
+        x, deq = np.asarray(x, dtype=np.float32), self.dequantize(w)
         # inf and NaN in x propagate as on the other backends, without numpy's
-        # warnings for inf * 0 or an overflow (errors under `-W error`), also
-        # where q * scale itself lies past float32's range
+        # warnings for inf * 0 or an overflow (errors under `-W error`)
         with np.errstate(invalid="ignore", over="ignore"):
-            deq = self.dequantize(w)
             if batch_invariant() and len(x) > 1:
                 # BLAS sums a matrix product in an order that depends on its rows; one
                 # row at a time, every row takes the same path.
