@@ -156,6 +156,24 @@ def test_results_do_not_depend_on_thread_count(rng, threads):
             np.testing.assert_array_equal(a, b)
 
 
+def test_thread_counts_that_are_no_count_are_refused(threads):
+    """A thread count is a whole number: a float would be cut silently, a string or a
+    count past a C int would fail with no word of what set_num_threads takes."""
+    qd.set_num_threads(np.int64(2))  # numpy integers are counts
+    assert qd.get_num_threads() == (2 if built_with_openmp() else 1)
+    for bad in (2.7, "4", None):
+        with pytest.raises(TypeError, match="whole number of threads"):
+            qd.set_num_threads(bad)
+    with pytest.raises(ValueError, match="at most 2147483647 threads"):
+        qd.set_num_threads(10**12)
+    assert qd.get_num_threads() == (2 if built_with_openmp() else 1)  # unchanged by the refusals
+    qd.set_num_threads(0)
+    default = qd.get_num_threads()
+    qd.set_num_threads(2)
+    qd.set_num_threads(-10**12)  # 0 or less: the default, however far below
+    assert qd.get_num_threads() == default
+
+
 def test_a_rows_result_does_not_depend_on_its_batch(rng):
     x = rng.standard_normal((40, 256)).astype(np.float32)
     for scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=32, store="packed_u32")):

@@ -3,6 +3,7 @@
 Weights are packed into the kernels' panel layout once, when a QTensor is
 created on or moved to cpu; a weight used in the other orientation is packed
 on first use and kept."""
+import operator
 import os
 
 import numpy as np
@@ -45,6 +46,9 @@ def _thread_count_setting(text):
                          f"count such as 4 (0 or less means one per processor), or unset it") from None
 
 
+_MOST_THREADS = 2**31 - 1  # the C library's thread count is an int
+
+
 class CpuBackend(HostBackend):
     kind = BackendKind.CPU
     name = "cpu"
@@ -79,7 +83,15 @@ class CpuBackend(HostBackend):
                 f" (or 'auto')") from None
 
     def set_num_threads(self, n):
-        _cpu.set_num_threads(int(n))
+        try:
+            count = operator.index(n)  # a whole number (int, numpy integer); 2.7 or "4" is none
+        except TypeError:
+            raise TypeError(f"set_num_threads takes a whole number of threads, got {n!r} ({type(n).__name__}); "
+                            f"0 or less means one per processor") from None
+        if count > _MOST_THREADS:
+            raise ValueError(f"set_num_threads({count}): at most {_MOST_THREADS} threads; "
+                             f"0 or less means one per processor")
+        _cpu.set_num_threads(max(count, 0))
 
     def get_num_threads(self):
         return _cpu.get_num_threads()
