@@ -132,8 +132,10 @@ def get_num_threads():
 
 # ---- quantization ------------------------------------------------------------
 
-def quantize(x, value, block_rows, block_cols, scale_dtype="f32"):
-    """Quantizes float32 x [R, C] in blocks -> (int8 q [R, C], float32 scales grid)."""
+def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, grid=None):
+    """Quantizes float32 x [R, C] in blocks -> (int8 q [R, C], float32 scales grid).
+    x may be a tensor of `shape` seen as [R, C], its scales a grid of `grid`:
+    errors then name positions in those shapes."""
     x = _array(x, np.float32, 2, "x")
     if value not in _VALUE_KINDS:
         raise _error_class(QD_ERR_SCHEME)(f"Unknown value kind {value!r}: use one of {list(_VALUE_KINDS)}")
@@ -153,11 +155,12 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32"):
     with nogil:
         st = qd_quantize_f32(&xv[0, 0], rows, cols, kind, br, bc, sdt, &sv[0, 0], &qv[0, 0], &bad)
     if st == QD_ERR_NOT_FINITE:
-        pos = (bad // cols, bad % cols)
-        raise _error_class(st)(f"Can't quantize a tensor holding {x[pos]!r} at position {pos}: "
+        pos = tuple(int(i) for i in np.unravel_index(bad, shape or x.shape))
+        raise _error_class(st)(f"Can't quantize a tensor holding {x.flat[bad]!r} at position {pos}: "
                                "remove NaN/Inf first (for example np.nan_to_num)")
     if st == QD_ERR_SCALE_OVERFLOW:
-        raise _error_class(st)(f"The scale of block {(bad // scales.shape[1], bad % scales.shape[1])} "
+        block = tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape))
+        raise _error_class(st)(f"The scale of block {block} "
                                f"overflows scale_dtype={scale_dtype!r}: {_scale_overflow_advice(scale_dtype)}")
     _check(st, "quantize")
     return q, scales

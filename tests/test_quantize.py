@@ -116,6 +116,19 @@ def test_a_non_finite_value_is_named_by_its_index_in_an_nd_tensor(device, gran):
         qd.quantize(x, qd.QuantScheme("q8s", **gran), device=device)
 
 
+@pytest.mark.skipif("cpu" not in qd.available_backends(), reason="cpu backend not built")
+def test_a_scale_overflow_names_its_block_in_the_tensors_scale_grid():
+    """On cpu the block is named in the grid of the tensor's own blocks, (1, 2, 0) of
+    a (2, 3, 1) grid, not in the kernel's 2-D grid ((5, 0))."""
+    x = np.ones((2, 3, 4), np.float32)
+    x[1, 2] = 1e9  # amax / 127 is past f16's 65504
+    scheme = qd.QuantScheme("q8s", block=(1, 1, 4), scale_dtype="f16")
+    with pytest.raises(qd.ScaleOverflowError, match=r"block \(1, 2, 0\)"):
+        qd.quantize(x, scheme, device="cpu")
+    with pytest.raises(qd.ScaleOverflowError):
+        qd.quantize(x, scheme, device="reference")
+
+
 def test_non_divisible_block_is_an_error(device):
     with pytest.raises(qd.QuantSchemeError, match="does not divide"):
         qd.quantize(np.ones((4, 48), np.float32), qd.QuantScheme("q8s", block=32), device=device)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import BackendKind, register_backend
-from ..errors import BackendUnavailableError, NonFiniteError
+from ..errors import BackendUnavailableError
 from .host import HostBackend
 
 try:
@@ -122,13 +122,9 @@ class CpuBackend(HostBackend):
             values, scales, _ = quantmath.quantize_array(payload, layout.scheme)
             return self.qstorage_from_host(values, scales, layout, index, weight=weight)
         rows, cols, br, bc = flat
-        try:
-            q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc,
-                                      layout.scheme.scale_dtype)
-        except NonFiniteError:
-            # C names the position in its [rows, cols] view: name it in x's own shape
-            quantmath.check_finite(x)
-            raise
+        # errors name positions in x's own shape and its scale grid, not C's 2-D view
+        q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc,
+                                  layout.scheme.scale_dtype, shape=tuple(layout.shape), grid=tuple(layout.grid))
         return self.qstorage_from_host(q.reshape(layout.shape), scales.reshape(layout.grid),
                                        layout, index, weight=weight)
 
