@@ -3,6 +3,7 @@
 A scheme is validated when it is built, so a bad combination fails at the line
 that wrote it rather than deep inside a kernel."""
 import math
+import operator
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple, Union
 
@@ -19,6 +20,17 @@ VALUE_RANGES = {
 }
 STORES = ("native", "packed_u32")
 SCALE_DTYPES = ("f32", "f16", "bf16")
+
+
+def _whole_number(v):
+    """v as a Python int when it is a whole number (an int or a numpy integer: a
+    size read off an array's shape), else None; a bool is no size."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)  # numpy's bool takes no index either
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -54,17 +66,19 @@ class QuantScheme:
                 f"Can't store native sub-byte values: {self.value} needs store='packed_u32'")
         block = self.block
         if block is not None:
-            if isinstance(block, bool) or not isinstance(block, (int, tuple, list)):
+            if not isinstance(block, (tuple, list)) and _whole_number(block) is None:
                 raise QuantSchemeError(
                     f"block must be None, an int or a tuple of ints, got {block!r}")
-            block = (block,) if isinstance(block, int) else tuple(block)
-            if not block or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block):
+            sizes = [_whole_number(b) for b in (block if isinstance(block, (tuple, list)) else (block,))]
+            if not sizes or any(b is None or b < 1 for b in sizes):
                 raise QuantSchemeError(
                     f"block sizes must be positive ints, got {self.block!r}: e.g. block=32 or block=(1, 32)")
-            object.__setattr__(self, "block", block)
+            object.__setattr__(self, "block", tuple(sizes))
         if self.axis is not None:
-            if isinstance(self.axis, bool) or not isinstance(self.axis, int):
+            axis = _whole_number(self.axis)
+            if axis is None:
                 raise QuantSchemeError(f"axis must be an int or None, got {self.axis!r}")
+            object.__setattr__(self, "axis", axis)
             if self.block is not None:
                 raise QuantSchemeError(
                     "Choose one granularity: axis= (per channel) or block= (per block), not both")

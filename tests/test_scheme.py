@@ -1,6 +1,8 @@
 import itertools
+import json
 import time
 
+import numpy as np
 import pytest
 
 from qdispatch import QuantScheme, QuantSchemeError
@@ -32,6 +34,9 @@ def test_every_combination_is_valid_or_says_why(value, store, scale_dtype, gran)
     (dict(block=()), "block sizes must be positive"),
     (dict(block="32"), "block must be None, an int or a tuple"),
     (dict(block=True), "block must be None"),
+    (dict(block=(1, np.True_)), "block sizes must be positive"),
+    (dict(block=32.0), "block must be None, an int or a tuple"),
+    (dict(axis=True), "axis must be an int"),
     (dict(axis=0, block=32), "Choose one granularity"),
     (dict(axis=1.5), "axis must be an int"),
 ])
@@ -66,6 +71,18 @@ def test_int_block_and_tuple_normalise():
     assert QuantScheme("q8s", block=32).block == (32,)
     assert QuantScheme("q8s", block=[1, 32]).block == (1, 32)
     assert QuantScheme("q8s", block=32) == QuantScheme("q8s", block=(32,))
+
+
+def test_numpy_integers_are_sizes_and_axes():
+    """Sizes read off an array's shape or an np.int64 count as ints, and become
+    Python ints: the scheme compares, hashes and saves as one written with ints."""
+    blocked = QuantScheme("q8s", block=(np.int64(1), np.int32(32)))
+    assert blocked == QuantScheme("q8s", block=(1, 32)) and hash(blocked) == hash(QuantScheme("q8s", block=(1, 32)))
+    assert all(type(b) is int for b in blocked.block)
+    assert QuantScheme("q8s", block=np.int64(32)).block == (32,)
+    per_row = QuantScheme("q8s", axis=np.int64(0))
+    assert per_row.axis == 0 and type(per_row.axis) is int
+    assert QuantScheme.from_record(json.loads(json.dumps(per_row.to_record()))) == per_row
 
 
 @pytest.mark.parametrize("block,dim,hint", [
