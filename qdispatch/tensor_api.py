@@ -397,10 +397,19 @@ def qtensor_zeros(shape, scheme, device=None):
 
 def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     """A QTensor from already-quantized int8 values and a float32 scale grid
-    (for loaders); values must lie in the scheme's range.  The QTensor keeps
+    (for loaders); values must lie in the scheme's range.  `shape`, when given,
+    is the tensor's shape and values may come in any shape holding its elements
+    in order (flat, as read from a file), as scales may.  The QTensor keeps
     copies: later edits to the arrays passed can't reach it, nor get past the
     range check."""
-    return _qtensor_keeping(np.array(values), np.array(scales, dtype=np.float32), scheme, device)
+    values = np.array(values)
+    if shape is not None:
+        shape = tuple(int(d) for d in shape)
+        if values.size != np.prod(shape, dtype=np.int64):
+            raise ShapeError(f"shape {shape} holds {int(np.prod(shape, dtype=np.int64))} elements but the values "
+                             f"hold {values.size}: pass as many values as the shape holds, or leave shape out")
+        values = values.reshape(shape)
+    return _qtensor_keeping(values, np.array(scales, dtype=np.float32), scheme, device)
 
 
 def _qtensor_keeping(values, scales, scheme, device):

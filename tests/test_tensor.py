@@ -104,6 +104,18 @@ def test_qtensor_from_parts_refuses_scales_that_are_not_finite(bad):
         qd.qtensor_from_parts(np.ones((2, 64), np.int8), scales, qd.QuantScheme("q8s", block=32), device="reference")
 
 
+def test_qtensor_from_parts_takes_flat_values_with_their_shape(device):
+    """shape= is the tensor's shape, values come flat as a loader reads them."""
+    scheme = qd.QuantScheme("q8s", block=32)
+    wq = qd.quantize(np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32), scheme, device=device)
+    back = qd.qtensor_from_parts(wq.values.ravel(), wq.scales.ravel(), scheme, device=device, shape=[4, 64])
+    assert back.shape == (4, 64)
+    np.testing.assert_array_equal(back.values, wq.values)
+    np.testing.assert_array_equal(back.dequantize().numpy(), wq.dequantize().numpy())
+    with pytest.raises(qd.ShapeError, match=r"shape \(4, 32\) holds 128 elements but the values hold 256"):
+        qd.qtensor_from_parts(wq.values.ravel(), wq.scales, scheme, device=device, shape=(4, 32))
+
+
 def test_qtensor_from_parts_checks_the_range():
     values = np.full((2, 8), 7, np.int8)
     values[1, 3] = 8
