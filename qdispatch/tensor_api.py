@@ -405,9 +405,10 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     values = np.array(values)
     if shape is not None:
         shape = tuple(int(d) for d in shape)
-        if values.size != np.prod(shape, dtype=np.int64):
-            raise ShapeError(f"shape {shape} holds {int(np.prod(shape, dtype=np.int64))} elements but the values "
-                             f"hold {values.size}: pass as many values as the shape holds, or leave shape out")
+        count = int(np.prod(shape, dtype=np.int64))
+        if values.size != count:
+            raise ShapeError(f"shape {shape} holds {count} elements but the values hold {values.size}: "
+                             f"pass as many values as the shape holds, or leave shape out")
         values = values.reshape(shape)
     return _qtensor_keeping(values, np.array(scales, dtype=np.float32), scheme, device)
 
