@@ -346,6 +346,8 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
         l, r = _reconcile("q_matmul", l, r, transfer)
     backend = <object>_table[l.kind]
     if requantize is None and activation_scheme is None:
+        if type(out_dtype) is not str:  # np.str_ or np.float16: the name, as a str
+            out_dtype = ops_module().check_dtype(out_dtype)
         out = _decode_step(backend, l, r, out_dtype)
         if out is not None:
             return out

@@ -49,7 +49,7 @@ def activation_scheme_for(spec, x_shape):
 
 
 def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
-    check_dtype(out_dtype)
+    out_dtype = check_dtype(out_dtype)
     lq, rq = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
     if not lq and not rq:
         raise TypeError("q_matmul needs at least one QTensor operand; quantize one side first")
@@ -191,7 +191,7 @@ def int_matmul(backend, a, b):
 def add_bias(out, bias, out_dtype, transfer=None):
     """out + bias, then cast to out_dtype.  A bias on another device follows the
     product there when a transfer policy (argument or context) allows moves."""
-    check_dtype(out_dtype)
+    out_dtype = check_dtype(out_dtype)
     from .policy import resolve
     from .tensor_api import get_backend, tensor
     backend = get_backend(out.kind)

@@ -52,15 +52,14 @@ class QuantScheme:
     scale_dtype: str = "f32"
 
     def __post_init__(self):
-        if self.value not in VALUE_RANGES:
-            raise QuantSchemeError(
-                f"Unknown value {self.value!r}: valid values are {', '.join(VALUE_RANGES)}")
-        if self.store not in STORES:
-            raise QuantSchemeError(
-                f"Unknown store {self.store!r}: valid stores are 'native' and 'packed_u32'")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise QuantSchemeError(
-                f"Unknown scale_dtype {self.scale_dtype!r}: valid scale dtypes are 'f32', 'f16', 'bf16'")
+        for field, valid in (("value", tuple(VALUE_RANGES)), ("store", STORES), ("scale_dtype", SCALE_DTYPES)):
+            name = getattr(self, field)
+            if not isinstance(name, str) or name not in valid:
+                raise QuantSchemeError(
+                    f"Unknown {field} {name!r}: valid {field}s are {', '.join(valid)}")
+            # a str subclass (numpy's str_, read off an array of names) is kept as
+            # a plain str, as the compiled backends take it
+            object.__setattr__(self, field, str(name))
         if self.bits < 8 and self.store == "native":
             raise QuantSchemeError(
                 f"Can't store native sub-byte values: {self.value} needs store='packed_u32'")

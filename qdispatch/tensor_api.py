@@ -23,9 +23,17 @@ _NUMPY_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"
 
 
 def check_dtype(name, allowed=FLOAT_DTYPES):
-    if name not in allowed:
-        raise TypeError(f"Unsupported dtype {name!r}: expected one of {', '.join(allowed)}")
-    return name
+    """name as a plain str when it names one of `allowed`: a str (numpy's str_, read
+    out of an array, included) or a numpy dtype such as np.float16."""
+    given = name
+    if not isinstance(name, str):
+        try:
+            name = np.dtype(name).name if name is not None else None
+        except TypeError:
+            pass
+    if not isinstance(name, str) or name not in allowed:
+        raise TypeError(f"Unsupported dtype {given!r}: expected one of {', '.join(allowed)}")
+    return str(name)
 
 
 def backend_for(device):
@@ -42,14 +50,15 @@ def _host_array(data, dtype=None):
     """A numpy array plus its qdispatch dtype name; float64 becomes float32."""
     arr = np.asarray(data)
     if dtype is not None:
-        check_dtype(dtype, tuple(DTYPES))
+        dtype = check_dtype(dtype, tuple(DTYPES))
         if dtype == "bfloat16":
             if arr.dtype != np.uint16:
                 arr = quantmath.f32_to_bf16_bits(arr.astype(np.float32))
             return arr, dtype
         if dtype in ("int8", "int32"):
             return _as_integers(arr, dtype), dtype
-        return arr.astype(DTYPES[dtype], copy=False), dtype
+        with np.errstate(over="ignore"):  # past float16's range is inf, as IEEE rounds it: no warning
+            return arr.astype(DTYPES[dtype], copy=False), dtype
     if arr.dtype in _NUMPY_NAMES:
         return arr, _NUMPY_NAMES[arr.dtype]
     if arr.dtype.kind in "fiub":
@@ -97,12 +106,26 @@ def tensor(data, device=None, dtype=None):
     """A Tensor on `device` (default: the default backend).  Host tensors share
     memory with a numpy array of a supported dtype (float32/float16/int8/int32)."""
     if isinstance(data, Tensor):
-        return data.to(device) if device is not None else data
+        return _as_dtype(data.to(device) if device is not None else data, dtype)
     if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray):
-        return from_dlpack(data, device=device)
+        return _as_dtype(from_dlpack(data, device=device), dtype)
     arr, name = _host_array(data, dtype)
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return Tensor(backend.from_host(arr, dev.index), name, tuple(arr.shape), dev.kind, dev.index)
+
+
+def _as_dtype(t, dtype):
+    """Tensor t as `dtype` (None: as it is): float dtypes convert into a new
+    Tensor on t's device, as numpy's asarray(a, dtype) would."""
+    if dtype is None:
+        return t
+    dtype = check_dtype(dtype, tuple(DTYPES))
+    if t.dtype == dtype:
+        return t
+    if t.dtype not in FLOAT_DTYPES or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"Can't convert a {t.dtype} Tensor to {dtype}: only float32, float16 and bfloat16 "
+                        f"convert into each other; go through numpy (qd.tensor(t.numpy(), dtype='{dtype}'))")
+    return Tensor(get_backend(t.kind).cast(t.payload, t.dtype, dtype), dtype, t.shape, t.kind, t.index)
 
 
 def as_host_operand(x, other, float_for=None):
@@ -304,7 +327,7 @@ def _not_float_error(dtype, op="quantize"):
 def dequantize(q, dtype="float32"):
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
-    check_dtype(dtype)
+    dtype = check_dtype(dtype)
     backend = get_backend(q.kind)
     out = backend.dequantize(q)
     if dtype != "float32":

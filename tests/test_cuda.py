@@ -93,6 +93,15 @@ def test_quantize_bit_identical(rng, scheme, shape):
     np.testing.assert_array_equal(on_gpu.T.dequantize().numpy(), spec.T.dequantize().numpy())
 
 
+def test_quantize_takes_names_read_from_numpy(rng):
+    """A scheme built from np.str_ names (read out of an array) quantizes on cuda
+    as written with str."""
+    names = np.array(["q4s", "packed_u32", "f16"])
+    scheme = qd.QuantScheme(names[0], block=32, store=names[1], scale_dtype=names[2])
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    on_gpu = qd.quantize(x, scheme, device="cuda")
+    np.testing.assert_array_equal(on_gpu.values, qd.quantize(x, scheme, device="reference").values)
+
 def test_quantize_tiny_scales_round_half_even():
     x = np.array([[0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 0.0, 3.5]], np.float32)
     on_gpu = qd.quantize(x, "q8s", device="cuda")

@@ -85,6 +85,27 @@ def test_numpy_integers_are_sizes_and_axes():
     assert QuantScheme.from_record(json.loads(json.dumps(per_row.to_record()))) == per_row
 
 
+
+def test_numpy_strings_are_names():
+    """Names read out of a numpy array (np.str_) are taken and kept as plain str,
+    as every backend's compiled code takes them."""
+    names = np.array(["q4s", "packed_u32", "bf16"])
+    scheme = QuantScheme(names[0], block=32, store=names[1], scale_dtype=names[2])
+    assert scheme == QuantScheme("q4s", block=32, store="packed_u32", scale_dtype="bf16")
+    assert all(type(f) is str for f in (scheme.value, scheme.store, scheme.scale_dtype))
+    assert repr(scheme) == "QuantScheme('q4s', block=(32,), store='packed_u32', scale_dtype='bf16')"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(value=["q8s"]), "Unknown value ['q8s']: valid values are q8s, q8f"),
+    (dict(value=b"q8s"), "Unknown value b'q8s'"),
+    (dict(store=None), "Unknown store None: valid stores are native, packed_u32"),
+    (dict(scale_dtype=16), "Unknown scale_dtype 16: valid scale_dtypes are f32, f16, bf16"),
+])
+def test_names_that_are_no_strings_are_named(kwargs, message):
+    with pytest.raises(QuantSchemeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        QuantScheme(**kwargs)
+
 @pytest.mark.parametrize("block,dim,hint", [
     (32, 48, 24),                 # the nearest divisor
     (32, 2**31 - 2, 33),          # 31 and 33 divide it: a tie goes to the larger

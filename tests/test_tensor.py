@@ -172,6 +172,45 @@ def test_integer_dtype_keeps_data_that_fits(device):
     np.testing.assert_array_equal(qd.int_matmul(a, b).numpy(), [[100 - 200 + 381]])
 
 
+def test_dtype_converts_a_tensor_as_asarray_does(device):
+    """qd.tensor(t, dtype=...) gives t in that dtype (a float Tensor converts, on
+    its device); asked for the dtype t has, it is t itself."""
+    x = np.array([[1.0, -2.5, 3.0e5], [0.1, 65520.0, -7.0]], np.float32)
+    t = qd.tensor(x, device=device)
+    assert qd.tensor(t, dtype="float32") is t
+    for dtype in ("bfloat16", "float16"):
+        got = qd.tensor(t, dtype=dtype)
+        assert got.dtype == dtype and got.device == t.device and got.shape == t.shape
+        np.testing.assert_array_equal(got.numpy(), qd.tensor(x, dtype=dtype, device="reference").numpy())
+    back = qd.tensor(qd.tensor(t, dtype="bfloat16"), dtype="float32")
+    np.testing.assert_array_equal(back.numpy(), qd.tensor(x, dtype="bfloat16", device="reference").numpy())
+    with pytest.raises(TypeError, match="Can't convert a float32 Tensor to int8: only float32, float16 and bfloat16"):
+        qd.tensor(t, dtype="int8")
+    with pytest.raises(TypeError, match="Can't convert a int8 Tensor to float32"):
+        qd.tensor(qd.tensor(np.ones(3, np.int8), device=device), dtype="float32")
+
+
+@pytest.mark.parametrize("name", [np.str_("bfloat16"), np.array(["float16"])[0], np.float16, np.dtype("float16")],
+                         ids=["str_", "str_ from an array", "np.float16", "np.dtype"])
+def test_dtype_names_from_numpy(device, rng, name):
+    """Dtype names read out of numpy (np.str_) and numpy's own dtypes name dtypes
+    wherever a dtype is asked for, and come back as plain str."""
+    want = "bfloat16" if "bfloat16" in str(name) else "float16"
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    w = qd.quantize(rng.standard_normal((8, 16)).astype(np.float32), "q8s", device=device)
+    results = [qd.tensor(x, device=device, dtype=name), qd.tensor(qd.tensor(x, device=device), dtype=name),
+               qd.q_matmul(qd.tensor(x, device=device), w.T, out_dtype=name),
+               qd.linear(qd.tensor(x, device=device), w, np.ones(8, np.float32), out_dtype=name),
+               w.dequantize(name)]
+    for got in results:
+        assert type(got.dtype) is str and got.dtype == want
+    np.testing.assert_array_equal(results[2].numpy(), qd.q_matmul(qd.tensor(x, device=device), w.T,
+                                                                  out_dtype=want).numpy())
+    with pytest.raises(TypeError, match="Unsupported dtype None: expected one of float32, float16, bfloat16"):
+        qd.q_matmul(x, w.T, out_dtype=None)
+    with pytest.raises(TypeError, match="Unsupported dtype <class 'numpy.float64'>"):
+        qd.q_matmul(x, w.T, out_dtype=np.float64)
+
 @pytest.mark.parametrize("copier", ["pickle", "deepcopy", "save"])
 def test_0d_tensor_keeps_its_shape_when_copied(device, tmp_path, copier):
     import copy
