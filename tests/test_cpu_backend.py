@@ -68,15 +68,41 @@ A_SCHEMES = [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f", block=32), qd.
 @pytest.mark.parametrize("w_scheme", W_SCHEMES, ids=repr)
 @pytest.mark.parametrize("m", [1, 4, 17, 33])
 def test_qq_and_fq_match_the_reference(isa, rng, w_scheme, m):
+    """qq (and W8A8, which is qq) bit for bit on every ISA: exact integer sums per
+    scale group, each scaled and added with the reference's roundings."""
     k, n = 256, 67
     wq, wr = both(rng.standard_normal((n, k)).astype(np.float32), w_scheme)
     x = rng.standard_normal((m, k)).astype(np.float32)
     for a_scheme in A_SCHEMES:
         xq, xr = both(x, a_scheme)
-        assert rel_err(qd.q_matmul(xr, wr.T).numpy(), qd.q_matmul(xq, wq.T).numpy()) < 1e-6
+        np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(xr, wr.T).numpy())
     assert rel_err(qd.q_matmul(x, wr.T).numpy(), qd.q_matmul(x, wq.T).numpy()) < 1e-5
-    w8a8 = qd.q_matmul(x, wq.T, activation_scheme="q8s").numpy()
-    assert rel_err(qd.q_matmul(x, wr.T, activation_scheme="q8s").numpy(), w8a8) < 1e-6
+    for act in ("q8s", qd.QuantScheme("q8f", block=(1, 32))):
+        np.testing.assert_array_equal(qd.q_matmul(x, wq.T, activation_scheme=act).numpy(),
+                                      qd.q_matmul(x, wr.T, activation_scheme=act).numpy())
+
+
+def test_qq_rounds_each_group_as_the_reference(isa):
+    """Each scale group's sum is scaled, rounded, then added, as the reference does
+    it; a fused multiply-add rounds once and differs.  Row 0: group 0 gives -3,
+    group 1 gives 3 * (1 + 2**-23), which rounds to 3 + 2**-21, so the sum is
+    2**-21 (fused: 3 * 2**-23).  Row 1: group 1's scaled sum 2**128 overflows to
+    inf, so the sum is inf (fused: the finite 56 * 2**120)."""
+    a = np.zeros((2, 64), np.int8)
+    a[0, 0], a[0, 32] = -3, 3
+    a[1, :2], a[1, 32:35] = -100, (127, 127, 2)
+    a_scales = np.array([[1.0, 1.0 + 2.0 ** -23], [2.0 ** 120, 2.0 ** 120]], np.float32)
+    w = np.zeros((16, 64), np.int8)
+    w[:, 0], w[:, 1], w[:, 32:35] = 1, 1, 1
+
+    def product(device):
+        aq = qd.qtensor_from_parts(a, a_scales, qd.QuantScheme("q8s", block=(1, 32)), device=device)
+        wq = qd.qtensor_from_parts(w, np.ones(16, np.float32), qd.QuantScheme("q8s", axis=0), device=device)
+        return qd.q_matmul(aq, wq.T).numpy()
+
+    expect = product("reference")
+    assert np.all(expect[0] == np.float32(2.0 ** -21)) and np.all(expect[1] == np.inf)
+    np.testing.assert_array_equal(product("cpu"), expect)
 
 
 def test_quantize_is_bit_identical_to_the_reference(isa, rng):

@@ -76,14 +76,16 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, c
                     _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, panel_cols(t, p), iacc[r][p]);
             return;
         }
-        /* One scale product and one fused multiply-add per output and group. */
+        /* One scale product per output and group, then a product and an add, each
+         * rounded as the reference rounds them (not fused). */
         __m512 ws[QQ_NP];
         for (int p = 0; p < np; p++)
             ws[p] = _mm512_load_ps(t->w_scale + p * t->w_scale_ld + (g / t->w_ratio) * QD_NR);
         for (int r = 0; r < mr; r++) {
             const __m512 as = _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
             for (int p = 0; p < np; p++)
-                facc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[r][p]), _mm512_mul_ps(ws[p], as), facc[r][p]);
+                facc[r][p] = _mm512_add_ps(facc[r][p],
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][p]), _mm512_mul_ps(ws[p], as)));
         }
     }
     for (int r = 0; r < mr; r++)

@@ -55,7 +55,8 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
             const float32x4_t as = vdupq_n_f32(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
             for (int q = 0; q < 4; q++) {
                 const float32x4_t s = vmulq_f32(vld1q_f32(ws + 4 * q), as);
-                vst1q_f32(facc[r] + 4 * q, vfmaq_f32(vld1q_f32(facc[r] + 4 * q), vcvtq_f32_s32(iacc[r][q]), s));
+                /* product and add rounded apart, as the reference rounds them */
+                vst1q_f32(facc[r] + 4 * q, vaddq_f32(vld1q_f32(facc[r] + 4 * q), vmulq_f32(vcvtq_f32_s32(iacc[r][q]), s)));
             }
         }
     }

@@ -27,6 +27,13 @@ typedef struct {
 /* End of group g for row r: idot holds the per-column int32 dots (columns 0..7,
  * 8..15), biased by `bias` if nonzero.  Integer mode stores; float mode scales
  * by a_scale * w_scale and accumulates. */
+/* acc + idot * (ws * as), rounded after each step as the reference rounds it
+ * (a fused multiply-add would round once and differ in the last bit). */
+QD_INLINE __m256 qd_ymm_add_scaled(__m256 acc, __m256i idot, __m256 ws, __m256 as)
+{
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(idot), _mm256_mul_ps(ws, as)));
+}
+
 QD_INLINE void qd_ymm_qq_group_end(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int r, int64_t g,
                                    __m256i idot_lo, __m256i idot_hi, int bits, int biased)
 {
@@ -45,10 +52,8 @@ QD_INLINE void qd_ymm_qq_group_end(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int 
     const float *ws = t->w_scale + (g / t->w_ratio) * QD_NR;
     const __m256 as = _mm256_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
     float *row = acc->v[r];
-    _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot_lo),
-                                          _mm256_mul_ps(_mm256_loadu_ps(ws), as), _mm256_loadu_ps(row)));
-    _mm256_storeu_ps(row + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot_hi),
-                                              _mm256_mul_ps(_mm256_loadu_ps(ws + 8), as), _mm256_loadu_ps(row + 8)));
+    _mm256_storeu_ps(row, qd_ymm_add_scaled(_mm256_loadu_ps(row), idot_lo, _mm256_loadu_ps(ws), as));
+    _mm256_storeu_ps(row + 8, qd_ymm_add_scaled(_mm256_loadu_ps(row + 8), idot_hi, _mm256_loadu_ps(ws + 8), as));
 }
 
 QD_INLINE void qd_ymm_qq_store(const qd_qq_tile *t, const qd_ymm_qq_acc *acc, int mr)
