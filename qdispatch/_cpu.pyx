@@ -43,14 +43,6 @@ _ADVICE = {
 }
 
 
-def _scale_overflow_advice(scale_dtype):
-    try:
-        from qdispatch.quantmath import scale_overflow_advice
-    except ImportError:
-        return _ADVICE[QD_ERR_SCALE_OVERFLOW]
-    return scale_overflow_advice(scale_dtype)
-
-
 def _raise_status(code, what):
     """Raises the exception matching a qd_status code (no-op for QD_OK)."""
     if code == QD_OK:
@@ -154,14 +146,12 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
     cdef qd_status st
     with nogil:
         st = qd_quantize_f32(&xv[0, 0], rows, cols, kind, br, bc, sdt, &sv[0, 0], &qv[0, 0], &bad)
-    if st == QD_ERR_NOT_FINITE:
-        pos = tuple(int(i) for i in np.unravel_index(bad, shape or x.shape))
-        raise _error_class(st)(f"Can't quantize a tensor holding {x.flat[bad]!r} at position {pos}: "
-                               "remove NaN/Inf first (for example np.nan_to_num)")
-    if st == QD_ERR_SCALE_OVERFLOW:
-        block = tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape))
-        raise _error_class(st)(f"The scale of block {block} "
-                               f"overflows scale_dtype={scale_dtype!r}: {_scale_overflow_advice(scale_dtype)}")
+    if st == QD_ERR_NOT_FINITE or st == QD_ERR_SCALE_OVERFLOW:
+        from qdispatch import quantmath
+        if st == QD_ERR_NOT_FINITE:
+            raise quantmath.non_finite_error(x.flat[bad], tuple(int(i) for i in np.unravel_index(bad, shape or x.shape)))
+        raise quantmath.scale_overflow_error(tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)),
+                                             scale_dtype)
     _check(st, "quantize")
     return q, scales
 

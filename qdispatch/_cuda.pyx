@@ -640,6 +640,8 @@ def pad_rows(DeviceArray a, int64_t ld):
 
 def add_bias(DeviceArray x, DeviceArray bias):
     out = empty(x.shape, "float32", x.device)
+    if out.size == 0:  # no rows (or no columns): nothing to add, no launch
+        return out
     cdef int64_t cols = x.shape[-1]
     cdef int64_t rows = x.size // cols
     cdef void *px = P(x)
@@ -658,6 +660,8 @@ def pack_u32(DeviceArray q, int bits):
     n = q.shape[-1]
     per = 32 // bits
     out = empty(q.shape[:-1] + (-(-n // per),), "uint32", q.device)
+    if q.size == 0:
+        return out
     cdef int64_t cols = n, rows = q.size // n
     cdef void *src = P(q)
     cdef void *dst = P(out)
@@ -672,6 +676,8 @@ def pack_u32(DeviceArray q, int bits):
 def unpack_u32(DeviceArray words, int bits, int64_t n):
     """uint32 words [..., w] -> int8 [..., n]."""
     out = empty(words.shape[:-1] + (n,), "int8", words.device)
+    if out.size == 0:
+        return out
     cdef int64_t rows = out.size // n
     cdef void *src = P(words)
     cdef void *dst = P(out)

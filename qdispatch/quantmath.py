@@ -46,11 +46,24 @@ def round_up_to_dtype(scale: np.ndarray, scale_dtype: str) -> np.ndarray:
     else:  # validated by QuantScheme already
         raise ValueError(scale_dtype)
     if not np.all(np.isfinite(stored)):
-        worst = float(scale.max())
-        raise ScaleOverflowError(
-            f"A scale of {worst:g} overflows scale_dtype={scale_dtype!r}: "
-            f"{scale_overflow_advice(scale_dtype)}")
+        flat = int(np.flatnonzero(~np.isfinite(stored.reshape(-1)))[0])
+        block = tuple(int(i) for i in np.unravel_index(flat, stored.shape))
+        raise scale_overflow_error(block, scale_dtype, float(scale.reshape(-1)[flat]))
     return stored
+
+
+def scale_overflow_error(block, scale_dtype, value=None):
+    """The error for the scale of `block` (its position in the scale grid), whose
+    float32 `value` (when known) `scale_dtype` cannot hold."""
+    of = f" ({value:g})" if value is not None else ""
+    return ScaleOverflowError(f"The scale of block {block}{of} overflows scale_dtype={scale_dtype!r}: "
+                              f"{scale_overflow_advice(scale_dtype)}")
+
+
+def non_finite_error(value, position):
+    """The error for a NaN or Inf `value` at `position` in data to quantize."""
+    return NonFiniteError(f"Can't quantize a tensor holding {float(value)!r} at position {position}: "
+                          f"remove NaN/Inf first (for example np.nan_to_num)")
 
 
 def scale_overflow_advice(scale_dtype):
@@ -85,10 +98,7 @@ def expand_scales(scales: np.ndarray, shape, block) -> np.ndarray:
 def check_finite(x: np.ndarray):
     if not np.all(np.isfinite(x)):
         flat = int(np.flatnonzero(~np.isfinite(x.reshape(-1)))[0])
-        position = tuple(int(i) for i in np.unravel_index(flat, x.shape))
-        raise NonFiniteError(
-            f"Can't quantize a tensor holding {x.reshape(-1)[flat]!r} at position {position}: "
-            f"remove NaN/Inf first (for example np.nan_to_num)")
+        raise non_finite_error(x.reshape(-1)[flat], tuple(int(i) for i in np.unravel_index(flat, x.shape)))
 
 
 def compute_scales(x: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:

@@ -223,6 +223,11 @@ def test_zero_rows(device, rng):
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
     out = qd.q_matmul(np.zeros((0, 64), np.float32), wq.T)
     assert out.shape == (0, 8)
+    bias = rng.standard_normal(8).astype(np.float32)
+    for shape in ((0, 64), (2, 0, 64)):  # a bias on no rows adds nothing, launches nothing
+        for out_dtype in ("float32", "bfloat16"):
+            out = qd.linear(np.zeros(shape, np.float32), wq, bias, out_dtype=out_dtype)
+            assert out.shape == shape[:-1] + (8,) and out.dtype == out_dtype and out.device == device
 
 
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])

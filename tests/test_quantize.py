@@ -1,4 +1,6 @@
 """quantize / dequantize against the formulas of DESIGN.md, on every backend."""
+import re
+
 import numpy as np
 import pytest
 
@@ -156,6 +158,23 @@ def test_scale_overflowing_f16_is_an_error(device):
     with pytest.raises(qd.ScaleOverflowError, match="overflows scale_dtype='f16': use scale_dtype='f32' or rescale"):
         qd.quantize(np.full((2, 4), 1e7, np.float32), qd.QuantScheme("q8s", scale_dtype="f16"),
                     device=device)
+
+
+@pytest.mark.parametrize("scheme,big,block", [
+    (qd.QuantScheme("q8s", block=(2, 4), scale_dtype="f16"), 1e7, (1, 1, 1)),
+    (qd.QuantScheme("q2s", axis=1, store="packed_u32", scale_dtype="bf16"), 3.4e38, (0, 3, 0)),
+])
+def test_errors_name_the_block_and_the_value_as_every_backend_does(device, scheme, big, block):
+    """The scale that overflows is named by its block in the scale grid, a NaN or
+    Inf by its position and its value as Python writes it, the same way on every
+    backend."""
+    x = np.ones((2, 4, 16), np.float32)
+    x[1, 3, 5] = big
+    with pytest.raises(qd.ScaleOverflowError, match=re.escape(f"The scale of block {block}")):
+        qd.quantize(x, scheme, device=device)
+    x[1, 3, 5] = -np.inf
+    with pytest.raises(qd.NonFiniteError, match=re.escape("holding -inf at position (1, 3, 5): remove NaN/Inf")):
+        qd.quantize(x, scheme, device=device)
 
 
 def exact_scale(amax, lo, hi):

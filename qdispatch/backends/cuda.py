@@ -228,14 +228,10 @@ class CudaBackend(Backend):
             q, scales = _cuda.quantize(x, layout.scheme.value, br, bc, layout.scheme.scale_dtype)
         except NonFiniteError as exc:
             position = tuple(int(i) for i in np.unravel_index(exc.index, layout.shape))
-            raise NonFiniteError(
-                f"Can't quantize a tensor holding {_cuda.element(x, exc.index)!r} at position "
-                f"{position}: remove NaN/Inf first (for example np.nan_to_num)") from None
+            raise quantmath.non_finite_error(_cuda.element(x, exc.index), position) from None
         except ScaleOverflowError as exc:
-            raise ScaleOverflowError(
-                f"The scale of block {exc.index} (flat index in the scale grid) overflows "
-                f"scale_dtype={layout.scheme.scale_dtype!r}: "
-                f"{quantmath.scale_overflow_advice(layout.scheme.scale_dtype)}") from None
+            block = tuple(int(i) for i in np.unravel_index(exc.index, layout.grid))
+            raise quantmath.scale_overflow_error(block, layout.scheme.scale_dtype) from None
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
     def _int8_values(self, storage, layout, cache=True):
