@@ -591,6 +591,23 @@ def test_fq_gemm_float32_rows(rng, gemm_from_one_row, fq_gemm_calls, scheme, out
     assert rel_err(expect[finite], got[finite]) < (FQ_TOL if out_dtype == "float32" else 4e-3)
 
 
+@pytest.mark.parametrize("M", [1, 16, 64, 300])  # decode launches; 300 rows: the GEMM
+def test_fq_float32_x_exact_down_to_2_to_the_110(rng, M):
+    """float32 x in three bf16 parts holds every value of magnitude 2**-110 or more
+    exactly (the README's bound); tinier values lose the bits under bf16's smallest
+    step, 2**-133, at most 2**-134 per value, so the error stays within K of those."""
+    K, N = 256, 72
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cuda")
+    w64 = ref(wq).dequantize().numpy().astype(np.float64)
+    mantissas = rng.uniform(1, 2, (M, K)) * np.where(rng.random((M, K)) < 0.5, -1, 1)
+    small = (mantissas * 2.0 ** rng.integers(-110, -90, (M, K))).astype(np.float32)
+    got = qd.q_matmul(qd.tensor(small, device="cuda"), wq.T).numpy()
+    assert rel_err(small.astype(np.float64) @ w64.T, got) < FQ_TOL
+    tiny = (mantissas * 2.0 ** -132).astype(np.float32)  # float32 subnormals
+    got = qd.q_matmul(qd.tensor(tiny, device="cuda"), wq.T).numpy()
+    bound = K * 2.0 ** -134 * np.abs(w64).max() + K * 2.0 ** -149  # the parts, then the float32 sums
+    assert np.abs(got - tiny.astype(np.float64) @ w64.T).max() <= bound
+
 def test_fq_float32_rows_take_the_gemm(rng, fq_gemm_calls):
     # float32 x takes the GEMM from FQ_GEMM_MIN_ROWS on every GPU: it runs as decode
     # launches of 16 rows below (cut into three parts there too).
