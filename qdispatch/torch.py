@@ -66,6 +66,9 @@ def from_torch(x, device=None):
     device, else to the default backend; both views share x's memory.  A strided
     x (an expanded gradient, say) or a negative view is copied to dense rows first:
     the kernels read rows."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"from_torch expects a torch tensor, got {type(x).__name__}: "
+                        f"use qdispatch.tensor(...) for other data")
     x = _dense(x)
     if x.is_cpu and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
         return tensor_api.host_view(x.detach().numpy(), device)
@@ -117,6 +120,9 @@ def _cuda_backend(index):
 
 def to_torch(t):
     """A torch tensor sharing the memory of qdispatch Tensor t."""
+    if not isinstance(t, Tensor):
+        hint = ": dequantize it first (t.dequantize())" if isinstance(t, QTensor) else ""
+        raise TypeError(f"to_torch expects a qdispatch Tensor, got {type(t).__name__}{hint}")
     if not t.device.is_host:
         return _to_torch_cuda(t, _current_raw_stream(t.index))
     if t.dtype == "bfloat16":

@@ -132,6 +132,15 @@ def test_crossings_share_memory(device):
     assert to_torch(from_torch(bf)).equal(bf)
 
 
+def test_crossings_refuse_what_is_not_their_kind_of_tensor():
+    with pytest.raises(TypeError, match="from_torch expects a torch tensor, got ndarray"):
+        from_torch(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="to_torch expects a qdispatch Tensor, got ndarray"):
+        to_torch(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match=r"got QTensor: dequantize it first"):
+        to_torch(weight((8, 4), SCHEMES[0], "reference"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [(), (1,)])
 def test_negative_views_cross_with_their_values(dtype, shape):
