@@ -376,6 +376,8 @@ class QLinear(torch.nn.Module):
         A Linear on torch's meta device (a model built empty, to be loaded) gets a
         weight of zeros in the scheme's layout, on `device` or the default backend,
         for `load_state_dict(..., assign=True)` to replace."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"QLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight.detach()
         if weight.is_meta:
             qweight = tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)

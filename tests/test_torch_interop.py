@@ -211,6 +211,8 @@ def test_qlinear_gradcheck_and_no_bias():
 def test_qlinear_bad_input():
     with pytest.raises(TypeError, match="from_linear"):
         QLinear(torch.randn(4, 4))
+    with pytest.raises(TypeError, match="from_linear needs an nn.Linear, got ReLU"):
+        QLinear.from_linear(torch.nn.ReLU(), SCHEMES[0])
     with pytest.raises(ShapeError, match=r"\(6,\)"):
         QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=torch.zeros(5))
 
