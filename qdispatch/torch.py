@@ -365,6 +365,8 @@ class QLinear(torch.nn.Module):
             self.register_parameter("bias", None)
         else:
             bias = torch.as_tensor(bias).detach()
+            if not bias.is_floating_point():  # a Parameter must be able to take a gradient
+                raise TypeError(f"QLinear bias must be a float tensor, got {bias.dtype}")
             if tuple(bias.shape) != (self.out_features,):
                 raise ShapeError(f"QLinear bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
             self.bias = torch.nn.Parameter(bias)

@@ -215,6 +215,8 @@ def test_qlinear_bad_input():
         QLinear.from_linear(torch.nn.ReLU(), SCHEMES[0])
     with pytest.raises(ShapeError, match=r"\(6,\)"):
         QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=torch.zeros(5))
+    with pytest.raises(TypeError, match="bias must be a float tensor, got torch.int64"):
+        QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=[0] * 6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
