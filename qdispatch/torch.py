@@ -405,8 +405,11 @@ class QLinear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+        except ShapeError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
+            raise ShapeError(f"{prefix}weight: {exc}") from exc
         # A float checkpoint (an nn.Linear's "weight") is quantized into this layer's
         # scheme as it loads, so a model built empty never holds all its float weights.
         weight_key, state_key = prefix + "weight", prefix + "_extra_state"
@@ -420,7 +423,10 @@ class QLinear(torch.nn.Module):
             error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
                               f"but this QLinear's is {self.weight.shape}")
             return
-        self.weight = _quantized(weight.detach(), self.weight.scheme, self.weight.device)
+        try:
+            self.weight = _quantized(weight.detach(), self.weight.scheme, self.weight.device)
+        except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
+            raise type(exc)(f"{weight_key}: {exc}") from exc
 
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight
