@@ -69,6 +69,7 @@ def from_torch(x, device=None):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"from_torch expects a torch tensor, got {type(x).__name__}: "
                         f"use qdispatch.tensor(...) for other data")
+    _check_strided(x, "from_torch")
     x = _dense(x)
     if x.is_cpu and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
         return tensor_api.host_view(x.detach().numpy(), device)
@@ -79,6 +80,17 @@ def from_torch(x, device=None):
         raise BackendUnavailableError(f"a tensor on torch device 'meta' has no values to share: load or "
                                       f"initialize it first (e.g. with load_state_dict or to_empty)")
     return tensor_api.import_dlpack(x.detach(), device=device)
+
+
+def _check_strided(x, op):
+    """Refuse a sparse, mkldnn or nested x: it has no rows of values to read, and
+    torch's own errors for one are internal (a nested one's asks to file an issue)."""
+    if x.is_nested:
+        raise TypeError(f"{op} expects a dense torch tensor, got a nested one: pass its tensors one at "
+                        f"a time, or pad them with x.to_padded_tensor(0)")
+    if x.layout != torch.strided:
+        raise TypeError(f"{op} expects a dense torch tensor, got layout {x.layout}: convert it with "
+                        f"x.to_dense() first")
 
 
 def _dense(x):
@@ -299,6 +311,7 @@ def _q_matmul(x, w):
                         f"weight keep it in float)")
     if x.dtype not in _KERNEL_DTYPES and x.dtype != torch.float64:
         raise TypeError(f"q_matmul expects a float32/float16/bfloat16/float64 input, got {x.dtype}")
+    _check_strided(x, "q_matmul")
     if len(w.shape) != 2:
         raise ShapeError(f"q_matmul expects a 2-D weight [K, N], got shape {w.shape}")
     if x.dim() == 0 or x.shape[-1] != w.shape[0]:

@@ -117,6 +117,13 @@ def test_bad_inputs():
         q_matmul(torch.zeros(2, 8, dtype=torch.int32), w)
     with pytest.raises(ShapeError, match="K=8"):
         q_matmul(torch.zeros(2, 7), w)
+    sparse = torch.zeros(2, 8).to_sparse()
+    with pytest.raises(TypeError, match=r"dense torch tensor, got layout torch.sparse_coo: .*to_dense"):
+        q_matmul(sparse, w)
+    with pytest.raises(TypeError, match="from_torch expects a dense torch tensor"):
+        from_torch(sparse)
+    with pytest.raises(TypeError, match="got a nested one"):
+        q_matmul(torch.nested.nested_tensor([torch.zeros(2, 8), torch.zeros(3, 8)], layout=torch.jagged), w)
 
 
 # ---- DLPack and backends -----------------------------------------------------------
