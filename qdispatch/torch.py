@@ -586,7 +586,8 @@ class _WeightInFile:
 
 
 def _qlinears(model):
-    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
+    # a shared layer under each of its names, as state_dict() lists it
+    return {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, QLinear)}
 
 
 def _joined(prefix, leaf):

@@ -468,6 +468,23 @@ def test_save_model_and_load_model_through_safetensors(tmp_path, dtype):
         torch.testing.assert_close(loaded_in_place(x), source(x), rtol=0, atol=0)
 
 
+def test_save_model_and_load_model_keep_a_shared_layer(tmp_path):
+    def tied():
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(32, 32)
+        return quantize_linears(torch.nn.Sequential(layer, torch.nn.GELU(), layer), SCHEMES[0])
+
+    source, path = tied(), tmp_path / "model.safetensors"
+    save_model(source, path)
+    with torch.device("meta"):
+        model = tied()
+    load_model(model, path)
+    assert model[0] is model[2]
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
+
+
 @pytest.mark.cuda
 def test_cuda_model_built_empty_loads_float_and_quantized_checkpoints(tmp_path):
     """The GPU flow: a model built on the meta device, made quantized on cuda, filled
