@@ -350,6 +350,17 @@ def _stored_weight(w):
             "scheme": scheme.to_record(), "transposed": transposed}
 
 
+def _check_stored_weight(state):
+    """Refuse a QLinear extra state that is not what _stored_weight writes (a checkpoint
+    of another format, say), before its parts are read."""
+    if not (isinstance(state, dict) and isinstance(state.get("scheme"), dict) and "transposed" in state
+            and all(isinstance(state.get(key), torch.Tensor) for key in ("qvalues", "qscales"))):
+        got = ({key: type(value).__name__ for key, value in state.items()} if isinstance(state, dict)
+               else type(state).__name__)
+        raise SerializationError(f"a QLinear's _extra_state is a dict of tensors 'qvalues' and 'qscales', a "
+                                 f"'scheme' record and a 'transposed' flag, as state_dict() writes it; got {got}")
+
+
 def _owned_array(t):
     """Torch tensor t's values in a numpy array of their own: the QTensor built from
     a state dict keeps its arrays, and the state dict's tensors stay the caller's."""
@@ -447,6 +458,7 @@ class QLinear(torch.nn.Module):
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
         else:
+            _check_stored_weight(state)
             weight = tensor_api.qtensor_from_stored(
                 _owned_array(state["qvalues"]), _owned_array(state["qscales"]),
                 QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)

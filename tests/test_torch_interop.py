@@ -283,6 +283,11 @@ def test_qlinear_state_dict_round_trip_through_torch_save(tmp_path):
     narrow = torch.nn.Sequential(QLinear(weight((12, 16), SCHEMES[0], DEVICES[0])))
     with pytest.raises(ShapeError, match=r"^0\.weight: .*shape \(12, 32\).*\(12, 16\)"):
         narrow.load_state_dict({"0._extra_state": state["0._extra_state"]})
+    foreign = {**state["0._extra_state"], "qvalues": state["0._extra_state"]["qvalues"].numpy()}
+    for bad, named in ((None, "got NoneType"), (foreign, "'qvalues': 'ndarray'"),
+                       ({"weight": torch.zeros(12, 32)}, "got {'weight': 'Tensor'}")):
+        with pytest.raises(qd.SerializationError, match=f"dict of tensors 'qvalues' and 'qscales'.*{named}"):
+            fresh.load_state_dict({**state, "0._extra_state": bad})
 
 
 @pytest.mark.parametrize("device", DEVICES)
