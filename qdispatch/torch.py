@@ -550,7 +550,7 @@ def save_model(model, path):
         if leaf == "_extra_state" and prefix in qlinears:
             tensors[_joined(prefix, "weight")] = qlinears[prefix].weight
         elif isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
+            value = value.detach().cpu().resolve_neg()  # numpy can't view torch's negative views
             tensors[key] = from_torch(value) if value.dtype == torch.bfloat16 else value.numpy()
         else:
             raise TypeError(f"save_model can't save {key!r}, a {type(value).__name__}: only tensors and "

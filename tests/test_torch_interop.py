@@ -454,6 +454,7 @@ def test_save_model_and_load_model_through_safetensors(tmp_path, dtype):
     scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32", scale_dtype="f16")
     source = quantize_linears(_model().to(dtype), scheme)
     source.register_buffer("steps", torch.arange(5))
+    source.register_buffer("imag", torch.complex(torch.zeros(3), torch.ones(3)).conj().imag)  # a negative view
     path = tmp_path / "model.safetensors"
     save_model(source, path)
     with safetensors.safe_open(path, "np") as f:  # any safetensors reader sees the parts
@@ -461,13 +462,16 @@ def test_save_model_and_load_model_through_safetensors(tmp_path, dtype):
     with torch.device("meta"):
         model = _model().to(dtype)
         model.register_buffer("steps", torch.empty(5, dtype=torch.long))
+        model.register_buffer("imag", torch.empty(3))
     assert load_model(quantize_linears(model, scheme), path) is model
     x = torch.randn(3, 32, dtype=dtype)
     with torch.no_grad():
         torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
     assert torch.equal(model.steps, source.steps) and model[2].weight.dtype == dtype
+    assert model.imag.tolist() == [-1.0] * 3
     loaded_in_place = quantize_linears(_model().to(dtype), scheme)  # a model with values: copied into
     loaded_in_place.register_buffer("steps", torch.zeros(5, dtype=torch.long))
+    loaded_in_place.register_buffer("imag", torch.zeros(3))
     load_model(loaded_in_place, path)
     with torch.no_grad():
         torch.testing.assert_close(loaded_in_place(x), source(x), rtol=0, atol=0)
