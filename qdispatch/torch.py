@@ -137,6 +137,9 @@ def to_torch(t):
         raise TypeError(f"to_torch expects a qdispatch Tensor, got {type(t).__name__}{hint}")
     if not t.device.is_host:
         return _to_torch_cuda(t, _current_raw_stream(t.index))
+    if min(t.payload.strides, default=0) < 0:  # torch's DLPack import aborts the process on one
+        raise ValueError(f"to_torch can't share a Tensor with negative strides {t.payload.strides}: torch "
+                         f"tensors have none. Copy it first: to_torch(qdispatch.tensor(t.numpy().copy()))")
     if t.dtype == "bfloat16":
         # numpy has no bfloat16: the host payload holds its 16-bit patterns
         return torch.from_numpy(t.payload).view(torch.bfloat16)

@@ -1,5 +1,6 @@
 """qdispatch.torch: q_matmul as an autograd.Function, QLinear, DLPack crossings."""
 import copy
+import re
 import weakref
 
 import numpy as np
@@ -146,6 +147,18 @@ def test_crossings_refuse_what_is_not_their_kind_of_tensor():
         to_torch(np.ones(3, np.float32))
     with pytest.raises(TypeError, match=r"got QTensor: dequantize it first"):
         to_torch(weight((8, 4), SCHEMES[0], "reference"))
+
+
+@pytest.mark.parametrize("writeable", [True, False])
+def test_to_torch_refuses_negative_strides(writeable):
+    """torch tensors have no negative strides; torch's DLPack import of one aborts the
+    process, so this runs in a child."""
+    code = ("import numpy as np, qdispatch as qd\nfrom qdispatch.torch import to_torch\n"
+            f"a = np.arange(6, dtype=np.float32)[::-1]\na.flags.writeable = {writeable}\n"
+            "try:\n    to_torch(qd.tensor(a))\nexcept ValueError as exc:\n    print(exc)\n")
+    child = run_python("-c", code)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert re.search(r"negative strides \(-4,\).*t\.numpy\(\)\.copy\(\)", child.stdout), child.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
