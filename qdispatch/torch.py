@@ -488,17 +488,16 @@ def quantize_linears(model, scheme, skip=(), device=None):
     `model` itself is an nn.Linear).
 
     `skip` keeps layers in float: names as `model.named_modules()` gives them
-    (e.g. ["lm_head"]), or a function `(name, linear) -> bool`.  A layer reached
-    under several names (shared) is quantized once and stays shared.  Weights are
-    quantized where they live (host weights on the default backend) unless
-    `device` names another.  Every layer is quantized before any is replaced, so
-    an error (naming the layer) leaves the model as it was.  The Linears that
-    torch's fused layers read as tensors stay in float: MultiheadAttention's
-    out_proj and TransformerEncoderLayer's linear1/linear2."""
+    (e.g. ["lm_head"]; None for none), or a function `(name, linear) -> bool`.
+    A layer reached under several names (shared) is quantized once and stays
+    shared.  Weights are quantized where they live (host weights on the default
+    backend) unless `device` names another.  Every layer is quantized before any
+    is replaced, so an error (naming the layer) leaves the model as it was.  The
+    Linears that torch's fused layers read as tensors stay in float:
+    MultiheadAttention's out_proj and TransformerEncoderLayer's linear1/linear2."""
     scheme = as_scheme(scheme)  # a bad scheme is no layer's fault
-    if isinstance(skip, str):
-        skip = (skip,)
-    keep = skip if callable(skip) else (lambda name, _, names=frozenset(skip): name in names)
+    names = None if callable(skip) else _skip_names(skip)
+    keep = skip if names is None else (lambda name, _: name in names)
     if isinstance(model, torch.nn.Linear):
         return model if keep("", model) else _quantized_linear("", model, scheme, device)
     places, quantized = [], {}  # (parent, attribute, linear); id(linear) -> its QLinear
@@ -512,13 +511,24 @@ def quantize_linears(model, scheme, skip=(), device=None):
                 places.append((parent, child_name, child))
                 if id(child) not in quantized:
                     quantized[id(child)] = _quantized_linear(name, child, scheme, device)
-    unknown = [] if callable(skip) else sorted(set(skip) - linear_names)
+    unknown = [] if names is None else sorted(names - linear_names, key=str)
     if unknown:  # a misspelt name would quantize the layer it meant to keep
         raise ValueError(f"skip names {unknown} that are not nn.Linear layers of the model; its Linears "
                          f"are {sorted(linear_names)}")
     for parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
     return model
+
+
+def _skip_names(skip):
+    """quantize_linears' `skip` names as a set (read once: it may be a generator)."""
+    if skip is None or isinstance(skip, str):
+        return frozenset(() if skip is None else (skip,))
+    try:
+        return frozenset(skip)
+    except TypeError:
+        raise TypeError(f"skip takes layer names or a function (name, linear) -> bool, got "
+                        f"{type(skip).__name__}") from None
 
 
 def _replaceable(parent, module):

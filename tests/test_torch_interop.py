@@ -388,6 +388,11 @@ def test_quantize_linears_skips_layers_by_name_or_predicate():
     with pytest.raises(ValueError, match=r"skip names \['0.dwn'\] that are not nn.Linear.*'0.down'"):
         quantize_linears(model, scheme, skip=["0.dwn"])  # misspelt: refused, nothing changed
     assert not any(isinstance(m, QLinear) for m in model.modules())
+    with pytest.raises(ValueError, match=r"skip names \[0, '0.dwn'\] that are not"):
+        quantize_linears(_model(), scheme, skip=(name for name in ["0.dwn", 0, "3"]))  # a generator
+    with pytest.raises(TypeError, match=r"skip takes layer names or a function .* got int"):
+        quantize_linears(_model(), scheme, skip=3)
+    assert isinstance(quantize_linears(_model(), scheme, skip=None)[3], QLinear)  # None: no layer kept
     model = quantize_linears(_model(), scheme, skip=lambda name, linear: linear.out_features == 64)
     assert type(model[0].up) is torch.nn.Linear and isinstance(model[0].down, QLinear)
     linear = torch.nn.Linear(32, 8)
