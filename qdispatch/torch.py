@@ -556,7 +556,7 @@ def save_model(model, path):
     format (`qdispatch.save`): each QLinear's weight as its stored values and scales
     (`<layer>.weight`), every other parameter and buffer as it is.  Nothing is
     pickled; `load_model` reads it back bit for bit."""
-    qlinears = _qlinears(model)
+    qlinears = _qlinears(_module(model, "save_model", "qdispatch.save(path, tensors)"))
     tensors = {}
     for key, value in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
@@ -580,7 +580,7 @@ def load_model(model, path):
     bytes are corrupted raises SerializationError with the layers before it loaded,
     as torch's load_state_dict leaves a model on an error); a model on the meta
     device takes the loaded tensors as they are (`load_state_dict(assign=True)`)."""
-    qlinears = _qlinears(model)
+    qlinears = _qlinears(_module(model, "load_model", "qdispatch.load(path)"))
     state = {}
     with read_stored(path) as stored:
         for key, record in stored.records.items():
@@ -608,6 +608,14 @@ class _WeightInFile:
 
     def read(self, device):
         return self.stored.decode(self.name, device)
+
+
+def _module(model, op, instead):
+    """model, when it is a torch module (a dict of tensors goes through `instead`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{op} takes a torch.nn.Module, got {type(model).__name__}: for a dict of tensors "
+                        f"use {instead}")
+    return model
 
 
 def _qlinears(model):

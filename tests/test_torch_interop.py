@@ -721,6 +721,14 @@ def test_load_model_names_a_corrupted_weight(tmp_path):
         load_model(quantize_linears(_model(), scheme), path)
 
 
+def test_save_model_and_load_model_take_a_module(tmp_path):
+    state = quantize_linears(_model(), SCHEMES[0]).state_dict()
+    with pytest.raises(TypeError, match=r"save_model takes a torch.nn.Module, got OrderedDict: .*qdispatch.save"):
+        save_model(state, tmp_path / "model.safetensors")
+    with pytest.raises(TypeError, match=r"load_model takes a torch.nn.Module, got dict: .*qdispatch.load"):
+        load_model({}, tmp_path / "model.safetensors")
+
+
 def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):
     path = tmp_path / "model.safetensors"
     save_model(quantize_linears(_model(), QuantScheme("q8s", axis=0)), path)
