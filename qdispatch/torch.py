@@ -502,7 +502,7 @@ def quantize_linears(model, scheme, skip=(), device=None):
         return model if keep("", model) else _quantized_linear("", model, scheme, device)
     places, quantized = [], {}  # (parent, attribute, linear); id(linear) -> its QLinear
     linear_names = set()
-    for parent_name, parent in model.named_modules():
+    for parent_name, parent in _module(model, "quantize_linears").named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
             name = _joined(parent_name, child_name)
             if isinstance(child, torch.nn.Linear):
@@ -610,11 +610,11 @@ class _WeightInFile:
         return self.stored.decode(self.name, device)
 
 
-def _module(model, op, instead):
+def _module(model, op, instead=None):
     """model, when it is a torch module (a dict of tensors goes through `instead`)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{op} takes a torch.nn.Module, got {type(model).__name__}: for a dict of tensors "
-                        f"use {instead}")
+        hint = f": for a dict of tensors use {instead}" if instead else ""
+        raise TypeError(f"{op} takes a torch.nn.Module, got {type(model).__name__}{hint}")
     return model
 
 

@@ -393,6 +393,8 @@ def test_quantize_linears_skips_layers_by_name_or_predicate():
     with pytest.raises(TypeError, match=r"skip takes layer names or a function .* got int"):
         quantize_linears(_model(), scheme, skip=3)
     assert isinstance(quantize_linears(_model(), scheme, skip=None)[3], QLinear)  # None: no layer kept
+    with pytest.raises(TypeError, match="quantize_linears takes a torch.nn.Module, got list"):
+        quantize_linears([torch.nn.Linear(8, 4)], scheme)
     model = quantize_linears(_model(), scheme, skip=lambda name, linear: linear.out_features == 64)
     assert type(model[0].up) is torch.nn.Linear and isinstance(model[0].down, QLinear)
     linear = torch.nn.Linear(32, 8)
