@@ -231,6 +231,14 @@ def test_0d_bfloat16_tensor_stays_0d(device):
     assert qd.tensor(np.float32(2.0), device=device).shape == ()
 
 
+def test_0d_bfloat16_tensor_reads_back_as_an_array(device):
+    """Its float32 values are a 0-d array, not a numpy scalar: np.asarray refused a
+    scalar from __array__, and a float32 Tensor converted from it held one."""
+    t = qd.tensor(np.float32(1.5), device=device, dtype="bfloat16")
+    for got in (t.numpy(), np.asarray(t), np.asarray(qd.tensor(t, dtype="float32"))):
+        assert type(got) is np.ndarray and got.shape == () and got.dtype == np.float32 and got == 1.5
+
+
 def test_qtensor_parts_of_no_values_are_a_shape_error(device):
     """quantize refuses such data; building the QTensor from parts does too (an empty
     dim used to divide by zero, a 0-d QTensor to come back from a pickle 1-d)."""
