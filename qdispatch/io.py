@@ -45,6 +45,7 @@ FORMAT_VERSION = 1
 _VERSION_KEY = "qdispatch.format_version"
 _TENSORS_KEY = "qdispatch.tensors"
 _SUFFIXES = (".qvalues", ".qscales")
+_METADATA = "__metadata__"  # the header's own key: no entry may take it
 
 # safetensors dtype code -> numpy dtype of the raw bytes (BF16 stays as its bits)
 _NUMPY_OF = {
@@ -191,6 +192,10 @@ def save(path, tensors):
     for name, obj in tensors.items():
         record, entries, fetch = _plan(name, obj)
         for key, _, _ in entries:
+            if key == _METADATA:
+                raise SerializationError(
+                    f"Can't save tensor {name!r}: safetensors reserves the name {_METADATA!r} for "
+                    f"the header's metadata; rename it")
             if key in keys or (key != name and key in tensors):
                 raise SerializationError(
                     f"Can't save tensor {name!r}: its entry {key!r} collides with another name; rename one")
@@ -223,7 +228,7 @@ def save(path, tensors):
 
 def _header_json(header, records):
     metadata = {_VERSION_KEY: str(FORMAT_VERSION), _TENSORS_KEY: json.dumps(records)}
-    return json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
+    return json.dumps({**header, _METADATA: metadata}, separators=(",", ":")).encode()
 
 
 # ---- decoding ----------------------------------------------------------------------
@@ -249,7 +254,7 @@ def _read_header(path, f):
 
 def _metadata(path, header):
     """The records of a file's tensors, each checked to have the fields its kind needs."""
-    meta = header.get("__metadata__") or {}
+    meta = header.get(_METADATA) or {}
     if not isinstance(meta, dict):
         raise SerializationError(
             f"{path} has a corrupted safetensors header: its __metadata__ is {_brief(meta)}, not a JSON object")

@@ -223,6 +223,18 @@ def test_save_rejects_bad_input(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_save_refuses_the_name_of_the_headers_metadata(tmp_path):
+    """safetensors keeps its metadata under "__metadata__": an entry of that name
+    was written over by it, and the file could not be loaded."""
+    for obj in (np.zeros(3), qd.tensor(data((2, 3)), device="reference")):
+        with pytest.raises(SerializationError, match="'__metadata__'.*reserves.*rename it"):
+            qd.save(tmp_path / "x.st", {"w": qd.quantize(data(), "q8s", device="reference"), "__metadata__": obj})
+    assert not os.listdir(tmp_path)
+    q = qd.quantize(data(), "q8s", device="reference")  # its entries are __metadata__.qvalues and .qscales
+    qd.save(tmp_path / "x.st", {"__metadata__": q})
+    assert_same_qtensor(qd.load(tmp_path / "x.st", device="reference")["__metadata__"], q)
+
+
 @pytest.mark.parametrize("entry", [{"shape": [10**12]}, {"shape": [-2]}, {"shape": "2"},
                                    {"data_offsets": ["0", 8]}, {"data_offsets": [8, 0]}, {"data_offsets": [0]}],
                          ids=["huge shape", "negative shape", "shape not a list", "offset not a number",
