@@ -133,6 +133,10 @@ def _load_tensor(path, t, device):
         raise SerializationError(
             f"Tensor {t.name!r} in {path} is {kind}, which qdispatch does not read: supported "
             f"types are Q8_0, Q4_0, F32, F16 and BF16 (requantize the model to one of them)")
+    if 0 in shape:  # a GGUF tensor may be empty, a QTensor can't
+        raise SerializationError(
+            f"Tensor {t.name!r} in {path} is a {kind} tensor of shape {shape}, with no values: qdispatch's "
+            f"QTensors hold at least one value; remove it from the file or store it as F32")
     scheme, block_bytes, decode, _ = _QUANT_TYPES[kind]
     scales, payload = _split_blocks(t.data, block_bytes)
     if not np.all(np.isfinite(scales)):

@@ -102,6 +102,15 @@ def test_unsupported_type_names_the_tensor(tmp_path):
         qgguf.load(tmp_path / "m.gguf")
 
 
+def test_empty_quantized_tensor_names_the_tensor(tmp_path):
+    """A Q8_0 or Q4_0 tensor with no values loads as no QTensor, and the error says which."""
+    for kind in (T.Q8_0, T.Q4_0):
+        write_gguf(tmp_path / "m.gguf", {"w.empty": (gguf.quants.quantize(np.zeros((0, 32), np.float32), kind), kind)})
+        with pytest.raises(SerializationError, match=f"'w.empty' in .*m.gguf is a {kind.name} tensor of shape "
+                                                     r"\(0, 32\), with no values"):
+            qgguf.load(tmp_path / "m.gguf")
+
+
 def test_truncated_file(tmp_path):
     quantized_file(tmp_path / "m.gguf", [T.Q8_0], (4, 64))
     t = gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors[0]
