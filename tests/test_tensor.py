@@ -60,6 +60,20 @@ def test_device_parsing_and_repr(rng):
     assert q.backend == "reference" and q.device.kind == qd.BackendKind.REFERENCE
 
 
+@pytest.mark.parametrize("spec,error,match", [
+    ("cpu:99999999999999999999", ValueError, "Bad device index in 'cpu:99999999999999999999'"),
+    (2**40, ValueError, "Unknown backend kind 1099511627776"),
+    (-1, ValueError, "Unknown backend kind -1"),
+    (True, TypeError, "Expected a device like 'cpu' or 'cuda:0', got True"),
+])
+def test_device_specs_out_of_range_say_what_is_wrong(spec, error, match):
+    """Past C's int they overflowed (a bare OverflowError); True named the cpu backend."""
+    t = qd.tensor(np.ones(3, np.float32), device="reference")
+    for call in (lambda: qd.Device.parse(spec), lambda: t.to(spec), lambda: qd.quantize(t, "q8s").to(spec)):
+        with pytest.raises(error, match=re.escape(match)):
+            call()
+
+
 def test_nbytes_counts_values_and_scales_in_their_dtype(rng):
     x = rng.standard_normal((64, 128)).astype(np.float32)
     assert qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="reference").nbytes == 64 * 128 + 64 * 4
