@@ -1,4 +1,5 @@
 """Creating tensors, moving them between devices, and reading them back."""
+import math
 import sys
 
 import numpy as np
@@ -7,7 +8,7 @@ from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, get_backend
 from .errors import BackendUnavailableError, NonFiniteError, QuantSchemeError, ShapeError, WrongBackendError
 from .layout import QLayout, swap_last2
-from .scheme import as_scheme
+from .scheme import _whole_number, as_scheme
 
 # dtype name -> numpy dtype of the host payload (bfloat16 travels as its bits)
 DTYPES = {
@@ -427,13 +428,27 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     range check."""
     values = np.array(values)
     if shape is not None:
-        shape = tuple(int(d) for d in shape)
-        count = int(np.prod(shape, dtype=np.int64))
+        shape = _shape_arg(shape)
+        count = math.prod(shape)
         if values.size != count:
             raise ShapeError(f"shape {shape} holds {count} elements but the values hold {values.size}: "
                              f"pass as many values as the shape holds, or leave shape out")
         values = values.reshape(shape)
     return _qtensor_keeping(values, np.array(scales, dtype=np.float32), scheme, device)
+
+
+def _shape_arg(shape):
+    """shape= as a tuple of sizes, refusing what int() would bend (2.5, "2", True)
+    and negative sizes (numpy's reshape would read -1 as "the rest")."""
+    try:
+        dims = tuple(_whole_number(d) for d in shape)
+    except TypeError:  # not iterable
+        dims = (None,)
+    if None in dims:
+        raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
+    if any(d < 0 for d in dims):
+        raise ShapeError(f"shape {dims} has a negative size: sizes are counts of values, 0 or more")
+    return dims
 
 
 def _qtensor_keeping(values, scales, scheme, device):

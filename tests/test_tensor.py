@@ -130,6 +130,22 @@ def test_qtensor_from_parts_takes_flat_values_with_their_shape(device):
         qd.qtensor_from_parts(wq.values.ravel(), wq.scales, scheme, device=device, shape=(4, 32))
 
 
+@pytest.mark.parametrize("shape,error,match", [
+    ((2.5, 2), TypeError, "shape must be a tuple of ints, got (2.5, 2)"),  # was taken as (2, 2)
+    (("2", "2"), TypeError, "shape must be a tuple of ints, got ('2', '2')"),  # was taken as (2, 2)
+    ((True, 4), TypeError, "shape must be a tuple of ints, got (True, 4)"),  # was taken as (1, 4)
+    (4, TypeError, "shape must be a tuple of ints, got 4"),  # was "'int' object is not iterable"
+    ((-1, -4), qd.ShapeError, "shape (-1, -4) has a negative size"),  # was numpy's reshape error
+    ((2**70,), qd.ShapeError, "shape (1180591620717411303424,) holds 1180591620717411303424 elements "
+                              "but the values hold 4"),  # was an OverflowError
+])
+def test_qtensor_from_parts_refuses_a_shape_that_is_no_shape(device, shape, error, match):
+    with pytest.raises(error, match=re.escape(match)):
+        qd.qtensor_from_parts(np.ones(4, np.int8), np.float32(1), "q8s", device=device, shape=shape)
+    q = qd.qtensor_from_parts(np.ones(4, np.int8), np.float32(1), "q8s", device=device, shape=np.array([2, 2]))
+    assert q.shape == (2, 2) and all(type(d) is int for d in q.shape)
+
+
 def test_qtensor_from_parts_checks_the_range():
     values = np.full((2, 8), 7, np.int8)
     values[1, 3] = 8
