@@ -244,7 +244,11 @@ def import_dlpack(obj, device=None):
     """from_dlpack by the protocol alone."""
     kind, _ = obj.__dlpack_device__()
     if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
-        arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
+        try:
+            arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
+        except BufferError as exc:  # what the producer can't export (numpy: a big-endian array)
+            raise TypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
+                            f"copy it in with qdispatch.tensor(...) instead") from None
         return host_view(arr, device, "bfloat16" if _is_bf16(obj) else None)
     backend = get_backend("cuda")
     reason = backend.unavailable_reason(0)

@@ -47,6 +47,15 @@ def test_from_dlpack_of_data_without_dlpack_says_what_it_takes():
             qd.from_dlpack(data)
 
 
+def test_from_dlpack_of_data_dlpack_cannot_carry_says_what_to_do():
+    """numpy exports no big-endian array: that was a bare BufferError."""
+    a = np.arange(3, dtype=">f4")
+    with pytest.raises(TypeError, match=r"from_dlpack can't view this ndarray without a copy \(.*byte order.*\): "
+                                        r"copy it in with qdispatch.tensor"):
+        qd.from_dlpack(a)
+    np.testing.assert_array_equal(qd.tensor(a).numpy(), a)
+
+
 def test_device_parsing_and_repr(rng):
     assert qd.Device.parse("cuda:1").index == 1 and str(qd.Device.parse("cuda")) == "cuda:0"
     assert qd.Device.parse("cpu") == "cpu" and repr(qd.Device.parse("cpu")) == "Device('cpu')"
