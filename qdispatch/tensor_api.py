@@ -179,10 +179,13 @@ _BASIC_INDEXING = ("a Tensor takes integers on its leading axes, then at most on
 def _leading_index(shape, key):
     """(integers, (start, stop) or None) for a key that keeps t's trailing axes whole."""
     key = key if isinstance(key, tuple) else (key,)
+    ellipses = sum(k is Ellipsis for k in key)
+    if ellipses > 1:
+        raise IndexError("An index can only have a single ellipsis ('...'), as in numpy")
+    if len(key) - ellipses > len(shape):  # counted before whole axes are dropped, as numpy counts
+        raise IndexError(f"Too many indices ({len(key) - ellipses}) for a Tensor of shape {shape}")
     while key and (key[-1] is Ellipsis or (isinstance(key[-1], slice) and key[-1] == slice(None))):
         key = key[:-1]  # whole trailing axes add nothing
-    if len(key) > len(shape):
-        raise IndexError(f"Too many indices ({len(key)}) for a Tensor of shape {shape}")
     ints, rows = [], None
     for axis, k in enumerate(key):
         if isinstance(k, slice):

@@ -347,6 +347,9 @@ def test_rows_of_a_tensor_feed_a_product(device, rng):
     ([0, 2], "not supported"), (np.array([True, False, True]), "not supported"), (None, "not supported"),
     (5, "out of range for axis 0 of size 3"), (-4, "out of range"), ((0, 1), "one element.*numpy"),
     ((0, 0, 0), "Too many indices"),
+    # whole axes past the last one, and a second ellipsis, were taken as if absent (numpy refuses them)
+    ((0, slice(None), slice(None)), r"Too many indices \(3\)"), ((Ellipsis, Ellipsis), "single ellipsis"),
+    ((Ellipsis, slice(None), slice(None), slice(None)), r"Too many indices \(3\)"),
 ])
 def test_indexing_beyond_views_says_what_works(device, key, match):
     t = qd.tensor(np.zeros((3, 4), np.float32), device=device)
