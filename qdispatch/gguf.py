@@ -30,7 +30,7 @@ gives.  The mapping, for a tensor of numpy shape [..., K] (GGUF's ne0 is K):
 
 `export` writes QTensors whose scheme fits a GGUF type (Q8_0: q8s or q8f,
 block 32 along the last dim, f16 scales; Q4_0: q4s or q4f likewise) and float
-Tensors or arrays (F32, F16, BF16), atomically.  Anything else raises
+Tensors or arrays (F32, F16, BF16), of 1 to 4 dims, atomically.  Anything else raises
 `SerializationError` naming the tensor: requantize or dequantize it first.
 Only tensors cross; GGUF key-value metadata other than the architecture is not
 read or written.
@@ -51,6 +51,7 @@ BLOCK = 32
 Q8_0_SCHEME = QuantScheme("q8f", block=BLOCK, scale_dtype="f16")
 Q4_0_SCHEME = QuantScheme("q4f", block=BLOCK, store="packed_u32", scale_dtype="f16")
 _SCALE_BYTES = 2
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS: its loader refuses a whole file with a tensor of more
 
 
 def _gguf():
@@ -160,6 +161,10 @@ def _plan(name, obj):
     """(byte-or-value shape, numpy dtype, ggml type name, fetch) for one object:
     what the gguf writer is told before any bytes are fetched (every check is
     here), and fetch() -> the array it writes."""
+    if isinstance(obj, (QTensor, Tensor, np.ndarray)) and len(obj.shape) > _MAX_DIMS:
+        raise SerializationError(
+            f"Can't export tensor {name!r} of shape {tuple(obj.shape)}: GGUF tensors have at most {_MAX_DIMS} "
+            f"dims (ggml refuses a file holding one with more); reshape it first")
     if isinstance(obj, QTensor):
         kind = _quant_type(obj)
         if kind is None:

@@ -171,6 +171,18 @@ def test_export_rejects_schemes_without_a_gguf_type(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_export_refuses_more_dims_than_ggml_reads(tmp_path):
+    """ggml's loader refuses a whole file holding a tensor of more than 4 dims."""
+    x = np.ones((2, 1, 2, 1, 64), np.float32)
+    for obj in (x, qd.tensor(x, device="reference"), qd.quantize(x, FITTING["Q8_0"][0], device="reference")):
+        with pytest.raises(SerializationError, match=r"export tensor 'w' of shape \(2, 1, 2, 1, 64\): GGUF "
+                                                     r"tensors have at most 4 dims.*reshape it first"):
+            qgguf.export(tmp_path / "o.gguf", {"ok": x[0], "w": obj})
+    assert os.listdir(tmp_path) == []
+    qgguf.export(tmp_path / "o.gguf", {"w": qd.quantize(x[0], FITTING["Q4_0"][0], device="reference")})
+    assert qgguf.load(tmp_path / "o.gguf", device="reference")["w"].shape == (1, 2, 1, 64)
+
+
 @pytest.mark.parametrize("scale", [0.1, 1e5], ids=["between f16 values", "past f16's range"])
 def test_export_refuses_scales_that_are_no_f16_values(tmp_path, scale):
     """A QTensor built from parts may hold such scales: GGUF's f16 would round them
