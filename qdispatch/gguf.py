@@ -52,6 +52,7 @@ Q8_0_SCHEME = QuantScheme("q8f", block=BLOCK, scale_dtype="f16")
 Q4_0_SCHEME = QuantScheme("q4f", block=BLOCK, store="packed_u32", scale_dtype="f16")
 _SCALE_BYTES = 2
 _MAX_DIMS = 4  # ggml's GGML_MAX_DIMS: its loader refuses a whole file with a tensor of more
+_MAX_NAME = 63  # UTF-8 bytes: ggml's GGML_MAX_NAME (64) holds a name and its NUL, or refuses the file
 
 
 def _gguf():
@@ -157,10 +158,24 @@ def _quant_type(q):
     return {8: "Q8_0", 4: "Q4_0"}.get(scheme.bits)
 
 
+def _name_size(name):
+    """A name's size in UTF-8 bytes, or None where ggml can't read it back (a lone
+    surrogate is no UTF-8; a NUL would end the name early)."""
+    try:
+        return None if "\0" in name else len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
+
+
 def _plan(name, obj):
     """(byte-or-value shape, numpy dtype, ggml type name, fetch) for one object:
     what the gguf writer is told before any bytes are fetched (every check is
     here), and fetch() -> the array it writes."""
+    size = _name_size(name)
+    if size is None or size > _MAX_NAME:
+        raise SerializationError(
+            f"Can't export tensor {name!r}: ggml reads names of UTF-8 text without NULs, at most {_MAX_NAME} "
+            f"bytes long, and refuses a file holding another; rename it")
     if isinstance(obj, (QTensor, Tensor, np.ndarray)) and len(obj.shape) > _MAX_DIMS:
         raise SerializationError(
             f"Can't export tensor {name!r} of shape {tuple(obj.shape)}: GGUF tensors have at most {_MAX_DIMS} "

@@ -171,6 +171,18 @@ def test_export_rejects_schemes_without_a_gguf_type(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("name", ["w" * 64, "é" * 32, "a\0b", "\ud800"], ids=["64 bytes", "64 bytes of UTF-8", "NUL",
+                                                                            "lone surrogate"])
+def test_export_refuses_names_ggml_cannot_read(tmp_path, name):
+    """ggml refuses a file with a tensor name of 64 bytes or more; a NUL would cut the
+    name short, and a lone surrogate failed the writer with a UnicodeEncodeError."""
+    with pytest.raises(SerializationError, match="ggml reads names of UTF-8 text without NULs, at most 63 bytes"):
+        qgguf.export(tmp_path / "o.gguf", {"ok": np.ones(2, np.float32), name: np.ones(2, np.float32)})
+    assert os.listdir(tmp_path) == []
+    qgguf.export(tmp_path / "o.gguf", {"w" * 63: np.ones(2, np.float32), "é" * 31: np.ones(2, np.float32)})
+    assert set(qgguf.load(tmp_path / "o.gguf", device="reference")) == {"w" * 63, "é" * 31}
+
+
 def test_export_refuses_more_dims_than_ggml_reads(tmp_path):
     """ggml's loader refuses a whole file holding a tensor of more than 4 dims."""
     x = np.ones((2, 1, 2, 1, 64), np.float32)
