@@ -158,21 +158,11 @@ def _quant_type(q):
     return {8: "Q8_0", 4: "Q4_0"}.get(scheme.bits)
 
 
-def _name_size(name):
-    """A name's size in UTF-8 bytes, or None where ggml can't read it back (a lone
-    surrogate is no UTF-8; a NUL would end the name early)."""
-    try:
-        return None if "\0" in name else len(name.encode("utf-8"))
-    except UnicodeEncodeError:
-        return None
-
-
 def _plan(name, obj):
     """(byte-or-value shape, numpy dtype, ggml type name, fetch) for one object:
     what the gguf writer is told before any bytes are fetched (every check is
     here), and fetch() -> the array it writes."""
-    size = _name_size(name)
-    if size is None or size > _MAX_NAME:
+    if len(name.encode("utf-8")) > _MAX_NAME or "\0" in name:  # a NUL would end ggml's name early
         raise SerializationError(
             f"Can't export tensor {name!r}: ggml reads names of UTF-8 text without NULs, at most {_MAX_NAME} "
             f"bytes long, and refuses a file holding another; rename it")

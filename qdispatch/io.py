@@ -180,6 +180,11 @@ def check_tensor_dict(tensors, caller):
     for name in tensors:
         if not isinstance(name, str) or not name:
             raise TypeError(f"Tensor names must be non-empty strings, got {name!r} of type {type(name).__name__}")
+        try:
+            name.encode("utf-8")  # files hold names as UTF-8, which has no lone surrogates
+        except UnicodeEncodeError:
+            raise SerializationError(f"Can't {caller} tensor {name!r}: its name is no UTF-8 text (it holds a lone "
+                                     f"surrogate, as bytes decoded with errors='surrogateescape' do); rename it") from None
 
 
 def save(path, tensors):

@@ -223,6 +223,14 @@ def test_save_rejects_bad_input(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_save_refuses_a_name_that_is_no_utf8(tmp_path):
+    """A lone surrogate went into the header as a JSON escape that safetensors'
+    own reader refuses ("unexpected end of hex escape")."""
+    with pytest.raises(SerializationError, match=r"save tensor 'w\\udcff': its name is no UTF-8 text.*rename it"):
+        qd.save(tmp_path / "x.st", {"ok": np.zeros(2), b"w\xff".decode("utf-8", "surrogateescape"): np.zeros(2)})
+    assert not os.listdir(tmp_path)
+
+
 def test_save_refuses_the_name_of_the_headers_metadata(tmp_path):
     """safetensors keeps its metadata under "__metadata__": an entry of that name
     was written over by it, and the file could not be loaded."""
