@@ -227,6 +227,11 @@ cdef class QTensor(TensorBase):
     # numpy operators defer to ours: `x @ q` for an ndarray x is q.__rmatmul__(x)
     __array_ufunc__ = None
 
+    def __array__(self, dtype=None, copy=None):
+        # without it numpy would wrap the QTensor in a 0-d object array, silently
+        raise TypeError("A QTensor is no dense array: use q.dequantize().numpy() for its float values, "
+                        "or q.values and q.scales for what it stores")
+
     def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
         self.storage = storage
         self.layout = layout

@@ -295,6 +295,14 @@ def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
     assert len(qd.tensor(np.zeros((3, 2), np.float32), device="reference")) == 3
 
 
+def test_qtensor_is_no_array_for_numpy():
+    """np.asarray(q) was a 0-d object array holding q."""
+    q = qd.quantize(np.ones((4, 32), np.float32), "q8s", device="reference")
+    for convert in (np.asarray, np.array, lambda q: np.asarray(q, dtype=np.float32), lambda q: np.stack([q, q])):
+        with pytest.raises(TypeError, match=r"A QTensor is no dense array: use q.dequantize\(\).numpy\(\)"):
+            convert(q)
+
+
 def test_qtensor_says_it_has_no_gradient():
     q = qd.quantize(np.ones((2, 4), np.float32), "q8s", device="reference")
     assert q.requires_grad is False
