@@ -202,7 +202,7 @@ def _leading_index(shape, key):
             ints.append(int(k) % n)
         else:
             raise IndexError(f"Index {k!r} is not supported: {_BASIC_INDEXING}")
-    if len(ints) == len(shape):
+    if ints and len(ints) == len(shape):  # t[()] of a 0-d t picks no element: it is t, as in numpy
         raise IndexError(f"Index {key} picks one element, and a Tensor has at least one axis: "
                          f"read it with t.numpy()[...]")
     return ints, rows

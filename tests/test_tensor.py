@@ -270,6 +270,16 @@ def test_0d_bfloat16_tensor_stays_0d(device):
     assert qd.tensor(np.float32(2.0), device=device).shape == ()
 
 
+@pytest.mark.parametrize("key", [(), Ellipsis])
+def test_0d_tensor_indexed_by_nothing_is_itself(device, key):
+    """As numpy's a[()]: it said "a Tensor has at least one axis", of a 0-d Tensor."""
+    t = qd.tensor(np.float32(2.5), device=device)
+    view = t[key]
+    assert view.shape == () and view.device == device and np.shares_memory(np.asarray(view), np.asarray(t))
+    with pytest.raises(IndexError, match=r"Too many indices \(1\) for a Tensor of shape \(\)"):
+        t[0]
+
+
 def test_0d_bfloat16_tensor_reads_back_as_an_array(device):
     """Its float32 values are a 0-d array, not a numpy scalar: np.asarray refused a
     scalar from __array__, and a float32 Tensor converted from it held one."""
