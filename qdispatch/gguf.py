@@ -66,9 +66,11 @@ def _gguf():
 # ---- block codecs ----------------------------------------------------------------
 # A block is its f16 scale's 2 bytes followed by the packed values.
 
-def _split_blocks(data, block_bytes):
+def _split_blocks(data, block_bytes, swapped=False):
+    """swapped: the file's byte order is not the host's, so are its scales' bytes."""
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
-    scales = blocks[:, :_SCALE_BYTES].copy().view(np.float16).astype(np.float32)
+    f16 = np.dtype(np.float16).newbyteorder("S" if swapped else "=")
+    scales = blocks[:, :_SCALE_BYTES].copy().view(f16).astype(np.float32)
     return scales.reshape(-1), blocks[:, _SCALE_BYTES:]
 
 
@@ -119,17 +121,18 @@ def load(path, device=None):
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError) as exc:
         raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): {exc}") from None
-    return {t.name: _load_tensor(path, t, device) for t in reader.tensors}
+    swapped = reader.byte_order == "S"  # a big-endian file (as gguf_convert_endian writes) on a little-endian host
+    return {t.name: _load_tensor(path, t, device, swapped) for t in reader.tensors}
 
 
-def _load_tensor(path, t, device):
+def _load_tensor(path, t, device, swapped):
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if kind in _FLOAT_TYPES:
         dtype = _FLOAT_TYPES[kind]
         data = np.array(t.data)  # a copy: the reader's memory map must not outlive it
-        if dtype == "bfloat16":
-            data = data.view(np.uint16)
+        if dtype == "bfloat16":  # the reader gives its bytes, in the file's order (F32 and F16 come as numbers)
+            data = data.view(np.uint16).byteswap() if swapped else data.view(np.uint16)
         return tensor(data.reshape(shape), device=device, dtype=dtype)
     if kind not in _QUANT_TYPES:
         raise SerializationError(
@@ -140,7 +143,7 @@ def _load_tensor(path, t, device):
             f"Tensor {t.name!r} in {path} is a {kind} tensor of shape {shape}, with no values: qdispatch's "
             f"QTensors hold at least one value; remove it from the file or store it as F32")
     scheme, block_bytes, decode, _ = _QUANT_TYPES[kind]
-    scales, payload = _split_blocks(t.data, block_bytes)
+    scales, payload = _split_blocks(t.data, block_bytes, swapped)
     if not np.all(np.isfinite(scales)):
         raise SerializationError(f"Tensor {t.name!r} in {path} has NaN or Inf scales: the file is corrupted")
     grid = shape[:-1] + (shape[-1] // BLOCK,)

@@ -1,5 +1,6 @@
 """qdispatch.gguf: files built with the gguf package's writer load without
 changing a value, and QTensors whose scheme fits export back."""
+import argparse
 import os
 import warnings
 
@@ -100,6 +101,21 @@ def test_unsupported_type_names_the_tensor(tmp_path):
     quantized_file(tmp_path / "m.gguf", [T.Q4_1], (2, 32))
     with pytest.raises(SerializationError, match="'Q4_1'.*Q4_1.*Q8_0, Q4_0"):
         qgguf.load(tmp_path / "m.gguf")
+
+
+def test_big_endian_file_loads_the_same_values(tmp_path, monkeypatch):
+    """A file byte-swapped by gguf's own converter holds its Q8_0/Q4_0 scales and BF16
+    values big-endian: they were read little-endian, into wrong values, silently."""
+    convert_endian = pytest.importorskip("gguf.scripts.gguf_convert_endian")
+    expected = quantized_file(tmp_path / "m.gguf", [T.Q8_0, T.Q4_0, T.F16, T.F32, T.BF16], (2, 64))
+    expected = {name: np.array(values) for name, values in expected.items()}  # not views of the file
+    monkeypatch.setattr("builtins.input", lambda *args: "YES")  # the converter asks before it edits the file
+    convert_endian.convert_byteorder(gguf.GGUFReader(str(tmp_path / "m.gguf"), "r+"),
+                                     argparse.Namespace(order="big", dry_run=False))
+    assert gguf.GGUFReader(str(tmp_path / "m.gguf")).endianess.name == "BIG"
+    loaded = qgguf.load(tmp_path / "m.gguf", device="reference")
+    for name, values in expected.items():
+        assert_bits_equal(as_float32(loaded[name]), values)
 
 
 def test_empty_quantized_tensor_names_the_tensor(tmp_path):
