@@ -65,7 +65,7 @@ _KINDS = ("qtensor", "tensor", "array")
 def atomic_path(path):
     """Yield a temporary path next to `path`; on success sync it and rename it
     over `path`, on failure remove it.  Either way `path` is never half-written."""
-    path = os.fspath(path)
+    path = os.fsdecode(path)  # a bytes path too: tempfile's str prefix can't mix with bytes
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     os.close(fd)

@@ -113,6 +113,14 @@ def test_failed_write_leaves_old_file_intact(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["w.st"]  # no temporary file left behind
 
 
+def test_save_takes_a_bytes_path_as_open_does(tmp_path):
+    """It raised "Can't mix bytes and non-bytes in path components"."""
+    path = os.fsencode(tmp_path / "x.st")
+    qd.save(path, {"a": np.arange(3)})
+    np.testing.assert_array_equal(qd.load(path)["a"], np.arange(3))
+    assert os.listdir(tmp_path) == ["x.st"]
+
+
 def test_overwrite_replaces_file(tmp_path):
     path = tmp_path / "w.st"
     qd.save(path, {"a": np.zeros(2, dtype=np.float32)})
