@@ -342,13 +342,24 @@ def load(path, device=None, names=None):
             raise TypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
                             f"write names=[{names!r}]")
         else:
-            names = list(names)  # read twice below: a generator would be spent by the first pass
+            names = _name_list(names)  # read twice below: a generator would be spent by the first pass
             missing = [name for name in names if name not in stored.records]
             if missing:
                 held = list(stored.records)
                 some = ", ".join(map(repr, held[:8])) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
                 raise KeyError(f"{path} holds no tensor named {', '.join(map(repr, missing))}; it holds {some}")
         return {name: stored.decode(name, dev) for name in names}
+
+
+def _name_list(names):
+    """load's names= as a list of str, or a TypeError saying what it takes."""
+    try:
+        listed = list(names)
+    except TypeError:
+        listed = [None]
+    if not all(isinstance(name, str) for name in listed):
+        raise TypeError(f"load's names= takes a list of tensor names (str), got {_brief(names)}")
+    return listed
 
 
 @contextlib.contextmanager

@@ -307,6 +307,14 @@ def test_load_takes_names_from_any_iterable(tmp_path):
     np.testing.assert_array_equal(got["w"], np.ones(3, np.float32))
 
 
+@pytest.mark.parametrize("names", [5, [["w"]], ["w", 1]])
+def test_load_says_what_names_takes(tmp_path, names):
+    """A name that is no str was "unhashable type: 'list'", a number "'int' object is not iterable"."""
+    qd.save(tmp_path / "m.st", {"w": np.ones(3, np.float32)})
+    with pytest.raises(TypeError, match=r"load's names= takes a list of tensor names \(str\), got "):
+        qd.load(tmp_path / "m.st", names=names)
+
+
 def test_save_and_load_need_no_package_beyond_numpy(saved, monkeypatch):
     want = qd.load(saved, device="reference")
     monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
