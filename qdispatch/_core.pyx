@@ -85,14 +85,17 @@ cdef class Device:
         """Accept a Device, 'cpu', 'reference', 'cuda', 'cuda:N' or a BackendKind."""
         if isinstance(spec, Device):
             return spec
-        if isinstance(spec, int):
+        if isinstance(spec, int) and not isinstance(spec, bool):  # True is no backend kind
+            if not 0 <= spec < QD_BACKEND_COUNT:  # checked here: past C's int it would overflow
+                raise ValueError(
+                    f"Unknown backend kind {spec}: expected a qdispatch.BackendKind or a name like 'cpu'")
             return Device(int(spec), 0)
         if not isinstance(spec, str):
             raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got {spec!r}")
         name, _, idx = spec.strip().lower().partition(":")
         if name not in _KIND_BY_NAME:
             raise ValueError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'")
-        if idx and not idx.isdigit():
+        if idx and not (idx.isdigit() and int(idx) < 2**31):  # a C int
             raise ValueError(f"Bad device index in {spec!r}: expected e.g. 'cuda:0'")
         return Device(_KIND_BY_NAME[name], int(idx) if idx else 0)
 
@@ -223,6 +226,11 @@ cdef class QTensor(TensorBase):
 
     # numpy operators defer to ours: `x @ q` for an ndarray x is q.__rmatmul__(x)
     __array_ufunc__ = None
+
+    def __array__(self, dtype=None, copy=None):
+        # without it numpy would wrap the QTensor in a 0-d object array, silently
+        raise TypeError("A QTensor is no dense array: use q.dequantize().numpy() for its float values, "
+                        "or q.values and q.scales for what it stores")
 
     def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
         self.storage = storage

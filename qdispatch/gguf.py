@@ -30,7 +30,7 @@ gives.  The mapping, for a tensor of numpy shape [..., K] (GGUF's ne0 is K):
 
 `export` writes QTensors whose scheme fits a GGUF type (Q8_0: q8s or q8f,
 block 32 along the last dim, f16 scales; Q4_0: q4s or q4f likewise) and float
-Tensors or arrays (F32, F16, BF16), atomically.  Anything else raises
+Tensors or arrays (F32, F16, BF16), of 1 to 4 dims, atomically.  Anything else raises
 `SerializationError` naming the tensor: requantize or dequantize it first.
 Only tensors cross; GGUF key-value metadata other than the architecture is not
 read or written.
@@ -51,6 +51,8 @@ BLOCK = 32
 Q8_0_SCHEME = QuantScheme("q8f", block=BLOCK, scale_dtype="f16")
 Q4_0_SCHEME = QuantScheme("q4f", block=BLOCK, store="packed_u32", scale_dtype="f16")
 _SCALE_BYTES = 2
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS: its loader refuses a whole file with a tensor of more
+_MAX_NAME = 63  # UTF-8 bytes: ggml's GGML_MAX_NAME (64) holds a name and its NUL, or refuses the file
 
 
 def _gguf():
@@ -64,9 +66,11 @@ def _gguf():
 # ---- block codecs ----------------------------------------------------------------
 # A block is its f16 scale's 2 bytes followed by the packed values.
 
-def _split_blocks(data, block_bytes):
+def _split_blocks(data, block_bytes, swapped=False):
+    """swapped: the file's byte order is not the host's, so are its scales' bytes."""
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
-    scales = blocks[:, :_SCALE_BYTES].copy().view(np.float16).astype(np.float32)
+    f16 = np.dtype(np.float16).newbyteorder("S" if swapped else "=")
+    scales = blocks[:, :_SCALE_BYTES].copy().view(f16).astype(np.float32)
     return scales.reshape(-1), blocks[:, _SCALE_BYTES:]
 
 
@@ -117,24 +121,29 @@ def load(path, device=None):
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError) as exc:
         raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): {exc}") from None
-    return {t.name: _load_tensor(path, t, device) for t in reader.tensors}
+    swapped = reader.byte_order == "S"  # a big-endian file (as gguf_convert_endian writes) on a little-endian host
+    return {t.name: _load_tensor(path, t, device, swapped) for t in reader.tensors}
 
 
-def _load_tensor(path, t, device):
+def _load_tensor(path, t, device, swapped):
     kind = t.tensor_type.name
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if kind in _FLOAT_TYPES:
         dtype = _FLOAT_TYPES[kind]
         data = np.array(t.data)  # a copy: the reader's memory map must not outlive it
-        if dtype == "bfloat16":
-            data = data.view(np.uint16)
+        if dtype == "bfloat16":  # the reader gives its bytes, in the file's order (F32 and F16 come as numbers)
+            data = data.view(np.uint16).byteswap() if swapped else data.view(np.uint16)
         return tensor(data.reshape(shape), device=device, dtype=dtype)
     if kind not in _QUANT_TYPES:
         raise SerializationError(
             f"Tensor {t.name!r} in {path} is {kind}, which qdispatch does not read: supported "
             f"types are Q8_0, Q4_0, F32, F16 and BF16 (requantize the model to one of them)")
+    if 0 in shape:  # a GGUF tensor may be empty, a QTensor can't
+        raise SerializationError(
+            f"Tensor {t.name!r} in {path} is a {kind} tensor of shape {shape}, with no values: qdispatch's "
+            f"QTensors hold at least one value; remove it from the file or store it as F32")
     scheme, block_bytes, decode, _ = _QUANT_TYPES[kind]
-    scales, payload = _split_blocks(t.data, block_bytes)
+    scales, payload = _split_blocks(t.data, block_bytes, swapped)
     if not np.all(np.isfinite(scales)):
         raise SerializationError(f"Tensor {t.name!r} in {path} has NaN or Inf scales: the file is corrupted")
     grid = shape[:-1] + (shape[-1] // BLOCK,)
@@ -156,6 +165,14 @@ def _plan(name, obj):
     """(byte-or-value shape, numpy dtype, ggml type name, fetch) for one object:
     what the gguf writer is told before any bytes are fetched (every check is
     here), and fetch() -> the array it writes."""
+    if len(name.encode("utf-8")) > _MAX_NAME or "\0" in name:  # a NUL would end ggml's name early
+        raise SerializationError(
+            f"Can't export tensor {name!r}: ggml reads names of UTF-8 text without NULs, at most {_MAX_NAME} "
+            f"bytes long, and refuses a file holding another; rename it")
+    if isinstance(obj, (QTensor, Tensor, np.ndarray)) and len(obj.shape) > _MAX_DIMS:
+        raise SerializationError(
+            f"Can't export tensor {name!r} of shape {tuple(obj.shape)}: GGUF tensors have at most {_MAX_DIMS} "
+            f"dims (ggml refuses a file holding one with more); reshape it first")
     if isinstance(obj, QTensor):
         kind = _quant_type(obj)
         if kind is None:

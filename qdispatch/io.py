@@ -45,6 +45,7 @@ FORMAT_VERSION = 1
 _VERSION_KEY = "qdispatch.format_version"
 _TENSORS_KEY = "qdispatch.tensors"
 _SUFFIXES = (".qvalues", ".qscales")
+_METADATA = "__metadata__"  # the header's own key: no entry may take it
 
 # safetensors dtype code -> numpy dtype of the raw bytes (BF16 stays as its bits)
 _NUMPY_OF = {
@@ -64,7 +65,7 @@ _KINDS = ("qtensor", "tensor", "array")
 def atomic_path(path):
     """Yield a temporary path next to `path`; on success sync it and rename it
     over `path`, on failure remove it.  Either way `path` is never half-written."""
-    path = os.fspath(path)
+    path = os.fsdecode(path)  # a bytes path too: tempfile's str prefix can't mix with bytes
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     os.close(fd)
@@ -179,6 +180,11 @@ def check_tensor_dict(tensors, caller):
     for name in tensors:
         if not isinstance(name, str) or not name:
             raise TypeError(f"Tensor names must be non-empty strings, got {name!r} of type {type(name).__name__}")
+        try:
+            name.encode("utf-8")  # files hold names as UTF-8, which has no lone surrogates
+        except UnicodeEncodeError:
+            raise SerializationError(f"Can't {caller} tensor {name!r}: its name is no UTF-8 text (it holds a lone "
+                                     f"surrogate, as bytes decoded with errors='surrogateescape' do); rename it") from None
 
 
 def save(path, tensors):
@@ -191,6 +197,10 @@ def save(path, tensors):
     for name, obj in tensors.items():
         record, entries, fetch = _plan(name, obj)
         for key, _, _ in entries:
+            if key == _METADATA:
+                raise SerializationError(
+                    f"Can't save tensor {name!r}: safetensors reserves the name {_METADATA!r} for "
+                    f"the header's metadata; rename it")
             if key in keys or (key != name and key in tensors):
                 raise SerializationError(
                     f"Can't save tensor {name!r}: its entry {key!r} collides with another name; rename one")
@@ -223,7 +233,7 @@ def save(path, tensors):
 
 def _header_json(header, records):
     metadata = {_VERSION_KEY: str(FORMAT_VERSION), _TENSORS_KEY: json.dumps(records)}
-    return json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
+    return json.dumps({**header, _METADATA: metadata}, separators=(",", ":")).encode()
 
 
 # ---- decoding ----------------------------------------------------------------------
@@ -249,7 +259,7 @@ def _read_header(path, f):
 
 def _metadata(path, header):
     """The records of a file's tensors, each checked to have the fields its kind needs."""
-    meta = header.get("__metadata__") or {}
+    meta = header.get(_METADATA) or {}
     if not isinstance(meta, dict):
         raise SerializationError(
             f"{path} has a corrupted safetensors header: its __metadata__ is {_brief(meta)}, not a JSON object")
@@ -332,13 +342,24 @@ def load(path, device=None, names=None):
             raise TypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
                             f"write names=[{names!r}]")
         else:
-            names = list(names)  # read twice below: a generator would be spent by the first pass
+            names = _name_list(names)  # read twice below: a generator would be spent by the first pass
             missing = [name for name in names if name not in stored.records]
             if missing:
                 held = list(stored.records)
                 some = ", ".join(map(repr, held[:8])) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
                 raise KeyError(f"{path} holds no tensor named {', '.join(map(repr, missing))}; it holds {some}")
         return {name: stored.decode(name, dev) for name in names}
+
+
+def _name_list(names):
+    """load's names= as a list of str, or a TypeError saying what it takes."""
+    try:
+        listed = list(names)
+    except TypeError:
+        listed = [None]
+    if not all(isinstance(name, str) for name in listed):
+        raise TypeError(f"load's names= takes a list of tensor names (str), got {_brief(names)}")
+    return listed
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ F16_MAX = float(np.finfo(np.float16).max)
 # ---- half-precision helpers (bf16 travels as uint16 bit patterns) ----------
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    wide = np.asarray(bits, dtype=np.uint16).astype(np.uint32)
+    return np.asarray(wide << 16).view(np.float32)  # the shift makes a 0-d array a scalar
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
 """Creating tensors, moving them between devices, and reading them back."""
+import math
 import sys
 
 import numpy as np
@@ -7,7 +8,7 @@ from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, get_backend
 from .errors import BackendUnavailableError, NonFiniteError, QuantSchemeError, ShapeError, WrongBackendError
 from .layout import QLayout, swap_last2
-from .scheme import as_scheme
+from .scheme import _whole_number, as_scheme
 
 # dtype name -> numpy dtype of the host payload (bfloat16 travels as its bits)
 DTYPES = {
@@ -178,10 +179,13 @@ _BASIC_INDEXING = ("a Tensor takes integers on its leading axes, then at most on
 def _leading_index(shape, key):
     """(integers, (start, stop) or None) for a key that keeps t's trailing axes whole."""
     key = key if isinstance(key, tuple) else (key,)
+    ellipses = sum(k is Ellipsis for k in key)
+    if ellipses > 1:
+        raise IndexError("An index can only have a single ellipsis ('...'), as in numpy")
+    if len(key) - ellipses > len(shape):  # counted before whole axes are dropped, as numpy counts
+        raise IndexError(f"Too many indices ({len(key) - ellipses}) for a Tensor of shape {shape}")
     while key and (key[-1] is Ellipsis or (isinstance(key[-1], slice) and key[-1] == slice(None))):
         key = key[:-1]  # whole trailing axes add nothing
-    if len(key) > len(shape):
-        raise IndexError(f"Too many indices ({len(key)}) for a Tensor of shape {shape}")
     ints, rows = [], None
     for axis, k in enumerate(key):
         if isinstance(k, slice):
@@ -198,7 +202,7 @@ def _leading_index(shape, key):
             ints.append(int(k) % n)
         else:
             raise IndexError(f"Index {k!r} is not supported: {_BASIC_INDEXING}")
-    if len(ints) == len(shape):
+    if ints and len(ints) == len(shape):  # t[()] of a 0-d t picks no element: it is t, as in numpy
         raise IndexError(f"Index {key} picks one element, and a Tensor has at least one axis: "
                          f"read it with t.numpy()[...]")
     return ints, rows
@@ -243,7 +247,11 @@ def import_dlpack(obj, device=None):
     """from_dlpack by the protocol alone."""
     kind, _ = obj.__dlpack_device__()
     if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
-        arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
+        try:
+            arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
+        except BufferError as exc:  # what the producer can't export (numpy: a big-endian array)
+            raise TypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
+                            f"copy it in with qdispatch.tensor(...) instead") from None
         return host_view(arr, device, "bfloat16" if _is_bf16(obj) else None)
     backend = get_backend("cuda")
     reason = backend.unavailable_reason(0)
@@ -427,13 +435,27 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     range check."""
     values = np.array(values)
     if shape is not None:
-        shape = tuple(int(d) for d in shape)
-        count = int(np.prod(shape, dtype=np.int64))
+        shape = _shape_arg(shape)
+        count = math.prod(shape)
         if values.size != count:
             raise ShapeError(f"shape {shape} holds {count} elements but the values hold {values.size}: "
                              f"pass as many values as the shape holds, or leave shape out")
         values = values.reshape(shape)
     return _qtensor_keeping(values, np.array(scales, dtype=np.float32), scheme, device)
+
+
+def _shape_arg(shape):
+    """shape= as a tuple of sizes, refusing what int() would bend (2.5, "2", True)
+    and negative sizes (numpy's reshape would read -1 as "the rest")."""
+    try:
+        dims = tuple(_whole_number(d) for d in shape)
+    except TypeError:  # not iterable
+        dims = (None,)
+    if None in dims:
+        raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
+    if any(d < 0 for d in dims):
+        raise ShapeError(f"shape {dims} has a negative size: sizes are counts of values, 0 or more")
+    return dims
 
 
 def _qtensor_keeping(values, scales, scheme, device):

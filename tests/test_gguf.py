@@ -1,5 +1,6 @@
 """qdispatch.gguf: files built with the gguf package's writer load without
 changing a value, and QTensors whose scheme fits export back."""
+import argparse
 import os
 import warnings
 
@@ -102,6 +103,30 @@ def test_unsupported_type_names_the_tensor(tmp_path):
         qgguf.load(tmp_path / "m.gguf")
 
 
+def test_big_endian_file_loads_the_same_values(tmp_path, monkeypatch):
+    """A file byte-swapped by gguf's own converter holds its Q8_0/Q4_0 scales and BF16
+    values big-endian: they were read little-endian, into wrong values, silently."""
+    convert_endian = pytest.importorskip("gguf.scripts.gguf_convert_endian")
+    expected = quantized_file(tmp_path / "m.gguf", [T.Q8_0, T.Q4_0, T.F16, T.F32, T.BF16], (2, 64))
+    expected = {name: np.array(values) for name, values in expected.items()}  # not views of the file
+    monkeypatch.setattr("builtins.input", lambda *args: "YES")  # the converter asks before it edits the file
+    convert_endian.convert_byteorder(gguf.GGUFReader(str(tmp_path / "m.gguf"), "r+"),
+                                     argparse.Namespace(order="big", dry_run=False))
+    assert gguf.GGUFReader(str(tmp_path / "m.gguf")).endianess.name == "BIG"
+    loaded = qgguf.load(tmp_path / "m.gguf", device="reference")
+    for name, values in expected.items():
+        assert_bits_equal(as_float32(loaded[name]), values)
+
+
+def test_empty_quantized_tensor_names_the_tensor(tmp_path):
+    """A Q8_0 or Q4_0 tensor with no values loads as no QTensor, and the error says which."""
+    for kind in (T.Q8_0, T.Q4_0):
+        write_gguf(tmp_path / "m.gguf", {"w.empty": (gguf.quants.quantize(np.zeros((0, 32), np.float32), kind), kind)})
+        with pytest.raises(SerializationError, match=f"'w.empty' in .*m.gguf is a {kind.name} tensor of shape "
+                                                     r"\(0, 32\), with no values"):
+            qgguf.load(tmp_path / "m.gguf")
+
+
 def test_truncated_file(tmp_path):
     quantized_file(tmp_path / "m.gguf", [T.Q8_0], (4, 64))
     t = gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors[0]
@@ -162,6 +187,29 @@ def test_export_rejects_schemes_without_a_gguf_type(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("name", ["w" * 64, "é" * 32, "a\0b"], ids=["64 bytes", "64 bytes of UTF-8", "NUL"])
+def test_export_refuses_names_ggml_cannot_read(tmp_path, name):
+    """ggml refuses a file with a tensor name of 64 bytes or more; a NUL would cut the
+    name short."""
+    with pytest.raises(SerializationError, match="ggml reads names of UTF-8 text without NULs, at most 63 bytes"):
+        qgguf.export(tmp_path / "o.gguf", {"ok": np.ones(2, np.float32), name: np.ones(2, np.float32)})
+    assert os.listdir(tmp_path) == []
+    qgguf.export(tmp_path / "o.gguf", {"w" * 63: np.ones(2, np.float32), "é" * 31: np.ones(2, np.float32)})
+    assert set(qgguf.load(tmp_path / "o.gguf", device="reference")) == {"w" * 63, "é" * 31}
+
+
+def test_export_refuses_more_dims_than_ggml_reads(tmp_path):
+    """ggml's loader refuses a whole file holding a tensor of more than 4 dims."""
+    x = np.ones((2, 1, 2, 1, 64), np.float32)
+    for obj in (x, qd.tensor(x, device="reference"), qd.quantize(x, FITTING["Q8_0"][0], device="reference")):
+        with pytest.raises(SerializationError, match=r"export tensor 'w' of shape \(2, 1, 2, 1, 64\): GGUF "
+                                                     r"tensors have at most 4 dims.*reshape it first"):
+            qgguf.export(tmp_path / "o.gguf", {"ok": x[0], "w": obj})
+    assert os.listdir(tmp_path) == []
+    qgguf.export(tmp_path / "o.gguf", {"w": qd.quantize(x[0], FITTING["Q4_0"][0], device="reference")})
+    assert qgguf.load(tmp_path / "o.gguf", device="reference")["w"].shape == (1, 2, 1, 64)
+
+
 @pytest.mark.parametrize("scale", [0.1, 1e5], ids=["between f16 values", "past f16's range"])
 def test_export_refuses_scales_that_are_no_f16_values(tmp_path, scale):
     """A QTensor built from parts may hold such scales: GGUF's f16 would round them
@@ -172,6 +220,13 @@ def test_export_refuses_scales_that_are_no_f16_values(tmp_path, scale):
         warnings.simplefilter("error")
         with pytest.raises(SerializationError, match="export tensor 'w': its scales are not all f16 values"):
             qgguf.export(tmp_path / "o.gguf", {"w": q})
+    assert os.listdir(tmp_path) == []
+
+
+def test_export_refuses_a_name_that_is_no_utf8(tmp_path):
+    """A lone surrogate failed the writer with a UnicodeEncodeError."""
+    with pytest.raises(SerializationError, match=r"export tensor '\\ud800': its name is no UTF-8 text"):
+        qgguf.export(tmp_path / "o.gguf", {"ok": np.ones(2, np.float32), "\ud800": np.ones(2, np.float32)})
     assert os.listdir(tmp_path) == []
 
 

@@ -113,6 +113,14 @@ def test_failed_write_leaves_old_file_intact(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["w.st"]  # no temporary file left behind
 
 
+def test_save_takes_a_bytes_path_as_open_does(tmp_path):
+    """It raised "Can't mix bytes and non-bytes in path components"."""
+    path = os.fsencode(tmp_path / "x.st")
+    qd.save(path, {"a": np.arange(3)})
+    np.testing.assert_array_equal(qd.load(path)["a"], np.arange(3))
+    assert os.listdir(tmp_path) == ["x.st"]
+
+
 def test_overwrite_replaces_file(tmp_path):
     path = tmp_path / "w.st"
     qd.save(path, {"a": np.zeros(2, dtype=np.float32)})
@@ -223,6 +231,26 @@ def test_save_rejects_bad_input(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_save_refuses_a_name_that_is_no_utf8(tmp_path):
+    """A lone surrogate went into the header as a JSON escape that safetensors'
+    own reader refuses ("unexpected end of hex escape")."""
+    with pytest.raises(SerializationError, match=r"save tensor 'w\\udcff': its name is no UTF-8 text.*rename it"):
+        qd.save(tmp_path / "x.st", {"ok": np.zeros(2), b"w\xff".decode("utf-8", "surrogateescape"): np.zeros(2)})
+    assert not os.listdir(tmp_path)
+
+
+def test_save_refuses_the_name_of_the_headers_metadata(tmp_path):
+    """safetensors keeps its metadata under "__metadata__": an entry of that name
+    was written over by it, and the file could not be loaded."""
+    for obj in (np.zeros(3), qd.tensor(data((2, 3)), device="reference")):
+        with pytest.raises(SerializationError, match="'__metadata__'.*reserves.*rename it"):
+            qd.save(tmp_path / "x.st", {"w": qd.quantize(data(), "q8s", device="reference"), "__metadata__": obj})
+    assert not os.listdir(tmp_path)
+    q = qd.quantize(data(), "q8s", device="reference")  # its entries are __metadata__.qvalues and .qscales
+    qd.save(tmp_path / "x.st", {"__metadata__": q})
+    assert_same_qtensor(qd.load(tmp_path / "x.st", device="reference")["__metadata__"], q)
+
+
 @pytest.mark.parametrize("entry", [{"shape": [10**12]}, {"shape": [-2]}, {"shape": "2"},
                                    {"data_offsets": ["0", 8]}, {"data_offsets": [8, 0]}, {"data_offsets": [0]}],
                          ids=["huge shape", "negative shape", "shape not a list", "offset not a number",
@@ -277,6 +305,14 @@ def test_load_takes_names_from_any_iterable(tmp_path):
     got = qd.load(tmp_path / "m.st", device="reference", names=(name for name in ["w"]))
     assert list(got) == ["w"]  # a generator was spent checking the names, and nothing came back
     np.testing.assert_array_equal(got["w"], np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("names", [5, [["w"]], ["w", 1]])
+def test_load_says_what_names_takes(tmp_path, names):
+    """A name that is no str was "unhashable type: 'list'", a number "'int' object is not iterable"."""
+    qd.save(tmp_path / "m.st", {"w": np.ones(3, np.float32)})
+    with pytest.raises(TypeError, match=r"load's names= takes a list of tensor names \(str\), got "):
+        qd.load(tmp_path / "m.st", names=names)
 
 
 def test_save_and_load_need_no_package_beyond_numpy(saved, monkeypatch):

@@ -47,6 +47,15 @@ def test_from_dlpack_of_data_without_dlpack_says_what_it_takes():
             qd.from_dlpack(data)
 
 
+def test_from_dlpack_of_data_dlpack_cannot_carry_says_what_to_do():
+    """numpy exports no big-endian array: that was a bare BufferError."""
+    a = np.arange(3, dtype=">f4")
+    with pytest.raises(TypeError, match=r"from_dlpack can't view this ndarray without a copy \(.*byte order.*\): "
+                                        r"copy it in with qdispatch.tensor"):
+        qd.from_dlpack(a)
+    np.testing.assert_array_equal(qd.tensor(a).numpy(), a)
+
+
 def test_device_parsing_and_repr(rng):
     assert qd.Device.parse("cuda:1").index == 1 and str(qd.Device.parse("cuda")) == "cuda:0"
     assert qd.Device.parse("cpu") == "cpu" and repr(qd.Device.parse("cpu")) == "Device('cpu')"
@@ -58,6 +67,20 @@ def test_device_parsing_and_repr(rng):
                     device="reference")
     assert repr(q) == "QTensor(shape=(4, 64), scheme=QuantScheme('q8s', block=(32,)), device='reference', nbytes=288)"
     assert q.backend == "reference" and q.device.kind == qd.BackendKind.REFERENCE
+
+
+@pytest.mark.parametrize("spec,error,match", [
+    ("cpu:99999999999999999999", ValueError, "Bad device index in 'cpu:99999999999999999999'"),
+    (2**40, ValueError, "Unknown backend kind 1099511627776"),
+    (-1, ValueError, "Unknown backend kind -1"),
+    (True, TypeError, "Expected a device like 'cpu' or 'cuda:0', got True"),
+])
+def test_device_specs_out_of_range_say_what_is_wrong(spec, error, match):
+    """Past C's int they overflowed (a bare OverflowError); True named the cpu backend."""
+    t = qd.tensor(np.ones(3, np.float32), device="reference")
+    for call in (lambda: qd.Device.parse(spec), lambda: t.to(spec), lambda: qd.quantize(t, "q8s").to(spec)):
+        with pytest.raises(error, match=re.escape(match)):
+            call()
 
 
 def test_nbytes_counts_values_and_scales_in_their_dtype(rng):
@@ -114,6 +137,22 @@ def test_qtensor_from_parts_takes_flat_values_with_their_shape(device):
     np.testing.assert_array_equal(back.dequantize().numpy(), wq.dequantize().numpy())
     with pytest.raises(qd.ShapeError, match=r"shape \(4, 32\) holds 128 elements but the values hold 256"):
         qd.qtensor_from_parts(wq.values.ravel(), wq.scales, scheme, device=device, shape=(4, 32))
+
+
+@pytest.mark.parametrize("shape,error,match", [
+    ((2.5, 2), TypeError, "shape must be a tuple of ints, got (2.5, 2)"),  # was taken as (2, 2)
+    (("2", "2"), TypeError, "shape must be a tuple of ints, got ('2', '2')"),  # was taken as (2, 2)
+    ((True, 4), TypeError, "shape must be a tuple of ints, got (True, 4)"),  # was taken as (1, 4)
+    (4, TypeError, "shape must be a tuple of ints, got 4"),  # was "'int' object is not iterable"
+    ((-1, -4), qd.ShapeError, "shape (-1, -4) has a negative size"),  # was numpy's reshape error
+    ((2**70,), qd.ShapeError, "shape (1180591620717411303424,) holds 1180591620717411303424 elements "
+                              "but the values hold 4"),  # was an OverflowError
+])
+def test_qtensor_from_parts_refuses_a_shape_that_is_no_shape(device, shape, error, match):
+    with pytest.raises(error, match=re.escape(match)):
+        qd.qtensor_from_parts(np.ones(4, np.int8), np.float32(1), "q8s", device=device, shape=shape)
+    q = qd.qtensor_from_parts(np.ones(4, np.int8), np.float32(1), "q8s", device=device, shape=np.array([2, 2]))
+    assert q.shape == (2, 2) and all(type(d) is int for d in q.shape)
 
 
 def test_qtensor_from_parts_checks_the_range():
@@ -231,6 +270,24 @@ def test_0d_bfloat16_tensor_stays_0d(device):
     assert qd.tensor(np.float32(2.0), device=device).shape == ()
 
 
+@pytest.mark.parametrize("key", [(), Ellipsis])
+def test_0d_tensor_indexed_by_nothing_is_itself(device, key):
+    """As numpy's a[()]: it said "a Tensor has at least one axis", of a 0-d Tensor."""
+    t = qd.tensor(np.float32(2.5), device=device)
+    view = t[key]
+    assert view.shape == () and view.device == device and np.shares_memory(np.asarray(view), np.asarray(t))
+    with pytest.raises(IndexError, match=r"Too many indices \(1\) for a Tensor of shape \(\)"):
+        t[0]
+
+
+def test_0d_bfloat16_tensor_reads_back_as_an_array(device):
+    """Its float32 values are a 0-d array, not a numpy scalar: np.asarray refused a
+    scalar from __array__, and a float32 Tensor converted from it held one."""
+    t = qd.tensor(np.float32(1.5), device=device, dtype="bfloat16")
+    for got in (t.numpy(), np.asarray(t), np.asarray(qd.tensor(t, dtype="float32"))):
+        assert type(got) is np.ndarray and got.shape == () and got.dtype == np.float32 and got == 1.5
+
+
 def test_qtensor_parts_of_no_values_are_a_shape_error(device):
     """quantize refuses such data; building the QTensor from parts does too (an empty
     dim used to divide by zero, a 0-d QTensor to come back from a pickle 1-d)."""
@@ -246,6 +303,14 @@ def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
     with pytest.raises(TypeError, match=r"len\(\) of a 0-d tensor"):
         len(qd.tensor(3.0, device="reference"))
     assert len(qd.tensor(np.zeros((3, 2), np.float32), device="reference")) == 3
+
+
+def test_qtensor_is_no_array_for_numpy():
+    """np.asarray(q) was a 0-d object array holding q."""
+    q = qd.quantize(np.ones((4, 32), np.float32), "q8s", device="reference")
+    for convert in (np.asarray, np.array, lambda q: np.asarray(q, dtype=np.float32), lambda q: np.stack([q, q])):
+        with pytest.raises(TypeError, match=r"A QTensor is no dense array: use q.dequantize\(\).numpy\(\)"):
+            convert(q)
 
 
 def test_qtensor_says_it_has_no_gradient():
@@ -300,6 +365,9 @@ def test_rows_of_a_tensor_feed_a_product(device, rng):
     ([0, 2], "not supported"), (np.array([True, False, True]), "not supported"), (None, "not supported"),
     (5, "out of range for axis 0 of size 3"), (-4, "out of range"), ((0, 1), "one element.*numpy"),
     ((0, 0, 0), "Too many indices"),
+    # whole axes past the last one, and a second ellipsis, were taken as if absent (numpy refuses them)
+    ((0, slice(None), slice(None)), r"Too many indices \(3\)"), ((Ellipsis, Ellipsis), "single ellipsis"),
+    ((Ellipsis, slice(None), slice(None), slice(None)), r"Too many indices \(3\)"),
 ])
 def test_indexing_beyond_views_says_what_works(device, key, match):
     t = qd.tensor(np.zeros((3, 4), np.float32), device=device)
