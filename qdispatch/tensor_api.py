@@ -105,7 +105,10 @@ def _misfit(value, dtype, lo, hi):
 
 def tensor(data, device=None, dtype=None):
     """A Tensor on `device` (default: the default backend).  Host tensors share
-    memory with a numpy array of a supported dtype (float32/float16/int8/int32)."""
+    memory with a numpy array of a supported dtype (float32/float16/int8/int32).
+    With dtype="bfloat16", numpy has no such dtype: float data is rounded to it,
+    and uint16 data is taken as bfloat16 bit patterns (how numpy code and files
+    keep bfloat16), not as integers to convert."""
     if isinstance(data, Tensor):
         return _as_dtype(data.to(device) if device is not None else data, dtype)
     if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray):

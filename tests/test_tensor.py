@@ -401,3 +401,12 @@ def test_pickle_and_deepcopy_keep_values_device_and_scheme(device, rng, copier):
         assert twin.device == device and twin.dtype == dtype and twin.shape == t.shape
         np.testing.assert_array_equal(twin.numpy(), t.numpy())
     assert again(qd.Device.parse(device)) == device
+
+
+def test_bfloat16_from_uint16_is_bit_patterns(device):
+    """numpy has no bfloat16: uint16 data with dtype="bfloat16" holds its bit
+    patterns (as files and numpy code keep it); other integers are numbers."""
+    bits = np.array([0x3F80, 0xC040, 0x7F80], np.uint16)  # 1.0, -3.0, inf
+    np.testing.assert_array_equal(qd.tensor(bits, device=device, dtype="bfloat16").numpy(), [1.0, -3.0, np.inf])
+    np.testing.assert_array_equal(qd.tensor(np.array([1, -3], np.int16), device=device, dtype="bfloat16").numpy(),
+                                  [1.0, -3.0])
