@@ -444,7 +444,12 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
             raise ShapeError(f"shape {shape} holds {count} elements but the values hold {values.size}: "
                              f"pass as many values as the shape holds, or leave shape out")
         values = values.reshape(shape)
-    return _qtensor_keeping(values, np.array(scales, dtype=np.float32), scheme, device)
+    scales = np.asarray(scales)
+    if scales.dtype.kind not in "fiu":  # complex would lose its imaginary part, text be parsed
+        raise TypeError(f"scales must be real numbers (float32 is what is kept), got {scales.dtype}")
+    with np.errstate(over="ignore"):  # past float32's range is inf, which the grid's check names
+        scales = scales.astype(np.float32)
+    return _qtensor_keeping(values, scales, scheme, device)
 
 
 def _shape_arg(shape):

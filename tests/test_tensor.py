@@ -127,6 +127,18 @@ def test_qtensor_from_parts_refuses_scales_that_are_not_finite(bad):
         qd.qtensor_from_parts(np.ones((2, 64), np.int8), scales, qd.QuantScheme("q8s", block=32), device="reference")
 
 
+@pytest.mark.parametrize("scales", [np.array([1 + 2j, 1.0]), np.array(["0.5", "1"]), [None, 1.0]],
+                         ids=["complex", "text", "object"])
+def test_qtensor_from_parts_refuses_scales_that_are_no_real_numbers(device, scales):
+    """Complex scales lost their imaginary part (with only numpy's warning) and text
+    was parsed as numbers: both are refused, as are objects."""
+    with pytest.raises(TypeError, match="scales must be real numbers"):
+        qd.qtensor_from_parts(np.ones((2, 8), np.int8), scales, qd.QuantScheme("q8s", axis=0), device=device)
+    with np.errstate(over="raise"):  # a float64 scale past float32's range is named, not warned about
+        with pytest.raises(qd.NonFiniteError, match=r"scale at \(0, 0\) of the scale grid is inf"):
+            qd.qtensor_from_parts(np.ones((2, 8), np.int8), np.array([1e300, 1.0]), qd.QuantScheme("q8s", axis=0),
+                                  device=device)
+
 def test_qtensor_from_parts_takes_flat_values_with_their_shape(device):
     """shape= is the tensor's shape, values come flat as a loader reads them."""
     scheme = qd.QuantScheme("q8s", block=32)
