@@ -146,12 +146,12 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
     cdef qd_status st
     with nogil:
         st = qd_quantize_f32(&xv[0, 0], rows, cols, kind, br, bc, sdt, &sv[0, 0], &qv[0, 0], &bad)
-    if st == QD_ERR_NOT_FINITE or st == QD_ERR_SCALE_OVERFLOW:
-        from qdispatch import quantmath
-        if st == QD_ERR_NOT_FINITE:
-            raise quantmath.non_finite_error(x.flat[bad], tuple(int(i) for i in np.unravel_index(bad, shape or x.shape)))
-        raise quantmath.scale_overflow_error(tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)),
-                                             scale_dtype)
+    if st == QD_ERR_NOT_FINITE:
+        from qdispatch.quantmath import non_finite_error
+        raise non_finite_error(x.flat[bad], tuple(int(i) for i in np.unravel_index(bad, shape or x.shape)))
+    if st == QD_ERR_SCALE_OVERFLOW:
+        from qdispatch.quantmath import scale_overflow_error
+        raise scale_overflow_error(tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)), scale_dtype)
     _check(st, "quantize")
     return q, scales
 
