@@ -24,6 +24,9 @@ with the same quantized weight (its free transpose).  The weight is a constant
 to autograd, as in Burn: `backward` returns None for it, and `QLinear.weight` is
 a QTensor rather than a Parameter, so `parameters()` and optimizers never see
 it (it has no `.grad`).  To train a weight, keep it in float (nn.Linear).
+The backward is differentiable again (second order), forward-mode AD and
+torch.func's transforms (grad, jacrev, jacfwd, jvp, vmap) work through it, and
+under torch.autocast x is cast to autocast's dtype, as nn.Linear's is.
 
 float64 inputs (what `torch.autograd.gradcheck` uses) take a float64 path: torch
 matmuls against W dequantized in float64, whose products of values and scales
@@ -37,6 +40,7 @@ import itertools
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor, Tensor
@@ -274,23 +278,41 @@ def _move_weight(w, target):
 # ---- autograd ------------------------------------------------------------------------
 
 class QMatmul(torch.autograd.Function):
-    """`x @ w` with dX = dY @ dequantize(w).T; w (a QTensor) gets no gradient."""
+    """`x @ w` with dX = dY @ dequantize(w).T; w (a QTensor) gets no gradient.
+
+    Written for torch.func as well as autograd: the context is set apart from
+    forward, the forward-mode derivative is x's tangent @ w (the product is linear
+    in x), and a vmapped dim of x moves to the front, where batch dims go."""
 
     @staticmethod
-    def forward(ctx, x, w):
-        ctx.w = w  # a QTensor is opaque to autograd: keep it on ctx, not save_for_backward
-        ctx.x_device = x.device
+    def forward(x, w):
         return _matmul(x, w)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def setup_context(ctx, inputs, output):
+        x, w = inputs
+        ctx.w = w  # a QTensor is opaque to autograd: keep it on ctx, not save_for_backward
+        ctx.x_device = x.device
+
+    @staticmethod
     def backward(ctx, dy):
         dx = None
-        if ctx.needs_input_grad[0]:
-            dx = _matmul(dy, ctx.w.T)  # the free transpose: same quantized weight
+        if ctx.needs_input_grad[0]:  # linear in dy too, so differentiable again
+            dx = _product(dy, ctx.w.T)  # the free transpose: same quantized weight
             if dx.device != ctx.x_device:  # a transfer policy may have moved the product
                 dx = dx.to(ctx.x_device)
         return dx, None
+
+    @staticmethod
+    def jvp(ctx, dx, _dw):
+        return _product(dx, ctx.w)
+
+    @staticmethod
+    def vmap(info, in_dims, x, w):
+        x_dim = in_dims[0]
+        if x_dim is None:
+            return _product(x, w), None
+        return _product(x.movedim(x_dim, 0), w), 0
 
 
 def q_matmul(x, w):
@@ -320,9 +342,47 @@ def _q_matmul(x, w):
     if x.dim() == 0 or x.shape[-1] != w.shape[0]:
         raise ShapeError(f"q_matmul shapes {tuple(x.shape)} and {w.shape} don't fit: x needs a last "
                          f"dim of K={w.shape[0]}")
-    if x.requires_grad and torch.is_grad_enabled():
+    cast = _autocast_dtype(x)
+    if cast is not None and x.dtype != cast and x.dtype in _KERNEL_DTYPES:
+        x = x.to(cast)  # as torch.matmul under autocast: the product in its dtype
+    return _product(x, w)
+
+
+def _product(x, w):
+    """x @ w through autograd when something differentiates it, else straight to
+    the kernels (autograd's bookkeeping costs microseconds a call)."""
+    if (x.requires_grad and torch.is_grad_enabled()) or _transformed():
         return QMatmul.apply(x, w)
-    return _matmul(x, w)  # nothing to differentiate: skip autograd's bookkeeping
+    return _matmul(x, w)
+
+
+# torch.func's transforms (grad, vmap, jvp) and forward-mode AD wrap x in tensors
+# whose data only QMatmul.apply reaches, whether or not x requires grad.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _transformed():
+    return _functorch_active() or _forward_ad._current_level >= 0
+
+
+# Whether any autocast region is open: one C call, where asking for x's device
+# type alone costs twice as much.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _autocast_dtype(x):
+    """The dtype torch's autocast gives a matmul of x here, or None outside autocast."""
+    if not _any_autocast():
+        return None
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4: by device type
+        kind = x.device.type
+        if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+    elif x.is_cuda and torch.is_autocast_enabled():
+        return torch.get_autocast_gpu_dtype()
+    elif x.device.type == "cpu" and torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    return None
 
 
 # torch.compile can't trace into qdispatch's kernels (Cython, C): it runs this as it

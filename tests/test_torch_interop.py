@@ -23,6 +23,8 @@ SCHEMES = [
     QuantScheme("q4f", block=(4, 8), store="packed_u32"),
 ]
 
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
 
 def _needs_cuda():
     if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
@@ -108,6 +110,115 @@ def test_weight_gets_no_gradient():
     as_param = torch.nn.Parameter(torch.randn(8, 4))
     with pytest.raises(TypeError, match="QTensor weight.*no gradient"):
         q_matmul(x, as_param)
+
+
+# ---- autocast, torch.func, forward mode, compile ----------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_gives_the_dtype_nn_linear_gives(dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 8)
+    layer = QLinear.from_linear(linear, SCHEMES[0], device=DEVICES[-1])
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y, expected_dtype = layer(x), linear(x).dtype
+        y64 = q_matmul(x.detach().double(), layer.weight.T)  # float64 is not autocast's to change
+    assert y.dtype == expected_dtype == dtype and y64.dtype == torch.float64
+    product = qd.q_matmul(from_torch(x.detach().to(dtype)), layer.weight.T, out_dtype=DTYPE_NAMES[dtype])
+    expected = to_torch(product) + linear.bias.to(dtype)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    y.float().sum().backward()  # the gradient crosses the cast back to x's dtype
+    assert x.grad.dtype == torch.float32 and x.grad.shape == x.shape
+
+
+def _float64_linear(layer):
+    """layer's float64 twin: torch's own ops on its values times its scales, each
+    product exact in float64."""
+    values, scales = layer.weight.values.astype(np.float64), layer.weight.scales.astype(np.float64)
+    block = np.ones([v // s for v, s in zip(values.shape, scales.shape)])
+    weight = torch.from_numpy(values * np.kron(scales, block))
+    bias = layer.bias.double() if layer.bias is not None else None
+    return lambda x: torch.nn.functional.linear(x, weight, bias)
+
+
+def test_torch_func_transforms_match_the_dequantized_layer():
+    torch.manual_seed(0)
+    layer = QLinear.from_linear(torch.nn.Linear(16, 8).double(), SCHEMES[2], device=DEVICES[-1])
+    twin = _float64_linear(layer)
+    x, t = torch.randn(3, 16, dtype=torch.float64), torch.randn(3, 16, dtype=torch.float64)
+    loss = lambda f: lambda x: f(x).pow(2).sum()  # noqa: E731
+    func = torch.func
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)  # noqa: E731
+    close(func.grad(loss(layer))(x), func.grad(loss(twin))(x))
+    close(func.jacrev(layer)(x[0]), func.jacrev(twin)(x[0]))
+    close(func.jacfwd(layer)(x[0]), func.jacfwd(twin)(x[0]))
+    close(func.hessian(loss(layer))(x[0]), func.hessian(loss(twin))(x[0]))
+    close(func.jvp(layer, (x,), (t,))[1], func.jvp(twin, (x,), (t,))[1])
+    batch = torch.randn(3, 5, 16, dtype=torch.float64)
+    close(func.vmap(layer, in_dims=1)(batch), twin(batch.movedim(1, 0)))
+
+
+def test_vmap_runs_the_kernel_over_the_batch():
+    w = weight((16, 24), SCHEMES[1], DEVICES[-1])
+    batch = torch.randn(4, 2, 16)
+    y = torch.func.vmap(lambda x: q_matmul(x, w), in_dims=1, out_dims=1)(batch)
+    np.testing.assert_array_equal(y.numpy(), qd.q_matmul(batch.numpy(), w).numpy())
+    assert torch.func.vmap(lambda x, s: q_matmul(s * x, w), in_dims=(None, 0))(batch[0], torch.ones(3)).shape \
+        == (3, 2, 24)  # x itself unbatched inside: the product has no batch dim of its own
+
+
+def test_forward_mode_ad_carries_the_tangent():
+    w = weight((16, 24), SCHEMES[0], DEVICES[-1])
+    x, t = torch.randn(5, 16), torch.randn(5, 16)
+    import torch.autograd.forward_ad as fwad
+    with fwad.dual_level():
+        y = fwad.unpack_dual(q_matmul(fwad.make_dual(x, t), w))
+    np.testing.assert_array_equal(y.primal.numpy(), qd.q_matmul(x.numpy(), w).numpy())
+    np.testing.assert_array_equal(y.tangent.numpy(), qd.q_matmul(t.numpy(), w).numpy())
+    x64 = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: q_matmul(x, w), (x64,), check_forward_ad=True)
+
+
+def test_second_order_gradients():
+    w = weight((16, 8), SCHEMES[2], DEVICES[-1])
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: q_matmul(x, w), (x,))
+    x32 = torch.randn(3, 16, requires_grad=True)
+    (dx,) = torch.autograd.grad(q_matmul(x32, w).pow(2).sum(), x32, create_graph=True)
+    (ddx,) = torch.autograd.grad(dx.sum(), x32)  # dx = 2 x W W^T, so this is 2 (1 W) W^T
+    dense = dequantized(w)
+    torch.testing.assert_close(ddx, 2 * (torch.ones(3, 16) @ dense) @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_and_torch_func():
+    _needs_cuda()
+    w = weight((64, 32), SCHEMES[0], "cuda")
+    x = torch.randn(4, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = q_matmul(x, w)
+    expected = to_torch(qd.q_matmul(from_torch(x.to(torch.bfloat16)), w, out_dtype="bfloat16"))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+    batch = torch.randn(4, 3, 64, device="cuda")
+    y = torch.func.vmap(lambda x: q_matmul(x, w), in_dims=1, out_dims=1)(batch)
+    torch.testing.assert_close(y, batch @ dequantized(w).cuda(), rtol=1e-5, atol=1e-5)
+    dx = torch.func.grad(lambda x: q_matmul(x, w).sum())(x)
+    assert dx.is_cuda and torch.equal(dx, q_matmul(torch.ones(4, 32, device="cuda"), w.T))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_runs_qlinears_between_graph_breaks(backend):
+    torch.manual_seed(0)
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.GELU(),
+                                                 torch.nn.Linear(16, 8)), SCHEMES[0], device=DEVICES[-1])
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 32)
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_eager, y_compiled = model(x_eager), compiled(x_compiled)
+    np.testing.assert_array_equal(y_compiled.detach().numpy(), y_eager.detach().numpy())
+    y_eager.sum().backward()
+    y_compiled.sum().backward()
+    np.testing.assert_array_equal(x_compiled.grad.numpy(), x_eager.grad.numpy())
 
 
 def test_bad_inputs():
@@ -540,7 +651,6 @@ def test_cuda_model_built_empty_loads_float_and_quantized_checkpoints(tmp_path):
 
 # ---- CUDA graphs and torch's default stream --------------------------------------------
 
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 GRAPH_SCHEMES = {"int8 per channel": QuantScheme("q8s", axis=0),
                  "int4 block 128": QuantScheme("q4s", block=(1, 128), store="packed_u32"),
                  "int4 block 32": QuantScheme("q4f", block=(1, 32), store="packed_u32")}
