@@ -216,7 +216,7 @@ def export(path, tensors, arch="qdispatch"):
     then they are fetched and written one at a time, so the host holds one
     tensor's bytes at a time (a model on the GPU is never on the host whole)."""
     gguf = _gguf()
-    check_tensor_dict(tensors, "export")
+    tensors = check_tensor_dict(tensors, "export")
     plans = [(name, *_plan(name, obj)) for name, obj in tensors.items()]  # all checks first
     with atomic_path(path) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)

@@ -172,8 +172,9 @@ def _entry_keys(name, record):
 
 
 def check_tensor_dict(tensors, caller):
-    """Refuse anything but {name: tensor} with non-empty str names, before any work
-    (a bad name would otherwise fail deep inside a writer, in its own words)."""
+    """`tensors` with its names as plain str (numpy's np.str_ names among them), or
+    an error for anything but {name: tensor} with non-empty str names, before any
+    work (a bad name would otherwise fail deep inside a writer, in its own words)."""
     if not isinstance(tensors, Mapping):
         hint = "; for (name, tensor) pairs pass dict(pairs)" if isinstance(tensors, (list, tuple)) else ""
         raise TypeError(f"{caller} expects a dict of name -> tensor, got {type(tensors).__name__}{hint}")
@@ -185,6 +186,12 @@ def check_tensor_dict(tensors, caller):
         except UnicodeEncodeError:
             raise SerializationError(f"Can't {caller} tensor {name!r}: its name is no UTF-8 text (it holds a lone "
                                      f"surrogate, as bytes decoded with errors='surrogateescape' do); rename it") from None
+    return {_plain(name): tensor for name, tensor in tensors.items()}
+
+
+def _plain(name):
+    """A str subclass's text as str: messages and files show 'w', not np.str_('w')."""
+    return str.__str__(name)
 
 
 def save(path, tensors):
@@ -192,7 +199,7 @@ def save(path, tensors):
     file, atomically.  `qdispatch.load` reads it back bit for bit.  Tensors are
     fetched and written one at a time, so the host holds one tensor's bytes at a
     time (a model on the GPU is never on the host whole)."""
-    check_tensor_dict(tensors, "save")
+    tensors = check_tensor_dict(tensors, "save")
     plans, keys = [], set()
     for name, obj in tensors.items():
         record, entries, fetch = _plan(name, obj)
@@ -359,7 +366,7 @@ def _name_list(names):
         listed = [None]
     if not all(isinstance(name, str) for name in listed):
         raise TypeError(f"load's names= takes a list of tensor names (str), got {_brief(names)}")
-    return listed
+    return [_plain(name) for name in listed]
 
 
 @contextlib.contextmanager

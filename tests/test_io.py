@@ -251,6 +251,18 @@ def test_save_refuses_the_name_of_the_headers_metadata(tmp_path):
     assert_same_qtensor(qd.load(tmp_path / "x.st", device="reference")["__metadata__"], q)
 
 
+def test_numpy_string_names_are_plain_names(tmp_path):
+    """Names read out of a numpy array (np.str_) save, load and show as plain str."""
+    names = np.array(["w", "b"])
+    qd.save(tmp_path / "x.st", {names[0]: qd.quantize(data(), "q8s", device="reference"), names[1]: np.zeros(3)})
+    got = qd.load(tmp_path / "x.st", device="reference", names=[names[1]])
+    assert [type(name) for name in got] == [str]
+    with pytest.raises(KeyError, match=r"named 'v'; it holds 'w', 'b'"):
+        qd.load(tmp_path / "x.st", names=[np.str_("v")])
+    with pytest.raises(TypeError, match=r"Can't save array 'x' of dtype object"):
+        qd.save(tmp_path / "y.st", {np.str_("x"): np.zeros(2, dtype=object)})
+
+
 @pytest.mark.parametrize("entry", [{"shape": [10**12]}, {"shape": [-2]}, {"shape": "2"},
                                    {"data_offsets": ["0", 8]}, {"data_offsets": [8, 0]}, {"data_offsets": [0]}],
                          ids=["huge shape", "negative shape", "shape not a list", "offset not a number",
