@@ -342,9 +342,8 @@ def _q_matmul(x, w):
     if x.dim() == 0 or x.shape[-1] != w.shape[0]:
         raise ShapeError(f"q_matmul shapes {tuple(x.shape)} and {w.shape} don't fit: x needs a last "
                          f"dim of K={w.shape[0]}")
-    cast = _autocast_dtype(x)
-    if cast is not None and x.dtype != cast and x.dtype in _KERNEL_DTYPES:
-        x = x.to(cast)  # as torch.matmul under autocast: the product in its dtype
+    if _any_autocast():  # one C call a product; the region's dtype only inside one
+        x = _autocast(x)
     return _product(x, w)
 
 
@@ -368,6 +367,19 @@ def _transformed():
 # Whether any autocast region is open: one C call, where asking for x's device
 # type alone costs twice as much.
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def _autocast(x):
+    """x cast as torch.matmul's inputs are in an open autocast region (to the
+    region's dtype on x's device; float64 stays)."""
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4: by device type
+        kind = x.device.type
+        cast = torch.get_autocast_dtype(kind) if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind) else None
+    elif x.is_cuda:
+        cast = torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    else:
+        cast = torch.get_autocast_cpu_dtype() if x.device.type == "cpu" and torch.is_autocast_cpu_enabled() else None
+    return x.to(cast) if cast is not None and x.dtype != cast and x.dtype in _KERNEL_DTYPES else x
 
 
 def _autocast_dtype(x):
