@@ -382,21 +382,6 @@ def _autocast(x):
     return x.to(cast) if cast is not None and x.dtype != cast and x.dtype in _KERNEL_DTYPES else x
 
 
-def _autocast_dtype(x):
-    """The dtype torch's autocast gives a matmul of x here, or None outside autocast."""
-    if not _any_autocast():
-        return None
-    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4: by device type
-        kind = x.device.type
-        if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
-            return torch.get_autocast_dtype(kind)
-    elif x.is_cuda and torch.is_autocast_enabled():
-        return torch.get_autocast_gpu_dtype()
-    elif x.device.type == "cpu" and torch.is_autocast_cpu_enabled():
-        return torch.get_autocast_cpu_dtype()
-    return None
-
-
 # torch.compile can't trace into qdispatch's kernels (Cython, C): it runs this as it
 # is, with a graph break on each side, and compiles the rest.  Only while tracing:
 # the wrapper costs a few microseconds a call, as much as a decode kernel.
