@@ -321,6 +321,11 @@ def q_matmul(x, w):
     Returns a torch tensor [..., N] of x's dtype (float32, float16, bfloat16, or
     float64 on the exact float64 path).  Differentiable in x only; the
     gradient for w is None (QTensors are constants to autograd)."""
+    if _is_exporting() or _is_tracing():
+        raise BackendUnavailableError(
+            "torch.export and torch.jit.trace can't record qdispatch's q_matmul (QLinear): its kernels run "
+            "outside torch, so a recorded graph would hold this call's output as a constant. Run the model "
+            "eagerly, or with torch.compile, which runs each q_matmul between graph breaks")
     if _is_compiling():  # what torch.compile traces: qdispatch's part runs as it is
         return _q_matmul_between_graph_breaks(x, w)
     return _q_matmul(x, w)
@@ -388,6 +393,8 @@ def _autocast(x):
 _q_matmul_between_graph_breaks = (torch.compiler.disable(_q_matmul) if hasattr(torch, "compiler")
                                   else _q_matmul)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+_is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
+_is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its Python wrapper
 
 
 # ---- nn.Module ---------------------------------------------------------------------------

@@ -190,6 +190,23 @@ def test_second_order_gradients():
     torch.testing.assert_close(ddx, 2 * (torch.ones(3, 16) @ dense) @ dense.T, rtol=1e-5, atol=1e-5)
 
 
+def test_export_and_jit_trace_refuse_what_they_cannot_record():
+    """torch.jit.trace recorded q_matmul's output as a constant (the traced model gave
+    the first input's answer for every input), and torch.export failed in torch's
+    own words: both now refuse, saying what to use."""
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), SCHEMES[0], device=DEVICES[-1])
+    x = torch.randn(2, 16)
+    says = "can't record qdispatch's q_matmul.*torch.compile"
+    with pytest.raises(qd.BackendUnavailableError, match=says):
+        torch.jit.trace(model, (x,))
+    with pytest.raises(qd.BackendUnavailableError, match=says):
+        torch.export.export(model, (x,), strict=False)
+    with pytest.raises(Exception, match=says):  # torch's error for strict export quotes ours
+        torch.export.export(model, (x,), strict=True)
+    np.testing.assert_array_equal(model(x).detach().numpy(), qd.q_matmul(x.numpy(), model[0].weight.T).numpy()
+                                  + model[0].bias.detach().numpy())
+
+
 @pytest.mark.cuda
 def test_cuda_autocast_and_torch_func():
     _needs_cuda()
