@@ -322,10 +322,7 @@ def q_matmul(x, w):
     float64 on the exact float64 path).  Differentiable in x only; the
     gradient for w is None (QTensors are constants to autograd)."""
     if _is_exporting() or _is_tracing():
-        raise BackendUnavailableError(
-            "torch.export and torch.jit.trace can't record qdispatch's q_matmul (QLinear): its kernels run "
-            "outside torch, so a recorded graph would hold this call's output as a constant. Run the model "
-            "eagerly, or with torch.compile, which runs each q_matmul between graph breaks")
+        raise BackendUnavailableError(_NOT_RECORDED)
     if _is_compiling():  # what torch.compile traces: qdispatch's part runs as it is
         return _q_matmul_between_graph_breaks(x, w)
     return _q_matmul(x, w)
@@ -333,6 +330,8 @@ def q_matmul(x, w):
 
 def _q_matmul(x, w):
     if not isinstance(x, torch.Tensor):
+        if isinstance(x, torch.fx.Proxy):
+            raise BackendUnavailableError(_NOT_RECORDED)
         raise TypeError(f"q_matmul expects a torch tensor x, got {type(x).__name__}: "
                         f"for numpy data use qdispatch.q_matmul")
     if not isinstance(w, QTensor):
@@ -393,6 +392,9 @@ def _autocast(x):
 _q_matmul_between_graph_breaks = (torch.compiler.disable(_q_matmul) if hasattr(torch, "compiler")
                                   else _q_matmul)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+_NOT_RECORDED = ("torch.export, torch.jit.trace and torch.fx can't record qdispatch's q_matmul (QLinear): its "
+                 "kernels run outside torch, so a recorded graph would hold this call's output as a constant. Run "
+                 "the model eagerly, or with torch.compile, which runs each q_matmul between graph breaks")
 _is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
 _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its Python wrapper
 

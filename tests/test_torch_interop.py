@@ -190,10 +190,10 @@ def test_second_order_gradients():
     torch.testing.assert_close(ddx, 2 * (torch.ones(3, 16) @ dense) @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-def test_export_and_jit_trace_refuse_what_they_cannot_record():
+def test_export_and_tracers_refuse_what_they_cannot_record():
     """torch.jit.trace recorded q_matmul's output as a constant (the traced model gave
-    the first input's answer for every input), and torch.export failed in torch's
-    own words: both now refuse, saying what to use."""
+    the first input's answer for every input), and torch.export and torch.fx failed
+    in other words: they now refuse, saying what to use."""
     model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), SCHEMES[0], device=DEVICES[-1])
     x = torch.randn(2, 16)
     says = "can't record qdispatch's q_matmul.*torch.compile"
@@ -203,6 +203,8 @@ def test_export_and_jit_trace_refuse_what_they_cannot_record():
         torch.export.export(model, (x,), strict=False)
     with pytest.raises(Exception, match=says):  # torch's error for strict export quotes ours
         torch.export.export(model, (x,), strict=True)
+    with pytest.raises(qd.BackendUnavailableError, match=says):
+        torch.fx.symbolic_trace(model)
     np.testing.assert_array_equal(model(x).detach().numpy(), qd.q_matmul(x.numpy(), model[0].weight.T).numpy()
                                   + model[0].bias.detach().numpy())
 
