@@ -127,6 +127,40 @@ def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_
     assert out.split() == ["0", "0", "0", "2048", "0", "0", "384"]
 
 
+# ---- bad input to the C entry points comes back as a status ----
+
+def c_program_output(c_compiler, shell_env, tmp_path, body):
+    """Builds a C program whose main() is `body` against the installed library, runs
+    it and returns what it printed, split into words."""
+    (tmp_path / "prog.c").write_text(
+        "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n#include <qdispatch.h>\n"
+        "int main(void) {\n" + textwrap.dedent(body) + "\n    return 0;\n}\n")
+    return run_shell(f"{c_compiler} prog.c $(python -m qdispatch config --cflags --libs) -lm -o prog && ./prog",
+                     tmp_path, shell_env).split()
+
+
+def test_packed_weights_not_made_by_pack_are_refused(c_compiler, shell_env, tmp_path):
+    """Zeroed memory passed as packed weights is refused, not read as sizes (nbytes and
+    unpack divided by its zero block) nor freed; pack leaves *out NULL on every error."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        void *zeroed = calloc(1, 4096);
+        qd_packed_weights *pw = zeroed;
+        int8_t a[4] = {0}, w[4];
+        int32_t c[4];
+        float s[4] = {1, 1, 1, 1}, x[4] = {0}, out[4];
+        printf("%d %d %d %d %d %d %d ", qd_packed_weights_info(pw, NULL, NULL, NULL, NULL, NULL),
+               qd_unpack_weights(pw, w, s), qd_int_matmul_packed(a, 1, 4, pw, c),
+               qd_qq_matmul(a, 1, 4, s, 1, 4, pw, out), qd_fq_matmul_f32(x, 1, 4, pw, out),
+               qd_w8a8_matmul_f32(x, 1, 4, QD_Q8S, 4, pw, out), (int)qd_packed_weights_nbytes(pw));
+        qd_packed_weights_free(pw);  /* not the library's to free */
+        free(zeroed);
+        qd_packed_weights *made = pw;
+        const qd_status st = qd_pack_weights(NULL, 1, 4, 8, NULL, 1, 4, &made);
+        printf("%d %d", st, made == NULL);
+    """)
+    assert out == ["3"] * 6 + ["0", "1", "1"]
+
+
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
     texts = [open(p).read() for p in DOCS if os.path.exists(p)]

@@ -173,6 +173,9 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
 
 static qd_status check_weights(const qd_packed_weights *w, int64_t M, int64_t K)
 {
+    const qd_status st = qd_packed_check(w);
+    if (st != QD_OK)
+        return st;
     if (M <= 0 || K <= 0 || K != w->k)
         return QD_ERR_SHAPE;
     return QD_OK;

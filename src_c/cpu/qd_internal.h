@@ -19,6 +19,7 @@
 #define QD_KU(bits) (4 * (8 / (bits)))
 
 struct qd_packed_weights {
+    uint64_t magic;             /* QD_PACKED_MAGIC from creation until freed */
     int64_t n, k;               /* logical shape [N, K] */
     int64_t block_n, block_k;
     int bits;
@@ -30,6 +31,11 @@ struct qd_packed_weights {
     float *panel_scales;        /* [n_panels][k_groups][QD_NR], 64-byte aligned */
     float *scales;              /* the original grid [N/block_n, K/block_k] */
 };
+
+/* QD_OK for packed weights that qd_pack_weights made; QD_ERR_NULL for NULL,
+ * QD_ERR_ARGUMENT for other memory (a zeroed struct, say), which the entry points
+ * refuse rather than read sizes and pointers from. */
+qd_status qd_packed_check(const qd_packed_weights *pw);
 
 /* The shape fields of packed weights (no buffers). */
 void qd_packed_layout(qd_packed_weights *pw, int64_t N, int64_t K, int bits,
