@@ -161,6 +161,31 @@ def test_packed_weights_not_made_by_pack_are_refused(c_compiler, shell_env, tmp_
     assert out == ["3"] * 6 + ["0", "1", "1"]
 
 
+def test_sizes_no_array_could_have_are_refused(c_compiler, shell_env, tmp_path):
+    """Dimensions whose byte counts overflow come back as QD_ERR_ARGUMENT; the kernels
+    computed their buffer sizes with them, wrapped, and wrote past what they allocated."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        const int64_t huge = (int64_t)1 << 62;
+        int8_t a[16] = {0}, q[16];
+        int32_t c[16];
+        float x[16] = {0}, s[16], out[16];
+        uint16_t h[16] = {0};
+        qd_packed_weights *pw;
+        printf("%d ", qd_int_matmul_s8(a, huge, 1, a, 4, c));
+        printf("%d ", qd_quantize_f32(x, huge, 4, QD_Q8S, huge, 4, QD_SCALE_F32, s, q, NULL));
+        printf("%d ", qd_pack_weights(a, huge, 4, 8, NULL, huge, 4, &pw));
+        printf("%d ", qd_convert_f16_to_f32(h, INT64_MAX, x));
+        if (qd_pack_weights(a, 4, 4, 8, NULL, 1, 4, &pw) != QD_OK)
+            return 1;
+        printf("%d ", qd_int_matmul_packed(a, huge, 4, pw, c));
+        printf("%d ", qd_qq_matmul(a, huge, 4, s, huge, 4, pw, out));
+        printf("%d ", qd_fq_matmul_f32(x, huge, 4, pw, out));
+        printf("%d", qd_w8a8_matmul_f32(x, huge, 4, QD_Q8S, 4, pw, out));
+        qd_packed_weights_free(pw);
+    """)
+    assert out == ["3"] * 8
+
+
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
     texts = [open(p).read() for p in DOCS if os.path.exists(p)]

@@ -1,6 +1,7 @@
-/* ISA selection, the per-ISA kernel tables, thread count and status strings. */
+/* ISA selection, the per-ISA kernel tables, thread count, size checks and status strings. */
 #define _POSIX_C_SOURCE 200112L
 #include <ctype.h>
+#include <stdint.h>
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -169,6 +170,18 @@ int qd_threads_for(int64_t work_items)
     if (work_items < 1)
         return 1;
     return work_items < n ? (int)work_items : n;
+}
+
+/* ---- argument checks ---- */
+/* The kernels' copies pad each dimension by less than this. */
+#define PAD_MAX 64
+
+int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size)
+{
+    int64_t bytes;
+    return rows <= INT64_MAX - PAD_MAX && cols <= INT64_MAX - PAD_MAX &&
+           !__builtin_mul_overflow(rows + PAD_MAX, cols + PAD_MAX, &bytes) &&
+           !__builtin_mul_overflow(bytes, (int64_t)elem_size, &bytes) && bytes <= PTRDIFF_MAX;
 }
 
 /* ---- memory ---- */

@@ -9,6 +9,8 @@
             return QD_ERR_NULL;                   \
         if ((n) < 0)                              \
             return QD_ERR_SHAPE;                  \
+        if (!qd_dims_fit(1, (n), sizeof(float)))  \
+            return QD_ERR_ARGUMENT;               \
         for (int64_t i = 0; i < (n); i++)         \
             (dst)[i] = expr((src)[i]);            \
         return QD_OK;                             \

@@ -178,6 +178,9 @@ static qd_status check_weights(const qd_packed_weights *w, int64_t M, int64_t K)
         return st;
     if (M <= 0 || K <= 0 || K != w->k)
         return QD_ERR_SHAPE;
+    /* float-sized: x, a's scales and the outputs are float32 or int32 */
+    if (!qd_dims_fit(M, K, sizeof(float)) || !qd_dims_fit(M, w->n, sizeof(float)))
+        return QD_ERR_ARGUMENT;
     return QD_OK;
 }
 
@@ -208,6 +211,8 @@ qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *
         return QD_ERR_SHAPE;
     if (K > QD_INT_MATMUL_MAX_K)
         return QD_ERR_K_TOO_LARGE;
+    if (!qd_dims_fit(M, K, 1) || !qd_dims_fit(K, N, 1) || !qd_dims_fit(M, N, sizeof(int32_t)))
+        return QD_ERR_ARGUMENT;
     /* b comes unpacked: each thread packs one tile's panels at a time into a
      * buffer that stays in L2 and runs all rows against it, so b is read once
      * and no packed copy of it is ever written to memory. */

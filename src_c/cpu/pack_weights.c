@@ -115,6 +115,8 @@ qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
         return QD_ERR_SCHEME;
     if (N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
         return QD_ERR_SHAPE;
+    if (!qd_dims_fit(N, K, sizeof(float)))   /* float: the scales may be [N, K] */
+        return QD_ERR_ARGUMENT;
     qd_packed_weights *pw = qd_packed_new(N, K, bits, scales, block_n, block_k);
     if (!pw)
         return QD_ERR_NO_MEMORY;

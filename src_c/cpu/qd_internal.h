@@ -151,6 +151,11 @@ void qd_quantize_segment(const float *x, int64_t n, int lo, int hi, float scale,
 float qd_segment_scale(const float *x, int64_t n, int lo, int hi);
 qd_status qd_value_range(int value_kind, int *lo, int *hi);
 
+/* 1 when an array of rows x cols elements of elem_size bytes (dims >= 0) can exist,
+ * padded copies included: its byte count fits ptrdiff_t.  Larger sizes come from
+ * bad arguments, and the kernels' size arithmetic would overflow on them. */
+int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size);
+
 void *qd_aligned_alloc(size_t bytes);
 void qd_aligned_free(void *p);
 

@@ -1,8 +1,9 @@
 /* qdispatch.h: the public C interface of the qdispatch kernels.
  *
  * C99, no Python or CUDA headers.  Every entry point validates its arguments
- * and returns a qd_status; none aborts on bad input.  All arrays are
- * row-major and C-contiguous.  The only global state is the ISA choice, the
+ * and returns a qd_status; none aborts on bad input.  The CPU entry points give
+ * QD_ERR_ARGUMENT for sizes that no array could have (its bytes would overflow
+ * ptrdiff_t).  All arrays are row-major and C-contiguous.  The only global state is the ISA choice, the
  * thread count and the CUDA decode's batch invariance.
  */
 #ifndef QDISPATCH_H
