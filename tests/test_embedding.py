@@ -186,6 +186,30 @@ def test_sizes_no_array_could_have_are_refused(c_compiler, shell_env, tmp_path):
     assert out == ["3"] * 8
 
 
+def test_outputs_that_overlap_inputs_are_refused(c_compiler, shell_env, tmp_path):
+    """An output over an input is QD_ERR_ARGUMENT: int_matmul's c written over b while b
+    was still being read gave wrong sums with QD_OK, and so did scales written over x
+    and in-place widening conversions.  Arrays side by side in one buffer are fine."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        int32_t cb[8];                 /* b [8, 4] int8, with c [2, 4] int32 over it */
+        int8_t a[16], q[8];
+        memset(a, 1, sizeof a);
+        memset(cb, 1, sizeof cb);
+        float x[8] = {1, 2, 3, 4, 5, 6, 7, 8}, ws[4];
+        qd_packed_weights *pw;
+        if (qd_pack_weights(a, 2, 8, 8, NULL, 1, 8, &pw) != QD_OK)
+            return 1;
+        printf("%d ", qd_int_matmul_s8(a, 2, 8, (int8_t *)cb, 4, cb));
+        printf("%d ", qd_quantize_f32(x, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, x, q, NULL));
+        printf("%d ", qd_fq_matmul_f32(x, 1, 8, pw, x));
+        printf("%d ", qd_unpack_weights(pw, (int8_t *)ws, ws + 2));  /* values [2, 8], then scales */
+        printf("%d ", qd_convert_f16_to_f32((uint16_t *)x, 4, x));
+        printf("%d", qd_convert_f32_to_bf16(x, 4, (uint16_t *)(x + 4)));  /* side by side */
+        qd_packed_weights_free(pw);
+    """)
+    assert out == ["3"] * 5 + ["0"]
+
+
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
     texts = [open(p).read() for p in DOCS if os.path.exists(p)]

@@ -1,4 +1,4 @@
-/* ISA selection, the per-ISA kernel tables, thread count, size checks and status strings. */
+/* ISA selection, the per-ISA kernel tables, thread count, argument checks and status strings. */
 #define _POSIX_C_SOURCE 200112L
 #include <ctype.h>
 #include <stdint.h>
@@ -184,6 +184,12 @@ int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size)
            !__builtin_mul_overflow(bytes, (int64_t)elem_size, &bytes) && bytes <= PTRDIFF_MAX;
 }
 
+int qd_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes)
+{
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x < y + b_bytes && y < x + a_bytes;
+}
+
 /* ---- memory ---- */
 void *qd_aligned_alloc(size_t bytes)
 {
@@ -220,7 +226,7 @@ const char *qd_status_string(qd_status status)
     case QD_OK: return "success";
     case QD_ERR_NULL: return "a required pointer argument is NULL";
     case QD_ERR_SHAPE: return "a dimension is not positive, or a block size does not divide its dimension";
-    case QD_ERR_ARGUMENT: return "an argument is out of range";
+    case QD_ERR_ARGUMENT: return "an argument is out of range or invalid, such as an output that overlaps an input";
     case QD_ERR_SCHEME: return "unknown quantization value kind, scale dtype or bit width";
     case QD_ERR_ISA_NOT_BUILT: return "the requested instruction set was not compiled into this library";
     case QD_ERR_ISA_NOT_SUPPORTED: return "this CPU does not support the requested instruction set";

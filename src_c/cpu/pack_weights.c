@@ -221,6 +221,9 @@ qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *s
     const qd_status st = qd_packed_check(pw);
     if (st != QD_OK)
         return st;
+    const size_t scale_bytes = (size_t)((pw->n / pw->block_n) * pw->k_groups) * sizeof(float);
+    if (w_out && scales_out && qd_overlap(w_out, (size_t)(pw->n * pw->k), scales_out, scale_bytes))
+        return QD_ERR_ARGUMENT;
     if (w_out) {
         for (int64_t col = 0; col < pw->n; col++) {
             const uint8_t *panel = pw->panels + (col / QD_NR) * pw->panel_bytes;
@@ -229,6 +232,6 @@ qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *s
         }
     }
     if (scales_out)
-        memcpy(scales_out, pw->scales, (size_t)((pw->n / pw->block_n) * pw->k_groups) * sizeof(float));
+        memcpy(scales_out, pw->scales, scale_bytes);
     return QD_OK;
 }

@@ -155,6 +155,9 @@ qd_status qd_value_range(int value_kind, int *lo, int *hi);
  * padded copies included: its byte count fits ptrdiff_t.  Larger sizes come from
  * bad arguments, and the kernels' size arithmetic would overflow on them. */
 int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size);
+/* 1 when two byte ranges share a byte: an output that overlaps an input (or another
+ * output) is refused, as the kernels would read what they had already written. */
+int qd_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes);
 
 void *qd_aligned_alloc(size_t bytes);
 void qd_aligned_free(void *p);

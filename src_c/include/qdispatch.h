@@ -3,8 +3,9 @@
  * C99, no Python or CUDA headers.  Every entry point validates its arguments
  * and returns a qd_status; none aborts on bad input.  The CPU entry points give
  * QD_ERR_ARGUMENT for sizes that no array could have (its bytes would overflow
- * ptrdiff_t).  All arrays are row-major and C-contiguous.  The only global state is the ISA choice, the
- * thread count and the CUDA decode's batch invariance.
+ * ptrdiff_t) and for an output array that overlaps an input or another output.
+ * All arrays are row-major and C-contiguous.  The only global state is the ISA
+ * choice, the thread count and the CUDA decode's batch invariance.
  */
 #ifndef QDISPATCH_H
 #define QDISPATCH_H
