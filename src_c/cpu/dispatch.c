@@ -144,20 +144,33 @@ void qd_isa_reset(void)
 
 /* ---- threads ---- */
 static int thread_setting;   /* <= 0: default */
+/* More threads than this per processor only add switching, and OpenMP must not see
+ * a count like INT_MAX: it takes stack in proportion to a team's size and exits the
+ * process when it cannot start a thread. */
+#define THREADS_PER_PROC_MAX 4
+
+static int processors(void)
+{
+#ifdef _OPENMP
+    const int procs = omp_get_num_procs();
+    return procs > 0 ? procs : 1;
+#else
+    return 1;
+#endif
+}
 
 void qd_set_num_threads(int n)
 {
-    __atomic_store_n(&thread_setting, n > 0 ? n : 0, __ATOMIC_RELAXED);
+    /* Capped here, once: counting the processors takes a system call. */
+    const int cap = THREADS_PER_PROC_MAX * processors();
+    __atomic_store_n(&thread_setting, n <= 0 ? 0 : n < cap ? n : cap, __ATOMIC_RELAXED);
 }
 
 int qd_get_num_threads(void)
 {
 #ifdef _OPENMP
     const int n = __atomic_load_n(&thread_setting, __ATOMIC_RELAXED);
-    if (n > 0)
-        return n;
-    const int procs = omp_get_num_procs();
-    return procs > 0 ? procs : 1;
+    return n > 0 ? n : processors();
 #else
     return 1; /* built without OpenMP: the parallel loops run on the calling thread */
 #endif
