@@ -97,6 +97,26 @@ def test_num_threads_roundtrip():
     assert _cpu.get_num_threads() == default
 
 
+@pytest.mark.skipif(not built_with_openmp(), reason="one thread without OpenMP")
+def test_thread_count_is_capped_at_four_per_processor():
+    # Uncapped, a count like this became the OpenMP team size of a loop with enough
+    # tasks: the team's setup overflowed the stack, or thread creation failed and
+    # OpenMP exited the process.
+    try:
+        _cpu.set_num_threads(0)
+        procs = _cpu.get_num_threads()
+        _cpu.set_num_threads(2**31 - 1)
+        assert _cpu.get_num_threads() == 4 * procs
+        _cpu.set_num_threads(4 * procs - 1)
+        assert _cpu.get_num_threads() == 4 * procs - 1
+        _cpu.set_num_threads(2**31 - 1)
+        w = np.ones((16 * 100, 4), np.int8)   # 100 panels x 4 row blocks: 400 tasks
+        pw = _cpu.PackedWeights(w, np.ones((w.shape[0], 1), np.float32), 1, 4, 8)
+        np.testing.assert_array_equal(_cpu.int_matmul_packed(np.ones((256, 4), np.int8), pw), 4)
+    finally:
+        _cpu.set_num_threads(0)
+
+
 # ---- int_matmul -------------------------------------------------------------------
 
 TAIL_SHAPES = [(1, 1, 1), (1, 7, 1), (2, 3, 5), (3, 17, 16), (4, 16, 17), (5, 31, 33),

@@ -127,6 +127,89 @@ def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_
     assert out.split() == ["0", "0", "0", "2048", "0", "0", "384"]
 
 
+# ---- bad input to the C entry points comes back as a status ----
+
+def c_program_output(c_compiler, shell_env, tmp_path, body):
+    """Builds a C program whose main() is `body` against the installed library, runs
+    it and returns what it printed, split into words."""
+    (tmp_path / "prog.c").write_text(
+        "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n#include <qdispatch.h>\n"
+        "int main(void) {\n" + textwrap.dedent(body) + "\n    return 0;\n}\n")
+    return run_shell(f"{c_compiler} prog.c $(python -m qdispatch config --cflags --libs) -lm -o prog && ./prog",
+                     tmp_path, shell_env).split()
+
+
+def test_packed_weights_not_made_by_pack_are_refused(c_compiler, shell_env, tmp_path):
+    """Zeroed memory passed as packed weights is refused, not read as sizes (nbytes and
+    unpack divided by its zero block) nor freed; pack leaves *out NULL on every error."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        void *zeroed = calloc(1, 4096);
+        qd_packed_weights *pw = zeroed;
+        int8_t a[4] = {0}, w[4];
+        int32_t c[4];
+        float s[4] = {1, 1, 1, 1}, x[4] = {0}, out[4];
+        printf("%d %d %d %d %d %d %d ", qd_packed_weights_info(pw, NULL, NULL, NULL, NULL, NULL),
+               qd_unpack_weights(pw, w, s), qd_int_matmul_packed(a, 1, 4, pw, c),
+               qd_qq_matmul(a, 1, 4, s, 1, 4, pw, out), qd_fq_matmul_f32(x, 1, 4, pw, out),
+               qd_w8a8_matmul_f32(x, 1, 4, QD_Q8S, 4, pw, out), (int)qd_packed_weights_nbytes(pw));
+        qd_packed_weights_free(pw);  /* not the library's to free */
+        free(zeroed);
+        qd_packed_weights *made = pw;
+        const qd_status st = qd_pack_weights(NULL, 1, 4, 8, NULL, 1, 4, &made);
+        printf("%d %d", st, made == NULL);
+    """)
+    assert out == ["3"] * 6 + ["0", "1", "1"]
+
+
+def test_sizes_no_array_could_have_are_refused(c_compiler, shell_env, tmp_path):
+    """Dimensions whose byte counts overflow come back as QD_ERR_ARGUMENT; the kernels
+    computed their buffer sizes with them, wrapped, and wrote past what they allocated."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        const int64_t huge = (int64_t)1 << 62;
+        int8_t a[16] = {0}, q[16];
+        int32_t c[16];
+        float x[16] = {0}, s[16], out[16];
+        uint16_t h[16] = {0};
+        qd_packed_weights *pw;
+        printf("%d ", qd_int_matmul_s8(a, huge, 1, a, 4, c));
+        printf("%d ", qd_quantize_f32(x, huge, 4, QD_Q8S, huge, 4, QD_SCALE_F32, s, q, NULL));
+        printf("%d ", qd_pack_weights(a, huge, 4, 8, NULL, huge, 4, &pw));
+        printf("%d ", qd_convert_f16_to_f32(h, INT64_MAX, x));
+        if (qd_pack_weights(a, 4, 4, 8, NULL, 1, 4, &pw) != QD_OK)
+            return 1;
+        printf("%d ", qd_int_matmul_packed(a, huge, 4, pw, c));
+        printf("%d ", qd_qq_matmul(a, huge, 4, s, huge, 4, pw, out));
+        printf("%d ", qd_fq_matmul_f32(x, huge, 4, pw, out));
+        printf("%d", qd_w8a8_matmul_f32(x, huge, 4, QD_Q8S, 4, pw, out));
+        qd_packed_weights_free(pw);
+    """)
+    assert out == ["3"] * 8
+
+
+def test_outputs_that_overlap_inputs_are_refused(c_compiler, shell_env, tmp_path):
+    """An output over an input is QD_ERR_ARGUMENT: int_matmul's c written over b while b
+    was still being read gave wrong sums with QD_OK, and so did scales written over x
+    and in-place widening conversions.  Arrays side by side in one buffer are fine."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        int32_t cb[8];                 /* b [8, 4] int8, with c [2, 4] int32 over it */
+        int8_t a[16], q[8];
+        memset(a, 1, sizeof a);
+        memset(cb, 1, sizeof cb);
+        float x[8] = {1, 2, 3, 4, 5, 6, 7, 8}, ws[4];
+        qd_packed_weights *pw;
+        if (qd_pack_weights(a, 2, 8, 8, NULL, 1, 8, &pw) != QD_OK)
+            return 1;
+        printf("%d ", qd_int_matmul_s8(a, 2, 8, (int8_t *)cb, 4, cb));
+        printf("%d ", qd_quantize_f32(x, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, x, q, NULL));
+        printf("%d ", qd_fq_matmul_f32(x, 1, 8, pw, x));
+        printf("%d ", qd_unpack_weights(pw, (int8_t *)ws, ws + 2));  /* values [2, 8], then scales */
+        printf("%d ", qd_convert_f16_to_f32((uint16_t *)x, 4, x));
+        printf("%d", qd_convert_f32_to_bf16(x, 4, (uint16_t *)(x + 4)));  /* side by side */
+        qd_packed_weights_free(pw);
+    """)
+    assert out == ["3"] * 5 + ["0"]
+
+
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
     texts = [open(p).read() for p in DOCS if os.path.exists(p)]

@@ -1,6 +1,7 @@
-/* ISA selection, the per-ISA kernel tables, thread count and status strings. */
+/* ISA selection, the per-ISA kernel tables, thread count, argument checks and status strings. */
 #define _POSIX_C_SOURCE 200112L
 #include <ctype.h>
+#include <stdint.h>
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -143,20 +144,33 @@ void qd_isa_reset(void)
 
 /* ---- threads ---- */
 static int thread_setting;   /* <= 0: default */
+/* More threads than this per processor only add switching, and OpenMP must not see
+ * a count like INT_MAX: it takes stack in proportion to a team's size and exits the
+ * process when it cannot start a thread. */
+#define THREADS_PER_PROC_MAX 4
+
+static int processors(void)
+{
+#ifdef _OPENMP
+    const int procs = omp_get_num_procs();
+    return procs > 0 ? procs : 1;
+#else
+    return 1;
+#endif
+}
 
 void qd_set_num_threads(int n)
 {
-    __atomic_store_n(&thread_setting, n > 0 ? n : 0, __ATOMIC_RELAXED);
+    /* Capped here, once: counting the processors takes a system call. */
+    const int cap = THREADS_PER_PROC_MAX * processors();
+    __atomic_store_n(&thread_setting, n <= 0 ? 0 : n < cap ? n : cap, __ATOMIC_RELAXED);
 }
 
 int qd_get_num_threads(void)
 {
 #ifdef _OPENMP
     const int n = __atomic_load_n(&thread_setting, __ATOMIC_RELAXED);
-    if (n > 0)
-        return n;
-    const int procs = omp_get_num_procs();
-    return procs > 0 ? procs : 1;
+    return n > 0 ? n : processors();
 #else
     return 1; /* built without OpenMP: the parallel loops run on the calling thread */
 #endif
@@ -169,6 +183,24 @@ int qd_threads_for(int64_t work_items)
     if (work_items < 1)
         return 1;
     return work_items < n ? (int)work_items : n;
+}
+
+/* ---- argument checks ---- */
+/* The kernels' copies pad each dimension by less than this. */
+#define PAD_MAX 64
+
+int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size)
+{
+    int64_t bytes;
+    return rows <= INT64_MAX - PAD_MAX && cols <= INT64_MAX - PAD_MAX &&
+           !__builtin_mul_overflow(rows + PAD_MAX, cols + PAD_MAX, &bytes) &&
+           !__builtin_mul_overflow(bytes, (int64_t)elem_size, &bytes) && bytes <= PTRDIFF_MAX;
+}
+
+int qd_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes)
+{
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x < y + b_bytes && y < x + a_bytes;
 }
 
 /* ---- memory ---- */
@@ -207,7 +239,7 @@ const char *qd_status_string(qd_status status)
     case QD_OK: return "success";
     case QD_ERR_NULL: return "a required pointer argument is NULL";
     case QD_ERR_SHAPE: return "a dimension is not positive, or a block size does not divide its dimension";
-    case QD_ERR_ARGUMENT: return "an argument is out of range";
+    case QD_ERR_ARGUMENT: return "an argument is out of range or invalid, such as an output that overlaps an input";
     case QD_ERR_SCHEME: return "unknown quantization value kind, scale dtype or bit width";
     case QD_ERR_ISA_NOT_BUILT: return "the requested instruction set was not compiled into this library";
     case QD_ERR_ISA_NOT_SUPPORTED: return "this CPU does not support the requested instruction set";

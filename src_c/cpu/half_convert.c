@@ -3,15 +3,26 @@
 #include "qd_internal.h"
 #include "half_convert.h"
 
-#define QD_CONVERT_LOOP(src, n, dst, expr)        \
-    do {                                          \
-        if (!(src) || !(dst))                     \
-            return QD_ERR_NULL;                   \
-        if ((n) < 0)                              \
-            return QD_ERR_SHAPE;                  \
-        for (int64_t i = 0; i < (n); i++)         \
-            (dst)[i] = expr((src)[i]);            \
-        return QD_OK;                             \
+/* The checks of a conversion of n values of src_size bytes to dst_size bytes. */
+static qd_status check_convert(const void *src, int64_t n, size_t src_size, const void *dst, size_t dst_size)
+{
+    if (!src || !dst)
+        return QD_ERR_NULL;
+    if (n < 0)
+        return QD_ERR_SHAPE;
+    if (!qd_dims_fit(1, n, sizeof(float)) || qd_overlap(dst, (size_t)n * dst_size, src, (size_t)n * src_size))
+        return QD_ERR_ARGUMENT;
+    return QD_OK;
+}
+
+#define QD_CONVERT_LOOP(src, n, dst, expr)                                              \
+    do {                                                                                \
+        const qd_status st_ = check_convert(src, n, sizeof *(src), dst, sizeof *(dst)); \
+        if (st_ != QD_OK)                                                               \
+            return st_;                                                                 \
+        for (int64_t i = 0; i < (n); i++)                                               \
+            (dst)[i] = expr((src)[i]);                                                  \
+        return QD_OK;                                                                   \
     } while (0)
 
 qd_status qd_convert_f16_to_f32(const uint16_t *src, int64_t n, float *dst)

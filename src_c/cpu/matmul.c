@@ -173,8 +173,14 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
 
 static qd_status check_weights(const qd_packed_weights *w, int64_t M, int64_t K)
 {
+    const qd_status st = qd_packed_check(w);
+    if (st != QD_OK)
+        return st;
     if (M <= 0 || K <= 0 || K != w->k)
         return QD_ERR_SHAPE;
+    /* float-sized: x, a's scales and the outputs are float32 or int32 */
+    if (!qd_dims_fit(M, K, sizeof(float)) || !qd_dims_fit(M, w->n, sizeof(float)))
+        return QD_ERR_ARGUMENT;
     return QD_OK;
 }
 
@@ -188,6 +194,8 @@ qd_status qd_int_matmul_packed(const int8_t *a, int64_t M, int64_t K,
         return st;
     if (K > QD_INT_MATMUL_MAX_K)
         return QD_ERR_K_TOO_LARGE;
+    if (qd_overlap(c, (size_t)(M * w->n) * sizeof(int32_t), a, (size_t)(M * K)))
+        return QD_ERR_ARGUMENT;
     int8_t *ap = padded_rows_s8(a, M, K, w->k_padded);
     if (!ap)
         return QD_ERR_NO_MEMORY;
@@ -205,6 +213,11 @@ qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *
         return QD_ERR_SHAPE;
     if (K > QD_INT_MATMUL_MAX_K)
         return QD_ERR_K_TOO_LARGE;
+    if (!qd_dims_fit(M, K, 1) || !qd_dims_fit(K, N, 1) || !qd_dims_fit(M, N, sizeof(int32_t)))
+        return QD_ERR_ARGUMENT;
+    const size_t c_bytes = (size_t)(M * N) * sizeof(int32_t);
+    if (qd_overlap(c, c_bytes, a, (size_t)(M * K)) || qd_overlap(c, c_bytes, b, (size_t)(K * N)))
+        return QD_ERR_ARGUMENT;
     /* b comes unpacked: each thread packs one tile's panels at a time into a
      * buffer that stays in L2 and runs all rows against it, so b is read once
      * and no packed copy of it is ever written to memory. */
@@ -266,6 +279,10 @@ qd_status qd_qq_matmul(const int8_t *a, int64_t M, int64_t K, const float *a_sca
         return st;
     if (a_block_m <= 0 || a_block_k <= 0 || M % a_block_m || K % a_block_k)
         return QD_ERR_SHAPE;
+    const size_t out_bytes = (size_t)(M * w->n) * sizeof(float);
+    if (qd_overlap(out, out_bytes, a, (size_t)(M * K)) ||
+        qd_overlap(out, out_bytes, a_scales, (size_t)(M / a_block_m * (K / a_block_k)) * sizeof(float)))
+        return QD_ERR_ARGUMENT;
     int8_t *ap = padded_rows_s8(a, M, K, w->k_padded);
     float *row_scales = scales_per_row(a_scales, M, a_block_m, K / a_block_k);
     st = ap && row_scales ? run_qq(ap, M, K, row_scales, a_block_k, w, out, NULL) : QD_ERR_NO_MEMORY;
@@ -295,6 +312,8 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
         return QD_ERR_SCHEME;
     if (act_block_k <= 0 || K % act_block_k)
         return QD_ERR_SHAPE;
+    if (qd_overlap(out, (size_t)(M * w->n) * sizeof(float), x, (size_t)(M * K) * sizeof(float)))
+        return QD_ERR_ARGUMENT;
     const int64_t kp = w->k_padded, a_groups = K / act_block_k;
     int8_t *ap = qd_aligned_alloc((size_t)(M * kp));
     float *scales = malloc((size_t)(M * a_groups) * sizeof(float));
@@ -335,6 +354,8 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
     qd_status st = check_weights(w, M, K);
     if (st != QD_OK)
         return st;
+    if (qd_overlap(out, (size_t)(M * w->n) * sizeof(float), x, (size_t)(M * K) * sizeof(float)))
+        return QD_ERR_ARGUMENT;
     const int ku = QD_KU(w->bits);
     const int64_t kp = w->k_padded, group = w->block_k, ngroups = w->k_groups;
     const qd_kernels *kern = qd_kernels_for(qd_isa_active());

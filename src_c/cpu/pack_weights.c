@@ -5,6 +5,9 @@
 #include "qd_internal.h"
 #include "panel_layout.h"
 
+/* Marks live packed weights; cleared by qd_packed_weights_free. */
+#define QD_PACKED_MAGIC 0x71647061636b6564ull   /* "qdpacked" */
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 
@@ -104,13 +107,16 @@ qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
                           const float *scales, int64_t block_n, int64_t block_k,
                           qd_packed_weights **out)
 {
+    if (out)
+        *out = NULL;   /* on every error, so a caller may free *out unconditionally */
     if (!w || !out)
         return QD_ERR_NULL;
-    *out = NULL;
     if (bits != 8 && bits != 4 && bits != 2)
         return QD_ERR_SCHEME;
     if (N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
         return QD_ERR_SHAPE;
+    if (!qd_dims_fit(N, K, sizeof(float)))   /* float: the scales may be [N, K] */
+        return QD_ERR_ARGUMENT;
     qd_packed_weights *pw = qd_packed_new(N, K, bits, scales, block_n, block_k);
     if (!pw)
         return QD_ERR_NO_MEMORY;
@@ -149,6 +155,7 @@ qd_packed_weights *qd_packed_new(int64_t N, int64_t K, int bits, const float *sc
     qd_packed_weights *pw = calloc(1, sizeof *pw);
     if (!pw)
         return NULL;
+    pw->magic = QD_PACKED_MAGIC;
     qd_packed_layout(pw, N, K, bits, block_n, block_k);
     const int64_t grid = (N / block_n) * pw->k_groups;
     pw->panels = qd_aligned_alloc((size_t)(pw->n_panels * pw->panel_bytes));
@@ -168,10 +175,18 @@ qd_packed_weights *qd_packed_new(int64_t N, int64_t K, int bits, const float *sc
     return pw;
 }
 
-void qd_packed_weights_free(qd_packed_weights *pw)
+qd_status qd_packed_check(const qd_packed_weights *pw)
 {
     if (!pw)
-        return;
+        return QD_ERR_NULL;
+    return pw->magic == QD_PACKED_MAGIC ? QD_OK : QD_ERR_ARGUMENT;
+}
+
+void qd_packed_weights_free(qd_packed_weights *pw)
+{
+    if (qd_packed_check(pw) != QD_OK)
+        return;   /* not ours to free */
+    pw->magic = 0;
     qd_aligned_free(pw->panels);
     qd_aligned_free(pw->panel_scales);
     free(pw->scales);
@@ -180,7 +195,7 @@ void qd_packed_weights_free(qd_packed_weights *pw)
 
 size_t qd_packed_weights_nbytes(const qd_packed_weights *pw)
 {
-    if (!pw)
+    if (qd_packed_check(pw) != QD_OK)
         return 0;
     return (size_t)(pw->n_panels * pw->panel_bytes) +
            (size_t)(pw->n_panels * pw->k_groups * QD_NR) * sizeof(float) +
@@ -190,8 +205,9 @@ size_t qd_packed_weights_nbytes(const qd_packed_weights *pw)
 qd_status qd_packed_weights_info(const qd_packed_weights *pw, int64_t *N, int64_t *K, int *bits,
                                  int64_t *block_n, int64_t *block_k)
 {
-    if (!pw)
-        return QD_ERR_NULL;
+    const qd_status st = qd_packed_check(pw);
+    if (st != QD_OK)
+        return st;
     if (N) *N = pw->n;
     if (K) *K = pw->k;
     if (bits) *bits = pw->bits;
@@ -202,8 +218,12 @@ qd_status qd_packed_weights_info(const qd_packed_weights *pw, int64_t *N, int64_
 
 qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *scales_out)
 {
-    if (!pw)
-        return QD_ERR_NULL;
+    const qd_status st = qd_packed_check(pw);
+    if (st != QD_OK)
+        return st;
+    const size_t scale_bytes = (size_t)((pw->n / pw->block_n) * pw->k_groups) * sizeof(float);
+    if (w_out && scales_out && qd_overlap(w_out, (size_t)(pw->n * pw->k), scales_out, scale_bytes))
+        return QD_ERR_ARGUMENT;
     if (w_out) {
         for (int64_t col = 0; col < pw->n; col++) {
             const uint8_t *panel = pw->panels + (col / QD_NR) * pw->panel_bytes;
@@ -212,6 +232,6 @@ qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *s
         }
     }
     if (scales_out)
-        memcpy(scales_out, pw->scales, (size_t)((pw->n / pw->block_n) * pw->k_groups) * sizeof(float));
+        memcpy(scales_out, pw->scales, scale_bytes);
     return QD_OK;
 }

@@ -19,6 +19,7 @@
 #define QD_KU(bits) (4 * (8 / (bits)))
 
 struct qd_packed_weights {
+    uint64_t magic;             /* QD_PACKED_MAGIC from creation until freed */
     int64_t n, k;               /* logical shape [N, K] */
     int64_t block_n, block_k;
     int bits;
@@ -30,6 +31,11 @@ struct qd_packed_weights {
     float *panel_scales;        /* [n_panels][k_groups][QD_NR], 64-byte aligned */
     float *scales;              /* the original grid [N/block_n, K/block_k] */
 };
+
+/* QD_OK for packed weights that qd_pack_weights made; QD_ERR_NULL for NULL,
+ * QD_ERR_ARGUMENT for other memory (a zeroed struct, say), which the entry points
+ * refuse rather than read sizes and pointers from. */
+qd_status qd_packed_check(const qd_packed_weights *pw);
 
 /* The shape fields of packed weights (no buffers). */
 void qd_packed_layout(qd_packed_weights *pw, int64_t N, int64_t K, int bits,
@@ -144,6 +150,14 @@ int qd_threads_for(int64_t work_items);
 void qd_quantize_segment(const float *x, int64_t n, int lo, int hi, float scale, int8_t *q);
 float qd_segment_scale(const float *x, int64_t n, int lo, int hi);
 qd_status qd_value_range(int value_kind, int *lo, int *hi);
+
+/* 1 when an array of rows x cols elements of elem_size bytes (dims >= 0) can exist,
+ * padded copies included: its byte count fits ptrdiff_t.  Larger sizes come from
+ * bad arguments, and the kernels' size arithmetic would overflow on them. */
+int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size);
+/* 1 when two byte ranges share a byte: an output that overlaps an input (or another
+ * output) is refused, as the kernels would read what they had already written. */
+int qd_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes);
 
 void *qd_aligned_alloc(size_t bytes);
 void qd_aligned_free(void *p);

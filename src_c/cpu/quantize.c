@@ -104,9 +104,15 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
     if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 ||
         rows % block_rows || cols % block_cols)
         return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, cols, sizeof(float)))
+        return QD_ERR_ARGUMENT;
     const qd_quant_kernels *kern = qd_quant_kernels_active();
     const int64_t grid_rows = rows / block_rows, grid_cols = cols / block_cols;
     const int64_t nblocks = grid_rows * grid_cols;
+    const size_t x_bytes = (size_t)(rows * cols) * sizeof(float), s_bytes = (size_t)nblocks * sizeof(float);
+    if (qd_overlap(q, (size_t)(rows * cols), x, x_bytes) || qd_overlap(scales, s_bytes, x, x_bytes) ||
+        qd_overlap(scales, s_bytes, q, (size_t)(rows * cols)))
+        return QD_ERR_ARGUMENT;
     const int threads = qd_threads_for(rows * cols / 65536 + 1);
     int64_t overflow_at = -1;
     int not_finite = 0;

@@ -1,9 +1,11 @@
 /* qdispatch.h: the public C interface of the qdispatch kernels.
  *
  * C99, no Python or CUDA headers.  Every entry point validates its arguments
- * and returns a qd_status; none aborts on bad input.  All arrays are
- * row-major and C-contiguous.  The only global state is the ISA choice, the
- * thread count and the CUDA decode's batch invariance.
+ * and returns a qd_status; none aborts on bad input.  The CPU entry points give
+ * QD_ERR_ARGUMENT for sizes that no array could have (its bytes would overflow
+ * ptrdiff_t) and for an output array that overlaps an input or another output.
+ * All arrays are row-major and C-contiguous.  The only global state is the ISA
+ * choice, the thread count and the CUDA decode's batch invariance.
  */
 #ifndef QDISPATCH_H
 #define QDISPATCH_H
@@ -79,8 +81,9 @@ qd_status qd_isa_set(qd_isa isa);
 void qd_isa_reset(void);
 
 /* ---- threads ---- */
-/* n <= 0 restores the default (the number of processors).  A library built without
- * OpenMP runs on one thread: it accepts n, and qd_get_num_threads() returns 1. */
+/* n <= 0 restores the default (the number of processors); n above 4 per processor
+ * counts as 4 per processor.  A library built without OpenMP runs on one thread: it
+ * accepts n, and qd_get_num_threads() returns 1. */
 void qd_set_num_threads(int n);
 int qd_get_num_threads(void);
 
@@ -99,16 +102,21 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
                           int64_t block_rows, int64_t block_cols, int scale_dtype,
                           float *scales, int8_t *q, int64_t *bad_index);
 
-/* ---- packed weights ---- */
+/* ---- packed weights ----
+ * Made only by qd_pack_weights: the functions that take them return QD_ERR_ARGUMENT
+ * for memory that qd_pack_weights did not fill (zeroed memory, say). */
 typedef struct qd_packed_weights qd_packed_weights;
 
 /* w: [N, K] int8 (nn.Linear layout), values in range for `bits` (8, 4 or 2);
- * scales: [N/block_n, K/block_k] float32 (may be NULL: all ones). */
+ * scales: [N/block_n, K/block_k] float32 (may be NULL: all ones).  *out is NULL
+ * after any error. */
 qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
                           const float *scales, int64_t block_n, int64_t block_k,
                           qd_packed_weights **out);
+/* Does nothing for NULL or for anything qd_pack_weights did not make. */
 void qd_packed_weights_free(qd_packed_weights *pw);
-/* Bytes held by the packed weights (panels + scales). 0 for NULL. */
+/* Bytes held by the packed weights (panels + scales). 0 for NULL and for anything
+ * qd_pack_weights did not make. */
 size_t qd_packed_weights_nbytes(const qd_packed_weights *pw);
 /* Shape and format of packed weights; any out pointer may be NULL. */
 qd_status qd_packed_weights_info(const qd_packed_weights *pw, int64_t *N, int64_t *K, int *bits,
