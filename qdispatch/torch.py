@@ -74,6 +74,11 @@ def from_torch(x, device=None):
         raise TypeError(f"from_torch expects a torch tensor, got {type(x).__name__}: "
                         f"use qdispatch.tensor(...) for other data")
     _check_strided(x, "from_torch")
+    return _shared(x, device)
+
+
+def _shared(x, device):
+    """from_torch past its checks (q_matmul has made them on x already)."""
     x = _dense(x)
     if x.is_cpu and x.dtype in _NUMPY_VIEW_DTYPES:  # numpy's view: no DLPack round
         return tensor_api.host_view(x.detach().numpy(), device)
@@ -163,7 +168,7 @@ def _operand(x, w, stream):
     would raise when qdispatch has no backend for x's device.  `stream`: torch's
     current stream on CUDA x's GPU."""
     if x.is_cpu:
-        return from_torch(x, device=w.device if w.device.is_host else None)
+        return _shared(x, w.device if w.device.is_host else None)
     reason = f"qdispatch has no backend for torch device {str(x.device)!r}"
     if x.is_cuda:
         try:
