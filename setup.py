@@ -40,6 +40,7 @@ class BuildExt(build_ext):
         self.kernel_objects = cpu_build.compile_objects(self.compiler, ROOT, self.build_temp)
         self.cuda = CUDA
         cuda_objects = cuda_build.compile_or_skip(CUDA, self.build_temp) if CUDA is not None else []
+        self.cuda_objects = cuda_objects or []
         if cuda_objects is None:  # nvcc failed under QDISPATCH_CUDA=auto: build without the backend
             self.cuda = None
             self.extensions = [ext for ext in self.extensions if ext.name != "qdispatch._cuda"]
@@ -72,15 +73,25 @@ class BuildExt(build_ext):
         for pkg in self.package_dirs():
             self.ship_c_library_to(pkg)
 
+    def c_library_objects(self):
+        """The shipped library: the CPU kernels, and the CUDA kernels in place of their
+        stubs when they were built."""
+        if self.cuda is None:
+            return self.kernel_objects, {}
+        cpu = [o for o in self.kernel_objects if os.path.basename(o) != "cuda_stubs.o"]
+        return cpu + self.cuda_objects, dict(libraries=cuda_build.LIBRARIES, library_dirs=[self.cuda.library_dir])
+
     def ship_c_library_to(self, pkg):
         lib_dir = os.path.join(pkg, "lib")
         inc_dir = os.path.join(pkg, "include")
         os.makedirs(lib_dir, exist_ok=True)
         os.makedirs(inc_dir, exist_ok=True)
-        self.compiler.create_static_lib(self.kernel_objects, "qdispatch", output_dir=lib_dir)
+        objects, cuda_link = self.c_library_objects()
+        self.compiler.create_static_lib(objects, "qdispatch", output_dir=lib_dir)
         self.compiler.link_shared_object(
-            self.kernel_objects, os.path.join(lib_dir, "libqdispatch.so"),
-            extra_postargs=cpu_build.openmp_flags() + ["-Wl,-soname,libqdispatch.so"])
+            objects, os.path.join(lib_dir, "libqdispatch.so"), **cuda_link,
+            # -Bsymbolic: its own functions call each other, whatever else the process loaded
+            extra_postargs=cpu_build.openmp_flags() + ["-Wl,-soname,libqdispatch.so", "-Wl,-Bsymbolic"])
         shutil.copy(os.path.join(INCLUDE, "qdispatch.h"), inc_dir)
 
     def write_build_config(self):

@@ -104,6 +104,11 @@ def gencode_flags():
     return flags
 
 
+# What a link of the CUDA objects needs.  The static runtime: loading needs no
+# libcudart.so, only the driver at run time.
+LIBRARIES = ["cudart_static", "dl", "rt", "pthread", "stdc++"]
+
+
 class CudaBuild:
     def __init__(self, root, nvcc, include_dir, library_dir):
         self.root, self.nvcc = root, nvcc
@@ -116,15 +121,14 @@ class CudaBuild:
         return Extension(
             "qdispatch._cuda", ["qdispatch/_cuda.pyx"],
             library_dirs=[self.library_dir],
-            # Static runtime: importing needs no libcudart.so, only the driver at run time.
-            libraries=["cudart_static", "dl", "rt", "pthread", "stdc++"],
+            libraries=LIBRARIES,
             extra_link_args=["-Wl,-Bsymbolic"],  # bind our qd_cuda_* over any stubs loaded first
             **kw)
 
     def compile_objects(self, build_temp):
         out_dir = os.path.join(build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
-        headers = sorted(glob.glob(os.path.join("src_c", "cuda", "*.cuh"))) + [os.path.join(INCLUDE, "qdispatch.h")]
+        headers = sorted(glob.glob(os.path.join("src_c", "cuda", "*.cuh"))) + sorted(glob.glob(os.path.join(INCLUDE, "*.h")))
         objects, stale = [], []
         for src in sorted(glob.glob(SOURCES)):
             obj = os.path.join(out_dir, os.path.basename(src) + ".o")
@@ -178,7 +182,8 @@ class CudaBuild:
 
     def describe(self):
         return {"nvcc": self.nvcc, "nvcc_version": nvcc_version(self.nvcc), "archs": archs(),
-                "flags": self.flags(), "runtime": "cudart_static"}
+                "flags": self.flags(), "runtime": "cudart_static",
+                "library_dir": self.library_dir, "libraries": LIBRARIES}
 
 
 def build_jobs():

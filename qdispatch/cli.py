@@ -91,6 +91,9 @@ def config(args):
         if args.static:  # the OpenMP runtime, when the kernels were built with it
             openmp = "" if build_config().get("openmp_left_out") else " -fopenmp"
             parts.append(f"{lib}/libqdispatch.a{openmp} -lm")
+            cuda = build_config().get("cuda")
+            if cuda:  # the CUDA kernels' runtime, from the toolkit they were built with
+                parts.append(" ".join([f"-L{cuda['library_dir']}"] + [f"-l{name}" for name in cuda["libraries"]]))
         else:
             parts.append(f"-L{lib} -Wl,-rpath,{lib} -lqdispatch")
     print(" ".join(parts))

@@ -22,8 +22,8 @@ int main() {
     expect(cudaErrorMemoryAllocation, QD_ERR_NO_MEMORY);
     expect(cudaErrorInvalidValue, QD_ERR_CUDA);
     if (!qd_cuda_available()) {
-        static float x[16];
-        const qd_status st = qd_cuda_add_bias_f32(x, 2, 8, x, x, nullptr);
+        static float x[16], bias[8];
+        const qd_status st = qd_cuda_add_bias_f32(x, 2, 8, bias, x, nullptr);
         if (st != QD_ERR_CUDA_UNAVAILABLE)
             std::printf("qd_cuda_add_bias_f32 without a GPU: status %d (%s)\n", (int)st, qd_cuda_last_error()), ++wrong;
     }

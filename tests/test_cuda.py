@@ -797,6 +797,15 @@ def test_tensor_round_trip(rng, dtype):
     np.testing.assert_array_equal(back.numpy(), t.numpy())
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32"])
+def test_transpose_of_more_row_tiles_than_a_grid_holds(dtype):
+    """.T of a matrix of more than 65535 tiles of 32 rows: the grid's y dimension
+    stops there, and the launch used to fail with a KernelError."""
+    rows = 65535 * 32 + 37
+    a = (np.arange(rows * 3) % 251 - 125).astype(dtype).reshape(rows, 3)
+    np.testing.assert_array_equal(qd.tensor(a, device="cuda").T.numpy(), a.T)
+
+
 @pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", block=32), qd.QuantScheme("q4f", block=32, store="packed_u32")],
                          ids=repr)
 def test_qtensor_reference_cpu_cuda_cpu(rng, scheme):

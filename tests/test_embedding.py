@@ -210,6 +210,111 @@ def test_outputs_that_overlap_inputs_are_refused(c_compiler, shell_env, tmp_path
     assert out == ["3"] * 5 + ["0"]
 
 
+def built_with_cuda():
+    from qdispatch._build_config import BUILD_CONFIG
+    return BUILD_CONFIG["cuda"] is not None
+
+
+@pytest.mark.skipif(not built_with_cuda(), reason="the library was built without CUDA kernels")
+def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, shell_env, tmp_path):
+    """The CUDA entry points take the CPU ones' rules: sizes whose byte counts overflow
+    and outputs over inputs are QD_ERR_ARGUMENT, found before any CUDA call (the
+    pointers here are never dereferenced).  Before, the sizes wrapped in the grid
+    arithmetic and the kernels wrote where they pleased, which kills the CUDA context
+    for good.  Without a GPU, arrays side by side pass the checks and reach the
+    launch, which reports QD_ERR_CUDA_UNAVAILABLE (in place add_bias among them, the
+    one overlap the header allows)."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        char *const d = (char *)(uintptr_t)0x7f0000000000;  /* device addresses, never read */
+        char *const e = d + (1 << 20), *const f = d + (2 << 20), *const g = d + (3 << 20);
+        const int64_t huge = (int64_t)1 << 62;
+        const int bf = QD_CUDA_BF16, f32 = QD_CUDA_F32;
+        qd_status bad[] = {
+            qd_cuda_cast(d, f32, e, QD_CUDA_F16, huge, NULL),
+            qd_cuda_cast(d, QD_CUDA_F16, d + 16, f32, 64, NULL),
+            qd_cuda_split_bf16((float *)d, huge, 4, 4, e, 8, NULL),
+            qd_cuda_split_bf16((float *)d, 2, 4, 4, d + 16, 8, NULL),
+            qd_cuda_sum3_f32((float *)d, huge, e, f32, NULL),
+            qd_cuda_sum3_f32((float *)d, 16, d + 64, f32, NULL),
+            qd_cuda_add_bias_f32((float *)d, huge, 4, (float *)e, (float *)f, NULL),
+            qd_cuda_add_bias_f32((float *)d, 2, 8, (float *)e, (float *)(d + 16), NULL),
+            qd_cuda_add_bias_f32((float *)d, 2, 8, (float *)e, (float *)e, NULL),
+            qd_cuda_transpose(d, 1, huge, 4, 4, e, NULL),
+            qd_cuda_transpose(d, 2, 4, 4, 4, d + 64, NULL),
+            qd_cuda_pad_s8((int8_t *)d, huge, 4, (int8_t *)e, 16, NULL),
+            qd_cuda_pad_s8((int8_t *)d, 4, 4, (int8_t *)(d + 8), 16, NULL),
+            qd_cuda_pack_u32((int8_t *)d, huge, 8, 4, (uint32_t *)e, NULL),
+            qd_cuda_pack_u32((int8_t *)d, 4, 8, 4, (uint32_t *)(d + 8), NULL),
+            qd_cuda_unpack_u32((uint32_t *)d, huge, 8, 4, (int8_t *)e, NULL),
+            qd_cuda_unpack_u32((uint32_t *)d, 4, 8, 4, (int8_t *)(d + 4), NULL),
+            qd_cuda_quantize_f32((float *)d, huge, 4, QD_Q8S, huge, 4, QD_SCALE_F32, (float *)e,
+                                 (int8_t *)f, g, NULL, NULL),
+            qd_cuda_quantize_f32((float *)d, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, (float *)(d + 4),
+                                 (int8_t *)f, g, NULL, NULL),
+            qd_cuda_quantize_f32((float *)d, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, (float *)e,
+                                 (int8_t *)f, f, NULL, NULL),
+            qd_cuda_dequantize(d, 0, huge, 4, (float *)e, huge, 4, (float *)f, NULL),
+            qd_cuda_dequantize(d, 4, 4, 8, (float *)e, 1, 8, (float *)(e + 8), NULL),
+            qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)e, 4, 4, 16, (int64_t)1 << 60, (int32_t *)f, NULL),
+            qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)e, 2, 4, 16, 16, (int32_t *)(e + 16), NULL),
+            qd_cuda_qq_matmul((int8_t *)d, (int8_t *)e, 2, 4, 16, 16, (float *)g, 1, 16, (float *)f, 1, 16,
+                              g + 4, f32, NULL),
+            qd_cuda_fq_tile_weights((int8_t *)d, huge, 64, 64, 4, e, NULL),
+            qd_cuda_fq_tile_weights((int8_t *)d, 16, 64, 64, 8, d + 512, NULL),
+            qd_cuda_fq_untile_weights(d, 16, 64, 4, (int8_t *)(d + 256), 64, NULL),
+            qd_cuda_fq_tile_scales((float *)d, huge, 64, 1, 64, e, NULL),
+            qd_cuda_fq_tile_scales((float *)d, 16, 64, 1, 64, d + 32, NULL),
+            qd_cuda_fq_expand_weights(d, huge, 64, 4, bf, e, 64, NULL),
+            qd_cuda_fq_expand_weights(d, 16, 64, 4, bf, d + 16, 64, NULL),
+            qd_cuda_fq_matmul(d, bf, huge, 64, e, f, 4, 16, 64, 64, g, bf, NULL),
+            qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, d + 128, bf, NULL),
+            qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, f + 32, bf, NULL),
+            qd_cuda_fq_gemm(d, e, bf, 4, 16, 64, (int64_t)1 << 60, (float *)f, 1, 64, g, f32, NULL),
+            qd_cuda_fq_gemm(d, e, bf, 2, 16, 64, 64, (float *)f, 1, 64, e + 256, f32, NULL),
+        };
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+            printf("%d ", bad[i]);
+        printf("| ");
+        if (qd_cuda_available())
+            return 0;
+        qd_status side_by_side[] = {
+            qd_cuda_cast(d, QD_CUDA_F16, d + 128, f32, 64, NULL),
+            qd_cuda_add_bias_f32((float *)d, 2, 8, (float *)e, (float *)d, NULL),
+            qd_cuda_transpose(d, 2, 4, 4, 4, d + 128, NULL),
+            qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)(d + 32), 2, 4, 16, 16, (int32_t *)(d + 96), NULL),
+            qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, d + 256, bf, NULL),
+        };
+        for (size_t i = 0; i < sizeof side_by_side / sizeof side_by_side[0]; i++)
+            printf("%d ", side_by_side[i]);
+    """)
+    assert out[:out.index("|")] == ["3"] * 37
+    assert out[out.index("|") + 1:] in ([], ["11"] * 5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in qd.available_backends(), reason="needs the cuda backend and a GPU")
+def test_shipped_library_runs_the_cuda_kernels(rng):
+    """A build with CUDA ships its CUDA kernels in libqdispatch too: C code (here
+    through ctypes, on torch's device memory) gets exact products from them, where
+    the library used to hold only the stubs that report QD_ERR_CUDA_UNAVAILABLE."""
+    import ctypes
+    torch = pytest.importorskip("torch")
+    lib = ctypes.CDLL(os.path.join(qd.get_library_dir(), "libqdispatch.so"))
+    assert lib.qd_cuda_available() == 1
+    M, K, N = 33, 80, 17  # rows 80 bytes apart: a multiple of 16
+    a = rng.integers(-128, 128, (M, K), dtype=np.int8)
+    bt = rng.integers(-128, 128, (N, K), dtype=np.int8)
+    da, dbt = torch.from_numpy(a).cuda(), torch.from_numpy(bt).cuda()
+    c = torch.zeros((M, N), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    st = lib.qd_cuda_int_matmul_s8(ptr(da.data_ptr()), ptr(dbt.data_ptr()), i64(M), i64(N), i64(K), i64(K),
+                                   ptr(c.data_ptr()), None)
+    torch.cuda.synchronize()
+    assert st == 0
+    np.testing.assert_array_equal(c.cpu().numpy(), a.astype(np.int64) @ bt.T.astype(np.int64))
+
+
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
     texts = [open(p).read() for p in DOCS if os.path.exists(p)]

@@ -1,4 +1,4 @@
-/* ISA selection, the per-ISA kernel tables, thread count, argument checks and status strings. */
+/* ISA selection, the per-ISA kernel tables, thread count and status strings. */
 #define _POSIX_C_SOURCE 200112L
 #include <ctype.h>
 #include <stdint.h>
@@ -183,24 +183,6 @@ int qd_threads_for(int64_t work_items)
     if (work_items < 1)
         return 1;
     return work_items < n ? (int)work_items : n;
-}
-
-/* ---- argument checks ---- */
-/* The kernels' copies pad each dimension by less than this. */
-#define PAD_MAX 64
-
-int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size)
-{
-    int64_t bytes;
-    return rows <= INT64_MAX - PAD_MAX && cols <= INT64_MAX - PAD_MAX &&
-           !__builtin_mul_overflow(rows + PAD_MAX, cols + PAD_MAX, &bytes) &&
-           !__builtin_mul_overflow(bytes, (int64_t)elem_size, &bytes) && bytes <= PTRDIFF_MAX;
-}
-
-int qd_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes)
-{
-    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-    return x < y + b_bytes && y < x + a_bytes;
 }
 
 /* ---- memory ---- */

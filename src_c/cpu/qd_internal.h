@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <stddef.h>
 #include "qdispatch.h"
+#include "qd_checks.h"
 
 /* ---- panel layout (ISA-independent) ----
  * Weights are stored in panels of QD_NR output columns.  A panel is a run of
@@ -150,14 +151,6 @@ int qd_threads_for(int64_t work_items);
 void qd_quantize_segment(const float *x, int64_t n, int lo, int hi, float scale, int8_t *q);
 float qd_segment_scale(const float *x, int64_t n, int lo, int hi);
 qd_status qd_value_range(int value_kind, int *lo, int *hi);
-
-/* 1 when an array of rows x cols elements of elem_size bytes (dims >= 0) can exist,
- * padded copies included: its byte count fits ptrdiff_t.  Larger sizes come from
- * bad arguments, and the kernels' size arithmetic would overflow on them. */
-int qd_dims_fit(int64_t rows, int64_t cols, size_t elem_size);
-/* 1 when two byte ranges share a byte: an output that overlaps an input (or another
- * output) is refused, as the kernels would read what they had already written. */
-int qd_overlap(const void *a, size_t a_bytes, const void *b, size_t b_bytes);
 
 void *qd_aligned_alloc(size_t bytes);
 void qd_aligned_free(void *p);

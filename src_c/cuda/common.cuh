@@ -4,7 +4,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <initializer_list>
 
+#include "qd_checks.h"
 #include "qdispatch.h"
 
 namespace qd {
@@ -166,6 +168,28 @@ __device__ inline void store_from_f32(void *dst, int dtype, int64_t i, float v) 
 inline unsigned grid_for(int64_t n, int threads) {
     int64_t blocks = ceil_div(n, threads);
     return static_cast<unsigned>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
+}
+
+// ---- argument checks of the entry points (qd_checks.h holds those the CPU shares) ----
+inline bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
+inline size_t dtype_bytes(int dtype) { return dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16 ? 2 : dtype == QD_CUDA_S8 ? 1 : 4; }
+
+// Bytes from the first element of `rows` rows of `cols` elements, `ld` apart, to
+// past the last (0 when empty).  Sizes checked by qd_dims_fit(rows, ld, elem).
+inline size_t span_bytes(int64_t rows, int64_t cols, int64_t ld, size_t elem) {
+    return rows > 0 && cols > 0 ? (size_t)((rows - 1) * ld + cols) * elem : 0;
+}
+
+// A device array's bytes, for the overlap rule: no output may share a byte with
+// an input or another output (the kernels would read what they had written).
+struct Bytes {
+    const void *p;
+    size_t n;
+};
+inline bool overlaps_any(Bytes out, std::initializer_list<Bytes> others) {
+    for (const Bytes &o : others)
+        if (qd_overlap(out.p, out.n, o.p, o.n)) return true;
+    return false;
 }
 
 // Quantized value range of a qd_value, as in the scheme table.

@@ -1,6 +1,7 @@
 // Memory-bound helpers: casts, bias, transposes, padding, the packed_u32 store,
 // dequantization, float32 cut into bfloat16 parts and added back, and the sums of
 // splits of K added.  All are grid-stride loops over the output.
+#include <algorithm>
 #include <atomic>
 
 #include <cuda_bf16.h>
@@ -100,22 +101,26 @@ __global__ void add_bias_kernel(const float *x, int64_t n, int64_t cols, const f
 }
 
 // 32x32 tiles through shared memory so that reads and writes are both coalesced;
-// the +1 column avoids bank conflicts on the transposed read.
+// the +1 column avoids bank conflicts on the transposed read.  A block takes every
+// gridDim.y-th tile of rows (the grid's y dimension stops at 65535).
 template <typename T>
 __global__ void transpose_kernel(const T *src, int64_t rows, int64_t cols, T *dst) {
     __shared__ T tile[32][33];
     const int64_t b = blockIdx.z;
     src += b * rows * cols;
     dst += b * rows * cols;
-    const int64_t c0 = (int64_t)blockIdx.x * 32, r0 = (int64_t)blockIdx.y * 32;
-    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
-        int64_t r = r0 + i, c = c0 + threadIdx.x;
-        if (r < rows && c < cols) tile[i][threadIdx.x] = src[r * cols + c];
-    }
-    __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
-        int64_t c = c0 + i, r = r0 + threadIdx.x;
-        if (r < rows && c < cols) dst[c * rows + r] = tile[threadIdx.x][i];
+    const int64_t c0 = (int64_t)blockIdx.x * 32;
+    for (int64_t r0 = (int64_t)blockIdx.y * 32; r0 < rows; r0 += (int64_t)gridDim.y * 32) {
+        for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+            int64_t r = r0 + i, c = c0 + threadIdx.x;
+            if (r < rows && c < cols) tile[i][threadIdx.x] = src[r * cols + c];
+        }
+        __syncthreads();
+        for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+            int64_t c = c0 + i, r = r0 + threadIdx.x;
+            if (r < rows && c < cols) dst[c * rows + r] = tile[threadIdx.x][i];
+        }
+        __syncthreads();  // the tile is read before the next one lands
     }
 }
 
@@ -173,18 +178,24 @@ __global__ void dequantize_kernel(const void *values, int bits, int64_t rows, in
     }
 }
 
-bool float_dtype(int d) { return d == QD_CUDA_F32 || d == QD_CUDA_F16 || d == QD_CUDA_BF16; }
 bool packed_bits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
 
 }  // namespace
 
 using qd::as_stream;
+using qd::Bytes;
+using qd::dtype_bytes;
+using qd::float_dtype;
 using qd::grid_for;
+using qd::overlaps_any;
+using qd::span_bytes;
 
 extern "C" qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype,
                                   int64_t n, void *stream) {
     if (!src || !dst) return QD_ERR_NULL;
     if (!float_dtype(src_dtype) || !float_dtype(dst_dtype) || n < 0) return QD_ERR_ARGUMENT;
+    if (!qd_dims_fit(1, n, sizeof(float))) return QD_ERR_ARGUMENT;
+    if (overlaps_any({dst, n * dtype_bytes(dst_dtype)}, {{src, n * dtype_bytes(src_dtype)}})) return QD_ERR_ARGUMENT;
     if (n == 0) return QD_OK;
     cast_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(src, src_dtype, dst,
                                                                             dst_dtype, n);
@@ -195,6 +206,9 @@ extern "C" qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t co
                                         int64_t ld, void *stream) {
     if (!x || !parts) return QD_ERR_NULL;
     if (rows < 0 || cols < 0 || ldx < cols || ld < cols) return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, ldx, sizeof(float)) || !qd_dims_fit(rows, ld, 3 * sizeof(__nv_bfloat16)) ||
+        overlaps_any({parts, (size_t)(rows * ld) * 3 * sizeof(__nv_bfloat16)}, {{x, span_bytes(rows, cols, ldx, 4)}}))
+        return QD_ERR_ARGUMENT;
     if (rows * ld == 0) return QD_OK;
     split_bf16_kernel<<<grid_for(rows * ld, kThreads), kThreads, 0, as_stream(stream)>>>(
         x, rows, cols, ldx, static_cast<__nv_bfloat16 *>(parts), ld);
@@ -204,6 +218,8 @@ extern "C" qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t co
 extern "C" qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream) {
     if (!a || !out) return QD_ERR_NULL;
     if (!float_dtype(out_dtype) || n < 0) return QD_ERR_ARGUMENT;
+    if (!qd_dims_fit(1, n, 3 * sizeof(float))) return QD_ERR_ARGUMENT;
+    if (overlaps_any({out, n * dtype_bytes(out_dtype)}, {{a, 3 * n * sizeof(float)}})) return QD_ERR_ARGUMENT;
     if (n == 0) return QD_OK;
     sum3_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(a, n, out, out_dtype);
     return qd::launched();
@@ -241,6 +257,10 @@ extern "C" qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t 
                                           const float *bias, float *out, void *stream) {
     if (!x || !bias || !out) return QD_ERR_NULL;
     if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, cols, sizeof(float))) return QD_ERR_ARGUMENT;
+    const Bytes o{out, (size_t)(rows * cols) * sizeof(float)};
+    if (overlaps_any(o, {{bias, cols * sizeof(float)}}) || (out != x && overlaps_any(o, {{x, o.n}})))
+        return QD_ERR_ARGUMENT;  // in place (out == x) is fine: each element is read, then written
     add_bias_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
         x, rows * cols, cols, bias, out);
     return qd::launched();
@@ -249,15 +269,20 @@ extern "C" qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t 
 extern "C" qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t rows, int64_t cols,
                                        int elem_size, void *dst, void *stream) {
     if (!src || !dst) return QD_ERR_NULL;
+    if (elem_size != 1 && elem_size != 2 && elem_size != 4) return QD_ERR_ARGUMENT;
     if (batch <= 0 || rows <= 0 || cols <= 0 || batch > 65535) return QD_ERR_SHAPE;
-    dim3 grid((unsigned)qd::ceil_div(cols, 32), (unsigned)qd::ceil_div(rows, 32), (unsigned)batch);
+    if (!qd_dims_fit(rows, cols, batch * elem_size)) return QD_ERR_ARGUMENT;
+    const size_t bytes = (size_t)(batch * rows * cols) * elem_size;
+    if (overlaps_any({dst, bytes}, {{src, bytes}})) return QD_ERR_ARGUMENT;
+    // row tiles past the grid's y limit are taken in turn (grid-stride)
+    dim3 grid((unsigned)qd::ceil_div(cols, 32), (unsigned)std::min<int64_t>(qd::ceil_div(rows, 32), 65535),
+              (unsigned)batch);
     dim3 block(32, 8);
     cudaStream_t s = as_stream(stream);
     switch (elem_size) {
         case 1: transpose_kernel<<<grid, block, 0, s>>>((const int8_t *)src, rows, cols, (int8_t *)dst); break;
         case 2: transpose_kernel<<<grid, block, 0, s>>>((const uint16_t *)src, rows, cols, (uint16_t *)dst); break;
-        case 4: transpose_kernel<<<grid, block, 0, s>>>((const uint32_t *)src, rows, cols, (uint32_t *)dst); break;
-        default: return QD_ERR_ARGUMENT;
+        default: transpose_kernel<<<grid, block, 0, s>>>((const uint32_t *)src, rows, cols, (uint32_t *)dst);
     }
     return qd::launched();
 }
@@ -266,6 +291,8 @@ extern "C" qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t col
                                     int64_t dst_ld, void *stream) {
     if (!src || !dst) return QD_ERR_NULL;
     if (rows <= 0 || cols <= 0 || dst_ld < cols) return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, dst_ld, 1) || overlaps_any({dst, (size_t)(rows * dst_ld)}, {{src, (size_t)(rows * cols)}}))
+        return QD_ERR_ARGUMENT;
     pad_kernel<<<grid_for(rows * dst_ld, kThreads), kThreads, 0, as_stream(stream)>>>(
         src, rows, cols, dst, dst_ld);
     return qd::launched();
@@ -276,7 +303,9 @@ extern "C" qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t col
     if (!q || !words) return QD_ERR_NULL;
     if (!packed_bits(bits)) return QD_ERR_SCHEME;
     if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, cols, 1)) return QD_ERR_ARGUMENT;
     int64_t n = rows * qd::ceil_div(cols, 32 / bits);
+    if (overlaps_any({words, n * sizeof(uint32_t)}, {{q, (size_t)(rows * cols)}})) return QD_ERR_ARGUMENT;
     pack_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(q, rows, cols, bits, words);
     return qd::launched();
 }
@@ -286,6 +315,9 @@ extern "C" qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int
     if (!q || !words) return QD_ERR_NULL;
     if (!packed_bits(bits)) return QD_ERR_SCHEME;
     if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, cols, 1)) return QD_ERR_ARGUMENT;
+    const size_t word_bytes = (size_t)(rows * qd::ceil_div(cols, 32 / bits)) * sizeof(uint32_t);
+    if (overlaps_any({q, (size_t)(rows * cols)}, {{words, word_bytes}})) return QD_ERR_ARGUMENT;
     unpack_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
         words, rows, cols, bits, q);
     return qd::launched();
@@ -299,6 +331,12 @@ extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t ro
     if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
         cols % block_cols)
         return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, cols, sizeof(float))) return QD_ERR_ARGUMENT;
+    const size_t value_bytes = bits ? (size_t)(rows * qd::ceil_div(cols, 32 / bits)) * sizeof(uint32_t)
+                                    : (size_t)(rows * cols);
+    const size_t scale_bytes = (size_t)(rows / block_rows * (cols / block_cols)) * sizeof(float);
+    if (overlaps_any({out, (size_t)(rows * cols) * sizeof(float)}, {{values, value_bytes}, {scales, scale_bytes}}))
+        return QD_ERR_ARGUMENT;
     dequantize_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
         values, bits, rows, cols, scales, block_rows, block_cols, out);
     return qd::launched();

@@ -133,7 +133,9 @@ qd_status tile_weights(const int8_t *values, int64_t N, int64_t K, int64_t ld, i
                        cudaStream_t s) {
     if (!values || !tile_words) return QD_ERR_NULL;
     if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
-    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
+    if ((bits != 8 && bits != 4 && bits != 2) || !qd_dims_fit(N, ld, 1)) return QD_ERR_ARGUMENT;
+    if (qd::overlaps_any({values, qd::span_bytes(N, K, ld, 1)}, {{tile_words, (size_t)qd_cuda_fq_tiles_bytes(N, K, bits)}}))
+        return QD_ERR_ARGUMENT;
     // one kernel for both directions: the side it writes is the side it was given to write
     int8_t *q = const_cast<int8_t *>(values);
     uint32_t *tiles = static_cast<uint32_t *>(const_cast<void *>(tile_words));
@@ -817,8 +819,6 @@ qd_status stream_scratch(DeviceState &d, cudaStream_t s, size_t floats, StreamSc
 // Whether the decode launches cut K the same way for every M (see the top of the file).
 std::atomic<bool> batch_invariant{false};
 
-bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
-
 // How a launch cuts K: kw warps per band, splits over blocks, tiles per split and
 // per warp (0: a split's tiles spread evenly over its kw warps).
 struct Cut {
@@ -1011,9 +1011,11 @@ extern "C" qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int
                                                void *w16, int64_t ld, void *stream) {
     if (!tiles || !w16) return QD_ERR_NULL;
     if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
-    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_ARGUMENT;
+    if ((bits != 8 && bits != 4 && bits != 2) || !qd_dims_fit(N, ld, 2)) return QD_ERR_ARGUMENT;
     // The zeros past K come from the tiles, which hold them up to a whole tile of K.
     if (ld % 8 || ld > ceil_div(K, tile_k(bits)) * tile_k(bits)) return QD_ERR_ARGUMENT;
+    if (qd::overlaps_any({w16, (size_t)(N * ld) * 2}, {{tiles, (size_t)qd_cuda_fq_tiles_bytes(N, K, bits)}}))
+        return QD_ERR_ARGUMENT;
     cudaStream_t s = qd::as_stream(stream);
     if (dtype == QD_CUDA_F16) return expand_weights(tiles, N, K, bits, static_cast<__half *>(w16), ld, s);
     if (dtype == QD_CUDA_BF16) return expand_weights(tiles, N, K, bits, static_cast<__nv_bfloat16 *>(w16), ld, s);
@@ -1024,7 +1026,11 @@ extern "C" qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int6
                                             int64_t block_k, void *scale_tiles, void *stream) {
     if (!scales || !scale_tiles) return QD_ERR_NULL;
     if (N <= 0 || K <= 0 || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k) return QD_ERR_SHAPE;
+    if (!qd_dims_fit(N, K / block_k, sizeof(float))) return QD_ERR_ARGUMENT;
     const int64_t count = qd_cuda_fq_scale_tiles_bytes(N, K, block_k) / 4;
+    if (qd::overlaps_any({scale_tiles, count * sizeof(float)},
+                         {{scales, (size_t)(N / block_n * (K / block_k)) * sizeof(float)}}))
+        return QD_ERR_ARGUMENT;
     cudaStream_t s = qd::as_stream(stream);
     tile_scales_kernel<<<qd::grid_for(count, 256), 256, 0, s>>>(scales, N, block_n, K / block_k, count,
                                                                 static_cast<float *>(scale_tiles));
@@ -1040,8 +1046,14 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
     if (K > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
     const int x_size = x_dtype == QD_CUDA_F32 ? 4 : 2, out_size = out_dtype == QD_CUDA_F32 ? 4 : 2;
     // x is copied in 16-byte pieces: rows start on 16-byte boundaries
-    if (!float_dtype(x_dtype) || !float_dtype(out_dtype) || ldx < K || ldx * x_size % 16 ||
-        reinterpret_cast<uintptr_t>(x) % 16 || !qd_cuda_fq_supported(bits, K, block_k))
+    if (!qd_dims_fit(M, ldx, x_size) || !qd_dims_fit(M, N, out_size) || !qd::float_dtype(x_dtype) ||
+        !qd::float_dtype(out_dtype) || ldx < K || ldx * x_size % 16 || reinterpret_cast<uintptr_t>(x) % 16 ||
+        !qd_cuda_fq_supported(bits, K, block_k))
+        return QD_ERR_ARGUMENT;
+    if (qd::overlaps_any({out, (size_t)(M * N) * out_size},
+                         {{x, qd::span_bytes(M, K, ldx, x_size)},
+                          {tiles, (size_t)qd_cuda_fq_tiles_bytes(N, K, bits)},
+                          {scale_tiles, (size_t)qd_cuda_fq_scale_tiles_bytes(N, K, block_k)}}))
         return QD_ERR_ARGUMENT;
     Operand op{x, x_dtype, 0, ldx, K,
                static_cast<const uint4 *>(tiles), ceil_div(N, 16), ceil_div(K, tile_k(bits)), N,

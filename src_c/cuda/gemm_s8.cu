@@ -264,12 +264,27 @@ int64_t gcd(int64_t x, int64_t y) {
     return x;
 }
 
-qd_status check_operands(const void *a, const void *bt, const void *out, int64_t M, int64_t N,
-                         int64_t K, int64_t ld) {
+// a [M, ld] and bt [N, ld] of elem-byte values (K of them a row, then zeros up to
+// 16 bytes), and out [M, N] of out_dtype, which must not overlap them.
+qd_status check_operands(const void *a, const void *bt, const void *out, int out_dtype, int64_t M, int64_t N,
+                         int64_t K, int64_t ld, size_t elem = 1) {
     if (!a || !bt || !out) return QD_ERR_NULL;
     if (M <= 0 || N <= 0 || K <= 0 || M > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
-    if (ld % 16 || ld < K) return QD_ERR_ARGUMENT;
+    if (!qd_dims_fit(M, ld, elem) || !qd_dims_fit(N, ld, elem) || !qd_dims_fit(M, N, sizeof(float)) ||
+        ld * elem % 16 || ld < K)
+        return QD_ERR_ARGUMENT;
+    const int64_t row = (K * elem + 15) / 16 * 16;  // bytes read a row
+    if (qd::overlaps_any({out, (size_t)(M * N) * qd::dtype_bytes(out_dtype)},
+                         {{a, qd::span_bytes(M, row, ld * elem, 1)}, {bt, qd::span_bytes(N, row, ld * elem, 1)}}))
+        return QD_ERR_ARGUMENT;
     return QD_OK;
+}
+
+// Whether out [M, N] of out_dtype overlaps scales [rows / block_rows, K / block_k].
+bool overlaps_scales(const void *out, int out_dtype, int64_t M, int64_t N, const float *scales, int64_t rows,
+                     int64_t block_rows, int64_t K, int64_t block_k) {
+    return qd::overlaps_any({out, (size_t)(M * N) * qd::dtype_bytes(out_dtype)},
+                            {{scales, (size_t)(rows / block_rows * (K / block_k)) * sizeof(float)}});
 }
 
 // K in bytes: the zero padding up to the next 16 bytes is part of the rows.
@@ -311,13 +326,14 @@ qd_status launch_fq_gemm(const void *x, const void *w16, int64_t M, int64_t N, i
 extern "C" qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N,
                                      int64_t K, int64_t ld, const float *scales, int64_t block_n,
                                      int64_t block_k, void *out, int out_dtype, void *stream) {
-    if (!x || !w16 || !scales || !out) return QD_ERR_NULL;
-    if (M <= 0 || N <= 0 || K <= 0 || M > 0x7FFFFFFF || N > 0x7FFFFFFF || ld < K) return QD_ERR_SHAPE;
+    // rows copied in 16-byte pieces (checked with the operands); scale blocks end on whole mma steps
+    qd_status st = check_operands(x, w16, out, out_dtype, M, N, K, ld, 2);
+    if (st != QD_OK) return st;
+    if (!qd::float_dtype(out_dtype)) return QD_ERR_ARGUMENT;
+    if (!scales) return QD_ERR_NULL;
     if (block_n <= 0 || block_k <= 0 || N % block_n || K % block_k) return QD_ERR_SHAPE;
-    if (out_dtype != QD_CUDA_F32 && out_dtype != QD_CUDA_F16 && out_dtype != QD_CUDA_BF16) return QD_ERR_ARGUMENT;
-    // rows copied in 16-byte pieces; scale blocks end on whole mma steps
-    if (ld % 8 || reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w16) % 16 ||
-        (block_k != K && block_k % 16))
+    if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w16) % 16 ||
+        (block_k != K && block_k % 16) || overlaps_scales(out, out_dtype, M, N, scales, N, block_n, K, block_k))
         return QD_ERR_ARGUMENT;
     if (dtype == QD_CUDA_F16)
         return launch_fq_gemm<F16>(x, w16, M, N, K, ld, scales, block_n, block_k, out, out_dtype, stream);
@@ -329,7 +345,7 @@ extern "C" qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, 
 extern "C" qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M,
                                            int64_t N, int64_t K, int64_t ld, int32_t *c,
                                            void *stream) {
-    qd_status st = check_operands(a, bt, c, M, N, K, ld);
+    qd_status st = check_operands(a, bt, c, QD_CUDA_S32, M, N, K, ld);
     if (st != QD_OK) return st;
     if (K > QD_INT_MATMUL_MAX_K) return QD_ERR_K_TOO_LARGE;
     return launch_gemm<INT32_OUT>(a, bt, M, N, K, ld, c, QD_CUDA_S32, Scales{}, stream);
@@ -375,14 +391,16 @@ extern "C" qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_
                                        const float *b_scales, int64_t b_block_n,
                                        int64_t b_block_k, void *out, int out_dtype,
                                        void *stream) {
-    qd_status st = check_operands(a, bt, out, M, N, K, ld);
+    qd_status st = check_operands(a, bt, out, out_dtype, M, N, K, ld);
     if (st != QD_OK) return st;
+    if (!qd::float_dtype(out_dtype)) return QD_ERR_ARGUMENT;
     if (!a_scales || !b_scales) return QD_ERR_NULL;
-    if (out_dtype != QD_CUDA_F32 && out_dtype != QD_CUDA_F16 && out_dtype != QD_CUDA_BF16)
-        return QD_ERR_ARGUMENT;
     if (a_block_m <= 0 || a_block_k <= 0 || b_block_n <= 0 || b_block_k <= 0 ||
         M % a_block_m || K % a_block_k || N % b_block_n || K % b_block_k)
         return QD_ERR_SHAPE;
+    if (overlaps_scales(out, out_dtype, M, N, a_scales, M, a_block_m, K, a_block_k) ||
+        overlaps_scales(out, out_dtype, M, N, b_scales, N, b_block_n, K, b_block_k))
+        return QD_ERR_ARGUMENT;
     const int64_t G = gcd(a_block_k, b_block_k);
     Scales sc{a_scales, K / a_block_k, a_block_m, a_block_k,
               b_scales, K / b_block_k, b_block_n, b_block_k, 0};

@@ -103,8 +103,14 @@ extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t 
     if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
         cols % block_cols)
         return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, cols, sizeof(float))) return QD_ERR_ARGUMENT;
     const Blocking b{rows, cols, block_rows, block_cols};
     const int64_t n_scales = (rows / block_rows) * b.grid_cols();
+    const qd::Bytes xb{x, (size_t)(rows * cols) * sizeof(float)}, qb{q, (size_t)(rows * cols)},
+        sb{scales, n_scales * sizeof(float)}, scratch_b{scratch, QD_CUDA_QUANTIZE_SCRATCH};
+    if (qd::overlaps_any(qb, {xb, sb, scratch_b}) || qd::overlaps_any(sb, {xb, scratch_b}) ||
+        qd::overlaps_any(scratch_b, {xb}))
+        return QD_ERR_ARGUMENT;
     auto *bad = static_cast<unsigned long long *>(scratch);  // [0]: non-finite input, [1]: overflow
     cudaStream_t s = qd::as_stream(stream);
     qd_status st;

@@ -1,10 +1,10 @@
 /* qdispatch.h: the public C interface of the qdispatch kernels.
  *
  * C99, no Python or CUDA headers.  Every entry point validates its arguments
- * and returns a qd_status; none aborts on bad input.  The CPU entry points give
+ * and returns a qd_status; none aborts on bad input.  Entry points give
  * QD_ERR_ARGUMENT for sizes that no array could have (its bytes would overflow
- * ptrdiff_t) and for an output array that overlaps an input or another output.
- * All arrays are row-major and C-contiguous.  The only global state is the ISA
+ * ptrdiff_t) and for an output array that overlaps an input or another output
+ * (only qd_cuda_add_bias_f32 may write over its x, exactly).  All arrays are row-major and C-contiguous.  The only global state is the ISA
  * choice, the thread count and the CUDA decode's batch invariance.
  */
 #ifndef QDISPATCH_H
