@@ -367,3 +367,38 @@ def test_a_rebuilt_object_relinks_the_extension(cpu_build):
     cpu_build.link_objects(ext, objects)
     assert ext.extra_objects == objects
     assert set(objects) <= set(ext.depends) and "src_c/include/qdispatch.h" in ext.depends
+
+
+def test_the_neon_kernels_match_exact_references_under_qemu(cpu_build, tmp_path, monkeypatch):
+    """The library as cpu.py builds it on an aarch64 machine (baseline files plain, the
+    _neon files with their flags, no x86 files), cross-compiled with tests/neon_check.c
+    and run under qemu-aarch64: on a CPU with dotprod the NEON kernels are chosen and
+    give the exact references' results at their tile edges, on one thread and three;
+    on an armv8.0 CPU they are built but not chosen.  Needs an aarch64 cross compiler
+    and qemu-aarch64 on PATH, as no CI machine is aarch64."""
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if not cc or not qemu:
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 on PATH")
+    monkeypatch.setattr(cpu_build, "machine", lambda: "aarch64")
+    sources = cpu_build.sources(ROOT)
+    neon_flags = cpu_build.ISA_FLAGS["_neon"][1]
+    assert {cpu_build.isa_of(path) for path, _ in sources} == {"baseline", "neon"}
+    assert all(flags == (neon_flags if cpu_build.isa_of(path) == "neon" else []) for path, flags in sources)
+    include = ["-I", os.path.join(ROOT, "src_c", "include"), "-I", os.path.join(ROOT, "src_c", "cpu")]
+    compiles = [(path, subprocess.Popen([cc, *cpu_build.common_flags(), *flags, *include, "-c", path, "-o",
+                                         str(tmp_path / (os.path.basename(path) + ".o"))],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                for path, flags in sources]
+    for path, job in compiles:
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0 and "warning" not in out, f"{os.path.basename(path)}:\n{out}"
+    exe = str(tmp_path / "neon_check")
+    linked = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", "-static", *include,
+                             os.path.join(os.path.dirname(os.path.abspath(__file__)), "neon_check.c"),
+                             *sorted(str(p) for p in tmp_path.glob("*.o")), "-lm", "-o", exe],
+                            capture_output=True, text=True, timeout=300)
+    assert linked.returncode == 0, linked.stderr
+    for cpu, has in (("max", "dotprod"), ("cortex-a53", "none")):
+        run = subprocess.run([qemu, "-cpu", cpu, exe, has], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and " 0 failures" in run.stdout, f"-cpu {cpu}:\n{run.stdout}{run.stderr}"

@@ -69,18 +69,23 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
 QD_DEFINE_QQ_TILE(qq_tile_neon, QQ_CASE)
 
 /* fq, one row: each column's 4 k of a sub-step become one float32x4 multiplied
- * by x[k..k+3]; the 4 lanes of each column are summed at the end. */
-QD_INLINE void fq_row_impl(const qd_fq_tile *t, int r, const int bits, const int scaled)
+ * by x[k..k+3].  At the end of each scale group the 4 lanes of each column are
+ * added pairwise, (l0 + l1) + (l2 + l3), and the sum is scaled once by the group's
+ * weight scale into the row's result: x * q is summed per group, then scaled, as
+ * on the other ISAs (a sum past float32's range is inf whatever the scale). */
+QD_INLINE void fq_row_impl(const qd_fq_tile *t, int r, const int bits)
 {
     const int ku = QD_KU(bits), substeps = 8 / bits;
     const uint8_t *wp = t->panel;
     const float *x = t->x + r * t->ldx;
-    float32x4_t acc[QD_NR];
-    for (int n = 0; n < QD_NR; n++)
-        acc[n] = vdupq_n_f32(0.0f);
+    float32x4_t out[4];
+    for (int q = 0; q < 4; q++)
+        out[q] = vdupq_n_f32(0.0f);
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
-        const float *ws = t->w_scale + g * QD_NR;
+        float32x4_t acc[QD_NR];
+        for (int n = 0; n < QD_NR; n++)
+            acc[n] = vdupq_n_f32(0.0f);
         for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
             for (int s = 0; s < substeps; s++) {
                 const float32x4_t xb = vld1q_f32(x + k0 + 4 * s);
@@ -89,31 +94,30 @@ QD_INLINE void fq_row_impl(const qd_fq_tile *t, int r, const int bits, const int
                     const int16x8_t w16[2] = {vmovl_s8(vget_low_s8(w8)), vmovl_s8(vget_high_s8(w8))};
                     for (int c = 0; c < 4; c++) {
                         const int16x4_t part = (c & 1) ? vget_high_s16(w16[c / 2]) : vget_low_s16(w16[c / 2]);
-                        float32x4_t wf = vcvtq_f32_s32(vmovl_s16(part));
-                        if (scaled)
-                            wf = vmulq_n_f32(wf, ws[4 * q + c]);
-                        acc[4 * q + c] = vfmaq_f32(acc[4 * q + c], xb, wf);
+                        acc[4 * q + c] = vfmaq_f32(acc[4 * q + c], xb, vcvtq_f32_s32(vmovl_s16(part)));
                     }
                 }
             }
         }
+        /* Pairwise adds give columns 4q..4q+3 their (l0 + l1) + (l2 + l3); the
+         * product and the add are rounded apart, as the reference rounds them. */
+        const float *ws = t->w_scale + g * QD_NR;
+        for (int q = 0; q < 4; q++) {
+            const float32x4_t sums = vpaddq_f32(vpaddq_f32(acc[4 * q], acc[4 * q + 1]),
+                                                vpaddq_f32(acc[4 * q + 2], acc[4 * q + 3]));
+            out[q] = vaddq_f32(out[q], vmulq_f32(sums, vld1q_f32(ws + 4 * q)));
+        }
     }
-    for (int n = 0; n < t->nr; n++) {
-        float l[4];
-        vst1q_f32(l, acc[n]);
-        const float sum = (l[0] + l[1]) + (l[2] + l[3]);
-        t->out[r * t->ldo + n] = scaled ? sum : sum * t->w_scale[n];
-    }
+    float tmp[QD_NR];
+    for (int q = 0; q < 4; q++)
+        vst1q_f32(tmp + 4 * q, out[q]);
+    memcpy(t->out + r * t->ldo, tmp, (size_t)t->nr * sizeof(float));
 }
 
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
 {
-    for (int r = 0; r < t->mr; r++) {
-        if (t->ngroups > 1)
-            fq_row_impl(t, r, bits, 1);
-        else
-            fq_row_impl(t, r, bits, 0);
-    }
+    for (int r = 0; r < t->mr; r++)
+        fq_row_impl(t, r, bits);
 }
 
 static void fq_tile_neon(const qd_fq_tile *t)
