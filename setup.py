@@ -33,8 +33,10 @@ def extensions():
 
 
 class BuildExt(build_ext):
-    """Compiles the kernel library once, links it into the extensions, and ships
-    it (static + shared, with its header) inside the package for C embedding."""
+    """Compiles the kernel library once and ships it (static + shared, with its
+    header) inside the package for C embedding.  The CPU extension links the CPU
+    kernels' objects; the CUDA extension links the shipped shared library, which
+    then holds the one copy of the CUDA kernels (tens of MB for all targets)."""
 
     def build_extensions(self):
         self.kernel_objects = cpu_build.compile_objects(self.compiler, ROOT, self.build_temp)
@@ -48,14 +50,16 @@ class BuildExt(build_ext):
             stale = self.get_ext_fullpath("qdispatch._cuda")
             if os.path.exists(stale):
                 os.remove(stale)
+        self.ship_c_library()  # first: the CUDA extension links it
         for ext in self.extensions:
             if ext.name == "qdispatch._cpu":
-                cpu_build.link_objects(ext, self.kernel_objects)
+                cpu_build.link_objects(ext, self.cpu_objects())
                 ext.extra_link_args = cpu_build.openmp_flags()  # known once the compiler was probed
             elif ext.name == "qdispatch._cuda":
-                cpu_build.link_objects(ext, cuda_objects)
+                lib_dir = os.path.join(self.package_dirs()[0], "lib")
+                ext.library_dirs = [lib_dir] + ext.library_dirs
+                ext.depends = list(ext.depends) + [os.path.join(lib_dir, "libqdispatch.so")]  # relinked with it
         super().build_extensions()
-        self.ship_c_library()
         self.write_build_config()
 
     def run(self):
@@ -73,13 +77,18 @@ class BuildExt(build_ext):
         for pkg in self.package_dirs():
             self.ship_c_library_to(pkg)
 
+    def cpu_objects(self):
+        """The CPU kernels, with the stubs of the CUDA entry points when CUDA was not built."""
+        if self.cuda is None:
+            return self.kernel_objects
+        return [o for o in self.kernel_objects if os.path.basename(o) != "cuda_stubs.o"]
+
     def c_library_objects(self):
-        """The shipped library: the CPU kernels, and the CUDA kernels in place of their
-        stubs when they were built."""
+        """The shipped library's objects, and what linking the CUDA ones needs."""
         if self.cuda is None:
             return self.kernel_objects, {}
-        cpu = [o for o in self.kernel_objects if os.path.basename(o) != "cuda_stubs.o"]
-        return cpu + self.cuda_objects, dict(libraries=cuda_build.LIBRARIES, library_dirs=[self.cuda.library_dir])
+        return (self.cpu_objects() + self.cuda_objects,
+                dict(libraries=cuda_build.LIBRARIES, library_dirs=[self.cuda.library_dir]))
 
     def ship_c_library_to(self, pkg):
         lib_dir = os.path.join(pkg, "lib")
@@ -87,6 +96,9 @@ class BuildExt(build_ext):
         os.makedirs(lib_dir, exist_ok=True)
         os.makedirs(inc_dir, exist_ok=True)
         objects, cuda_link = self.c_library_objects()
+        archive = os.path.join(lib_dir, self.compiler.library_filename("qdispatch"))
+        if os.path.exists(archive):  # ar adds to an archive: an earlier build's members would stay
+            os.remove(archive)
         self.compiler.create_static_lib(objects, "qdispatch", output_dir=lib_dir)
         self.compiler.link_shared_object(
             objects, os.path.join(lib_dir, "libqdispatch.so"), **cuda_link,

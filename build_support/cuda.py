@@ -118,11 +118,14 @@ class CudaBuild:
         kw = dict(common_kwargs)
         kw["include_dirs"] = list(kw.get("include_dirs", [])) + [self.include_dir]
         kw["define_macros"] = list(kw.get("define_macros", [])) + [("QD_WITH_CUDA", "1")]
+        # The kernels come from the package's libqdispatch.so (setup.py links it and
+        # adds its folder), found beside the module at run time; the module's own
+        # calls into the runtime need a runtime of its own.
         return Extension(
             "qdispatch._cuda", ["qdispatch/_cuda.pyx"],
             library_dirs=[self.library_dir],
-            libraries=LIBRARIES,
-            extra_link_args=["-Wl,-Bsymbolic"],  # bind our qd_cuda_* over any stubs loaded first
+            libraries=["qdispatch"] + LIBRARIES,
+            extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
             **kw)
 
     def compile_objects(self, build_temp):

@@ -291,6 +291,17 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
     assert out[out.index("|") + 1:] in ([], ["11"] * 5)
 
 
+@pytest.mark.skipif(not built_with_cuda(), reason="the library was built without CUDA kernels")
+def test_cuda_module_of_a_cuda_build_imports_gpu_or_not():
+    """The CUDA module links the shipped library for its kernels and a CUDA runtime
+    for its own calls; it imports wherever the package does, so that without a GPU
+    the backend says there is none, not that it was built without CUDA."""
+    import qdispatch._cuda  # noqa: F401
+    if "cuda" not in qd.available_backends():
+        with pytest.raises(qd.BackendUnavailableError, match="built with CUDA, but"):
+            qd.tensor(np.zeros(4, np.float32), device="cuda")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif("cuda" not in qd.available_backends(), reason="needs the cuda backend and a GPU")
 def test_shipped_library_runs_the_cuda_kernels(rng):
