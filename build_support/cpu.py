@@ -41,7 +41,7 @@ ISA_FLAGS = {
 
 # ISAs the build may leave out when the compiler refuses their flags (the others
 # are ones that every supported compiler knows).
-OPTIONAL_ISAS = ("avxvnni",)
+OPTIONAL_ISAS = ("avxvnni", "neon")  # -mavxvnni: gcc 11; +dotprod: gcc 8
 _left_out = {}  # an ISA or "openmp" -> why, set by compile_objects
 
 

@@ -287,6 +287,21 @@ def test_an_isa_the_compiler_refuses_is_left_out(cpu_build, tmp_path, capsys):
     assert "building qdispatch without its avxvnni kernels" in capsys.readouterr().err
 
 
+def test_neon_is_left_out_by_a_compiler_without_dotprod(cpu_build, tmp_path, monkeypatch, capsys):
+    """On aarch64 a compiler that refuses +dotprod (gcc before 8) builds the library
+    without the NEON kernels, as x86-64 builds go without avxvnni; the dispatcher
+    is told (QD_NO_NEON) and runs the scalar kernels there."""
+    monkeypatch.setattr(cpu_build, "machine", lambda: "aarch64")
+    compiler = RefusingCompiler(cpu_build.ISA_FLAGS["_neon"][1][-1])
+    cpu_build.compile_objects(compiler, ROOT, str(tmp_path))
+    compiled = [name for name, _ in compiler.calls]
+    assert "gemm_neon.c" not in compiled and {"dispatch.c", "gemm_scalar.c"} <= set(compiled)
+    assert not any(name.endswith(("_avx2.c", "_avx512vnni.c")) for name in compiled)
+    assert all(macros.get("QD_NO_NEON") == "1" for _, macros in compiler.calls)
+    assert set(cpu_build.left_out()) == {"neon"} and "neon" not in cpu_build.flags_by_isa()
+    assert "building qdispatch without its neon kernels" in capsys.readouterr().err
+
+
 def test_every_isa_is_built_when_the_compiler_takes_its_flags(cpu_build, tmp_path):
     x86_only(cpu_build)
     compiler = RefusingCompiler()

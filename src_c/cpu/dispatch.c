@@ -53,7 +53,7 @@ int qd_isa_built(qd_isa isa)
 #endif
     case QD_ISA_AVX512VNNI: return 1;
 #endif
-#if defined(__aarch64__)
+#if defined(__aarch64__) && !defined(QD_NO_NEON) /* left out by a compiler without +dotprod */
     case QD_ISA_NEON_DOTPROD: return 1;
 #endif
     default: return 0;
@@ -75,7 +75,7 @@ const qd_kernels *qd_kernels_for(qd_isa isa)
 #endif
     case QD_ISA_AVX512VNNI: return &qd_kernels_avx512vnni;
 #endif
-#if defined(__aarch64__)
+#if defined(__aarch64__) && !defined(QD_NO_NEON)
     case QD_ISA_NEON_DOTPROD: return &qd_kernels_neon;
 #endif
     default: return &qd_kernels_scalar;
