@@ -35,8 +35,8 @@ def extensions():
 class BuildExt(build_ext):
     """Compiles the kernel library once and ships it (static + shared, with its
     header) inside the package for C embedding.  The CPU extension links the CPU
-    kernels' objects; the CUDA extension links the shipped shared library, which
-    then holds the one copy of the CUDA kernels (tens of MB for all targets)."""
+    kernels' objects; the CUDA extension links the shipped shared library for the
+    CUDA kernels (tens of MB for all targets) rather than hold a copy of its own."""
 
     def build_extensions(self):
         self.kernel_objects = cpu_build.compile_objects(self.compiler, ROOT, self.build_temp)
