@@ -12,10 +12,10 @@ namespace qd {
 qd_status cuda_failure(cudaError_t err) {
     std::snprintf(last_error, sizeof last_error, "%s: %s", cudaGetErrorName(err),
                   cudaGetErrorString(err));
-    if (err == cudaErrorMemoryAllocation) {
-        cudaGetLastError();  // not sticky: clear it so the next call starts clean
-        return QD_ERR_NO_MEMORY;
-    }
+    // Reported now: cleared, so that the next launch's check does not report it
+    // again (a sticky error stays with the context whatever is cleared here).
+    cudaGetLastError();
+    if (err == cudaErrorMemoryAllocation) return QD_ERR_NO_MEMORY;
     // A CUDA build on a machine without a GPU or driver: unavailable, as the header says
     if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) return QD_ERR_CUDA_UNAVAILABLE;
     return QD_ERR_CUDA;
