@@ -179,6 +179,10 @@ __global__ void dequantize_kernel(const void *values, int bits, int64_t rows, in
 }
 
 bool packed_bits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+// Bytes of the packed_u32 store of rows x cols `bits`-bit values.
+size_t packed_bytes(int64_t rows, int64_t cols, int bits) {
+    return (size_t)(rows * qd::ceil_div(cols, 32 / bits)) * sizeof(uint32_t);
+}
 
 }  // namespace
 
@@ -274,7 +278,7 @@ extern "C" qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t r
     if (!qd_dims_fit(rows, cols, batch * elem_size)) return QD_ERR_ARGUMENT;
     const size_t bytes = (size_t)(batch * rows * cols) * elem_size;
     if (overlaps_any({dst, bytes}, {{src, bytes}})) return QD_ERR_ARGUMENT;
-    // row tiles past the grid's y limit are taken in turn (grid-stride)
+    // row tiles past the grid's y limit are taken in turn
     dim3 grid((unsigned)qd::ceil_div(cols, 32), (unsigned)std::min<int64_t>(qd::ceil_div(rows, 32), 65535),
               (unsigned)batch);
     dim3 block(32, 8);
@@ -305,7 +309,7 @@ extern "C" qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t col
     if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
     if (!qd_dims_fit(rows, cols, 1)) return QD_ERR_ARGUMENT;
     int64_t n = rows * qd::ceil_div(cols, 32 / bits);
-    if (overlaps_any({words, n * sizeof(uint32_t)}, {{q, (size_t)(rows * cols)}})) return QD_ERR_ARGUMENT;
+    if (overlaps_any({words, packed_bytes(rows, cols, bits)}, {{q, (size_t)(rows * cols)}})) return QD_ERR_ARGUMENT;
     pack_kernel<<<grid_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(q, rows, cols, bits, words);
     return qd::launched();
 }
@@ -316,8 +320,7 @@ extern "C" qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int
     if (!packed_bits(bits)) return QD_ERR_SCHEME;
     if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
     if (!qd_dims_fit(rows, cols, 1)) return QD_ERR_ARGUMENT;
-    const size_t word_bytes = (size_t)(rows * qd::ceil_div(cols, 32 / bits)) * sizeof(uint32_t);
-    if (overlaps_any({q, (size_t)(rows * cols)}, {{words, word_bytes}})) return QD_ERR_ARGUMENT;
+    if (overlaps_any({q, (size_t)(rows * cols)}, {{words, packed_bytes(rows, cols, bits)}})) return QD_ERR_ARGUMENT;
     unpack_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
         words, rows, cols, bits, q);
     return qd::launched();
@@ -332,8 +335,7 @@ extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t ro
         cols % block_cols)
         return QD_ERR_SHAPE;
     if (!qd_dims_fit(rows, cols, sizeof(float))) return QD_ERR_ARGUMENT;
-    const size_t value_bytes = bits ? (size_t)(rows * qd::ceil_div(cols, 32 / bits)) * sizeof(uint32_t)
-                                    : (size_t)(rows * cols);
+    const size_t value_bytes = bits ? packed_bytes(rows, cols, bits) : (size_t)(rows * cols);
     const size_t scale_bytes = (size_t)(rows / block_rows * (cols / block_cols)) * sizeof(float);
     if (overlaps_any({out, (size_t)(rows * cols) * sizeof(float)}, {{values, value_bytes}, {scales, scale_bytes}}))
         return QD_ERR_ARGUMENT;
