@@ -876,7 +876,7 @@ qd_status launch_bits(int bits, const Plan &p, const Operand &op, void *out, int
 // up to WARPS bands' scales (64 bytes a block along K; the slice may start and
 // end inside a block) in the device's block_smem.
 int64_t slice_tiles(const Operand &op, int rows, int bits, const DeviceState &d) {
-    const int64_t kt = tile_k(bits), x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
+    const int64_t kt = tile_k(bits), x_size = (int64_t)qd::dtype_bytes(op.x_dtype);
     auto smem_for = [&](int64_t tiles) {
         const int64_t blocks = std::min<int64_t>(op.blocks, ceil_div(tiles * kt, op.bk) + 1);
         return ring_bytes(bits, x_tiles(rows)) + received_bytes(rows) + rows * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
@@ -895,7 +895,7 @@ int64_t slice_tiles(const Operand &op, int rows, int bits, const DeviceState &d)
 // eight; at M = 16 one warp per band and eight splits take 0.4 us less than
 // four and two (the x traffic costs more than the splits' sums).
 int64_t max_warps_per_band(const Operand &op, int bits) {
-    const int64_t x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2, x_bound = 4 * bits / (op.M * x_size);
+    const int64_t x_size = (int64_t)qd::dtype_bytes(op.x_dtype), x_bound = 4 * bits / (op.M * x_size);
     return std::max<int64_t>(op.M <= 4 ? 8 : op.M <= 8 ? 4 : 1, x_bound);
 }
 
@@ -945,7 +945,7 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, bool invarian
     DeviceState *d = nullptr;
     qd_status st = device_state(&d);
     if (st != QD_OK) return st;
-    const int64_t kt = tile_k(bits), x_size = op.x_dtype == QD_CUDA_F32 ? 4 : 2;
+    const int64_t kt = tile_k(bits), x_size = (int64_t)qd::dtype_bytes(op.x_dtype);
     const int64_t fit = slice_tiles(op, op.M, bits, *d), slots = (int64_t)BLOCKS_PER_SM * d->sms;
     // a device with too little shared memory for these rows
     if (fit < 1 || received_bytes(op.M) + part_sums_bytes(x_tiles(op.M)) > d->block_smem) return QD_ERR_SHAPE;
@@ -1044,7 +1044,7 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
     if (!x || !tiles || !scale_tiles || !out) return QD_ERR_NULL;
     if (M <= 0 || N <= 0 || K <= 0 || block_k <= 0 || K % block_k) return QD_ERR_SHAPE;
     if (K > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
-    const int x_size = x_dtype == QD_CUDA_F32 ? 4 : 2, out_size = out_dtype == QD_CUDA_F32 ? 4 : 2;
+    const int x_size = (int)qd::dtype_bytes(x_dtype), out_size = (int)qd::dtype_bytes(out_dtype);
     // x is copied in 16-byte pieces: rows start on 16-byte boundaries
     if (!qd_dims_fit(M, ldx, x_size) || !qd_dims_fit(M, N, out_size) || !qd::float_dtype(x_dtype) ||
         !qd::float_dtype(out_dtype) || ldx < K || ldx * x_size % 16 || reinterpret_cast<uintptr_t>(x) % 16 ||
