@@ -13,9 +13,9 @@ libomp): the kernels' parallel loops then run on the calling thread.
 """
 import glob
 import os
-import platform
 import re
 import sys
+import sysconfig
 
 from setuptools.errors import CompileError, LinkError
 
@@ -46,7 +46,11 @@ _left_out = {}  # an ISA or "openmp" -> why, set by compile_objects
 
 
 def machine():
-    m = platform.machine().lower()
+    """The machine the build is for.  sysconfig names it, and a cross build sets it
+    there (_PYTHON_HOST_PLATFORM: crossenv, or arm64 wheels built on an x86-64 Mac):
+    the machine the build runs on may not run what it builds.  A universal2 build (one
+    object for two machines) gets no ISA files: their flags are for one machine."""
+    m = sysconfig.get_platform().rsplit("-", 1)[-1].lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 

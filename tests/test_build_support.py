@@ -287,6 +287,22 @@ def test_an_isa_the_compiler_refuses_is_left_out(cpu_build, tmp_path, capsys):
     assert "building qdispatch without its avxvnni kernels" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("platform, isas", [
+    ("linux-x86_64", {"baseline", "avx2", "avxvnni", "avx512vnni"}),
+    ("win-amd64", {"baseline", "avx2", "avxvnni", "avx512vnni"}),
+    ("linux-aarch64", {"baseline", "neon"}),
+    ("macosx-11.0-arm64", {"baseline", "neon"}),
+    ("macosx-10.9-universal2", {"baseline"}),
+    ("linux-ppc64le", {"baseline"}),
+])
+def test_isa_files_follow_the_platform_the_build_is_for(cpu_build, monkeypatch, platform, isas):
+    """A cross build (crossenv, arm64 wheels made on an x86-64 Mac) names its target in
+    _PYTHON_HOST_PLATFORM: the ISA files are that machine's, not the build host's."""
+    monkeypatch.setenv("_PYTHON_HOST_PLATFORM", platform)
+    assert {cpu_build.isa_of(path) for path, _ in cpu_build.sources(ROOT)} == isas
+    assert set(cpu_build.flags_by_isa()) == isas
+
+
 def test_neon_is_left_out_by_a_compiler_without_dotprod(cpu_build, tmp_path, monkeypatch, capsys):
     """On aarch64 a compiler that refuses +dotprod (gcc before 8) builds the library
     without the NEON kernels, as x86-64 builds go without avxvnni; the dispatcher
@@ -405,7 +421,7 @@ def test_the_neon_kernels_match_exact_references_under_qemu(cpu_build, tmp_path,
         pytest.skip(f"the aarch64 cross toolchain cannot link a static OpenMP program:\n{probed.stderr}")
     probe.unlink()
     (tmp_path / "probe").unlink()
-    monkeypatch.setattr(cpu_build, "machine", lambda: "aarch64")
+    monkeypatch.setenv("_PYTHON_HOST_PLATFORM", "linux-aarch64")  # how a cross build names its target
     sources = cpu_build.sources(ROOT)
     neon_flags = cpu_build.ISA_FLAGS["_neon"][1]
     assert {cpu_build.isa_of(path) for path, _ in sources} == {"baseline", "neon"}
