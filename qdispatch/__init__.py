@@ -9,14 +9,14 @@
 from ._version import __version__
 from ._core import BackendKind, Device, QTensor, Tensor, int_matmul, linear, q_matmul
 from .errors import (BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
-                     KernelError, NonFiniteError, QDispatchError, QuantSchemeError,
+                     KernelError, NonFiniteError, OutOfRangeError, QDispatchError, QuantSchemeError,
                      ScaleOverflowError, SerializationError, ShapeError, WrongBackendError)
 from .scheme import QuantScheme
 from .backends import reference as _reference  # noqa: F401  (registers the backend)
 from .backends import cpu as _cpu_backend  # noqa: F401
 from .backends import cuda as _cuda_backend  # noqa: F401
 from .policy import batch_invariant, default_device, set_batch_invariant, set_default_backend, transfer_policy
-from .tensor_api import dequantize, from_dlpack, quantize, qtensor_from_parts, tensor
+from .tensor_api import dequantize, embedding, from_dlpack, quantize, qtensor_from_parts, tensor
 from .io import load, save
 from .gpu import empty_cache, memory_info, synchronize
 from .info import available_backends, get_include, get_library_dir, info, set_isa, \
@@ -24,12 +24,12 @@ from .info import available_backends, get_include, get_library_dir, info, set_is
 
 __all__ = [
     "__version__", "BackendKind", "Device", "QTensor", "Tensor", "QuantScheme",
-    "quantize", "dequantize", "tensor", "from_dlpack", "qtensor_from_parts",
+    "quantize", "dequantize", "embedding", "tensor", "from_dlpack", "qtensor_from_parts",
     "q_matmul", "int_matmul", "linear", "save", "load",
     "transfer_policy", "set_default_backend", "default_device", "set_batch_invariant", "batch_invariant",
     "info", "available_backends", "get_include", "get_library_dir",
     "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache", "synchronize",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
-    "QuantSchemeError", "ShapeError", "NonFiniteError", "ScaleOverflowError",
+    "QuantSchemeError", "ShapeError", "OutOfRangeError", "NonFiniteError", "ScaleOverflowError",
     "BackendUnavailableError", "KernelError", "SerializationError",
 ]

@@ -26,6 +26,10 @@ class ShapeError(QDispatchError, ValueError):
     """Operand shapes do not fit the operation."""
 
 
+class OutOfRangeError(QDispatchError, IndexError):
+    """An index is outside the axis it indexes (an embedding id past the table's rows)."""
+
+
 class NonFiniteError(QDispatchError, ValueError):
     """The input to quantize holds NaN or Inf."""
 

@@ -6,7 +6,8 @@ import numpy as np
 
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, get_backend
-from .errors import BackendUnavailableError, NonFiniteError, QuantSchemeError, ShapeError, WrongBackendError
+from .errors import (BackendUnavailableError, NonFiniteError, OutOfRangeError, QuantSchemeError, ShapeError,
+                     WrongBackendError)
 from .layout import QLayout, swap_last2
 from .scheme import _whole_number, as_scheme
 
@@ -344,6 +345,48 @@ def dequantize(q, dtype="float32"):
     if dtype != "float32":
         out = backend.cast(out, "float32", dtype)
     return Tensor(out, dtype, q.shape, q.kind, q.index)
+
+
+def embedding(ids, weight, dtype="float32"):
+    """Rows `ids` of a quantized table, dequantized: `dequantize(weight)[ids]` value for
+    value, without dequantizing the rest (an embedding lookup, as torch's F.embedding on
+    the dequantized table).  weight: a 2-D QTensor [num_embeddings, dim]; ids: integers
+    of any shape (int, list, numpy array, host Tensor), each in [0, num_embeddings).
+    Returns a Tensor [*ids.shape, dim] of `dtype` on weight's device."""
+    if not isinstance(weight, QTensor):
+        raise TypeError(f"embedding's weight must be a QTensor (quantize the table first), got "
+                        f"{type(weight).__name__}")
+    if len(weight.shape) != 2:
+        raise ShapeError(f"embedding takes a 2-D table [num_embeddings, dim], got a QTensor of shape "
+                         f"{tuple(weight.shape)}")
+    dtype = check_dtype(dtype)
+    rows = _embedding_ids(ids, weight.shape[0])
+    backend = get_backend(weight.kind)
+    shape = rows.shape + (weight.shape[1],)
+    if rows.size == 0:
+        out = backend.from_host(np.zeros((0, weight.shape[1]), np.float32), weight.index)
+    else:
+        out = backend.dequantize_rows(weight, rows.reshape(-1))
+    if dtype != "float32":
+        out = backend.cast(out, "float32", dtype)
+    return Tensor(backend.reshape(out, shape), dtype, shape, weight.kind, weight.index)
+
+
+def _embedding_ids(ids, count):
+    """ids as an int64 numpy array, each checked to lie in [0, count)."""
+    try:
+        arr = tensor_numpy(ids) if isinstance(ids, Tensor) else np.asarray(ids)
+    except ValueError as exc:  # a ragged list
+        raise ShapeError(f"embedding's ids must form an array of integers: {exc}") from None
+    if arr.dtype.kind not in "iu" and arr.size:  # an empty list comes as float64, and is no id
+        raise TypeError(f"embedding's ids must be integers, got {arr.dtype} data")
+    # unsigned ids past int64 are out of range whatever the table: compare before converting
+    bad = (arr >= count) if arr.dtype.kind != "i" else (arr < 0) | (arr >= count)
+    if bad.any():
+        at = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), arr.shape))
+        raise OutOfRangeError(f"embedding id {arr[at]} at position {at} is outside the table's "
+                              f"{count} rows: ids must lie in [0, {count})")
+    return arr.astype(np.int64)
 
 
 def qtensor_host(q):

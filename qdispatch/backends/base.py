@@ -40,6 +40,11 @@ class Backend:
         """float32 payload of the QTensor's logical values times scales."""
         raise NotImplementedError
 
+    def dequantize_rows(self, q, rows):
+        """float32 payload [len(rows), D]: rows `rows` (int64 numpy, each in range) of
+        2-D QTensor q's dequantized values, the others left quantized."""
+        raise NotImplementedError
+
     # ---- kernels on 2-D logical operands ----
     def int_matmul(self, a, b):
         raise NotImplementedError

@@ -234,6 +234,19 @@ class CudaBackend(Backend):
             raise quantmath.scale_overflow_error(block, layout.scheme.scale_dtype) from None
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
+    def dequantize_rows(self, q, rows):
+        layout = q.layout
+        br, bc = layout.logical_block(q.transposed)
+        V, D = q.shape
+        ids = self.from_host(rows.astype(np.int32), q.index)
+        if q.transposed:  # the rows are stored as columns: turned once for this call
+            values = _cuda.transpose2(self._int8_values(q.storage, layout, cache=False))
+            scales, bits = _cuda.transpose2(q.storage.scales), 0
+        else:
+            values, scales = q.storage.values, q.storage.scales
+            bits = layout.bits if layout.scheme.store == "packed_u32" else 0
+        return _cuda.dequantize(values, bits, V, D, scales, br, bc, ids)
+
     def _int8_values(self, storage, layout, cache=True):
         """The values as int8 in storage orientation (unpacked, once when cached)."""
         if layout.scheme.store != "packed_u32":

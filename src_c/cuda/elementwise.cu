@@ -165,15 +165,22 @@ __global__ void unpack_kernel(const uint32_t *words, int64_t rows, int64_t cols,
 }
 
 // Same product as the reference (value as float32 times its scale): bit-identical.
+// Output row o is values' row ids[o] (row o when ids is null); an id outside
+// [0, rows) gives a row of NaN, not another row's values.
 __global__ void dequantize_kernel(const void *values, int bits, int64_t rows, int64_t cols,
-                                  const float *scales, int64_t br, int64_t bc, float *out) {
+                                  const float *scales, int64_t br, int64_t bc, const int32_t *ids,
+                                  int64_t out_rows, float *out) {
     const int64_t gc = cols / bc;
     const int64_t wpr = bits ? (cols + 32 / bits - 1) / (32 / bits) : 0;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < out_rows * cols;
          i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t r = i / cols, c = i % cols;
+        const int64_t o = i / cols, c = i % cols, r = ids ? ids[o] : o;
+        if (r < 0 || r >= rows) {
+            out[i] = __int_as_float(0x7FC00000);  // quiet NaN
+            continue;
+        }
         int v = bits ? packed_value(static_cast<const uint32_t *>(values), wpr, r, c, bits)
-                     : static_cast<const int8_t *>(values)[i];
+                     : static_cast<const int8_t *>(values)[r * cols + c];
         out[i] = (float)v * scales[(r / br) * gc + c / bc];
     }
 }
@@ -326,20 +333,40 @@ extern "C" qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int
     return qd::launched();
 }
 
+namespace {
+
+// qd_cuda_dequantize with output rows from `ids` (n of them), or all rows in order.
+qd_status dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols, const float *scales,
+                          int64_t block_rows, int64_t block_cols, const int32_t *ids, int64_t n, float *out,
+                          void *stream) {
+    if (!values || !scales || !out) return QD_ERR_NULL;
+    if (bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
+    if (rows <= 0 || cols <= 0 || n <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
+        cols % block_cols)
+        return QD_ERR_SHAPE;
+    if (!qd_dims_fit(rows, cols, sizeof(float)) || !qd_dims_fit(n, cols, sizeof(float))) return QD_ERR_ARGUMENT;
+    const size_t value_bytes = bits ? packed_bytes(rows, cols, bits) : (size_t)(rows * cols);
+    const size_t scale_bytes = (size_t)(rows / block_rows * (cols / block_cols)) * sizeof(float);
+    const size_t id_bytes = ids ? (size_t)n * sizeof(int32_t) : 0;
+    if (overlaps_any({out, (size_t)(n * cols) * sizeof(float)},
+                     {{values, value_bytes}, {scales, scale_bytes}, {ids, id_bytes}}))
+        return QD_ERR_ARGUMENT;
+    dequantize_kernel<<<grid_for(n * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
+        values, bits, rows, cols, scales, block_rows, block_cols, ids, n, out);
+    return qd::launched();
+}
+
+}  // namespace
+
 extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
                                         const float *scales, int64_t block_rows,
                                         int64_t block_cols, float *out, void *stream) {
-    if (!values || !scales || !out) return QD_ERR_NULL;
-    if (bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
-    if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
-        cols % block_cols)
-        return QD_ERR_SHAPE;
-    if (!qd_dims_fit(rows, cols, sizeof(float))) return QD_ERR_ARGUMENT;
-    const size_t value_bytes = bits ? packed_bytes(rows, cols, bits) : (size_t)(rows * cols);
-    const size_t scale_bytes = (size_t)(rows / block_rows * (cols / block_cols)) * sizeof(float);
-    if (overlaps_any({out, (size_t)(rows * cols) * sizeof(float)}, {{values, value_bytes}, {scales, scale_bytes}}))
-        return QD_ERR_ARGUMENT;
-    dequantize_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
-        values, bits, rows, cols, scales, block_rows, block_cols, out);
-    return qd::launched();
+    return dequantize_rows(values, bits, rows, cols, scales, block_rows, block_cols, nullptr, rows, out, stream);
+}
+
+extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
+                                             const float *scales, int64_t block_rows, int64_t block_cols,
+                                             const int32_t *ids, int64_t n, float *out, void *stream) {
+    if (!ids) return QD_ERR_NULL;
+    return dequantize_rows(values, bits, rows, cols, scales, block_rows, block_cols, ids, n, out, stream);
 }

@@ -1,0 +1,145 @@
+"""qdispatch.embedding: rows of a quantized table, dequantized, on every backend,
+value for value what dequantize(weight)[ids] gives."""
+import os
+
+import numpy as np
+import pytest
+
+import qdispatch as qd
+
+SCHEMES = [
+    qd.QuantScheme("q8s", axis=0),                                 # per row (the usual table)
+    qd.QuantScheme("q8s", axis=1),                                 # per column
+    qd.QuantScheme("q8f"),                                         # per tensor
+    qd.QuantScheme("q8s", block=(4, 16)),                          # blocks across rows too
+    qd.QuantScheme("q4s", block=32, store="packed_u32", scale_dtype="f16"),
+    qd.QuantScheme("q2f", block=(2, 64), store="packed_u32"),
+]
+
+
+def table(rng, rows, dim, scheme, device, transposed):
+    """A quantized [rows, dim] table, stored as it is or as the transpose of a [dim, rows] one."""
+    w = rng.standard_normal((rows, dim)).astype(np.float32)
+    if not transposed:
+        return qd.quantize(w, scheme, device=device)
+    return qd.quantize(np.ascontiguousarray(w.T), scheme.with_(block=_swapped(scheme, (rows, dim)), axis=None),
+                       device=device).T
+
+
+def _swapped(scheme, shape):
+    block = scheme.block_shape(shape)
+    return (block[1], block[0])
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.value}-{s.block or s.axis}-{s.store}")
+def test_rows_are_the_dequantized_rows(device, rng, scheme, transposed):
+    w = table(rng, 96, 128, scheme, device, transposed)
+    want = w.dequantize().numpy()
+    ids = rng.integers(0, 96, (3, 7))
+    ids[0, :3] = [0, 95, 0]  # both ends, and a repeat
+    out = qd.embedding(ids, w)
+    assert out.device == w.device and out.shape == (3, 7, 128) and out.dtype == "float32"
+    np.testing.assert_array_equal(out.numpy(), want[ids])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_rows_in_16_bit_are_dequantize_in_16_bit(device, rng, dtype):
+    w = table(rng, 40, 64, SCHEMES[4], device, False)
+    ids = np.array([39, 2, 2, 17])
+    out = qd.embedding(ids, w, dtype=dtype)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out.numpy(), qd.dequantize(w, dtype).numpy()[ids])
+
+
+@pytest.mark.parametrize("ids", [5, np.int64(5), [5], [[1, 2], [3, 4]], np.array([7, 0], np.uint8),
+                                 np.array([7, 0], np.int16), np.array([[1]], np.uint64)],
+                         ids=["int", "np.int64", "list", "nested", "uint8", "int16", "uint64"])
+def test_ids_of_any_integer_kind_and_shape(device, rng, ids):
+    w = table(rng, 8, 32, SCHEMES[0], device, False)
+    out = qd.embedding(ids, w)
+    arr = np.asarray(ids)
+    assert out.shape == arr.shape + (32,)
+    np.testing.assert_array_equal(out.numpy(), w.dequantize().numpy()[arr])
+
+
+def test_ids_from_a_tensor(device, rng):
+    w = table(rng, 8, 32, SCHEMES[0], device, False)
+    ids = qd.tensor(np.array([3, 1], np.int32))
+    np.testing.assert_array_equal(qd.embedding(ids, w).numpy(), w.dequantize().numpy()[[3, 1]])
+
+
+@pytest.mark.parametrize("ids", [[], np.zeros((2, 0), np.int32)], ids=["empty list", "empty 2-D"])
+def test_no_ids_give_no_rows(device, rng, ids):
+    w = table(rng, 8, 32, SCHEMES[0], device, False)
+    out = qd.embedding(ids, w, dtype="bfloat16")
+    assert out.shape == np.shape(ids) + (32,) and out.device == w.device and out.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("ids, bad, at", [([0, 8], 8, (1,)), ([[0, 1], [-1, 2]], -1, (1, 0)),
+                                          (np.array([2**63], np.uint64), 2**63, (0,))])
+def test_an_id_outside_the_table_is_an_error_that_names_it(device, rng, ids, bad, at):
+    w = table(rng, 8, 32, SCHEMES[0], device, False)
+    with pytest.raises(qd.OutOfRangeError, match=rf"embedding id {bad} at position \({at[0]},"
+                                                 rf".*outside the table's 8 rows: ids must lie in \[0, 8\)"):
+        qd.embedding(ids, w)
+    assert issubclass(qd.OutOfRangeError, IndexError)
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    ([1.0], TypeError, "ids must be integers, got float64"),
+    ([True], TypeError, "ids must be integers, got bool"),
+    ("1", TypeError, "ids must be integers, got <U1"),
+    ([[1, 2], [3]], qd.ShapeError, "ids must form an array of integers"),
+])
+def test_ids_that_are_no_integers_are_refused(rng, ids, error, match):
+    w = table(rng, 8, 32, SCHEMES[0], "cpu", False)
+    with pytest.raises(error, match=match):
+        qd.embedding(ids, w)
+
+
+def test_the_table_must_be_a_2d_qtensor(rng):
+    w = rng.standard_normal((8, 32)).astype(np.float32)
+    with pytest.raises(TypeError, match="weight must be a QTensor .quantize the table first., got ndarray"):
+        qd.embedding([1], w)
+    w3 = qd.quantize(rng.standard_normal((2, 8, 32)).astype(np.float32), qd.QuantScheme("q8s", block=32))
+    with pytest.raises(qd.ShapeError, match=r"2-D table \[num_embeddings, dim\], got a QTensor of shape \(2, 8, 32\)"):
+        qd.embedding([1], w3)
+    with pytest.raises(TypeError, match="Unsupported dtype 'float64'"):
+        qd.embedding([1], qd.quantize(w, qd.QuantScheme("q8s", axis=0)), dtype="float64")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", [SCHEMES[0], SCHEMES[4]], ids=["int8", "int4"])
+def test_a_table_tied_to_the_output_layer_on_cuda(rng, scheme):
+    """A table that is also the output layer (tied embeddings): once the decode kernel
+    laid it out, its store is freed and read back from the tiles, rows as before."""
+    w = table(rng, 4096, 256, scheme, "cuda", False)
+    want = w.dequantize().numpy()
+    x = qd.tensor(rng.standard_normal((1, 256)).astype(np.float32), device="cuda")
+    qd.q_matmul(x, w.T, out_dtype="bfloat16")  # the decode kernel: lays out w's tiles
+    ids = rng.integers(0, 4096, 5000)
+    np.testing.assert_array_equal(qd.embedding(ids, w).numpy(), want[ids])
+
+
+@pytest.mark.cuda
+def test_the_c_entry_point_gives_nan_rows_for_ids_outside():
+    """qd_cuda_dequantize_rows (what qdispatch.embedding runs on cuda) on ids checked by
+    nobody: a row of NaN for an id outside the table, never another row's values."""
+    import ctypes
+    torch = pytest.importorskip("torch")
+    lib = ctypes.CDLL(os.path.join(qd.get_library_dir(), "libqdispatch.so"))
+    values = torch.arange(-8, 8, dtype=torch.int8, device="cuda").reshape(4, 4)
+    scales = torch.tensor([[0.5], [1.0]], device="cuda")  # blocks of 2 rows x 4 columns
+    ids = torch.tensor([3, -1, 4, 0], dtype=torch.int32, device="cuda")
+    out = torch.zeros((4, 4), device="cuda")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    torch.cuda.synchronize()
+    st = lib.qd_cuda_dequantize_rows(ptr(values.data_ptr()), 0, i64(4), i64(4), ptr(scales.data_ptr()), i64(2),
+                                     i64(4), ptr(ids.data_ptr()), i64(4), ptr(out.data_ptr()), None)
+    torch.cuda.synchronize()
+    assert st == 0
+    got = out.cpu().numpy()
+    np.testing.assert_array_equal(got[0], [4.0, 5.0, 6.0, 7.0])
+    np.testing.assert_array_equal(got[3], [-4.0, -3.5, -3.0, -2.5])
+    assert np.isnan(got[1:3]).all()
