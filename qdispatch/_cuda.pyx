@@ -100,7 +100,8 @@ cdef extern from "qdispatch.h" nogil:
                                  float *out, void *stream)
     qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                       const float *scales, int64_t block_rows, int64_t block_cols,
-                                      const int32_t *ids, int64_t n, float *out, void *stream)
+                                      const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                      void *stream)
     qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
                                     int64_t K, int64_t ld, int32_t *c, void *stream)
     qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
@@ -731,25 +732,37 @@ def quantize(DeviceArray x, str value, int64_t block_rows, int64_t block_cols, s
 
 
 def dequantize(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
-               int64_t block_rows, int64_t block_cols, DeviceArray ids=None):
-    """float32 [rows, cols] = values * scales; bits = 0 for int8 values, else packed words.
-    With `ids` (int32 [n]): only those rows, float32 [n, cols]."""
-    cdef int64_t n = rows if ids is None else ids.shape[0]
-    out = empty((n, cols), "float32", values.device)
+               int64_t block_rows, int64_t block_cols):
+    """float32 [rows, cols] = values * scales; bits = 0 for int8 values, else packed words."""
+    out = empty((rows, cols), "float32", values.device)
     cdef void *pv = P(values)
     cdef void *ps = P(scales)
-    cdef void *pi = NULL if ids is None else P(ids)
     cdef void *po = P(out)
     cdef qd_status st
     with on_device(values.device):
         with nogil:
-            if pi == NULL:
-                st = qd_cuda_dequantize(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                        <float *>po, NULL)
-            else:
-                st = qd_cuda_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                             <const int32_t *>pi, n, <float *>po, NULL)
+            st = qd_cuda_dequantize(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
+                                    <float *>po, NULL)
         _status(st, "dequantize")
+    return out
+
+
+def dequantize_rows(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
+                    int64_t block_rows, int64_t block_cols, DeviceArray ids, str dtype):
+    """Rows `ids` (int32 [n]) of dequantize's product, as dtype [n, cols]."""
+    cdef int64_t n = ids.shape[0]
+    out = empty((n, cols), dtype, values.device)
+    cdef void *pv = P(values)
+    cdef void *ps = P(scales)
+    cdef void *pi = P(ids)
+    cdef void *po = P(out)
+    cdef int code = DTYPES[dtype]
+    cdef qd_status st
+    with on_device(values.device):
+        with nogil:
+            st = qd_cuda_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
+                                         <const int32_t *>pi, n, po, code, NULL)
+        _status(st, "dequantize_rows")
     return out
 
 

@@ -364,11 +364,10 @@ def embedding(ids, weight, dtype="float32"):
     backend = get_backend(weight.kind)
     shape = rows.shape + (weight.shape[1],)
     if rows.size == 0:
-        out = backend.from_host(np.zeros((0, weight.shape[1]), np.float32), weight.index)
+        out = backend.cast(backend.from_host(np.zeros((0, weight.shape[1]), np.float32), weight.index),
+                           "float32", dtype)
     else:
-        out = backend.dequantize_rows(weight, rows.reshape(-1))
-    if dtype != "float32":
-        out = backend.cast(out, "float32", dtype)
+        out = backend.dequantize_rows(weight, rows.reshape(-1), dtype)
     return Tensor(backend.reshape(out, shape), dtype, shape, weight.kind, weight.index)
 
 

@@ -255,9 +255,10 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
                                  (int8_t *)f, f, NULL, NULL),
             qd_cuda_dequantize(d, 0, huge, 4, (float *)e, huge, 4, (float *)f, NULL),
             qd_cuda_dequantize(d, 4, 4, 8, (float *)e, 1, 8, (float *)(e + 8), NULL),
-            qd_cuda_dequantize_rows(d, 0, huge, 4, (float *)e, 1, 4, (int32_t *)g, 2, (float *)f, NULL),
-            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, (int32_t *)g, huge, (float *)f, NULL),
-            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, (int32_t *)g, 2, (float *)(g + 4), NULL),
+            qd_cuda_dequantize_rows(d, 0, huge, 4, (float *)e, 1, 4, (int32_t *)g, 2, f, f32, NULL),
+            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, (int32_t *)g, huge, f, bf, NULL),
+            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, (int32_t *)g, 2, g + 4, f32, NULL),
+            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, (int32_t *)g, 2, f, QD_CUDA_S8, NULL),
             qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)e, 4, 4, 16, (int64_t)1 << 60, (int32_t *)f, NULL),
             qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)e, 2, 4, 16, 16, (int32_t *)(e + 16), NULL),
             qd_cuda_qq_matmul((int8_t *)d, (int8_t *)e, 2, 4, 16, 16, (float *)g, 1, 16, (float *)f, 1, 16,
@@ -284,14 +285,14 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
             qd_cuda_cast(d, QD_CUDA_F16, d + 128, f32, 64, NULL),
             qd_cuda_add_bias_f32((float *)d, 2, 8, (float *)e, (float *)d, NULL),
             qd_cuda_transpose(d, 2, 4, 4, 4, d + 128, NULL),
-            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, (int32_t *)g, 2, (float *)(g + 8), NULL),
+            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, (int32_t *)g, 2, g + 8, bf, NULL),
             qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)(d + 32), 2, 4, 16, 16, (int32_t *)(d + 96), NULL),
             qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, d + 256, bf, NULL),
         };
         for (size_t i = 0; i < sizeof side_by_side / sizeof side_by_side[0]; i++)
             printf("%d ", side_by_side[i]);
     """)
-    assert out[:out.index("|")] == ["3"] * 40
+    assert out[:out.index("|")] == ["3"] * 41
     assert out[out.index("|") + 1:] in ([], ["11"] * 6)
 
 

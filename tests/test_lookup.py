@@ -136,7 +136,7 @@ def test_the_c_entry_point_gives_nan_rows_for_ids_outside():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     torch.cuda.synchronize()
     st = lib.qd_cuda_dequantize_rows(ptr(values.data_ptr()), 0, i64(4), i64(4), ptr(scales.data_ptr()), i64(2),
-                                     i64(4), ptr(ids.data_ptr()), i64(4), ptr(out.data_ptr()), None)
+                                     i64(4), ptr(ids.data_ptr()), i64(4), ptr(out.data_ptr()), 0, None)  # QD_CUDA_F32
     torch.cuda.synchronize()
     assert st == 0
     got = out.cpu().numpy()

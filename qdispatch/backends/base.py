@@ -40,9 +40,9 @@ class Backend:
         """float32 payload of the QTensor's logical values times scales."""
         raise NotImplementedError
 
-    def dequantize_rows(self, q, rows):
-        """float32 payload [len(rows), D]: rows `rows` (int64 numpy, each in range) of
-        2-D QTensor q's dequantized values, the others left quantized."""
+    def dequantize_rows(self, q, rows, dtype):
+        """Payload [len(rows), D] of float `dtype`: rows `rows` (int64 numpy, each in
+        range) of 2-D QTensor q's dequantized values, the others left quantized."""
         raise NotImplementedError
 
     # ---- kernels on 2-D logical operands ----

@@ -234,7 +234,7 @@ class CudaBackend(Backend):
             raise quantmath.scale_overflow_error(block, layout.scheme.scale_dtype) from None
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
-    def dequantize_rows(self, q, rows):
+    def dequantize_rows(self, q, rows, dtype):
         layout = q.layout
         br, bc = layout.logical_block(q.transposed)
         V, D = q.shape
@@ -245,7 +245,7 @@ class CudaBackend(Backend):
         else:
             values, scales = q.storage.values, q.storage.scales
             bits = layout.bits if layout.scheme.store == "packed_u32" else 0
-        return _cuda.dequantize(values, bits, V, D, scales, br, bc, ids)
+        return _cuda.dequantize_rows(values, bits, V, D, scales, br, bc, ids, dtype)
 
     def _int8_values(self, storage, layout, cache=True):
         """The values as int8 in storage orientation (unpacked, once when cached)."""

@@ -57,7 +57,7 @@ class HostBackend(Backend):
         values, scales = self.logical(q)
         return quantmath.dequantize_array(values, scales, q.layout.logical_block(q.transposed))
 
-    def dequantize_rows(self, q, rows):
+    def dequantize_rows(self, q, rows, dtype):
         br, bc = q.layout.logical_block(q.transposed)
         if q.transposed:  # the rows are stored as columns, packed along the other axis
             values, scales = self.logical(q)
@@ -66,7 +66,7 @@ class HostBackend(Backend):
             values, scales = q.storage.values[rows], q.storage.scales
             if q.layout.scheme.store == "packed_u32":
                 values = quantmath.unpack_u32(values, q.layout.bits, q.shape[-1])
-        return quantmath.dequantize_array(values, scales[rows // br], (1, bc))
+        return self.cast(quantmath.dequantize_array(values, scales[rows // br], (1, bc)), "float32", dtype)
 
     def qtensor_batch(self, q, index):
         """The 2-D QTensor at batch `index` (a tuple over q's leading dims)."""

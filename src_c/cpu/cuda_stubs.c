@@ -41,7 +41,8 @@ qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t
                              float *out, void *stream) UNAVAILABLE
 qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                   const float *scales, int64_t block_rows, int64_t block_cols,
-                                  const int32_t *ids, int64_t n, float *out, void *stream) UNAVAILABLE
+                                  const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                  void *stream) UNAVAILABLE
 qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
                                 int64_t K, int64_t ld, int32_t *c, void *stream) UNAVAILABLE
 qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,

@@ -164,24 +164,44 @@ __global__ void unpack_kernel(const uint32_t *words, int64_t rows, int64_t cols,
         q[i] = (int8_t)packed_value(words, wpr, i / cols, i % cols, bits);
 }
 
+// Value (r, c) of int8 values [rows, cols] (bits == 0) or of their packed_u32 store
+// (wpr words a row).
+__device__ __forceinline__ int stored_value(const void *values, int bits, int64_t wpr, int64_t cols, int64_t r,
+                                            int64_t c) {
+    return bits ? packed_value(static_cast<const uint32_t *>(values), wpr, r, c, bits)
+                : static_cast<const int8_t *>(values)[r * cols + c];
+}
+
 // Same product as the reference (value as float32 times its scale): bit-identical.
-// Output row o is values' row ids[o] (row o when ids is null); an id outside
-// [0, rows) gives a row of NaN, not another row's values.
 __global__ void dequantize_kernel(const void *values, int bits, int64_t rows, int64_t cols,
-                                  const float *scales, int64_t br, int64_t bc, const int32_t *ids,
-                                  int64_t out_rows, float *out) {
+                                  const float *scales, int64_t br, int64_t bc, float *out) {
     const int64_t gc = cols / bc;
     const int64_t wpr = bits ? (cols + 32 / bits - 1) / (32 / bits) : 0;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < out_rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * cols;
          i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t o = i / cols, c = i % cols, r = ids ? ids[o] : o;
-        if (r < 0 || r >= rows) {
-            out[i] = __int_as_float(0x7FC00000);  // quiet NaN
-            continue;
+        int64_t r = i / cols, c = i % cols;
+        out[i] = (float)stored_value(values, bits, wpr, cols, r, c) * scales[(r / br) * gc + c / bc];
+    }
+}
+
+// Rows `ids` of the same product, in out_dtype (rounded as the host casts): a block
+// takes an output row at a time, its id and scale row read once.  An id outside
+// [0, rows) gives a row of NaN, not another row's values.  I: the column type
+// (32 bits below 2^30 columns).
+template <typename I>
+__global__ void dequantize_rows_kernel(const void *values, int bits, int64_t rows, I cols, const float *scales,
+                                       int64_t br, I bc, const int32_t *ids, int64_t n, void *out, int out_dtype) {
+    const I gc = cols / bc;
+    const int64_t wpr = bits ? (cols + 32 / bits - 1) / (32 / bits) : 0;
+    for (int64_t o = blockIdx.x; o < n; o += gridDim.x) {
+        const int64_t r = ids[o];
+        const bool inside = r >= 0 && r < rows;
+        const float *scale_row = scales + (inside ? r / br : 0) * gc;
+        for (I c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float v = inside ? (float)stored_value(values, bits, wpr, cols, r, c) * scale_row[c / bc]
+                                   : __int_as_float(0x7FC00000);  // quiet NaN
+            qd::store_from_f32(out, out_dtype, o * (int64_t)cols + c, v);
         }
-        int v = bits ? packed_value(static_cast<const uint32_t *>(values), wpr, r, c, bits)
-                     : static_cast<const int8_t *>(values)[r * cols + c];
-        out[i] = (float)v * scales[(r / br) * gc + c / bc];
     }
 }
 
@@ -335,25 +355,25 @@ extern "C" qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int
 
 namespace {
 
-// qd_cuda_dequantize with output rows from `ids` (n of them), or all rows in order.
-qd_status dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols, const float *scales,
-                          int64_t block_rows, int64_t block_cols, const int32_t *ids, int64_t n, float *out,
-                          void *stream) {
+// The checks qd_cuda_dequantize and qd_cuda_dequantize_rows share, for n rows of
+// out_dtype out.
+qd_status dequantize_checks(const void *values, int bits, int64_t rows, int64_t cols, const float *scales,
+                            int64_t block_rows, int64_t block_cols, const int32_t *ids, int64_t n, void *out,
+                            int out_dtype) {
     if (!values || !scales || !out) return QD_ERR_NULL;
     if (bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
+    if (!qd::float_dtype(out_dtype)) return QD_ERR_ARGUMENT;
     if (rows <= 0 || cols <= 0 || n <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
         cols % block_cols)
         return QD_ERR_SHAPE;
-    if (!qd_dims_fit(rows, cols, sizeof(float)) || !qd_dims_fit(n, cols, sizeof(float))) return QD_ERR_ARGUMENT;
+    const size_t out_size = qd::dtype_bytes(out_dtype);
+    if (!qd_dims_fit(rows, cols, sizeof(float)) || !qd_dims_fit(n, cols, out_size)) return QD_ERR_ARGUMENT;
     const size_t value_bytes = bits ? packed_bytes(rows, cols, bits) : (size_t)(rows * cols);
     const size_t scale_bytes = (size_t)(rows / block_rows * (cols / block_cols)) * sizeof(float);
     const size_t id_bytes = ids ? (size_t)n * sizeof(int32_t) : 0;
-    if (overlaps_any({out, (size_t)(n * cols) * sizeof(float)},
-                     {{values, value_bytes}, {scales, scale_bytes}, {ids, id_bytes}}))
+    if (overlaps_any({out, (size_t)(n * cols) * out_size}, {{values, value_bytes}, {scales, scale_bytes}, {ids, id_bytes}}))
         return QD_ERR_ARGUMENT;
-    dequantize_kernel<<<grid_for(n * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
-        values, bits, rows, cols, scales, block_rows, block_cols, ids, n, out);
-    return qd::launched();
+    return QD_OK;
 }
 
 }  // namespace
@@ -361,12 +381,29 @@ qd_status dequantize_rows(const void *values, int bits, int64_t rows, int64_t co
 extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
                                         const float *scales, int64_t block_rows,
                                         int64_t block_cols, float *out, void *stream) {
-    return dequantize_rows(values, bits, rows, cols, scales, block_rows, block_cols, nullptr, rows, out, stream);
+    const qd_status st =
+        dequantize_checks(values, bits, rows, cols, scales, block_rows, block_cols, nullptr, rows, out, QD_CUDA_F32);
+    if (st != QD_OK) return st;
+    dequantize_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
+        values, bits, rows, cols, scales, block_rows, block_cols, out);
+    return qd::launched();
 }
 
 extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                              const float *scales, int64_t block_rows, int64_t block_cols,
-                                             const int32_t *ids, int64_t n, float *out, void *stream) {
+                                             const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                             void *stream) {
     if (!ids) return QD_ERR_NULL;
-    return dequantize_rows(values, bits, rows, cols, scales, block_rows, block_cols, ids, n, out, stream);
+    const qd_status st =
+        dequantize_checks(values, bits, rows, cols, scales, block_rows, block_cols, ids, n, out, out_dtype);
+    if (st != QD_OK) return st;
+    const unsigned grid = (unsigned)std::min<int64_t>(n, 65535);  // a block a row, in turn past that
+    cudaStream_t s = as_stream(stream);
+    if (cols < (int64_t(1) << 30))  // no column index near 32 bits' end
+        dequantize_rows_kernel<int32_t><<<grid, kThreads, 0, s>>>(values, bits, rows, (int32_t)cols, scales, block_rows,
+                                                                 (int32_t)block_cols, ids, n, out, out_dtype);
+    else
+        dequantize_rows_kernel<int64_t><<<grid, kThreads, 0, s>>>(values, bits, rows, cols, scales, block_rows,
+                                                                 block_cols, ids, n, out, out_dtype);
+    return qd::launched();
 }

@@ -209,11 +209,13 @@ qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t
                              float *out, void *stream);
 /* The rows `ids` of that dequantized matrix (an embedding lookup): out[i, c] =
  * value(ids[i], c) * scales[ids[i] / block_rows, c / block_cols] for the n ids
- * (int32, in device memory), without dequantizing the other rows.  An id outside
- * [0, rows) gives a row of NaN in out: check ids where they come from outside. */
+ * (int32, in device memory), without dequantizing the other rows; out [n, cols] of
+ * out_dtype (QD_CUDA_F32, F16 or BF16: the float32 product rounded to nearest even).
+ * An id outside [0, rows) gives a row of NaN in out: check ids that come from outside. */
 qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                   const float *scales, int64_t block_rows, int64_t block_cols,
-                                  const int32_t *ids, int64_t n, float *out, void *stream);
+                                  const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                  void *stream);
 
 /* c[M, N] = a[M, K] @ bt[N, K]^T in int32, exact.  Rows of a and bt are `ld` bytes
  * apart, ld % 16 == 0, bytes K..round_up(K, 16) zero; K <= QD_INT_MATMUL_MAX_K. */
