@@ -10,8 +10,10 @@
   quantizes an existing `nn.Linear`.
 - `quantize_linears(model, scheme, skip=...)`: every `nn.Linear` of a model
   replaced by a `QLinear`, in place.
+- `QEmbedding` / `quantize_embeddings(model, scheme)`: the same for `nn.Embedding`
+  tables, whose lookups dequantize only the rows asked for.
 - `save_model(model, path)` / `load_model(model, path)`: a model with QLinears
-  as one safetensors file (qdispatch's format), nothing pickled.
+  and QEmbeddings as one safetensors file (qdispatch's format), nothing pickled.
 - `from_torch` / `to_torch`: tensors cross without copies, on CPU (as numpy views)
   and, when qdispatch's cuda backend is built, on CUDA (by pointer in, by DLPack
   out), ordered with torch's current stream.
@@ -50,7 +52,8 @@ from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailabl
                      KernelError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
 from .scheme import QuantScheme, as_scheme
 
-__all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "save_model", "load_model",
+__all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "QEmbedding", "quantize_embeddings",
+           "save_model", "load_model",
            "from_torch", "to_torch"]
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -268,15 +271,15 @@ def _torch_device(dev):
     return torch.device("cpu") if dev.is_host else torch.device("cuda", dev.index)
 
 
-def _move_weight(w, target):
+def _move_weight(w, target, owner):
     """QTensor w moved to where torch device `target` is (a host weight stays on its
-    host backend when the target is the CPU)."""
+    host backend when the target is the CPU); `owner` names the module in errors."""
     if target.type == "cpu":
         return w if w.device.is_host else w.to(policy.default_host_device())
     if target.type == "cuda":
         return w.to(f"cuda:{target.index}")
     raise BackendUnavailableError(
-        f"QLinear's quantized weight can't move to torch device {str(target)!r}: qdispatch "
+        f"{owner}'s quantized weight can't move to torch device {str(target)!r}: qdispatch "
         f"has backends for the CPU and CUDA only")
 
 
@@ -424,14 +427,14 @@ def _stored_weight(w):
             "scheme": scheme.to_record(), "transposed": transposed}
 
 
-def _check_stored_weight(state):
-    """Refuse a QLinear extra state that is not what _stored_weight writes (a checkpoint
-    of another format, say), before its parts are read."""
+def _check_stored_weight(state, owner):
+    """Refuse an extra state that is not what _stored_weight writes (a checkpoint of
+    another format, say), before its parts are read; `owner` names the module."""
     if not (isinstance(state, dict) and isinstance(state.get("scheme"), dict) and "transposed" in state
             and all(isinstance(state.get(key), torch.Tensor) for key in ("qvalues", "qscales"))):
         got = ({key: type(value).__name__ for key, value in state.items()} if isinstance(state, dict)
                else type(state).__name__)
-        raise SerializationError(f"a QLinear's _extra_state is a dict of tensors 'qvalues' and 'qscales', a "
+        raise SerializationError(f"a {owner}'s _extra_state is a dict of tensors 'qvalues' and 'qscales', a "
                                  f"'scheme' record and a 'transposed' flag, as state_dict() writes it; got {got}")
 
 
@@ -441,7 +444,87 @@ def _owned_array(t):
     return t.detach().to("cpu", copy=True).numpy()
 
 
-class QLinear(torch.nn.Module):
+class _QuantizedModule(torch.nn.Module):
+    """What QLinear and QEmbedding share: a 2-D QTensor `weight` that moves with the
+    module (`Module.to()`, `.cuda()`, `.cpu()`; a dtype change leaves it as it is),
+    and that `state_dict()` holds as its stored values and scales (`_extra_state`),
+    so torch.save / load_state_dict restore it bit for bit.  A float checkpoint's
+    "weight" is quantized into the module's scheme as it loads."""
+
+    def __init__(self, weight, dims, made_by):
+        """weight: a 2-D QTensor [dims]; `made_by` says how one quantizes a float layer."""
+        super().__init__()
+        name = type(self).__name__
+        if not isinstance(weight, QTensor):
+            raise TypeError(f"{name} needs a QTensor weight, got {type(weight).__name__}: use {made_by}")
+        if len(weight.shape) != 2:
+            raise ShapeError(f"{name} needs a 2-D weight [{dims}], got {weight.shape}")
+        self.weight = weight
+
+    def _moved(self, probe):
+        """Told where Module.to() sends tensors: `probe`, an empty tensor of the
+        module's float dtype on its weight's device, as the move left it."""
+
+    def _apply(self, fn, *args, **kwargs):
+        # Module.to/.cuda()/.cpu() pass a function of each tensor: run it on an empty
+        # probe where the weight lives to learn where tensors go.  The weight moves
+        # first, so a refused move leaves the module as it was.
+        probe = fn(torch.empty(0, dtype=getattr(self, "dtype", torch.float32),
+                               device=_torch_device(self.weight.device)))
+        weight = _move_weight(self.weight, probe.device, type(self).__name__)
+        super()._apply(fn, *args, **kwargs)
+        self.weight = weight
+        self._moved(probe)
+        return self
+
+    def get_extra_state(self):
+        # The quantized weight in state_dict(), as torch tensors and plain values, so
+        # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
+        return _stored_weight(self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+        except ShapeError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
+            raise ShapeError(f"{prefix}weight: {exc}") from exc
+        # A float checkpoint (an nn.Linear's or nn.Embedding's "weight") is quantized
+        # into this module's scheme as it loads, so a model built empty never holds
+        # all its float weights.
+        weight_key, state_key = prefix + "weight", prefix + "_extra_state"
+        if weight_key not in state_dict or state_key in state_dict:
+            return
+        for keys, key in ((unexpected_keys, weight_key), (missing_keys, state_key)):
+            if key in keys:
+                keys.remove(key)
+        weight = state_dict[weight_key]
+        if tuple(weight.shape) != self.weight.shape:
+            error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
+                              f"but this {type(self).__name__}'s is {self.weight.shape}")
+            return
+        try:
+            self.weight = _quantized(weight.detach(), self.weight.scheme, self.weight.device)
+        except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
+            raise type(exc)(f"{weight_key}: {exc}") from exc
+
+    def set_extra_state(self, state):
+        # As load_state_dict copies into parameters where they are, the weight
+        # lands on the device of the weight it replaces.
+        if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
+            weight = state.read(self.weight.device)
+        else:
+            _check_stored_weight(state, type(self).__name__)
+            weight = tensor_api.qtensor_from_stored(
+                _owned_array(state["qvalues"]), _owned_array(state["qscales"]),
+                QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)
+        if weight.shape != self.weight.shape:
+            raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
+                             f"layer's is {self.weight.shape}")
+        self.weight = weight
+
+
+class QLinear(_QuantizedModule):
     """`y = x @ weight.T + bias` with a QTensor weight [out_features, in_features].
 
     Only the bias (a float Parameter) is trainable; gradients flow to the input
@@ -451,13 +534,8 @@ class QLinear(torch.nn.Module):
     so torch.save / load_state_dict restore it bit for bit; deepcopy and pickle work."""
 
     def __init__(self, weight, bias=None):
-        super().__init__()
-        if not isinstance(weight, QTensor):
-            raise TypeError(f"QLinear needs a QTensor weight, got {type(weight).__name__}: "
-                            f"use QLinear.from_linear(linear, scheme) to quantize an nn.Linear")
-        if len(weight.shape) != 2:
-            raise ShapeError(f"QLinear needs a 2-D weight [out_features, in_features], got {weight.shape}")
-        self.weight = weight
+        super().__init__(weight, "out_features, in_features",
+                         "QLinear.from_linear(linear, scheme) to quantize an nn.Linear")
         self.out_features, self.in_features = weight.shape
         if bias is None:
             self.register_parameter("bias", None)
@@ -486,61 +564,6 @@ class QLinear(torch.nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(qweight, bias)
 
-    def _apply(self, fn, *args, **kwargs):
-        # Module.to/.cuda()/.cpu() pass a function of each tensor: run it on an empty
-        # probe where the weight lives to learn where tensors go.  The weight moves
-        # first, so a refused move leaves the layer as it was.
-        here = torch.empty(0, device=_torch_device(self.weight.device))
-        weight = _move_weight(self.weight, fn(here).device)
-        super()._apply(fn, *args, **kwargs)
-        self.weight = weight
-        return self
-
-    def get_extra_state(self):
-        # The quantized weight in state_dict(), as torch tensors and plain values, so
-        # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
-        return _stored_weight(self.weight)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                          unexpected_keys, error_msgs)
-        except ShapeError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
-            raise ShapeError(f"{prefix}weight: {exc}") from exc
-        # A float checkpoint (an nn.Linear's "weight") is quantized into this layer's
-        # scheme as it loads, so a model built empty never holds all its float weights.
-        weight_key, state_key = prefix + "weight", prefix + "_extra_state"
-        if weight_key not in state_dict or state_key in state_dict:
-            return
-        for keys, key in ((unexpected_keys, weight_key), (missing_keys, state_key)):
-            if key in keys:
-                keys.remove(key)
-        weight = state_dict[weight_key]
-        if tuple(weight.shape) != self.weight.shape:
-            error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
-                              f"but this QLinear's is {self.weight.shape}")
-            return
-        try:
-            self.weight = _quantized(weight.detach(), self.weight.scheme, self.weight.device)
-        except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
-            raise type(exc)(f"{weight_key}: {exc}") from exc
-
-    def set_extra_state(self, state):
-        # As load_state_dict copies into parameters where they are, the weight
-        # lands on the device of the weight it replaces.
-        if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
-            weight = state.read(self.weight.device)
-        else:
-            _check_stored_weight(state)
-            weight = tensor_api.qtensor_from_stored(
-                _owned_array(state["qvalues"]), _owned_array(state["qscales"]),
-                QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)
-        if weight.shape != self.weight.shape:
-            raise ShapeError(f"QLinear state holds a weight of shape {weight.shape}, but this layer's "
-                             f"is {self.weight.shape}")
-        self.weight = weight
-
     def forward(self, x):
         y, bias = q_matmul(x, self.weight.T), self.bias
         if bias is None:
@@ -551,6 +574,69 @@ class QLinear(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.weight.scheme!r}, "
                 f"device='{self.weight.device}'")
+
+
+class QEmbedding(_QuantizedModule):
+    """`nn.Embedding` with a QTensor table [num_embeddings, embedding_dim]: `forward(ids)`
+    gives rows `ids` of the dequantized table (`qdispatch.embedding`), dequantizing only
+    those, as `dtype` on the table's device.  `ids`: a torch integer tensor on the
+    table's device (the CPU for a host table), each in [0, num_embeddings); an id
+    outside is `OutOfRangeError`, an IndexError as torch raises.  The table is a
+    constant to autograd.  `dtype` follows `Module.to(dtype)`, as nn.Embedding's
+    weight's does; moves and state_dict() go as QLinear's.  A table shared with the
+    output layer (tied embeddings) stays one QTensor: `QEmbedding(lm_head.weight)`."""
+
+    def __init__(self, weight, padding_idx=None, dtype=torch.float32):
+        super().__init__(weight, "num_embeddings, embedding_dim",
+                         "QEmbedding.from_embedding(embedding, scheme) to quantize an nn.Embedding")
+        if dtype not in _KERNEL_DTYPES:
+            raise TypeError(f"QEmbedding's dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = padding_idx  # kept as nn.Embedding's: it only shapes gradients of the table
+
+    @classmethod
+    def from_embedding(cls, embedding, scheme, device=None):
+        """Quantize `embedding.weight` with `scheme` (on `device`, default: where the
+        table lives, host tables on the default backend); the output dtype is the
+        table's.  An Embedding on torch's meta device gets a table of zeros in the
+        scheme's layout, for `load_state_dict(..., assign=True)` to replace."""
+        if not isinstance(embedding, torch.nn.Embedding):
+            raise TypeError(f"QEmbedding.from_embedding needs an nn.Embedding, got {type(embedding).__name__}")
+        if embedding.max_norm is not None:  # it rescales the looked-up rows in place
+            raise ValueError(f"QEmbedding can't take an nn.Embedding with max_norm={embedding.max_norm}: a "
+                             f"quantized table can't be renormalized as rows are looked up")
+        weight = embedding.weight.detach()
+        if weight.is_meta:
+            qweight = tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
+        else:
+            qweight = _quantized(weight, scheme, device)
+        dtype = weight.dtype if weight.dtype in _KERNEL_DTYPES else torch.float32
+        return cls(qweight, embedding.padding_idx, dtype)
+
+    def _moved(self, probe):
+        if probe.dtype in _KERNEL_DTYPES:
+            self.dtype = probe.dtype
+
+    def forward(self, ids):
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
+                or ids.dtype == torch.bool:
+            got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise TypeError(f"QEmbedding takes a torch integer tensor of ids (torch.long or torch.int), got {got}")
+        here = _torch_device(self.weight.device)
+        if ids.device != here:
+            raise BackendMismatchError(
+                f"QEmbedding's ids are on torch device {str(ids.device)!r}, its table on qdispatch's "
+                f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
+        if ids.is_cuda and _capturing(ids.get_device(), _current_raw_stream(ids.get_device())):
+            raise KernelError(f"QEmbedding reads its ids on the host, which a CUDA graph can't hold: look "
+                              f"the rows up outside the captured region. {NOT_IN_CUDA_GRAPHS}")
+        rows = tensor_api.embedding(ids.detach().cpu().numpy(), self.weight, dtype=_KERNEL_DTYPES[self.dtype])
+        return to_torch(rows)
+
+    def extra_repr(self):
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+                f"dtype={self.dtype}, scheme={self.weight.scheme!r}, device='{self.weight.device}'")
 
 
 def quantize_linears(model, scheme, skip=(), device=None):
@@ -566,26 +652,42 @@ def quantize_linears(model, scheme, skip=(), device=None):
     is replaced, so an error (naming the layer) leaves the model as it was.  The
     Linears that torch's fused layers read as tensors stay in float:
     MultiheadAttention's out_proj and TransformerEncoderLayer's linear1/linear2."""
+    return _quantize_layers(model, scheme, skip, device, torch.nn.Linear, _replaceable, _quantized_linear)
+
+
+def quantize_embeddings(model, scheme, skip=(), device=None):
+    """Replace every `nn.Embedding` in `model` by a `QEmbedding` holding its table
+    quantized with `scheme` (per row, `QuantScheme("q8s", axis=0)`, is the usual
+    choice), in place, and return the model; `skip` and `device` as for
+    quantize_linears.  An nn.Embedding with max_norm is refused (ValueError)."""
+    return _quantize_layers(model, scheme, skip, device, torch.nn.Embedding,
+                            lambda parent, module: isinstance(module, torch.nn.Embedding), _quantized_embedding)
+
+
+def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_layer):
+    """quantize_linears and quantize_embeddings: every `kind` layer of `model` that is
+    `replaceable(parent, layer)` and not skipped, replaced by `quantized_layer(name,
+    layer, scheme, device)`."""
     scheme = as_scheme(scheme)  # a bad scheme is no layer's fault
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: name in names)
-    if isinstance(model, torch.nn.Linear):
-        return model if keep("", model) else _quantized_linear("", model, scheme, device)
-    places, quantized = [], {}  # (parent, attribute, linear); id(linear) -> its QLinear
-    linear_names = set()
-    for parent_name, parent in _module(model, "quantize_linears").named_modules():
+    if isinstance(model, kind):
+        return model if keep("", model) else quantized_layer("", model, scheme, device)
+    places, quantized = [], {}  # (parent, attribute, layer); id(layer) -> its quantized layer
+    layer_names = set()
+    for parent_name, parent in _module(model, f"quantize_{kind.__name__.lower()}s").named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
             name = _joined(parent_name, child_name)
-            if isinstance(child, torch.nn.Linear):
-                linear_names.add(name)
-            if _replaceable(parent, child) and not keep(name, child):
+            if isinstance(child, kind):
+                layer_names.add(name)
+            if replaceable(parent, child) and not keep(name, child):
                 places.append((parent, child_name, child))
                 if id(child) not in quantized:
-                    quantized[id(child)] = _quantized_linear(name, child, scheme, device)
-    unknown = [] if names is None else sorted(names - linear_names, key=str)
+                    quantized[id(child)] = quantized_layer(name, child, scheme, device)
+    unknown = [] if names is None else sorted(names - layer_names, key=str)
     if unknown:  # a misspelt name would quantize the layer it meant to keep
-        raise ValueError(f"skip names {unknown} that are not nn.Linear layers of the model; its Linears "
-                         f"are {sorted(linear_names)}")
+        raise ValueError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
+                         f"{kind.__name__}s are {sorted(layer_names)}")
     for parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
     return model
@@ -611,56 +713,68 @@ def _replaceable(parent, module):
 
 
 def _quantized_linear(name, linear, scheme, device):
+    return _named_layer_errors(name, f"{linear.in_features} -> {linear.out_features} features",
+                               lambda: QLinear.from_linear(linear, scheme, device=device))
+
+
+def _quantized_embedding(name, embedding, scheme, device):
+    return _named_layer_errors(name, f"{embedding.num_embeddings} x {embedding.embedding_dim}",
+                               lambda: QEmbedding.from_embedding(embedding, scheme, device=device))
+
+
+def _named_layer_errors(name, what, make):
+    """make(), its errors saying which layer: a model's layers differ in shape and values."""
     try:
-        return QLinear.from_linear(linear, scheme, device=device)
-    except QDispatchError as exc:  # say which layer: a model's layers differ in shape and values
+        return make()
+    except QDispatchError as exc:
         hint = (f"; pick a scheme that fits it or keep it in float with skip=[{name!r}]"
                 if isinstance(exc, QuantSchemeError) else "")
-        raise type(exc)(f"layer {name or 'model'!r} ({linear.in_features} -> {linear.out_features} "
-                        f"features): {exc}{hint}") from exc
+        raise type(exc)(f"layer {name or 'model'!r} ({what}): {exc}{hint}") from exc
 
 
 # ---- whole models in safetensors ------------------------------------------------------------
 
 def save_model(model, path):
     """Write `model`'s state_dict to `path` as one safetensors file in qdispatch's
-    format (`qdispatch.save`): each QLinear's weight as its stored values and scales
-    (`<layer>.weight`), every other parameter and buffer as it is.  Nothing is
+    format (`qdispatch.save`): each QLinear's and QEmbedding's weight as its stored
+    values and scales (`<layer>.weight`), every other parameter and buffer as it is.  Nothing is
     pickled; `load_model` reads it back bit for bit."""
-    qlinears = _qlinears(_module(model, "save_model", "qdispatch.save(path, tensors)"))
+    quantized = _quantized_modules(_module(model, "save_model", "qdispatch.save(path, tensors)"))
     tensors = {}
     for key, value in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
-        if leaf == "_extra_state" and prefix in qlinears:
-            tensors[_joined(prefix, "weight")] = qlinears[prefix].weight
+        if leaf == "_extra_state" and prefix in quantized:
+            tensors[_joined(prefix, "weight")] = quantized[prefix].weight
         elif isinstance(value, torch.Tensor):
             value = value.detach().cpu().resolve_neg()  # numpy can't view torch's negative views
             tensors[key] = from_torch(value) if value.dtype == torch.bfloat16 else value.numpy()
         else:
             raise TypeError(f"save_model can't save {key!r}, a {type(value).__name__}: only tensors and "
-                            f"QLinear weights (use torch.save for other state)")
+                            f"QLinear and QEmbedding weights (use torch.save for other state)")
     save_tensors(path, tensors)
 
 
 def load_model(model, path):
     """Fill `model` from a `save_model` file and return it.  The model must have the
-    saved structure, its QLinears included: build it (on torch's meta device, to
-    hold no float weights) and run `quantize_linears` with the saved scheme first.
-    Quantized weights land where each QLinear's weight is, each read from the file
+    saved structure, its QLinears and QEmbeddings included: build it (on torch's meta
+    device, to hold no float weights) and run `quantize_linears` (and
+    `quantize_embeddings`) with the saved schemes first.
+    Quantized weights land where each layer's weight is, each read from the file
     as its layer loads, so the host holds one of them at a time (a weight whose
     bytes are corrupted raises SerializationError with the layers before it loaded,
     as torch's load_state_dict leaves a model on an error); a model on the meta
     device takes the loaded tensors as they are (`load_state_dict(assign=True)`)."""
-    qlinears = _qlinears(_module(model, "load_model", "qdispatch.load(path)"))
+    quantized = _quantized_modules(_module(model, "load_model", "qdispatch.load(path)"))
     state = {}
     with read_stored(path) as stored:
         for key, record in stored.records.items():
             prefix, _, leaf = key.rpartition(".")
             if record.get("kind") == "qtensor":
-                if leaf != "weight" or prefix not in qlinears:
+                if leaf != "weight" or prefix not in quantized:
                     raise SerializationError(
                         f"{path}: {key!r} is a quantized weight, but {prefix or 'the model'!r} is not a QLinear "
-                        f"of this model: run quantize_linears(model, scheme) before load_model")
+                        f"or QEmbedding of this model: run quantize_linears(model, scheme) (and "
+                        f"quantize_embeddings for tables) before load_model")
                 state[_joined(prefix, "_extra_state")] = _WeightInFile(stored, key)
             else:
                 value = stored.decode(key, Device.parse("reference"))  # a bias or buffer, as stored
@@ -689,9 +803,9 @@ def _module(model, op, instead=None):
     return model
 
 
-def _qlinears(model):
+def _quantized_modules(model):
     # a shared layer under each of its names, as state_dict() lists it
-    return {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, QLinear)}
+    return {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, _QuantizedModule)}
 
 
 def _joined(prefix, leaf):

@@ -1,0 +1,184 @@
+"""qdispatch.torch's QEmbedding and quantize_embeddings: nn.Embedding with a quantized table."""
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import qdispatch as qd  # noqa: E402
+from qdispatch import QuantScheme  # noqa: E402
+from qdispatch.torch import (QEmbedding, QLinear, load_model, quantize_embeddings, quantize_linears,  # noqa: E402
+                             save_model)
+
+HOSTS = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
+PER_ROW = QuantScheme("q8s", axis=0)
+INT4 = QuantScheme("q4s", block=(1, 32), store="packed_u32", scale_dtype="f16")
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available() or "cuda" not in qd.available_backends():
+        pytest.skip("needs a CUDA GPU and the qdispatch cuda backend")
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding table, a hidden layer and an output layer."""
+
+    def __init__(self, vocab=50, dim=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=0)
+        self.hidden = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.hidden(self.embed(ids))))
+
+
+@pytest.mark.parametrize("device", HOSTS)
+@pytest.mark.parametrize("scheme", [PER_ROW, INT4], ids=["per row", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lookups_are_rows_of_the_dequantized_table(device, scheme, dtype):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 64).to(dtype)
+    q = QEmbedding.from_embedding(emb, scheme, device=device)
+    assert q.weight.device == device and q.dtype == dtype and (q.num_embeddings, q.embedding_dim) == (50, 64)
+    ids = torch.tensor([[0, 49, 7], [7, 7, 1]])
+    out = q(ids)
+    want = torch.nn.functional.embedding(ids, torch.from_numpy(q.weight.dequantize().numpy()).to(dtype))
+    assert out.dtype == dtype and out.shape == (2, 3, 64) and not out.requires_grad
+    assert torch.equal(out, want)
+    assert torch.equal(q(ids.to(torch.int32)), want)
+
+
+def test_ids_must_be_integers_on_the_tables_device_and_inside_it():
+    q = QEmbedding.from_embedding(torch.nn.Embedding(10, 32), PER_ROW, device=HOSTS[-1])
+    with pytest.raises(TypeError, match="integer tensor of ids .torch.long or torch.int., got torch.float32"):
+        q(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="got list"):
+        q([1, 2])
+    with pytest.raises(IndexError, match=r"embedding id 10 at position \(1,\) is outside the table's 10 rows"):
+        q(torch.tensor([3, 10]))
+    with pytest.raises(qd.OutOfRangeError, match="embedding id -1"):
+        q(torch.tensor([-1]))
+    with pytest.raises(qd.BackendMismatchError, match="ids are on torch device 'meta'.*move the ids first"):
+        q(torch.tensor([1], device="meta"))
+
+
+def test_construction_checks():
+    w = qd.quantize(np.ones((4, 8), np.float32), PER_ROW)
+    with pytest.raises(TypeError, match="QEmbedding needs a QTensor weight, got Tensor: use QEmbedding.from_embedding"):
+        QEmbedding(torch.ones(4, 8))
+    with pytest.raises(qd.ShapeError, match=r"2-D weight \[num_embeddings, embedding_dim\]"):
+        QEmbedding(qd.quantize(np.ones((2, 4, 8), np.float32), QuantScheme("q8s", block=8)))
+    with pytest.raises(TypeError, match="dtype must be torch.float32, float16 or bfloat16, got torch.float64"):
+        QEmbedding(w, dtype=torch.float64)
+    with pytest.raises(ValueError, match="max_norm=1.0: a quantized table can't be renormalized"):
+        QEmbedding.from_embedding(torch.nn.Embedding(4, 8, max_norm=1.0), PER_ROW)
+    with pytest.raises(TypeError, match="needs an nn.Embedding, got Linear"):
+        QEmbedding.from_embedding(torch.nn.Linear(4, 8), PER_ROW)
+    assert "10, 32, padding_idx=0, dtype=torch.float32" in repr(
+        QEmbedding.from_embedding(torch.nn.Embedding(10, 32, padding_idx=0), PER_ROW))
+
+
+def test_quantize_embeddings_replaces_the_tables_and_skips_by_name():
+    torch.manual_seed(0)
+    model = TinyLM()
+    table = model.embed.weight.detach().clone()
+    quantized = quantize_embeddings(copy.deepcopy(model), PER_ROW)
+    assert isinstance(quantized.embed, QEmbedding) and isinstance(quantized.head, torch.nn.Linear)
+    assert quantized.embed.padding_idx == 0
+    want = qd.quantize(table.numpy(), PER_ROW).dequantize().numpy()
+    ids = torch.tensor([4, 0, 49])
+    assert torch.equal(quantized.embed(ids), torch.from_numpy(want[ids.numpy()]))
+    kept = quantize_embeddings(copy.deepcopy(model), PER_ROW, skip=["embed"])
+    assert isinstance(kept.embed, torch.nn.Embedding)
+    with pytest.raises(ValueError, match=r"skip names \['head'\] that are not nn.Embedding layers of the model; "
+                                         r"its Embeddings are \['embed'\]"):
+        quantize_embeddings(copy.deepcopy(model), PER_ROW, skip=["head"])
+    with pytest.raises(qd.QuantSchemeError, match=r"layer 'embed' \(50 x 64\): .*skip=\['embed'\]"):
+        quantize_embeddings(copy.deepcopy(model), QuantScheme("q8s", block=(1, 48)))
+    single = quantize_embeddings(torch.nn.Embedding(5, 16), PER_ROW)
+    assert isinstance(single, QEmbedding)
+    with pytest.raises(TypeError, match="quantize_embeddings takes a torch.nn.Module, got dict"):
+        quantize_embeddings({}, PER_ROW)
+
+
+def test_state_dict_round_trip_and_float_checkpoints(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM()
+    source = quantize_linears(quantize_embeddings(copy.deepcopy(model), INT4), PER_ROW)
+    torch.save(source.state_dict(), tmp_path / "model.pt")
+    with torch.device("meta"):
+        empty = TinyLM()
+    quantize_linears(quantize_embeddings(empty, INT4), PER_ROW)
+    empty.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), assign=True)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(empty(ids), source(ids))
+    np.testing.assert_array_equal(empty.embed.weight.values, source.embed.weight.values)
+    # a float checkpoint quantizes as it loads
+    fresh = quantize_linears(quantize_embeddings(TinyLM(), INT4), PER_ROW)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), source(ids))
+    wrong = model.state_dict()
+    wrong["embed.weight"] = torch.randn(51, 64)
+    with pytest.raises(RuntimeError, match=r"size mismatch for embed.weight.*\(51, 64\).*QEmbedding's is \(50, 64\)"):
+        fresh.load_state_dict(wrong)
+
+
+def test_save_model_and_load_model_carry_the_table(tmp_path):
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    source = quantize_linears(quantize_embeddings(TinyLM().to(torch.bfloat16), INT4), PER_ROW)
+    save_model(source, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = TinyLM().to(torch.bfloat16)
+    load_model(quantize_linears(quantize_embeddings(model, INT4), PER_ROW), tmp_path / "model.safetensors")
+    ids = torch.tensor([[5, 6], [7, 49]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), source(ids))
+    assert model.embed.dtype == torch.bfloat16
+    unquantized = quantize_linears(TinyLM(), PER_ROW)  # its table still an nn.Embedding
+    with pytest.raises(qd.SerializationError, match="'embed' is not a QLinear or QEmbedding.*quantize_embeddings"):
+        load_model(unquantized, tmp_path / "model.safetensors")
+
+
+@pytest.mark.parametrize("device", HOSTS)
+def test_dtype_follows_module_to(device):
+    q = QEmbedding.from_embedding(torch.nn.Embedding(10, 32), PER_ROW, device=device)
+    values = q.weight.values
+    q.to(torch.float16)
+    assert q.dtype == torch.float16 and q(torch.tensor([3])).dtype == torch.float16
+    np.testing.assert_array_equal(q.weight.values, values)  # the table is left as it is
+    assert q.weight.device == device
+
+
+def test_a_table_tied_to_the_output_layer_on_cuda():
+    """One QTensor as the output layer's weight and the table: the decode kernel lays
+    it out (and frees its store) on the first product; lookups still give its rows."""
+    _needs_cuda()
+    torch.manual_seed(0)
+    head = QLinear.from_linear(torch.nn.Linear(256, 1000, bias=False), INT4, device="cuda")
+    table = QEmbedding(head.weight, dtype=torch.bfloat16)
+    want = torch.from_numpy(head.weight.dequantize().numpy()).to(torch.bfloat16)
+    ids = torch.tensor([[3, 999, 0]], device="cuda")
+    x = table(ids)
+    assert x.is_cuda and x.dtype == torch.bfloat16
+    logits = head(x)  # lays out the weight's tiles
+    assert logits.shape == (1, 3, 1000)
+    assert torch.equal(table(ids).cpu(), want[ids.cpu()])
+    with pytest.raises(qd.BackendMismatchError, match="ids are on torch device 'cpu'.*ids.to\\('cuda:0'\\)"):
+        table(ids.cpu())
+
+
+def test_moves_between_cpu_and_cuda():
+    _needs_cuda()
+    model = quantize_embeddings(TinyLM(), PER_ROW, device=HOSTS[-1])
+    ids = torch.tensor([1, 2])
+    want = model.embed(ids)
+    model.cuda()
+    assert str(model.embed.weight.device) == "cuda:0"
+    assert torch.equal(model.embed(ids.cuda()).cpu(), want)
+    model.cpu()
+    assert model.embed.weight.device.is_host and torch.equal(model.embed(ids), want)
