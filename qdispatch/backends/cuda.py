@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import BackendKind, QTensor, Tensor, register_backend
-from ..errors import NonFiniteError, ScaleOverflowError
+from ..errors import NonFiniteError, ScaleOverflowError, ShapeError
 from .base import Backend
 from .cpu import _as_2d_block
 
@@ -238,6 +238,8 @@ class CudaBackend(Backend):
         layout = q.layout
         br, bc = layout.logical_block(q.transposed)
         V, D = q.shape
+        if V > np.iinfo(np.int32).max:  # the kernel takes int32 ids
+            raise ShapeError(f"embedding on cuda takes tables of fewer than 2^31 rows, got {V}")
         ids = self.from_host(rows.astype(np.int32), q.index)
         if q.transposed:  # the rows are stored as columns: turned once for this call
             values = _cuda.transpose2(self._int8_values(q.storage, layout, cache=False))
