@@ -411,7 +411,11 @@ _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its P
 
 def _quantized(weight, scheme, device):
     """Torch float tensor `weight` quantized with `scheme` on qdispatch device `device`
-    (None: where the weight lives, host weights on the default backend)."""
+    (None: where the weight lives, host weights on the default backend).  A weight on
+    torch's meta device (a model built empty, to be loaded) gives zeros in the
+    scheme's layout, on `device` or the default backend."""
+    if weight.is_meta:
+        return tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
     if device is not None and Device.parse(device).is_host:
         weight = weight.cpu()
     return tensor_api.quantize(from_torch(weight), scheme, device=device)
@@ -557,10 +561,7 @@ class QLinear(_QuantizedModule):
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"QLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight.detach()
-        if weight.is_meta:
-            qweight = tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
-        else:
-            qweight = _quantized(weight, scheme, device)
+        qweight = _quantized(weight, scheme, device)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(qweight, bias)
 
@@ -607,10 +608,7 @@ class QEmbedding(_QuantizedModule):
             raise ValueError(f"QEmbedding can't take an nn.Embedding with max_norm={embedding.max_norm}: a "
                              f"quantized table can't be renormalized as rows are looked up")
         weight = embedding.weight.detach()
-        if weight.is_meta:
-            qweight = tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
-        else:
-            qweight = _quantized(weight, scheme, device)
+        qweight = _quantized(weight, scheme, device)
         dtype = weight.dtype if weight.dtype in _KERNEL_DTYPES else torch.float32
         return cls(qweight, embedding.padding_idx, dtype)
 
