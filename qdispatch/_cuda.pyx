@@ -113,6 +113,10 @@ cdef extern from "qdispatch.h" nogil:
                                       void *tiles, void *stream)
     qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
                                         int64_t ld, void *stream)
+    qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
+                                         const float *scales, int64_t block_rows, int64_t block_cols,
+                                         const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                         void *stream)
     int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k)
     qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
                                      int64_t block_k, void *scale_tiles, void *stream)
@@ -748,8 +752,9 @@ def dequantize(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceA
 
 
 def dequantize_rows(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
-                    int64_t block_rows, int64_t block_cols, DeviceArray ids, str dtype):
-    """Rows `ids` (int32 [n]) of dequantize's product, as dtype [n, cols]."""
+                    int64_t block_rows, int64_t block_cols, DeviceArray ids, str dtype, bint tiled=False):
+    """Rows `ids` (int32 [n]) of dequantize's product, as dtype [n, cols].  With
+    `tiled`, `values` are the weight's fq tiles (fq_tile_weights) of `bits`."""
     cdef int64_t n = ids.shape[0]
     out = empty((n, cols), dtype, values.device)
     cdef void *pv = P(values)
@@ -760,8 +765,12 @@ def dequantize_rows(DeviceArray values, int bits, int64_t rows, int64_t cols, De
     cdef qd_status st
     with on_device(values.device):
         with nogil:
-            st = qd_cuda_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                         <const int32_t *>pi, n, po, code, NULL)
+            if tiled:
+                st = qd_cuda_fq_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
+                                                <const int32_t *>pi, n, po, code, NULL)
+            else:
+                st = qd_cuda_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
+                                             <const int32_t *>pi, n, po, code, NULL)
         _status(st, "dequantize_rows")
     return out
 

@@ -110,15 +110,40 @@ def test_the_table_must_be_a_2d_qtensor(rng):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("scheme", [SCHEMES[0], SCHEMES[4]], ids=["int8", "int4"])
-def test_a_table_tied_to_the_output_layer_on_cuda(rng, scheme):
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.value}-{s.block or s.axis}-{s.store}")
+def test_a_table_tied_to_the_output_layer_on_cuda(rng, monkeypatch, scheme, transposed):
     """A table that is also the output layer (tied embeddings): once the decode kernel
-    laid it out, its store is freed and read back from the tiles, rows as before."""
-    w = table(rng, 4096, 256, scheme, "cuda", False)
+    laid it out, its store is freed, and its rows are read from the decode tiles
+    (qd_cuda_fq_dequantize_rows), the rest of the table untouched.  1000 rows and 320
+    columns leave part-filled tiles at the ends of both."""
+    from qdispatch.backends import cuda
+    w = table(rng, 1000, 320, scheme, "cuda", transposed)
+    want = {dtype: qd.dequantize(w, dtype).numpy() for dtype in ("float32", "bfloat16")}
+    x = qd.tensor(rng.standard_normal((1, 320)).astype(np.float32), device="cuda")
+    qd.q_matmul(x, w.T, out_dtype="bfloat16")  # the decode kernel: lays out w's tiles
+    # a scale per column (per value along K) runs on the host: no tiles, the store stays
+    assert w.storage.holds_values == (scheme.axis == 1)
+
+    def untile(*args):
+        raise AssertionError("the lookup rebuilt the whole table from its tiles")
+    monkeypatch.setattr(cuda._cuda, "fq_untile_weights", untile)
+    ids = rng.integers(0, 1000, 3000)
+    for dtype in want:
+        np.testing.assert_array_equal(qd.embedding(ids, w, dtype=dtype).numpy(), want[dtype][ids])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", [SCHEMES[0], SCHEMES[4]], ids=["int8", "int4"])
+def test_a_table_laid_out_along_its_columns(rng, scheme):
+    """A table whose columns the decode kernel streamed (x @ table, table [K, N]): its
+    tiles hold columns, so a lookup rebuilds the rows from them, same values."""
+    w = table(rng, 256, 96, scheme, "cuda", False)
     want = w.dequantize().numpy()
     x = qd.tensor(rng.standard_normal((1, 256)).astype(np.float32), device="cuda")
-    qd.q_matmul(x, w.T, out_dtype="bfloat16")  # the decode kernel: lays out w's tiles
-    ids = rng.integers(0, 4096, 5000)
+    qd.q_matmul(x, w, out_dtype="bfloat16")
+    assert not w.storage.holds_values
+    ids = rng.integers(0, 256, 300)
     np.testing.assert_array_equal(qd.embedding(ids, w).numpy(), want[ids])
 
 

@@ -129,6 +129,13 @@ class CudaQStorage:
         """Whether the store is in memory (False once released to decode tiles)."""
         return self._values is not None
 
+    def tiled_rows(self, transposed):
+        """The `_StoreFromTiles` whose tiles hold this store's rows (the logical rows
+        of a QTensor with flag `transposed`) as tile rows, or None while the store
+        is in memory."""
+        read_back = self._read_back if self._values is None else None
+        return read_back if read_back is not None and read_back.flip == transposed else None
+
     def release_values(self, read_back):
         """Frees the store when `read_back()` can rebuild it (from tiles that hold it)."""
         if self.owns and self._values is not None:
@@ -241,6 +248,10 @@ class CudaBackend(Backend):
         if V > np.iinfo(np.int32).max:  # the kernel takes int32 ids
             raise ShapeError(f"embedding on cuda takes tables of fewer than 2^31 rows, got {V}")
         ids = self.from_host(rows.astype(np.int32), q.index)
+        tiled = q.storage.tiled_rows(q.transposed)
+        if tiled is not None:  # a decode weight too (a tied table): its rows read from its tiles
+            scales = _cuda.transpose2(q.storage.scales) if q.transposed else q.storage.scales
+            return _cuda.dequantize_rows(tiled.tiles, layout.bits, V, D, scales, br, bc, ids, dtype, tiled=True)
         if q.transposed:  # the rows are stored as columns: turned once for this call
             values = _cuda.transpose2(self._int8_values(q.storage, layout, cache=False))
             scales, bits = _cuda.transpose2(q.storage.scales), 0

@@ -53,6 +53,10 @@ qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t
                                   void *tiles, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
                                     int64_t ld, void *stream) UNAVAILABLE
+qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
+                                     const float *scales, int64_t block_rows, int64_t block_cols,
+                                     const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                     void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
                                  int64_t block_k, void *scale_tiles, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,

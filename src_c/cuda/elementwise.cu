@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "fq_tiles.cuh"
 #include "split_sums.cuh"
 
 namespace {
@@ -184,25 +185,53 @@ __global__ void dequantize_kernel(const void *values, int bits, int64_t rows, in
     }
 }
 
+// Value (r, c) of a weight's store (stored_value) or of its decode tiles
+// (fq_tiles.cuh), for dequantize_rows_kernel.
+struct StoreValues {
+    const void *values;
+    int bits;
+    int64_t wpr, cols;
+    __device__ int operator()(int64_t r, int64_t c) const { return stored_value(values, bits, wpr, cols, r, c); }
+};
+template <int BITS>
+struct TileValues {
+    const uint32_t *tiles;
+    qd::fq::TileOrder<BITS> order;
+    __device__ int operator()(int64_t r, int64_t c) const { return qd::fq::tile_value<BITS>(tiles, order, r, c); }
+};
+
 // Rows `ids` of the same product, in out_dtype (rounded as the host casts): a block
 // takes an output row at a time, its id and scale row read once.  An id outside
 // [0, rows) gives a row of NaN, not another row's values.  I: the column type
 // (32 bits below 2^30 columns).
-template <typename I>
-__global__ void dequantize_rows_kernel(const void *values, int bits, int64_t rows, I cols, const float *scales,
-                                       int64_t br, I bc, const int32_t *ids, int64_t n, void *out, int out_dtype) {
+template <typename I, typename Values>
+__global__ void dequantize_rows_kernel(Values value, int64_t rows, I cols, const float *scales, int64_t br, I bc,
+                                       const int32_t *ids, int64_t n, void *out, int out_dtype) {
     const I gc = cols / bc;
-    const int64_t wpr = bits ? (cols + 32 / bits - 1) / (32 / bits) : 0;
     for (int64_t o = blockIdx.x; o < n; o += gridDim.x) {
         const int64_t r = ids[o];
         const bool inside = r >= 0 && r < rows;
         const float *scale_row = scales + (inside ? r / br : 0) * gc;
         for (I c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float v = inside ? (float)stored_value(values, bits, wpr, cols, r, c) * scale_row[c / bc]
+            const float v = inside ? (float)value(r, c) * scale_row[c / bc]
                                    : __int_as_float(0x7FC00000);  // quiet NaN
             qd::store_from_f32(out, out_dtype, o * (int64_t)cols + c, v);
         }
     }
+}
+
+template <typename Values>
+qd_status launch_dequantize_rows(Values value, int64_t rows, int64_t cols, const float *scales, int64_t br,
+                                 int64_t bc, const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                 cudaStream_t s) {
+    const unsigned grid = (unsigned)std::min<int64_t>(n, 65535);  // a block a row, in turn past that
+    if (cols < (int64_t(1) << 30))  // no column index near 32 bits' end
+        dequantize_rows_kernel<int32_t><<<grid, kThreads, 0, s>>>(value, rows, (int32_t)cols, scales, br,
+                                                                 (int32_t)bc, ids, n, out, out_dtype);
+    else
+        dequantize_rows_kernel<int64_t><<<grid, kThreads, 0, s>>>(value, rows, cols, scales, br, bc, ids, n, out,
+                                                                 out_dtype);
+    return qd::launched();
 }
 
 bool packed_bits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
@@ -355,20 +384,23 @@ extern "C" qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int
 
 namespace {
 
-// The checks qd_cuda_dequantize and qd_cuda_dequantize_rows share, for n rows of
-// out_dtype out.
-qd_status dequantize_checks(const void *values, int bits, int64_t rows, int64_t cols, const float *scales,
-                            int64_t block_rows, int64_t block_cols, const int32_t *ids, int64_t n, void *out,
-                            int out_dtype) {
+// The checks qd_cuda_dequantize and the row lookups share, for n rows of out_dtype
+// out.  values: the store (bits 0, or packed_u32 words of `bits`), or with `tiled`
+// the weight's decode tiles.
+qd_status dequantize_checks(const void *values, int bits, bool tiled, int64_t rows, int64_t cols,
+                            const float *scales, int64_t block_rows, int64_t block_cols, const int32_t *ids,
+                            int64_t n, void *out, int out_dtype) {
     if (!values || !scales || !out) return QD_ERR_NULL;
-    if (bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
+    if (tiled ? !packed_bits(bits) : bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
     if (!qd::float_dtype(out_dtype)) return QD_ERR_ARGUMENT;
     if (rows <= 0 || cols <= 0 || n <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
         cols % block_cols)
         return QD_ERR_SHAPE;
     const size_t out_size = qd::dtype_bytes(out_dtype);
     if (!qd_dims_fit(rows, cols, sizeof(float)) || !qd_dims_fit(n, cols, out_size)) return QD_ERR_ARGUMENT;
-    const size_t value_bytes = bits ? packed_bytes(rows, cols, bits) : (size_t)(rows * cols);
+    const size_t value_bytes = tiled  ? (size_t)qd_cuda_fq_tiles_bytes(rows, cols, bits)
+                               : bits ? packed_bytes(rows, cols, bits)
+                                      : (size_t)(rows * cols);
     const size_t scale_bytes = (size_t)(rows / block_rows * (cols / block_cols)) * sizeof(float);
     const size_t id_bytes = ids ? (size_t)n * sizeof(int32_t) : 0;
     if (overlaps_any({out, (size_t)(n * cols) * out_size}, {{values, value_bytes}, {scales, scale_bytes}, {ids, id_bytes}}))
@@ -382,7 +414,8 @@ extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t ro
                                         const float *scales, int64_t block_rows,
                                         int64_t block_cols, float *out, void *stream) {
     const qd_status st =
-        dequantize_checks(values, bits, rows, cols, scales, block_rows, block_cols, nullptr, rows, out, QD_CUDA_F32);
+        dequantize_checks(values, bits, false, rows, cols, scales, block_rows, block_cols, nullptr, rows, out,
+                          QD_CUDA_F32);
     if (st != QD_OK) return st;
     dequantize_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
         values, bits, rows, cols, scales, block_rows, block_cols, out);
@@ -394,16 +427,28 @@ extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64
                                              const int32_t *ids, int64_t n, void *out, int out_dtype,
                                              void *stream) {
     if (!ids) return QD_ERR_NULL;
-    const qd_status st =
-        dequantize_checks(values, bits, rows, cols, scales, block_rows, block_cols, ids, n, out, out_dtype);
+    const qd_status st = dequantize_checks(values, bits, false, rows, cols, scales, block_rows, block_cols, ids, n,
+                                           out, out_dtype);
     if (st != QD_OK) return st;
-    const unsigned grid = (unsigned)std::min<int64_t>(n, 65535);  // a block a row, in turn past that
+    const StoreValues value{values, bits, bits ? qd::ceil_div(cols, int64_t(32 / bits)) : 0, cols};
+    return launch_dequantize_rows(value, rows, cols, scales, block_rows, block_cols, ids, n, out, out_dtype,
+                                  as_stream(stream));
+}
+
+extern "C" qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
+                                                const float *scales, int64_t block_rows, int64_t block_cols,
+                                                const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                                void *stream) {
+    if (!ids) return QD_ERR_NULL;
+    const qd_status st =
+        dequantize_checks(tiles, bits, true, N, K, scales, block_rows, block_cols, ids, n, out, out_dtype);
+    if (st != QD_OK) return st;
+    const uint32_t *words = static_cast<const uint32_t *>(tiles);
     cudaStream_t s = as_stream(stream);
-    if (cols < (int64_t(1) << 30))  // no column index near 32 bits' end
-        dequantize_rows_kernel<int32_t><<<grid, kThreads, 0, s>>>(values, bits, rows, (int32_t)cols, scales, block_rows,
-                                                                 (int32_t)block_cols, ids, n, out, out_dtype);
-    else
-        dequantize_rows_kernel<int64_t><<<grid, kThreads, 0, s>>>(values, bits, rows, cols, scales, block_rows,
-                                                                 block_cols, ids, n, out, out_dtype);
-    return qd::launched();
+    auto launch_bits = [&](auto value) {
+        value.tiles = words;
+        value.order = {qd::ceil_div(N, int64_t(16)), qd::ceil_div(K, qd::fq::tile_k(bits))};
+        return launch_dequantize_rows(value, N, K, scales, block_rows, block_cols, ids, n, out, out_dtype, s);
+    };
+    return bits == 8 ? launch_bits(TileValues<8>{}) : bits == 4 ? launch_bits(TileValues<4>{}) : launch_bits(TileValues<2>{});
 }

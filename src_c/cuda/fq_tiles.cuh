@@ -61,6 +61,18 @@ struct TileOrder {
     }
 };
 
+// Value (row, k) of a weight read from its tiles (values past N or K are zero
+// there): tile_position inverted, to find the lane, word and field that hold it.
+template <int BITS>
+__device__ inline int tile_value(const uint32_t *tiles, TileOrder<BITS> order, int64_t row, int64_t k) {
+    using T = Tiling<BITS>;
+    const int rr = (int)(row & 15), kk = (int)(k % T::KT), rem = kk & 15;
+    const int P = 4 * (kk >> 4) + ((rr >> 3) | (rem & 2));  // register: row half, then k half
+    const int lane = 4 * (rr & 7) + (rem >> 2), f = (rem & 1) * T::HALF + P % T::HALF;
+    const uint32_t word = tiles[order.index(row >> 4, k / T::KT) * 128 + 4 * lane + P / T::HALF];
+    return (int)((word >> (BITS * f)) & ((1u << BITS) - 1u)) - (1 << (BITS - 1));  // less the stored bias
+}
+
 inline int64_t tile_k(int bits) { return 16 * (16 / bits); }  // K values per tile
 
 // How a kernel multiplies: bf16 or f16 operands (x read as it is), or float32 x

@@ -258,6 +258,13 @@ qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int6
  * qd_cuda_fq_tile_weights), queued on `stream`. */
 qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
                                     int64_t ld, void *stream);
+/* Rows `ids` of a weight [N, K] whose values are in tiles, dequantized: as
+ * qd_cuda_dequantize_rows on those values, with scales [N/block_rows, K/block_cols]
+ * (row-major, as for the store), reading only the rows asked for. */
+qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
+                                     const float *scales, int64_t block_rows, int64_t block_cols,
+                                     const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                     void *stream);
 /* Weight-only small-M product: out[M, N] = x[M, K] @ dequantize(w)^T with float32
  * accumulation, for M <= 32 (16 for float32 x, and with batch invariance on; larger M
  * runs in slices of that many rows, each streaming the weights, except where
