@@ -15,11 +15,16 @@ File layout (format version 1), readable by any safetensors reader:
   BF16 as raw 16-bit).
 - A Tensor or numpy array `name` is one entry under its own name (a bfloat16
   Tensor as BF16).
+- One object saved under several names (a weight shared by two layers) is
+  stored once, under its first name; each other name's record is an alias,
+  {"kind": "alias", "of": that name}, and `load` gives one object for all of
+  them.
 - The header's metadata holds `qdispatch.format_version` and
   `qdispatch.tensors`, a JSON object with one record per name: its kind
-  ("qtensor", "tensor" or "array"), a CRC-32 of each entry's bytes, and for a
-  QTensor its scheme (value, block, axis, store, scale_dtype; storage
-  orientation, as the bytes are), logical shape and transposed flag.
+  ("qtensor", "tensor", "array" or "alias"), a CRC-32 of each entry's bytes, and
+  for a QTensor its scheme (value, block, axis, store, scale_dtype; storage
+  orientation, as the bytes are), logical shape and transposed flag.  Version
+  2 is a file with aliases; one without is version 1, as before them.
 
 Writes are atomic: the file is written next to its destination, synced, then
 renamed over it, so a crash mid-write leaves the old file intact.
@@ -41,7 +46,8 @@ from .layout import QLayout, swap_last2
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_stored, qtensor_stored, tensor, tensor_stored
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # what this qdispatch writes at most and reads
+_FIRST_WITH_ALIASES = 2
 _VERSION_KEY = "qdispatch.format_version"
 _TENSORS_KEY = "qdispatch.tensors"
 _SUFFIXES = (".qvalues", ".qscales")
@@ -56,7 +62,7 @@ _NUMPY_OF = {
 _CODE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items() if k != "BF16"}
 _SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 _TENSOR_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "int32": "I32"}
-_KINDS = ("qtensor", "tensor", "array")
+_KINDS = ("qtensor", "tensor", "array", "alias")
 
 
 # ---- atomic writes -------------------------------------------------------------
@@ -168,7 +174,8 @@ def _plan(name, obj):
 
 
 def _entry_keys(name, record):
-    return [name + s for s in _SUFFIXES] if record.get("kind") == "qtensor" else [name]
+    kind = record.get("kind")
+    return [name + s for s in _SUFFIXES] if kind == "qtensor" else [] if kind == "alias" else [name]
 
 
 def check_tensor_dict(tensors, caller):
@@ -198,11 +205,13 @@ def save(path, tensors):
     """Write `{name: QTensor | Tensor | ndarray}` to `path` as one safetensors
     file, atomically.  `qdispatch.load` reads it back bit for bit.  Tensors are
     fetched and written one at a time, so the host holds one tensor's bytes at a
-    time (a model on the GPU is never on the host whole)."""
+    time (a model on the GPU is never on the host whole).  An object under several
+    names (a tied weight) is written once; `load` gives it back as one object."""
     tensors = check_tensor_dict(tensors, "save")
-    plans, keys = [], set()
+    plans, keys, first_names = [], set(), {}
     for name, obj in tensors.items():
-        record, entries, fetch = _plan(name, obj)
+        first = first_names.setdefault(id(obj), name)  # the dict keeps obj alive: ids stay unique
+        record, entries, fetch = ({"kind": "alias", "of": first}, [], list) if first != name else _plan(name, obj)
         for key, _, _ in entries:
             if key == _METADATA:
                 raise SerializationError(
@@ -221,7 +230,8 @@ def save(path, tensors):
             offset = end
     records = {name: record for name, (record, _, _) in zip(tensors, plans)}
     for record, entries, _ in plans:
-        record["crc32"] = [0xFFFFFFFF] * len(entries)  # the widest CRC: the header's room is reserved
+        if record["kind"] != "alias":
+            record["crc32"] = [0xFFFFFFFF] * len(entries)  # the widest CRC: the header's room is reserved
     room = -(-len(_header_json(header, records)) // 8) * 8  # safetensors pads its header to 8 bytes
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.seek(8 + room)
@@ -232,14 +242,18 @@ def save(path, tensors):
                     raise RuntimeError(f"qdispatch bug: entry {key!r} holds {a.dtype}{a.shape}, "
                                        f"planned {code}{list(shape)}")
                 f.write(memoryview(a).cast("B") if a.nbytes else b"")
-            record["crc32"] = [_crc(a) for a in arrays]
+            if entries:
+                record["crc32"] = [_crc(a) for a in arrays]
             del arrays  # before the next tensor's bytes arrive
         f.seek(0)
         f.write(room.to_bytes(8, "little") + _header_json(header, records).ljust(room, b" "))
 
 
 def _header_json(header, records):
-    metadata = {_VERSION_KEY: str(FORMAT_VERSION), _TENSORS_KEY: json.dumps(records)}
+    # the oldest version that describes the file, so that older readers read what they can
+    aliases = any(record["kind"] == "alias" for record in records.values())
+    version = _FIRST_WITH_ALIASES if aliases else 1
+    metadata = {_VERSION_KEY: str(version), _TENSORS_KEY: json.dumps(records)}
     return json.dumps({**header, _METADATA: metadata}, separators=(",", ":")).encode()
 
 
@@ -274,9 +288,9 @@ def _metadata(path, header):
     if version is None or _TENSORS_KEY not in meta:
         raise SerializationError(
             f"{path} was not written by qdispatch.save (no {_VERSION_KEY!r} in its metadata)")
-    if version != str(FORMAT_VERSION):
+    if version not in [str(v) for v in range(1, FORMAT_VERSION + 1)]:
         raise SerializationError(
-            f"{path} has qdispatch format version {version!r}; this qdispatch reads version "
+            f"{path} has qdispatch format version {version!r}; this qdispatch reads versions 1 to "
             f"{FORMAT_VERSION}: upgrade qdispatch to read it")
     try:
         records = json.loads(meta[_TENSORS_KEY])
@@ -286,6 +300,10 @@ def _metadata(path, header):
         raise SerializationError(f"{path} has corrupted qdispatch metadata ({exc})") from None
     for name, record in records.items():
         problem = _record_problem(record)
+        if problem is None and record["kind"] == "alias":
+            target = records.get(record["of"])
+            if not isinstance(target, dict) or target.get("kind") == "alias":
+                problem = f"it is an alias of {_brief(record['of'])}, which names no tensor stored in the file"
         if problem:
             raise SerializationError(f"Tensor {name!r} in {path} has a corrupted record: {problem}")
     return records
@@ -299,6 +317,8 @@ def _record_problem(record):
     kind = record.get("kind")
     if kind not in _KINDS:
         return f"unknown kind {_brief(kind)} (expected one of {', '.join(map(repr, _KINDS))})"
+    if kind == "alias":
+        return None if isinstance(record.get("of"), str) else f"its alias target is {_brief(record.get('of'))}"
     crcs, entries = record.get("crc32"), len(_SUFFIXES) if kind == "qtensor" else 1
     if not (isinstance(crcs, list) and len(crcs) == entries and all(_is_crc(c) for c in crcs)):
         return f"its crc32 is {_brief(crcs)}, expected a list of {entries} CRC-32 values"
@@ -386,10 +406,29 @@ class StoredFile:
         self.path, self.records = path, _metadata(path, header)
         _check_complete(path, header, data_size, self.records)
         self._entries = _Entries(f, header, data_start, data_size)
+        self._targets = {r["of"] for r in self.records.values() if r["kind"] == "alias"}
+        self._shared = {}  # (name, device) -> the object, for the names in _targets
+
+    def held_record(self, name):
+        """The record of the tensor that `name` holds (an alias's target's)."""
+        record = self.records[name]
+        return self.records[record["of"]] if record["kind"] == "alias" else record
 
     def decode(self, name, dev):
         """Tensor `name` read from the file, on qdispatch device `dev` (None: the
-        default backend)."""
+        default backend).  An alias and its target, on one device, give one object."""
+        record = self.records[name]
+        if record["kind"] == "alias":
+            name = record["of"]
+        key = (name, None if dev is None else str(dev))
+        if key in self._shared:
+            return self._shared[key]
+        obj = self._decode(name, dev)
+        if name in self._targets:
+            self._shared[key] = obj
+        return obj
+
+    def _decode(self, name, dev):
         try:
             return _decode(name, self.records[name], self._entries, dev)
         except SerializationError:

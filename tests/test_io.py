@@ -95,6 +95,49 @@ def test_file_is_plain_safetensors_with_described_metadata(tmp_path):
     assert record["shape"] == [8, 64] and record["transposed"] is False
 
 
+@pytest.mark.parametrize("device", HOST_DEVICES)
+def test_an_object_under_several_names_is_stored_once_and_loads_as_one(tmp_path, device):
+    """A tied weight (one QTensor under the embedding's and the output layer's names) is
+    written once; the other names are aliases, and load gives one object for them."""
+    q = qd.quantize(data((64, 32)), QuantScheme("q4s", block=32, store="packed_u32"), device="reference")
+    t, a = qd.tensor(data((3, 4)), device="reference"), np.arange(6)
+    path = tmp_path / "tied.st"
+    qd.save(path, {"embed.weight": q, "lm_head.weight": q, "t": t, "t_again": t, "a": a, "a_again": a,
+                   "turned": q.T})
+    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    meta = header.pop("__metadata__")
+    assert sorted(header) == ["a", "embed.weight.qscales", "embed.weight.qvalues", "t",
+                              "turned.qscales", "turned.qvalues"]
+    assert meta["qdispatch.format_version"] == "2"
+    records = json.loads(meta["qdispatch.tensors"])
+    assert records["lm_head.weight"] == {"kind": "alias", "of": "embed.weight"}
+    assert records["t_again"] == {"kind": "alias", "of": "t"} and records["a_again"] == {"kind": "alias", "of": "a"}
+    loaded = qd.load(path, device=device)
+    assert loaded["lm_head.weight"] is loaded["embed.weight"]
+    assert loaded["t_again"] is loaded["t"] and loaded["a_again"] is loaded["a"]
+    assert loaded["turned"] is not loaded["embed.weight"]  # another object (a view): saved as itself
+    assert_same_qtensor(loaded["embed.weight"], q)
+    assert_same_qtensor(loaded["turned"], q.T)
+    np.testing.assert_array_equal(loaded["t_again"].numpy(), t.numpy())
+    np.testing.assert_array_equal(loaded["a_again"], a)
+    assert_same_qtensor(qd.load(path, device=device, names=["lm_head.weight"])["lm_head.weight"], q)
+
+
+@pytest.mark.parametrize("alias, match", [
+    ({"kind": "alias", "of": "nowhere"}, "it is an alias of 'nowhere', which names no tensor stored in the file"),
+    ({"kind": "alias", "of": "b"}, "it is an alias of 'b', which names no tensor stored in the file"),  # b: an alias
+    ({"kind": "alias", "of": 5}, "its alias target is 5"),
+    ({"kind": "alias"}, "its alias target is None"),
+], ids=["missing", "alias-of-alias", "not-a-name", "no-target"])
+def test_an_alias_that_names_no_tensor_is_refused(tmp_path, alias, match):
+    path = tmp_path / "tied.st"
+    w = np.arange(4.0)
+    qd.save(path, {"a": w, "b": w, "c": w})
+    rewrite_record(path, "c", lambda record: alias)
+    with pytest.raises(SerializationError, match=f"Tensor 'c' in .* has a corrupted record: {match}"):
+        qd.load(path)
+
+
 # ---- atomic writes ------------------------------------------------------------
 
 def test_failed_write_leaves_old_file_intact(tmp_path, monkeypatch):
