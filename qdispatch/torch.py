@@ -39,6 +39,7 @@ QTensor on any host backend ('cpu' or 'reference'); anything else raises
 `BackendMismatchError`, e.g. a CUDA input with a 'cpu' weight.
 """
 import itertools
+import weakref
 
 import numpy as np
 import torch
@@ -271,6 +272,23 @@ def _torch_device(dev):
     return torch.device("cpu") if dev.is_host else torch.device("cuda", dev.index)
 
 
+_MOVES = weakref.WeakKeyDictionary()  # Module._apply's function -> {id(QTensor): (it, moved)}
+
+
+def _moved_once(fn, w, move):
+    """move() of QTensor w, once for Module._apply's function `fn` (one `.to()`): the
+    layers that share w (tied weights) get one moved QTensor, as torch's tied
+    parameters stay one tensor."""
+    try:
+        moved = _MOVES.setdefault(fn, {})
+    except TypeError:  # a callable without weak references: nothing to share with
+        return move()
+    earlier = moved.get(id(w))
+    if earlier is None or earlier[0] is not w:
+        earlier = moved[id(w)] = (w, move())
+    return earlier[1]
+
+
 def _move_weight(w, target, owner):
     """QTensor w moved to where torch device `target` is (a host weight stays on its
     host backend when the target is the CPU); `owner` names the module in errors."""
@@ -455,6 +473,8 @@ class _QuantizedModule(torch.nn.Module):
     so torch.save / load_state_dict restore it bit for bit.  A float checkpoint's
     "weight" is quantized into the module's scheme as it loads."""
 
+    _source = None  # a weak reference to the float weight this one was quantized from
+
     def __init__(self, weight, dims, made_by):
         """weight: a 2-D QTensor [dims]; `made_by` says how one quantizes a float layer."""
         super().__init__()
@@ -464,6 +484,22 @@ class _QuantizedModule(torch.nn.Module):
         if len(weight.shape) != 2:
             raise ShapeError(f"{name} needs a 2-D weight [{dims}], got {weight.shape}")
         self.weight = weight
+
+    @classmethod
+    def _quantize(cls, layer, scheme, device, weight=None):
+        """A module of this class in place of float `layer`, its weight quantized with
+        `scheme` on `device`, or `weight` (a QTensor quantized so already: a tied one)."""
+        cls._check_layer(layer)
+        if weight is None:
+            weight = _quantized(layer.weight.detach(), scheme, device)
+        module = cls._around(layer, weight)
+        module._source = weakref.ref(layer.weight)
+        return module
+
+    def __getstate__(self):
+        state = dict(self.__dict__)  # a weak reference can't be pickled: a copy starts untied
+        state.pop("_source", None)
+        return state
 
     def _moved(self, probe):
         """Told where Module.to() sends tensors: `probe`, an empty tensor of the
@@ -475,7 +511,7 @@ class _QuantizedModule(torch.nn.Module):
         # first, so a refused move leaves the module as it was.
         probe = fn(torch.empty(0, dtype=getattr(self, "dtype", torch.float32),
                                device=_torch_device(self.weight.device)))
-        weight = _move_weight(self.weight, probe.device, type(self).__name__)
+        weight = _moved_once(fn, self.weight, lambda: _move_weight(self.weight, probe.device, type(self).__name__))
         super()._apply(fn, *args, **kwargs)
         self.weight = weight
         self._moved(probe)
@@ -511,6 +547,7 @@ class _QuantizedModule(torch.nn.Module):
             self.weight = _quantized(weight.detach(), self.weight.scheme, self.weight.device)
         except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
             raise type(exc)(f"{weight_key}: {exc}") from exc
+        self._source = None  # no longer the float weight's values
 
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight
@@ -525,7 +562,7 @@ class _QuantizedModule(torch.nn.Module):
         if weight.shape != self.weight.shape:
             raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
                              f"layer's is {self.weight.shape}")
-        self.weight = weight
+        self.weight, self._source = weight, None
 
 
 class QLinear(_QuantizedModule):
@@ -558,12 +595,20 @@ class QLinear(_QuantizedModule):
         A Linear on torch's meta device (a model built empty, to be loaded) gets a
         weight of zeros in the scheme's layout, on `device` or the default backend,
         for `load_state_dict(..., assign=True)` to replace."""
+        return cls._quantize(linear, scheme, device)
+
+    @staticmethod
+    def _describe(linear):
+        return f"{linear.in_features} -> {linear.out_features} features"
+
+    @staticmethod
+    def _check_layer(linear):
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"QLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
-        weight = linear.weight.detach()
-        qweight = _quantized(weight, scheme, device)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(qweight, bias)
+
+    @classmethod
+    def _around(cls, linear, qweight):
+        return cls(qweight, None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x):
         y, bias = q_matmul(x, self.weight.T), self.bias
@@ -602,15 +647,24 @@ class QEmbedding(_QuantizedModule):
         table lives, host tables on the default backend); the output dtype is the
         table's.  An Embedding on torch's meta device gets a table of zeros in the
         scheme's layout, for `load_state_dict(..., assign=True)` to replace."""
+        return cls._quantize(embedding, scheme, device)
+
+    @staticmethod
+    def _describe(embedding):
+        return f"{embedding.num_embeddings} x {embedding.embedding_dim}"
+
+    @staticmethod
+    def _check_layer(embedding):
         if not isinstance(embedding, torch.nn.Embedding):
             raise TypeError(f"QEmbedding.from_embedding needs an nn.Embedding, got {type(embedding).__name__}")
         if embedding.max_norm is not None:  # it rescales the looked-up rows in place
             raise ValueError(f"QEmbedding can't take an nn.Embedding with max_norm={embedding.max_norm}: a "
                              f"quantized table can't be renormalized as rows are looked up")
-        weight = embedding.weight.detach()
-        qweight = _quantized(weight, scheme, device)
-        dtype = weight.dtype if weight.dtype in _KERNEL_DTYPES else torch.float32
-        return cls(qweight, embedding.padding_idx, dtype)
+
+    @classmethod
+    def _around(cls, embedding, qweight):
+        dtype = embedding.weight.dtype
+        return cls(qweight, embedding.padding_idx, dtype if dtype in _KERNEL_DTYPES else torch.float32)
 
     def _moved(self, probe):
         if probe.dtype in _KERNEL_DTYPES:
@@ -650,7 +704,7 @@ def quantize_linears(model, scheme, skip=(), device=None):
     is replaced, so an error (naming the layer) leaves the model as it was.  The
     Linears that torch's fused layers read as tensors stay in float:
     MultiheadAttention's out_proj and TransformerEncoderLayer's linear1/linear2."""
-    return _quantize_layers(model, scheme, skip, device, torch.nn.Linear, _replaceable, _quantized_linear)
+    return _quantize_layers(model, scheme, skip, device, torch.nn.Linear, _replaceable, QLinear)
 
 
 def quantize_embeddings(model, scheme, skip=(), device=None):
@@ -659,21 +713,21 @@ def quantize_embeddings(model, scheme, skip=(), device=None):
     choice), in place, and return the model; `skip` and `device` as for
     quantize_linears.  An nn.Embedding with max_norm is refused (ValueError)."""
     return _quantize_layers(model, scheme, skip, device, torch.nn.Embedding,
-                            lambda parent, module: isinstance(module, torch.nn.Embedding), _quantized_embedding)
+                            lambda parent, module: isinstance(module, torch.nn.Embedding), QEmbedding)
 
 
-def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_layer):
+def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_class):
     """quantize_linears and quantize_embeddings: every `kind` layer of `model` that is
-    `replaceable(parent, layer)` and not skipped, replaced by `quantized_layer(name,
-    layer, scheme, device)`."""
+    `replaceable(parent, layer)` and not skipped, replaced by a `quantized_class`."""
     scheme = as_scheme(scheme)  # a bad scheme is no layer's fault
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: name in names)
     if isinstance(model, kind):
-        return model if keep("", model) else quantized_layer("", model, scheme, device)
+        return model if keep("", model) else _quantized_layer("", model, quantized_class, scheme, device, {})
+    ties = _tied_weights(_module(model, f"quantize_{kind.__name__.lower()}s"))
     places, quantized = [], {}  # (parent, attribute, layer); id(layer) -> its quantized layer
     layer_names = set()
-    for parent_name, parent in _module(model, f"quantize_{kind.__name__.lower()}s").named_modules():
+    for parent_name, parent in model.named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
             name = _joined(parent_name, child_name)
             if isinstance(child, kind):
@@ -681,7 +735,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_l
             if replaceable(parent, child) and not keep(name, child):
                 places.append((parent, child_name, child))
                 if id(child) not in quantized:
-                    quantized[id(child)] = quantized_layer(name, child, scheme, device)
+                    quantized[id(child)] = _quantized_layer(name, child, quantized_class, scheme, device, ties)
     unknown = [] if names is None else sorted(names - layer_names, key=str)
     if unknown:  # a misspelt name would quantize the layer it meant to keep
         raise ValueError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
@@ -710,14 +764,34 @@ def _replaceable(parent, module):
             and not isinstance(parent, torch.nn.TransformerEncoderLayer))
 
 
-def _quantized_linear(name, linear, scheme, device):
-    return _named_layer_errors(name, f"{linear.in_features} -> {linear.out_features} features",
-                               lambda: QLinear.from_linear(linear, scheme, device=device))
+def _tied_weights(model):
+    """{id(float weight): (that weight, its QTensor)} for the layers of `model`
+    quantized before (by an earlier quantize_linears or quantize_embeddings) whose
+    float weight is still alive: another layer may share it (tied embeddings)."""
+    ties = {}
+    for module in model.modules():
+        source = module._source() if isinstance(module, _QuantizedModule) and module._source else None
+        if source is not None:
+            ties[id(source)] = (source, module.weight)
+    return ties
 
 
-def _quantized_embedding(name, embedding, scheme, device):
-    return _named_layer_errors(name, f"{embedding.num_embeddings} x {embedding.embedding_dim}",
-                               lambda: QEmbedding.from_embedding(embedding, scheme, device=device))
+def _quantized_layer(name, layer, cls, scheme, device, ties):
+    """A `cls` in place of float `layer`, its errors naming it.  A layer whose float
+    weight is one quantized before (`ties`) shares that QTensor, where its scheme and
+    device are the ones asked for now, so tied weights stay tied and take their
+    memory once."""
+    weight = layer.weight
+    earlier = ties.get(id(weight))
+    shared = None
+    if earlier is not None and earlier[0] is weight and earlier[1].scheme == scheme:
+        here = earlier[1].device
+        if (Device.parse(device) == here if device is not None
+                else weight.is_meta or _torch_device(here) == weight.device):
+            shared = earlier[1]
+    module = _named_layer_errors(name, cls._describe(layer), lambda: cls._quantize(layer, scheme, device, shared))
+    ties[id(weight)] = (weight, module.weight)
+    return module
 
 
 def _named_layer_errors(name, what, make):
@@ -736,16 +810,21 @@ def save_model(model, path):
     """Write `model`'s state_dict to `path` as one safetensors file in qdispatch's
     format (`qdispatch.save`): each QLinear's and QEmbedding's weight as its stored
     values and scales (`<layer>.weight`), every other parameter and buffer as it is.  Nothing is
-    pickled; `load_model` reads it back bit for bit."""
+    pickled; `load_model` reads it back bit for bit.  A weight that several layers share
+    (tied embeddings) is written once, and loads shared."""
     quantized = _quantized_modules(_module(model, "save_model", "qdispatch.save(path, tensors)"))
-    tensors = {}
+    tensors, converted = {}, {}
     for key, value in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
         if leaf == "_extra_state" and prefix in quantized:
             tensors[_joined(prefix, "weight")] = quantized[prefix].weight
         elif isinstance(value, torch.Tensor):
-            value = value.detach().cpu().resolve_neg()  # numpy can't view torch's negative views
-            tensors[key] = from_torch(value) if value.dtype == torch.bfloat16 else value.numpy()
+            # a float parameter under several names converts once, so the file holds it once
+            same = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), value.stride())
+            if same not in converted:
+                host = value.detach().cpu().resolve_neg()  # numpy can't view torch's negative views
+                converted[same] = from_torch(host) if host.dtype == torch.bfloat16 else host.numpy()
+            tensors[key] = converted[same]
         else:
             raise TypeError(f"save_model can't save {key!r}, a {type(value).__name__}: only tensors and "
                             f"QLinear and QEmbedding weights (use torch.save for other state)")
@@ -763,11 +842,11 @@ def load_model(model, path):
     as torch's load_state_dict leaves a model on an error); a model on the meta
     device takes the loaded tensors as they are (`load_state_dict(assign=True)`)."""
     quantized = _quantized_modules(_module(model, "load_model", "qdispatch.load(path)"))
-    state = {}
+    state, as_torch = {}, {}
     with read_stored(path) as stored:
-        for key, record in stored.records.items():
+        for key in stored.records:
             prefix, _, leaf = key.rpartition(".")
-            if record.get("kind") == "qtensor":
+            if stored.held_record(key)["kind"] == "qtensor":
                 if leaf != "weight" or prefix not in quantized:
                     raise SerializationError(
                         f"{path}: {key!r} is a quantized weight, but {prefix or 'the model'!r} is not a QLinear "
@@ -776,7 +855,10 @@ def load_model(model, path):
                 state[_joined(prefix, "_extra_state")] = _WeightInFile(stored, key)
             else:
                 value = stored.decode(key, Device.parse("reference"))  # a bias or buffer, as stored
-                state[key] = to_torch(value) if isinstance(value, Tensor) else torch.from_numpy(value)
+                if id(value) not in as_torch:  # an alias decodes to its target: one torch tensor for both
+                    as_torch[id(value)] = (value, to_torch(value) if isinstance(value, Tensor)
+                                           else torch.from_numpy(value))
+                state[key] = as_torch[id(value)][1]
         empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
         model.load_state_dict(state, assign=empty)
     return model

@@ -1,5 +1,7 @@
 """qdispatch.torch's QEmbedding and quantize_embeddings: nn.Embedding with a quantized table."""
 import copy
+import json
+import pickle
 
 import numpy as np
 import pytest
@@ -182,3 +184,90 @@ def test_moves_between_cpu_and_cuda():
     assert torch.equal(model.embed(ids.cuda()).cpu(), want)
     model.cpu()
     assert model.embed.weight.device.is_host and torch.equal(model.embed(ids), want)
+
+
+class TiedLM(TinyLM):
+    """TinyLM whose output layer is its table (tied embeddings, as many small LMs have)."""
+
+    def __init__(self, vocab=50, dim=64):
+        super().__init__(vocab, dim)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("linears_first", [True, False], ids=["linears first", "embeddings first"])
+def test_tied_weights_stay_tied_through_quantization(linears_first):
+    """One float weight under the table and the output layer becomes one QTensor, in
+    whichever order the two are quantized, where the schemes and devices agree."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    want = qd.quantize(model.embed.weight.detach().numpy(), PER_ROW).dequantize().numpy()
+    steps = [quantize_linears, quantize_embeddings]
+    for step in steps if linears_first else steps[::-1]:
+        step(model, PER_ROW)
+    assert isinstance(model.head, QLinear) and isinstance(model.embed, QEmbedding)
+    assert model.head.weight is model.embed.weight
+    assert model.hidden.weight is not model.embed.weight
+    ids = torch.tensor([4, 0, 49])
+    assert torch.equal(model.embed(ids), torch.from_numpy(want[ids.numpy()]))
+    for again in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # copies keep the tie
+        assert again.head.weight is again.embed.weight
+
+
+def test_tied_weights_part_where_the_schemes_or_devices_differ():
+    torch.manual_seed(0)
+    model = quantize_embeddings(quantize_linears(TiedLM(), INT4), PER_ROW)
+    assert model.head.weight.scheme == INT4 and model.embed.weight.scheme == PER_ROW
+    if len(HOSTS) > 1:
+        model = quantize_embeddings(quantize_linears(TiedLM(), PER_ROW, device="reference"), PER_ROW, device="cpu")
+        assert model.head.weight.device == "reference" and model.embed.weight.device == "cpu"
+    kept = quantize_embeddings(quantize_linears(TiedLM(), PER_ROW, skip=["head"]), PER_ROW)
+    assert isinstance(kept.head, torch.nn.Linear) and isinstance(kept.embed, QEmbedding)
+
+
+def test_a_tied_model_saves_its_weight_once_and_loads_tied(tmp_path):
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    source = quantize_linears(quantize_embeddings(TiedLM(), INT4), INT4)
+    path = tmp_path / "tied.safetensors"
+    save_model(source, path)
+    stored = qd.load(path)
+    assert stored["head.weight"] is stored["embed.weight"]  # one copy in the file, an alias beside it
+    raw = path.read_bytes()
+    entries = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert "embed.weight.qvalues" in entries and "head.weight.qvalues" not in entries
+    with torch.device("meta"):
+        model = TiedLM()
+    load_model(quantize_linears(quantize_embeddings(model, INT4), INT4), path)
+    assert model.head.weight is model.embed.weight
+    ids = torch.tensor([[5, 6], [7, 49]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), source(ids))
+
+
+def test_tied_float_weights_are_saved_once(tmp_path):
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    source = quantize_linears(TiedLM(), PER_ROW, skip=["head"])  # the tied pair stays in float
+    save_model(source, tmp_path / "float.safetensors")
+    stored = qd.load(tmp_path / "float.safetensors")
+    assert stored["head.weight"] is stored["embed.weight"]
+    model = quantize_linears(TiedLM(), PER_ROW, skip=["head"])
+    load_model(model, tmp_path / "float.safetensors")
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(model.embed.weight, source.embed.weight)
+
+
+def test_a_tied_model_moves_as_one_weight():
+    _needs_cuda()
+    torch.manual_seed(0)
+    model = quantize_embeddings(quantize_linears(TiedLM(), INT4, device=HOSTS[-1]), INT4, device=HOSTS[-1])
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        want = model(ids)
+    model.cuda()
+    assert model.head.weight is model.embed.weight and str(model.embed.weight.device) == "cuda:0"
+    with torch.no_grad():
+        logits = model(ids.cuda())  # the decode kernel lays the weight out; lookups read its tiles
+        torch.testing.assert_close(logits.cpu(), want, rtol=2e-5, atol=2e-5)
+        assert torch.equal(model.embed(ids.cuda()).cpu(), model.cpu().embed(ids))
+    assert model.head.weight is model.embed.weight and model.embed.weight.device.is_host
