@@ -134,10 +134,12 @@ def test_a_table_tied_to_the_output_layer_on_cuda(rng, monkeypatch, scheme, tran
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("scheme", [SCHEMES[0], SCHEMES[4]], ids=["int8", "int4"])
+@pytest.mark.parametrize("scheme", [SCHEMES[1], qd.QuantScheme("q4s", block=(32, 1), store="packed_u32")],
+                         ids=["int8", "int4"])
 def test_a_table_laid_out_along_its_columns(rng, scheme):
-    """A table whose columns the decode kernel streamed (x @ table, table [K, N]): its
-    tiles hold columns, so a lookup rebuilds the rows from them, same values."""
+    """A table whose columns the decode kernel streamed (x @ table, table [K, N], its
+    scales in blocks along K): its tiles hold columns, so a lookup rebuilds the rows
+    from them, same values."""
     w = table(rng, 256, 96, scheme, "cuda", False)
     want = w.dequantize().numpy()
     x = qd.tensor(rng.standard_normal((1, 256)).astype(np.float32), device="cuda")
