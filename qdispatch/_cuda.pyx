@@ -755,24 +755,35 @@ def dequantize_rows(DeviceArray values, int bits, int64_t rows, int64_t cols, De
                     int64_t block_rows, int64_t block_cols, DeviceArray ids, str dtype, bint tiled=False):
     """Rows `ids` (int32 [n]) of dequantize's product, as dtype [n, cols].  With
     `tiled`, `values` are the weight's fq tiles (fq_tile_weights) of `bits`."""
-    cdef int64_t n = ids.shape[0]
-    out = empty((n, cols), dtype, values.device)
+    out = empty((ids.shape[0], cols), dtype, values.device)
+    dequantize_rows_into(values, bits, rows, cols, scales, block_rows, block_cols, <uintptr_t>P(ids),
+                         ids.shape[0], <uintptr_t>P(out), dtype, tiled, 0)
+    return out
+
+
+def dequantize_rows_into(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
+                         int64_t block_rows, int64_t block_cols, uintptr_t ids, int64_t n, uintptr_t out,
+                         str dtype, bint tiled, uintptr_t stream):
+    """dequantize_rows on ids and out another library may own (device addresses: int32
+    ids [n], out [n, cols] of dtype, dense), queued on `stream` (0: ours).  Nothing here
+    allocates or synchronizes, so a CUDA graph can capture it."""
     cdef void *pv = P(values)
     cdef void *ps = P(scales)
-    cdef void *pi = P(ids)
-    cdef void *po = P(out)
     cdef int code = DTYPES[dtype]
     cdef qd_status st
-    with on_device(values.device):
+    cdef int device = values.buffer.device
+    cdef int previous = _switch_device(device)
+    try:
         with nogil:
             if tiled:
                 st = qd_cuda_fq_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                                <const int32_t *>pi, n, po, code, NULL)
+                                                <const int32_t *>ids, n, <void *>out, code, <void *>stream)
             else:
                 st = qd_cuda_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                             <const int32_t *>pi, n, po, code, NULL)
+                                             <const int32_t *>ids, n, <void *>out, code, <void *>stream)
         _status(st, "dequantize_rows")
-    return out
+    finally:
+        _restore_device(previous, device)
 
 
 # ---- matmuls -------------------------------------------------------------------

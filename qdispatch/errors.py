@@ -53,5 +53,6 @@ class SerializationError(QDispatchError, ValueError):
 
 # Said wherever a CUDA graph capture meets qdispatch's work (which would invalidate it).
 NOT_IN_CUDA_GRAPHS = ("qdispatch queues its work on the legacy default stream, which can't be part of "
-                      "a CUDA graph: only qdispatch.torch's products (QLinear, q_matmul) are captured; "
+                      "a CUDA graph: only qdispatch.torch's products (QLinear, q_matmul) and lookups (QEmbedding) are "
+                      "captured; "
                       "run other qdispatch calls outside the captured region")

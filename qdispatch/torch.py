@@ -17,9 +17,11 @@
 - `from_torch` / `to_torch`: tensors cross without copies, on CPU (as numpy views)
   and, when qdispatch's cuda backend is built, on CUDA (by pointer in, by DLPack
   out), ordered with torch's current stream.
-- Inside `torch.cuda.graph`, `q_matmul` and `QLinear` on CUDA are captured: the
-  decode kernel runs on torch's capturing stream into an output torch allocates.
-  Run each layer once first (its first product lays out the weight's tiles).
+- Inside `torch.cuda.graph`, `q_matmul`, `QLinear` and `QEmbedding` on CUDA are
+  captured: the decode kernel (or the lookup kernel) runs on torch's capturing stream
+  into an output torch allocates.  Run each layer once first (its first product lays
+  out the weight's tiles).  A captured lookup can't check its ids on the host: an id
+  outside the table gives a row of NaN there, where an eager lookup raises.
 
 Gradients flow to the float input only: `dX = dY @ dequantize(W).T`, computed
 with the same quantized weight (its free transpose).  The weight is a constant
@@ -627,7 +629,8 @@ class QEmbedding(_QuantizedModule):
     gives rows `ids` of the dequantized table (`qdispatch.embedding`), dequantizing only
     those, as `dtype` on the table's device.  `ids`: a torch integer tensor on the
     table's device (the CPU for a host table), each in [0, num_embeddings); an id
-    outside is `OutOfRangeError`, an IndexError as torch raises.  The table is a
+    outside is `OutOfRangeError`, an IndexError as torch raises (inside a CUDA graph
+    capture, where the ids are not read on the host, a row of NaN).  The table is a
     constant to autograd.  `dtype` follows `Module.to(dtype)`, as nn.Embedding's
     weight's does; moves and state_dict() go as QLinear's.  A table shared with the
     output layer (tied embeddings) stays one QTensor: `QEmbedding(lm_head.weight)`."""
@@ -680,11 +683,26 @@ class QEmbedding(_QuantizedModule):
             raise BackendMismatchError(
                 f"QEmbedding's ids are on torch device {str(ids.device)!r}, its table on qdispatch's "
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
-        if ids.is_cuda and _capturing(ids.get_device(), _current_raw_stream(ids.get_device())):
-            raise KernelError(f"QEmbedding reads its ids on the host, which a CUDA graph can't hold: look "
-                              f"the rows up outside the captured region. {NOT_IN_CUDA_GRAPHS}")
+        if ids.is_cuda:
+            stream = _current_raw_stream(ids.get_device())
+            if _capturing(ids.get_device(), stream):
+                return self._lookup_captured(ids.detach(), stream)
         rows = tensor_api.embedding(ids.detach().cpu().numpy(), self.weight, dtype=_KERNEL_DTYPES[self.dtype])
         return to_torch(rows)
+
+    def _lookup_captured(self, ids, stream):
+        """forward(ids) while torch captures a CUDA graph: the ids stay on the GPU (a
+        graph can't hold their check on the host), an id outside the table gives a row
+        of NaN, and the lookup kernel writes into an output torch allocates on its
+        capturing stream."""
+        ids = ids.long()  # so that -1 is an id of its dtype (not 255 of uint8)
+        ids32 = torch.where((ids >= 0) & (ids < self.num_embeddings), ids, -1).to(torch.int32).contiguous()
+        out = torch.empty((*ids.shape, self.embedding_dim), dtype=self.dtype, device=ids.device)
+        if ids32.numel():
+            backend = _cuda_ready.get(ids.get_device()) or _cuda_backend(ids.get_device())
+            backend.dequantize_rows_into(self.weight, ids32.data_ptr(), ids32.numel(), out.data_ptr(),
+                                         _KERNEL_DTYPES[self.dtype], stream)
+        return out
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "

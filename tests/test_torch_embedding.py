@@ -271,3 +271,72 @@ def test_a_tied_model_moves_as_one_weight():
         torch.testing.assert_close(logits.cpu(), want, rtol=2e-5, atol=2e-5)
         assert torch.equal(model.embed(ids.cuda()).cpu(), model.cpu().embed(ids))
     assert model.head.weight is model.embed.weight and model.embed.weight.device.is_host
+
+
+def test_lookups_replay_inside_a_cuda_graph():
+    """A lookup captured in torch.cuda.graph reads the ids in place: each replay gives
+    the rows an eager lookup gives; an id outside the table, which an eager lookup
+    refuses, gives a row of NaN there (a graph can't check on the host).  The table's
+    store, which the graph reads, stays after a product that lays out its tiles."""
+    _needs_cuda()
+    torch.manual_seed(0)
+    table = QEmbedding.from_embedding(torch.nn.Embedding(1000, 256), INT4, device="cuda").to(torch.bfloat16)
+    head = QLinear(table.weight)  # tied, not multiplied yet: the lookup reads the store
+    static_ids = torch.zeros((2, 3), dtype=torch.long, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_rows = table(static_ids)
+    assert static_rows.shape == (2, 3, 256) and static_rows.dtype == torch.bfloat16
+    for ids in ([[5, 999, 5], [0, 1, 2]], [[3, 0, 7], [998, 4, 4]]):
+        static_ids.copy_(torch.tensor(ids))
+        graph.replay()
+        assert torch.equal(static_rows, table(static_ids))
+    with torch.no_grad():
+        head(static_rows[0].float())  # lays out the tiles; the store is kept for the graph
+    assert table.weight.storage.holds_values
+    static_ids.copy_(torch.tensor([[-1, 1000, 4], [2**32 + 4, 4, -2**40]]))  # 2^32 + 4 is no row 4
+    graph.replay()
+    rows = static_rows.float().cpu()
+    assert torch.isnan(rows[0, :2]).all() and torch.isnan(rows[1, 0]).all() and torch.isnan(rows[1, 2]).all()
+    assert torch.equal(static_rows[0, 2], table(torch.tensor([4], device="cuda"))[0])
+    with pytest.raises(qd.OutOfRangeError):
+        table(static_ids)
+
+
+def test_a_tied_decode_step_replays_inside_a_cuda_graph():
+    """Lookup, layers and the tied output layer in one graph, after the warm-up laid the
+    weight out in tiles (its store freed): replays give the eager step's logits."""
+    _needs_cuda()
+    torch.manual_seed(0)
+    model = TiedLM(vocab=1000, dim=256)
+    quantize_embeddings(quantize_linears(model, INT4, device="cuda"), INT4, device="cuda")
+    model.to(torch.bfloat16)
+    assert model.head.weight is model.embed.weight
+    static_ids = torch.tensor([[1, 2, 3]], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        model(static_ids)  # warm-up: lays out the tiles of every weight
+        assert not model.embed.weight.storage.holds_values
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static_logits = model(static_ids)
+        for ids in ([[7, 999, 0]], [[42, 42, 5]]):
+            static_ids.copy_(torch.tensor(ids))
+            graph.replay()
+            assert torch.equal(static_logits, model(static_ids))
+
+
+def test_a_cuda_graph_refuses_a_lookup_it_cannot_hold():
+    """A table stored as columns (a transposed QTensor) is turned for each lookup, which a
+    graph can't hold: a clear error, the capture ends cleanly, and eager lookups work."""
+    _needs_cuda()
+    stored = qd.quantize(np.random.default_rng(0).standard_normal((64, 100)).astype(np.float32),
+                         QuantScheme("q8s", axis=1), device="cuda")
+    table = QEmbedding(stored.T)  # [100, 64], each row's scale along the stored columns
+    ids = torch.tensor([3, 99], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(qd.KernelError, match="can't hold this lookup: the table's rows are stored as columns"):
+        with torch.cuda.graph(graph):
+            table(ids)
+    want = torch.from_numpy(stored.T.dequantize().numpy()[[3, 99]])
+    assert torch.equal(table(ids).cpu(), want)

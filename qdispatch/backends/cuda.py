@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import BackendKind, QTensor, Tensor, register_backend
-from ..errors import NonFiniteError, ScaleOverflowError, ShapeError
+from ..errors import KernelError, NonFiniteError, ScaleOverflowError, ShapeError
 from .base import Backend
 from .cpu import _as_2d_block
 
@@ -106,18 +106,24 @@ class _StoreFromTiles:
         return _in_store(_cuda.transpose2(q) if self.flip else q, self.layout)
 
 
+def _table_rows_fit(q):
+    if q.shape[0] > np.iinfo(np.int32).max:  # the kernel takes int32 ids
+        raise ShapeError(f"embedding on cuda takes tables of fewer than 2^31 rows, got {q.shape[0]}")
+
+
 class CudaQStorage:
     """Values in the scheme's store and the float32 scale grid, on one GPU.
 
     `owns`: the values are this storage's own memory, not a view into another's
     (only then does releasing them free anything)."""
-    __slots__ = ("_values", "_read_back", "scales", "cache", "owns")
+    __slots__ = ("_values", "_read_back", "scales", "cache", "owns", "_kept")
 
     def __init__(self, values, scales, owns=True):
         self._values, self._read_back = values, None
         self.scales = scales
         self.cache = {}
         self.owns = owns
+        self._kept = False
 
     @property
     def values(self):
@@ -136,9 +142,13 @@ class CudaQStorage:
         read_back = self._read_back if self._values is None else None
         return read_back if read_back is not None and read_back.flip == transposed else None
 
+    def keep_values(self):
+        """Never free the store from now on: a CUDA graph reads it in place."""
+        self._kept = True
+
     def release_values(self, read_back):
         """Frees the store when `read_back()` can rebuild it (from tiles that hold it)."""
-        if self.owns and self._values is not None:
+        if self.owns and not self._kept and self._values is not None:
             self._values, self._read_back = None, read_back
 
 
@@ -242,23 +252,45 @@ class CudaBackend(Backend):
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
     def dequantize_rows(self, q, rows, dtype):
-        layout = q.layout
-        br, bc = layout.logical_block(q.transposed)
-        V, D = q.shape
-        if V > np.iinfo(np.int32).max:  # the kernel takes int32 ids
-            raise ShapeError(f"embedding on cuda takes tables of fewer than 2^31 rows, got {V}")
+        _table_rows_fit(q)
         ids = self.from_host(rows.astype(np.int32), q.index)
+        values, bits, scales, tiled = self._rows_source(q)
+        return _cuda.dequantize_rows(values, bits, *q.shape, scales, *q.layout.logical_block(q.transposed), ids,
+                                     dtype, tiled=tiled)
+
+    def dequantize_rows_into(self, q, ids, n, out, dtype, stream):
+        """dequantize_rows on memory another library owns (device addresses: int32 ids
+        [n], each in [0, rows) or a row of NaN; out [n, dim] of dtype), queued on its
+        `stream`.  Nothing here allocates or waits, so a CUDA graph can capture it; the
+        table keeps the memory it reads (its store is never freed to decode tiles after)."""
+        _table_rows_fit(q)
+        source = self._rows_source(q, convert=False)
+        if source is None:
+            raise KernelError("a CUDA graph can't hold this lookup: the table's rows are stored as columns (a "
+                              "transposed QTensor, or tiles another product laid out), which each lookup turns "
+                              "first; capture a table quantized as [rows, dim]")
+        values, bits, scales, tiled = source
+        q.storage.keep_values()
+        _cuda.dequantize_rows_into(values, bits, *q.shape, scales, *q.layout.logical_block(q.transposed), ids, n,
+                                   out, dtype, tiled, stream)
+
+    def _rows_source(self, q, convert=True):
+        """(values, bits, scales, tiled): what the row lookup of q reads.  The decode
+        tiles where they hold q's rows (a table that is an output layer too), else the
+        store.  Rows that must first be turned (a transposed table) or rebuilt (from
+        tiles that hold columns) are, for the call, unless `convert` is false: None."""
+        layout = q.layout
         tiled = q.storage.tiled_rows(q.transposed)
-        if tiled is not None:  # a decode weight too (a tied table): its rows read from its tiles
-            scales = _cuda.transpose2(q.storage.scales) if q.transposed else q.storage.scales
-            return _cuda.dequantize_rows(tiled.tiles, layout.bits, V, D, scales, br, bc, ids, dtype, tiled=True)
-        if q.transposed:  # the rows are stored as columns: turned once for this call
-            values = _cuda.transpose2(self._int8_values(q.storage, layout, cache=False))
-            scales, bits = _cuda.transpose2(q.storage.scales), 0
-        else:
-            values, scales = q.storage.values, q.storage.scales
-            bits = layout.bits if layout.scheme.store == "packed_u32" else 0
-        return _cuda.dequantize_rows(values, bits, V, D, scales, br, bc, ids, dtype)
+        if not q.transposed and tiled is not None:
+            return tiled.tiles, layout.bits, q.storage.scales, True
+        if not q.transposed and (convert or q.storage.holds_values):
+            return q.storage.values, layout.bits if layout.scheme.store == "packed_u32" else 0, q.storage.scales, False
+        if not convert:
+            return None
+        scales = _cuda.transpose2(q.storage.scales)  # the rows are stored as columns
+        if tiled is not None:
+            return tiled.tiles, layout.bits, scales, True
+        return _cuda.transpose2(self._int8_values(q.storage, layout, cache=False)), 0, scales, False
 
     def _int8_values(self, storage, layout, cache=True):
         """The values as int8 in storage orientation (unpacked, once when cached)."""
