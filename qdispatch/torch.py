@@ -475,7 +475,9 @@ class _QuantizedModule(torch.nn.Module):
     so torch.save / load_state_dict restore it bit for bit.  A float checkpoint's
     "weight" is quantized into the module's scheme as it loads."""
 
-    _source = None  # a weak reference to the float weight this one was quantized from
+    # The float weight this one was quantized from: a weak reference to it and its
+    # version counter then (an in-place change since, a load say, bumps it).
+    _source = None
 
     def __init__(self, weight, dims, made_by):
         """weight: a 2-D QTensor [dims]; `made_by` says how one quantizes a float layer."""
@@ -495,7 +497,7 @@ class _QuantizedModule(torch.nn.Module):
         if weight is None:
             weight = _quantized(layer.weight.detach(), scheme, device)
         module = cls._around(layer, weight)
-        module._source = weakref.ref(layer.weight)
+        module._source = (weakref.ref(layer.weight), layer.weight._version)
         return module
 
     def __getstate__(self):
@@ -785,12 +787,14 @@ def _replaceable(parent, module):
 def _tied_weights(model):
     """{id(float weight): (that weight, its QTensor)} for the layers of `model`
     quantized before (by an earlier quantize_linears or quantize_embeddings) whose
-    float weight is still alive: another layer may share it (tied embeddings)."""
+    float weight is still alive and unchanged: another layer may share it (tied
+    embeddings)."""
     ties = {}
     for module in model.modules():
-        source = module._source() if isinstance(module, _QuantizedModule) and module._source else None
-        if source is not None:
-            ties[id(source)] = (source, module.weight)
+        if isinstance(module, _QuantizedModule) and module._source is not None:
+            source, version = module._source[0](), module._source[1]
+            if source is not None and source._version == version:  # values as they were quantized
+                ties[id(source)] = (source, module.weight)
     return ties
 
 

@@ -340,3 +340,17 @@ def test_a_cuda_graph_refuses_a_lookup_it_cannot_hold():
             table(ids)
     want = torch.from_numpy(stored.T.dequantize().numpy()[[3, 99]])
     assert torch.equal(table(ids).cpu(), want)
+
+
+def test_a_float_weight_changed_since_is_quantized_anew():
+    """A tied weight loaded in place after its output layer was quantized (a checkpoint
+    that holds only the table, as tied checkpoints do): the table is quantized from
+    its new values, not tied to the output layer's stale QTensor."""
+    torch.manual_seed(0)
+    model = quantize_linears(TiedLM(), PER_ROW)
+    new = torch.randn(50, 64)
+    model.load_state_dict({"embed.weight": new}, strict=False)
+    quantize_embeddings(model, PER_ROW)
+    assert model.embed.weight is not model.head.weight
+    np.testing.assert_array_equal(model.embed.weight.dequantize().numpy(),
+                                  qd.quantize(new.numpy(), PER_ROW).dequantize().numpy())
