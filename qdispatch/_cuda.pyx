@@ -100,7 +100,7 @@ cdef extern from "qdispatch.h" nogil:
                                  float *out, void *stream)
     qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                       const float *scales, int64_t block_rows, int64_t block_cols,
-                                      const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                      const int64_t *ids, int64_t n, void *out, int out_dtype,
                                       void *stream)
     qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
                                     int64_t K, int64_t ld, int32_t *c, void *stream)
@@ -115,7 +115,7 @@ cdef extern from "qdispatch.h" nogil:
                                         int64_t ld, void *stream)
     qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
                                          const float *scales, int64_t block_rows, int64_t block_cols,
-                                         const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                         const int64_t *ids, int64_t n, void *out, int out_dtype,
                                          void *stream)
     int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k)
     qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
@@ -138,11 +138,11 @@ cdef extern from "qdispatch.h" nogil:
 
 
 DTYPES = {"float32": QD_CUDA_F32, "float16": QD_CUDA_F16, "bfloat16": QD_CUDA_BF16,
-          "int8": QD_CUDA_S8, "int32": QD_CUDA_S32, "uint32": -1}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4}
+          "int8": QD_CUDA_S8, "int32": QD_CUDA_S32, "uint32": -1, "int64": -1}  # -1: no kernel's data
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4, "int64": 8}
 # numpy form of each dtype on the host (bfloat16 travels as its uint16 bits)
 HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
-               "int8": np.int8, "int32": np.int32, "uint32": np.uint32}
+               "int8": np.int8, "int32": np.int32, "uint32": np.uint32, "int64": np.int64}
 VALUE_KINDS = {"q8s": 0, "q8f": 1, "q4s": 2, "q4f": 3, "q2s": 4, "q2f": 5}
 SCALE_DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 
@@ -753,7 +753,7 @@ def dequantize(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceA
 
 def dequantize_rows(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
                     int64_t block_rows, int64_t block_cols, DeviceArray ids, str dtype, bint tiled=False):
-    """Rows `ids` (int32 [n]) of dequantize's product, as dtype [n, cols].  With
+    """Rows `ids` (int64 [n]) of dequantize's product, as dtype [n, cols].  With
     `tiled`, `values` are the weight's fq tiles (fq_tile_weights) of `bits`."""
     out = empty((ids.shape[0], cols), dtype, values.device)
     dequantize_rows_into(values, bits, rows, cols, scales, block_rows, block_cols, <uintptr_t>P(ids),
@@ -764,7 +764,7 @@ def dequantize_rows(DeviceArray values, int bits, int64_t rows, int64_t cols, De
 def dequantize_rows_into(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
                          int64_t block_rows, int64_t block_cols, uintptr_t ids, int64_t n, uintptr_t out,
                          str dtype, bint tiled, uintptr_t stream):
-    """dequantize_rows on ids and out another library may own (device addresses: int32
+    """dequantize_rows on ids and out another library may own (device addresses: int64
     ids [n], out [n, cols] of dtype, dense), queued on `stream` (0: ours).  Nothing here
     allocates or synchronizes, so a CUDA graph can capture it."""
     cdef void *pv = P(values)
@@ -777,10 +777,10 @@ def dequantize_rows_into(DeviceArray values, int bits, int64_t rows, int64_t col
         with nogil:
             if tiled:
                 st = qd_cuda_fq_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                                <const int32_t *>ids, n, <void *>out, code, <void *>stream)
+                                                <const int64_t *>ids, n, <void *>out, code, <void *>stream)
             else:
                 st = qd_cuda_dequantize_rows(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                             <const int32_t *>ids, n, <void *>out, code, <void *>stream)
+                                             <const int64_t *>ids, n, <void *>out, code, <void *>stream)
         _status(st, "dequantize_rows")
     finally:
         _restore_device(previous, device)

@@ -697,12 +697,11 @@ class QEmbedding(_QuantizedModule):
         graph can't hold their check on the host), an id outside the table gives a row
         of NaN, and the lookup kernel writes into an output torch allocates on its
         capturing stream."""
-        ids = ids.long()  # so that -1 is an id of its dtype (not 255 of uint8)
-        ids32 = torch.where((ids >= 0) & (ids < self.num_embeddings), ids, -1).to(torch.int32).contiguous()
+        ids = ids.long().contiguous()  # the kernel reads int64 ids (no copy for torch.long ones)
         out = torch.empty((*ids.shape, self.embedding_dim), dtype=self.dtype, device=ids.device)
-        if ids32.numel():
+        if ids.numel():
             backend = _cuda_ready.get(ids.get_device()) or _cuda_backend(ids.get_device())
-            backend.dequantize_rows_into(self.weight, ids32.data_ptr(), ids32.numel(), out.data_ptr(),
+            backend.dequantize_rows_into(self.weight, ids.data_ptr(), ids.numel(), out.data_ptr(),
                                          _KERNEL_DTYPES[self.dtype], stream)
         return out
 

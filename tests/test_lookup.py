@@ -158,7 +158,7 @@ def test_the_c_entry_point_gives_nan_rows_for_ids_outside():
     lib = ctypes.CDLL(os.path.join(qd.get_library_dir(), "libqdispatch.so"))
     values = torch.arange(-8, 8, dtype=torch.int8, device="cuda").reshape(4, 4)
     scales = torch.tensor([[0.5], [1.0]], device="cuda")  # blocks of 2 rows x 4 columns
-    ids = torch.tensor([3, -1, 4, 0], dtype=torch.int32, device="cuda")
+    ids = torch.tensor([3, -1, 2**32, 0], dtype=torch.int64, device="cuda")  # 2^32: no row 0 cut to 32 bits
     out = torch.zeros((4, 4), device="cuda")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     torch.cuda.synchronize()

@@ -310,7 +310,7 @@ def test_a_tied_decode_step_replays_inside_a_cuda_graph():
     torch.manual_seed(0)
     model = TiedLM(vocab=1000, dim=256)
     quantize_embeddings(quantize_linears(model, INT4, device="cuda"), INT4, device="cuda")
-    model.to(torch.bfloat16)
+    model.to("cuda", torch.bfloat16)  # the biases follow the weights
     assert model.head.weight is model.embed.weight
     static_ids = torch.tensor([[1, 2, 3]], device="cuda")
     graph = torch.cuda.CUDAGraph()

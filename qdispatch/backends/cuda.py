@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import BackendKind, QTensor, Tensor, register_backend
-from ..errors import KernelError, NonFiniteError, ScaleOverflowError, ShapeError
+from ..errors import KernelError, NonFiniteError, ScaleOverflowError
 from .base import Backend
 from .cpu import _as_2d_block
 
@@ -104,11 +104,6 @@ class _StoreFromTiles:
     def __call__(self):
         q = _cuda.fq_untile_weights(self.tiles, self.N, self.K, self.layout.bits)  # [N, K]
         return _in_store(_cuda.transpose2(q) if self.flip else q, self.layout)
-
-
-def _table_rows_fit(q):
-    if q.shape[0] > np.iinfo(np.int32).max:  # the kernel takes int32 ids
-        raise ShapeError(f"embedding on cuda takes tables of fewer than 2^31 rows, got {q.shape[0]}")
 
 
 class CudaQStorage:
@@ -252,18 +247,16 @@ class CudaBackend(Backend):
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
     def dequantize_rows(self, q, rows, dtype):
-        _table_rows_fit(q)
-        ids = self.from_host(rows.astype(np.int32), q.index)
+        ids = _cuda.from_host(rows, "int64", q.index)
         values, bits, scales, tiled = self._rows_source(q)
         return _cuda.dequantize_rows(values, bits, *q.shape, scales, *q.layout.logical_block(q.transposed), ids,
                                      dtype, tiled=tiled)
 
     def dequantize_rows_into(self, q, ids, n, out, dtype, stream):
-        """dequantize_rows on memory another library owns (device addresses: int32 ids
+        """dequantize_rows on memory another library owns (device addresses: int64 ids
         [n], each in [0, rows) or a row of NaN; out [n, dim] of dtype), queued on its
         `stream`.  Nothing here allocates or waits, so a CUDA graph can capture it; the
         table keeps the memory it reads (its store is never freed to decode tiles after)."""
-        _table_rows_fit(q)
         source = self._rows_source(q, convert=False)
         if source is None:
             raise KernelError("a CUDA graph can't hold this lookup: the table's rows are stored as columns (a "

@@ -41,7 +41,7 @@ qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t
                              float *out, void *stream) UNAVAILABLE
 qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                   const float *scales, int64_t block_rows, int64_t block_cols,
-                                  const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                  const int64_t *ids, int64_t n, void *out, int out_dtype,
                                   void *stream) UNAVAILABLE
 qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
                                 int64_t K, int64_t ld, int32_t *c, void *stream) UNAVAILABLE
@@ -55,7 +55,7 @@ qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int
                                     int64_t ld, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
                                      const float *scales, int64_t block_rows, int64_t block_cols,
-                                     const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                     const int64_t *ids, int64_t n, void *out, int out_dtype,
                                      void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
                                  int64_t block_k, void *scale_tiles, void *stream) UNAVAILABLE

@@ -200,19 +200,20 @@ struct TileValues {
     __device__ int operator()(int64_t r, int64_t c) const { return qd::fq::tile_value<BITS>(tiles, order, r, c); }
 };
 
-// Rows `ids` of the same product, in out_dtype (rounded as the host casts): a block
-// takes an output row at a time, its id and scale row read once.  An id outside
-// [0, rows) gives a row of NaN, not another row's values.  I: the column type
-// (32 bits below 2^30 columns).
+// Rows `ids` of the same product, in out_dtype (rounded as the host casts): blocks
+// (x) take an output row at a time, its id and scale row read once, and share its
+// columns with the other blocks of their y (a few values a thread: a lookup of one
+// row is not one block's chain of loads).  An id outside [0, rows) gives a row of
+// NaN, not another row's values.  I: the column type (32 bits below 2^30 columns).
 template <typename I, typename Values>
 __global__ void dequantize_rows_kernel(Values value, int64_t rows, I cols, const float *scales, int64_t br, I bc,
-                                       const int32_t *ids, int64_t n, void *out, int out_dtype) {
+                                       const int64_t *ids, int64_t n, void *out, int out_dtype) {
     const I gc = cols / bc;
     for (int64_t o = blockIdx.x; o < n; o += gridDim.x) {
         const int64_t r = ids[o];
         const bool inside = r >= 0 && r < rows;
         const float *scale_row = scales + (inside ? r / br : 0) * gc;
-        for (I c = threadIdx.x; c < cols; c += blockDim.x) {
+        for (I c = blockIdx.y * blockDim.x + threadIdx.x; c < cols; c += blockDim.x * gridDim.y) {
             const float v = inside ? (float)value(r, c) * scale_row[c / bc]
                                    : __int_as_float(0x7FC00000);  // quiet NaN
             qd::store_from_f32(out, out_dtype, o * (int64_t)cols + c, v);
@@ -222,9 +223,11 @@ __global__ void dequantize_rows_kernel(Values value, int64_t rows, I cols, const
 
 template <typename Values>
 qd_status launch_dequantize_rows(Values value, int64_t rows, int64_t cols, const float *scales, int64_t br,
-                                 int64_t bc, const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                 int64_t bc, const int64_t *ids, int64_t n, void *out, int out_dtype,
                                  cudaStream_t s) {
-    const unsigned grid = (unsigned)std::min<int64_t>(n, 65535);  // a block a row, in turn past that
+    constexpr int64_t PER_THREAD = 4;  // values of a row per thread
+    const dim3 grid((unsigned)std::min<int64_t>(n, 65535),  // a block a row, in turn past that
+                    (unsigned)std::min<int64_t>(qd::ceil_div(cols, kThreads * PER_THREAD), 65535));
     if (cols < (int64_t(1) << 30))  // no column index near 32 bits' end
         dequantize_rows_kernel<int32_t><<<grid, kThreads, 0, s>>>(value, rows, (int32_t)cols, scales, br,
                                                                  (int32_t)bc, ids, n, out, out_dtype);
@@ -388,7 +391,7 @@ namespace {
 // out.  values: the store (bits 0, or packed_u32 words of `bits`), or with `tiled`
 // the weight's decode tiles.
 qd_status dequantize_checks(const void *values, int bits, bool tiled, int64_t rows, int64_t cols,
-                            const float *scales, int64_t block_rows, int64_t block_cols, const int32_t *ids,
+                            const float *scales, int64_t block_rows, int64_t block_cols, const int64_t *ids,
                             int64_t n, void *out, int out_dtype) {
     if (!values || !scales || !out) return QD_ERR_NULL;
     if (tiled ? !packed_bits(bits) : bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
@@ -402,7 +405,7 @@ qd_status dequantize_checks(const void *values, int bits, bool tiled, int64_t ro
                                : bits ? packed_bytes(rows, cols, bits)
                                       : (size_t)(rows * cols);
     const size_t scale_bytes = (size_t)(rows / block_rows * (cols / block_cols)) * sizeof(float);
-    const size_t id_bytes = ids ? (size_t)n * sizeof(int32_t) : 0;
+    const size_t id_bytes = ids ? (size_t)n * sizeof(int64_t) : 0;
     if (overlaps_any({out, (size_t)(n * cols) * out_size}, {{values, value_bytes}, {scales, scale_bytes}, {ids, id_bytes}}))
         return QD_ERR_ARGUMENT;
     return QD_OK;
@@ -424,7 +427,7 @@ extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t ro
 
 extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                              const float *scales, int64_t block_rows, int64_t block_cols,
-                                             const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                             const int64_t *ids, int64_t n, void *out, int out_dtype,
                                              void *stream) {
     if (!ids) return QD_ERR_NULL;
     const qd_status st = dequantize_checks(values, bits, false, rows, cols, scales, block_rows, block_cols, ids, n,
@@ -437,7 +440,7 @@ extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64
 
 extern "C" qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
                                                 const float *scales, int64_t block_rows, int64_t block_cols,
-                                                const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                                const int64_t *ids, int64_t n, void *out, int out_dtype,
                                                 void *stream) {
     if (!ids) return QD_ERR_NULL;
     const qd_status st =

@@ -209,12 +209,12 @@ qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t
                              float *out, void *stream);
 /* The rows `ids` of that dequantized matrix (an embedding lookup): out[i, c] =
  * value(ids[i], c) * scales[ids[i] / block_rows, c / block_cols] for the n ids
- * (int32, in device memory), without dequantizing the other rows; out [n, cols] of
+ * (int64, in device memory), without dequantizing the other rows; out [n, cols] of
  * out_dtype (QD_CUDA_F32, F16 or BF16: the float32 product rounded to nearest even).
  * An id outside [0, rows) gives a row of NaN in out: check ids that come from outside. */
 qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                   const float *scales, int64_t block_rows, int64_t block_cols,
-                                  const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                  const int64_t *ids, int64_t n, void *out, int out_dtype,
                                   void *stream);
 
 /* c[M, N] = a[M, K] @ bt[N, K]^T in int32, exact.  Rows of a and bt are `ld` bytes
@@ -263,7 +263,7 @@ qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int
  * (row-major, as for the store), reading only the rows asked for. */
 qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
                                      const float *scales, int64_t block_rows, int64_t block_cols,
-                                     const int32_t *ids, int64_t n, void *out, int out_dtype,
+                                     const int64_t *ids, int64_t n, void *out, int out_dtype,
                                      void *stream);
 /* Weight-only small-M product: out[M, N] = x[M, K] @ dequantize(w)^T with float32
  * accumulation, for M <= 32 (16 for float32 x, and with batch invariance on; larger M
