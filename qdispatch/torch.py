@@ -489,6 +489,14 @@ class _QuantizedModule(torch.nn.Module):
             raise ShapeError(f"{name} needs a 2-D weight [{dims}], got {weight.shape}")
         self.weight = weight
 
+    _float_kind = _made_by = None  # the float layer this class replaces, and the classmethod that does
+
+    @classmethod
+    def _check_layer(cls, layer):
+        if not isinstance(layer, cls._float_kind):
+            raise TypeError(f"{cls.__name__}.{cls._made_by} needs an nn.{cls._float_kind.__name__}, got "
+                            f"{type(layer).__name__}")
+
     @classmethod
     def _quantize(cls, layer, scheme, device, weight=None):
         """A module of this class in place of float `layer`, its weight quantized with
@@ -578,6 +586,8 @@ class QLinear(_QuantizedModule):
     `state_dict()` holds the weight's stored values and scales (its `_extra_state`),
     so torch.save / load_state_dict restore it bit for bit; deepcopy and pickle work."""
 
+    _float_kind, _made_by = torch.nn.Linear, "from_linear"
+
     def __init__(self, weight, bias=None):
         super().__init__(weight, "out_features, in_features",
                          "QLinear.from_linear(linear, scheme) to quantize an nn.Linear")
@@ -604,11 +614,6 @@ class QLinear(_QuantizedModule):
     @staticmethod
     def _describe(linear):
         return f"{linear.in_features} -> {linear.out_features} features"
-
-    @staticmethod
-    def _check_layer(linear):
-        if not isinstance(linear, torch.nn.Linear):
-            raise TypeError(f"QLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
 
     @classmethod
     def _around(cls, linear, qweight):
@@ -637,6 +642,8 @@ class QEmbedding(_QuantizedModule):
     weight's does; moves and state_dict() go as QLinear's.  A table shared with the
     output layer (tied embeddings) stays one QTensor: `QEmbedding(lm_head.weight)`."""
 
+    _float_kind, _made_by = torch.nn.Embedding, "from_embedding"
+
     def __init__(self, weight, padding_idx=None, dtype=torch.float32):
         super().__init__(weight, "num_embeddings, embedding_dim",
                          "QEmbedding.from_embedding(embedding, scheme) to quantize an nn.Embedding")
@@ -658,10 +665,9 @@ class QEmbedding(_QuantizedModule):
     def _describe(embedding):
         return f"{embedding.num_embeddings} x {embedding.embedding_dim}"
 
-    @staticmethod
-    def _check_layer(embedding):
-        if not isinstance(embedding, torch.nn.Embedding):
-            raise TypeError(f"QEmbedding.from_embedding needs an nn.Embedding, got {type(embedding).__name__}")
+    @classmethod
+    def _check_layer(cls, embedding):
+        super()._check_layer(embedding)
         if embedding.max_norm is not None:  # it rescales the looked-up rows in place
             raise ValueError(f"QEmbedding can't take an nn.Embedding with max_norm={embedding.max_norm}: a "
                              f"quantized table can't be renormalized as rows are looked up")
