@@ -22,6 +22,7 @@ cdef class QTensor(TensorBase):
     cdef readonly object storage  # the backend's storage of values and scales
     cdef readonly object layout   # qdispatch.layout.QLayout, storage orientation
     cdef readonly bint transposed
+    cdef object __weakref__       # weak caches may key on a QTensor (qdispatch.torch's ties)
 
 
 cdef object backend_of(int kind)

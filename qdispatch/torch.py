@@ -46,6 +46,7 @@ import weakref
 import numpy as np
 import torch
 import torch.autograd.forward_ad as _forward_ad
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor, Tensor
@@ -451,6 +452,49 @@ def _stored_weight(w):
             "scheme": scheme.to_record(), "transposed": transposed}
 
 
+# state_dict() and load_state_dict() keep a shared weight shared.  One state_dict()
+# call (its destination dict) makes a QTensor's extra state once and puts it under
+# each layer's name, so torch.save pickles it once and torch.load gives one dict back;
+# a load then meets the same tensors under each name and gives them one QTensor.
+_WRITTEN = {}  # id(destination) -> (weak destination, {id(QTensor): (weak QTensor, state)})
+# a state's "qvalues" tensor -> (weak "qscales", what else matched, weak QTensor); by
+# identity, as tensors compare by value
+_READ = WeakIdKeyDictionary()
+
+
+def _stored_weight_once(w, destination):
+    """_stored_weight(w), made once for the state_dict() call filling `destination`
+    however many layers share w (tied weights)."""
+    entry = _WRITTEN.get(id(destination))
+    if entry is None or entry[0]() is not destination:
+        try:
+            entry = (weakref.ref(destination), {})
+        except TypeError:  # a destination without weak references (a plain dict): nothing shared
+            return _stored_weight(w)
+        _WRITTEN[id(destination)] = entry
+        weakref.finalize(destination, _WRITTEN.pop, id(destination), None)
+    written = entry[1]
+    earlier = written.get(id(w))
+    if earlier is None or earlier[0]() is not w:
+        earlier = written[id(w)] = (weakref.ref(w), _stored_weight(w))
+    return earlier[1]
+
+
+def _weight_read_once(state, device, read):
+    """read(), the QTensor of extra state `state` on `device`, or the one read from
+    the same, unchanged tensors before (the other layer of a tied pair)."""
+    values, scales = state["qvalues"], state["qscales"]
+    here = (values._version, scales._version, state["scheme"], state["transposed"], device)
+    earlier = _READ.get(values)
+    if earlier is not None and earlier[0]() is scales and earlier[1] == here:
+        weight = earlier[2]()
+        if weight is not None:
+            return weight
+    weight = read()
+    _READ[values] = (weakref.ref(scales), here, weakref.ref(weight))
+    return weight
+
+
 def _check_stored_weight(state, owner):
     """Refuse an extra state that is not what _stored_weight writes (a checkpoint of
     another format, say), before its parts are read; `owner` names the module."""
@@ -529,10 +573,18 @@ class _QuantizedModule(torch.nn.Module):
         self._moved(probe)
         return self
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._destination = destination  # for get_extra_state: which state_dict() call asks
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            del self._destination
+
     def get_extra_state(self):
         # The quantized weight in state_dict(), as torch tensors and plain values, so
         # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
-        return _stored_weight(self.weight)
+        destination = getattr(self, "_destination", None)
+        return _stored_weight(self.weight) if destination is None else _stored_weight_once(self.weight, destination)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -568,9 +620,9 @@ class _QuantizedModule(torch.nn.Module):
             weight = state.read(self.weight.device)
         else:
             _check_stored_weight(state, type(self).__name__)
-            weight = tensor_api.qtensor_from_stored(
+            weight = _weight_read_once(state, self.weight.device, lambda: tensor_api.qtensor_from_stored(
                 _owned_array(state["qvalues"]), _owned_array(state["qscales"]),
-                QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device)
+                QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device))
         if weight.shape != self.weight.shape:
             raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
                              f"layer's is {self.weight.shape}")

@@ -244,6 +244,49 @@ def test_a_tied_model_saves_its_weight_once_and_loads_tied(tmp_path):
         assert torch.equal(model(ids), source(ids))
 
 
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_tied_state_dict_holds_the_weight_once_and_loads_tied(tmp_path, weights_only):
+    """state_dict() puts one extra state under both names, so torch.save pickles the
+    shared weight once; load_state_dict, in memory or from that file, gives the pair
+    one QTensor again."""
+    torch.manual_seed(0)
+    source = quantize_linears(quantize_embeddings(TiedLM(), INT4), INT4)
+    state = source.state_dict()
+    assert state["head._extra_state"] is state["embed._extra_state"]
+    assert state["hidden._extra_state"] is not state["embed._extra_state"]
+    torch.save(state, tmp_path / "tied.pt")
+    from_file = torch.load(tmp_path / "tied.pt", weights_only=weights_only)
+    assert from_file["head._extra_state"] is from_file["embed._extra_state"]
+    for loaded in (state, from_file):
+        model = quantize_linears(quantize_embeddings(TinyLM(), PER_ROW), PER_ROW)  # untied, other values
+        model.load_state_dict(loaded)
+        assert model.head.weight is model.embed.weight and model.head.weight.scheme == INT4
+        assert model.hidden.weight is not model.embed.weight
+        ids = torch.tensor([[5, 6], [7, 49]])
+        with torch.no_grad():
+            assert torch.equal(model(ids), source(ids))
+
+
+def test_a_state_dict_shares_only_what_is_one_weight():
+    """Two weights of equal values, or a state edited between two loads, load as
+    weights of their own."""
+    torch.manual_seed(0)
+    model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW, skip=["head"])
+    model.head = QLinear.from_linear(model.head, PER_ROW)  # its own QTensor of the same values
+    assert model.head.weight is not model.embed.weight
+    state = model.state_dict()
+    assert state["head._extra_state"] is not state["embed._extra_state"]
+    again = quantize_linears(quantize_embeddings(TinyLM(), PER_ROW), PER_ROW)
+    again.load_state_dict(state)
+    first = again.head.weight
+    assert first is not again.embed.weight and np.array_equal(first.values, again.embed.weight.values)
+    stored = state["head._extra_state"]["qvalues"]
+    stored[0, 0] = 5 if stored[0, 0] != 5 else 6  # edited in place: read anew
+    again.load_state_dict(state)
+    assert again.head.weight is not first and again.head.weight.values[0, 0] == stored[0, 0]
+    assert again.embed.weight.values[0, 0] == first.values[0, 0]
+
+
 def test_tied_float_weights_are_saved_once(tmp_path):
     pytest.importorskip("safetensors")
     torch.manual_seed(0)
