@@ -43,6 +43,20 @@ def test_rows_are_the_dequantized_rows(device, rng, scheme, transposed):
     np.testing.assert_array_equal(out.numpy(), want[ids])
 
 
+@pytest.mark.parametrize("dim, scheme", [
+    (100, qd.QuantScheme("q8s", axis=0)), (100, qd.QuantScheme("q4s", block=4, store="packed_u32")),
+    (100, qd.QuantScheme("q2f", store="packed_u32")), (120, qd.QuantScheme("q4s", block=4, store="packed_u32")),
+    (120, qd.QuantScheme("q2s", block=(1, 24), store="packed_u32")), (136, qd.QuantScheme("q8s", block=(1, 8)))],
+    ids=["100 per row", "100 int4 block 4", "100 int2", "120 int4 block 4", "120 int2 block 24", "136 int8 block 8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_of_any_length_and_blocks_of_any_width(device, rng, dim, scheme, dtype):
+    """Rows whose values are no whole number of words or vectors (a value a thread on
+    CUDA), and scale blocks narrower than a thread's eight values, or not aligned to them."""
+    w = table(rng, 33, dim, scheme, device, False)
+    ids = rng.integers(0, 33, 50)
+    np.testing.assert_array_equal(qd.embedding(ids, w, dtype=dtype).numpy(), qd.dequantize(w, dtype).numpy()[ids])
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_rows_in_16_bit_are_dequantize_in_16_bit(device, rng, dtype):
     w = table(rng, 40, 64, SCHEMES[4], device, False)
@@ -170,3 +184,32 @@ def test_the_c_entry_point_gives_nan_rows_for_ids_outside():
     np.testing.assert_array_equal(got[0], [4.0, 5.0, 6.0, 7.0])
     np.testing.assert_array_equal(got[3], [-4.0, -3.5, -3.0, -2.5])
     assert np.isnan(got[1:3]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("out_dtype, name", [(0, "float32"), (2, "bfloat16")])  # QD_CUDA_F32, QD_CUDA_BF16
+def test_the_c_entry_point_reads_and_writes_at_any_alignment(rng, out_dtype, name):
+    """Eight values a thread need an output row of whole 16-byte stores (and int8
+    values in whole 8 bytes); int8 values or an output a few bytes off that take a
+    value a thread: same rows."""
+    import ctypes
+    torch = pytest.importorskip("torch")
+    lib = ctypes.CDLL(os.path.join(qd.get_library_dir(), "libqdispatch.so"))
+    dtype = getattr(torch, name)
+    q = rng.integers(-127, 128, (9, 64)).astype(np.int8)
+    s = rng.uniform(0.5, 2.0, (9, 8)).astype(np.float32)  # blocks of 1 x 8
+    want = torch.from_numpy(q.astype(np.float32) * np.repeat(s, 8, axis=1)).to(dtype)
+    ids = torch.tensor([8, 0, 3, 3], dtype=torch.int64, device="cuda")
+    scales = torch.from_numpy(s).cuda()
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for values_at, out_at in ((0, 0), (4, 0), (0, 2), (3, 1)):
+        values = torch.zeros(q.size + values_at, dtype=torch.int8, device="cuda")
+        values[values_at:] = torch.from_numpy(q.ravel()).cuda()
+        out = torch.zeros(4 * 64 + out_at, dtype=dtype, device="cuda")
+        torch.cuda.synchronize()
+        st = lib.qd_cuda_dequantize_rows(ptr(values.data_ptr() + values_at), 0, i64(9), i64(64),
+                                         ptr(scales.data_ptr()), i64(1), i64(8), ptr(ids.data_ptr()), i64(4),
+                                         ptr(out[out_at:].data_ptr()), out_dtype, None)
+        torch.cuda.synchronize()
+        assert st == 0
+        assert torch.equal(out[out_at:].reshape(4, 64).cpu(), want[ids.cpu()]), (values_at, out_at)

@@ -148,20 +148,36 @@ qd_status launch(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cud
     return check(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
-// Element i of a float32 / float16 / bfloat16 array `dst` set from a float,
-// rounded to nearest even.  A bfloat16 NaN keeps a canonical quiet pattern, as
-// the host conversion does.
+__host__ __device__ inline bool half_dtype(int dtype) { return dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
+
+// The bits of v as float16 or bfloat16 (dtype), rounded to nearest even.  A bfloat16
+// NaN keeps a canonical quiet pattern, as the host conversion does.
+__device__ inline unsigned short bits16_from_f32(int dtype, float v) {
+    if (dtype == QD_CUDA_F16) return __half_as_ushort(__float2half_rn(v));
+    return isnan(v) ? 0x7FC0 : __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// Element i of a float32 / float16 / bfloat16 array `dst` set from a float, as
+// bits16_from_f32 rounds.
 __device__ inline void store_from_f32(void *dst, int dtype, int64_t i, float v) {
-    switch (dtype) {
-        case QD_CUDA_F16: static_cast<__half *>(dst)[i] = __float2half_rn(v); break;
-        case QD_CUDA_BF16: {
-            __nv_bfloat16_raw raw;
-            raw.x = isnan(v) ? 0x7FC0 : __bfloat16_as_ushort(__float2bfloat16_rn(v));
-            static_cast<__nv_bfloat16 *>(dst)[i] = raw;
-            break;
-        }
-        default: static_cast<float *>(dst)[i] = v;
+    if (half_dtype(dtype)) static_cast<unsigned short *>(dst)[i] = bits16_from_f32(dtype, v);
+    else static_cast<float *>(dst)[i] = v;
+}
+
+// Eight values at i, a multiple of 8 (dst 16-byte aligned): one 16-byte store of
+// 16-bit values, two of float32.
+__device__ inline void store8_from_f32(void *dst, int dtype, int64_t i, const float *v) {
+    if (!half_dtype(dtype)) {
+        float4 *at = reinterpret_cast<float4 *>(static_cast<float *>(dst) + i);
+        at[0] = make_float4(v[0], v[1], v[2], v[3]);
+        at[1] = make_float4(v[4], v[5], v[6], v[7]);
+        return;
     }
+    uint32_t pairs[4];
+    for (int j = 0; j < 4; ++j)
+        pairs[j] = bits16_from_f32(dtype, v[2 * j]) | (uint32_t)bits16_from_f32(dtype, v[2 * j + 1]) << 16;
+    *reinterpret_cast<uint4 *>(static_cast<unsigned short *>(dst) + i) = make_uint4(pairs[0], pairs[1], pairs[2],
+                                                                                    pairs[3]);
 }
 
 // A grid for a grid-stride loop over n items.

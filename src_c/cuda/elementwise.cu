@@ -185,56 +185,108 @@ __global__ void dequantize_kernel(const void *values, int bits, int64_t rows, in
     }
 }
 
-// Value (r, c) of a weight's store (stored_value) or of its decode tiles
-// (fq_tiles.cuh), for dequantize_rows_kernel.
+// The W-bit fields of `word` from its lowest, sign-extended: n of them.
+template <int W>
+__device__ __forceinline__ void fields(uint32_t word, int n, int *q) {
+#pragma unroll
+    for (int j = 0; j < n; ++j) q[j] = (int32_t)(word << (32 - W * (j + 1))) >> (32 - W);
+}
+
+// Values (r, c .. c + WIDTH - 1) of a weight's store (stored_value) or of its decode
+// tiles (fq_tiles.cuh), for dequantize_rows_kernel.  Eight at a time start at a
+// multiple of 8 in rows of a multiple of 8 values: whole words of the store (its
+// int8 values 8-byte aligned).
 struct StoreValues {
     const void *values;
     int bits;
     int64_t wpr, cols;
-    __device__ int operator()(int64_t r, int64_t c) const { return stored_value(values, bits, wpr, cols, r, c); }
+    template <int WIDTH>
+    __device__ void read(int64_t r, int64_t c, int *q) const {
+        if constexpr (WIDTH == 1) {
+            q[0] = stored_value(values, bits, wpr, cols, r, c);
+        } else {
+            static_assert(WIDTH == 8, "a store is read a value or eight at a time");
+            const uint32_t *row = static_cast<const uint32_t *>(values) + r * wpr;
+            if (bits == 0) {
+                const uint2 w = *reinterpret_cast<const uint2 *>(static_cast<const int8_t *>(values) + r * cols + c);
+                fields<8>(w.x, 4, q), fields<8>(w.y, 4, q + 4);
+            } else if (bits == 8) {
+                fields<8>(row[c / 4], 4, q), fields<8>(row[c / 4 + 1], 4, q + 4);
+            } else if (bits == 4) {
+                fields<4>(row[c / 8], 8, q);
+            } else {
+                fields<2>(row[c / 16] >> (2 * (c % 16)), 8, q);
+            }
+        }
+    }
 };
 template <int BITS>
 struct TileValues {
     const uint32_t *tiles;
     qd::fq::TileOrder<BITS> order;
-    __device__ int operator()(int64_t r, int64_t c) const { return qd::fq::tile_value<BITS>(tiles, order, r, c); }
+    template <int WIDTH>
+    __device__ void read(int64_t r, int64_t c, int *q) const {
+#pragma unroll
+        for (int j = 0; j < WIDTH; ++j) q[j] = qd::fq::tile_value<BITS>(tiles, order, r, c + j);
+    }
 };
 
 // Rows `ids` of the same product, in out_dtype (rounded as the host casts): blocks
 // (x) take an output row at a time, its id and scale row read once, and share its
 // columns with the other blocks of their y (a few values a thread: a lookup of one
-// row is not one block's chain of loads).  An id outside [0, rows) gives a row of
-// NaN, not another row's values.  I: the column type (32 bits below 2^30 columns).
-template <typename I, typename Values>
+// row is not one block's chain of loads).  WIDTH 8: eight values a thread, one word
+// of 4-bit values, one 16-byte store of 16-bit rows.  An id outside [0, rows) gives
+// a row of NaN, not another row's values.  I: the column type (32 bits below 2^30
+// columns).
+template <int WIDTH, typename I, typename Values>
 __global__ void dequantize_rows_kernel(Values value, int64_t rows, I cols, const float *scales, int64_t br, I bc,
                                        const int64_t *ids, int64_t n, void *out, int out_dtype) {
     const I gc = cols / bc;
+    const bool one_scale = bc % WIDTH == 0;  // a thread's values share a scale
     for (int64_t o = blockIdx.x; o < n; o += gridDim.x) {
         const int64_t r = ids[o];
         const bool inside = r >= 0 && r < rows;
         const float *scale_row = scales + (inside ? r / br : 0) * gc;
-        for (I c = blockIdx.y * blockDim.x + threadIdx.x; c < cols; c += blockDim.x * gridDim.y) {
-            const float v = inside ? (float)value(r, c) * scale_row[c / bc]
-                                   : __int_as_float(0x7FC00000);  // quiet NaN
-            qd::store_from_f32(out, out_dtype, o * (int64_t)cols + c, v);
+        for (I c = WIDTH * (blockIdx.y * blockDim.x + threadIdx.x); c < cols; c += WIDTH * blockDim.x * gridDim.y) {
+            int q[WIDTH];
+            float v[WIDTH];
+            if (inside) value.template read<WIDTH>(r, c, q);
+            const float scale = inside ? scale_row[c / bc] : 0.f;
+#pragma unroll
+            for (int j = 0; j < WIDTH; ++j)
+                v[j] = inside ? (float)q[j] * (one_scale ? scale : scale_row[(c + j) / bc])
+                              : __int_as_float(0x7FC00000);  // quiet NaN
+            if constexpr (WIDTH == 8) qd::store8_from_f32(out, out_dtype, o * (int64_t)cols + c, v);
+            else qd::store_from_f32(out, out_dtype, o * (int64_t)cols + c, v[0]);
         }
     }
 }
 
-template <typename Values>
-qd_status launch_dequantize_rows(Values value, int64_t rows, int64_t cols, const float *scales, int64_t br,
-                                 int64_t bc, const int64_t *ids, int64_t n, void *out, int out_dtype,
-                                 cudaStream_t s) {
-    constexpr int64_t PER_THREAD = 4;  // values of a row per thread
+template <int WIDTH, typename Values>
+qd_status launch_dequantize_rows_of(Values value, int64_t rows, int64_t cols, const float *scales, int64_t br,
+                                    int64_t bc, const int64_t *ids, int64_t n, void *out, int out_dtype,
+                                    cudaStream_t s) {
+    constexpr int64_t PER_THREAD = WIDTH < 4 ? 4 : WIDTH;  // values of a row per thread
     const dim3 grid((unsigned)std::min<int64_t>(n, 65535),  // a block a row, in turn past that
                     (unsigned)std::min<int64_t>(qd::ceil_div(cols, kThreads * PER_THREAD), 65535));
     if (cols < (int64_t(1) << 30))  // no column index near 32 bits' end
-        dequantize_rows_kernel<int32_t><<<grid, kThreads, 0, s>>>(value, rows, (int32_t)cols, scales, br,
-                                                                 (int32_t)bc, ids, n, out, out_dtype);
+        dequantize_rows_kernel<WIDTH, int32_t><<<grid, kThreads, 0, s>>>(value, rows, (int32_t)cols, scales, br,
+                                                                        (int32_t)bc, ids, n, out, out_dtype);
     else
-        dequantize_rows_kernel<int64_t><<<grid, kThreads, 0, s>>>(value, rows, cols, scales, br, bc, ids, n, out,
-                                                                 out_dtype);
+        dequantize_rows_kernel<WIDTH, int64_t><<<grid, kThreads, 0, s>>>(value, rows, cols, scales, br, bc, ids, n,
+                                                                        out, out_dtype);
     return qd::launched();
+}
+
+// Eight values a thread where rows are whole 16-byte stores (and whole 8 bytes of
+// an int8 store, `aligned`); one a thread otherwise.
+template <typename Values>
+qd_status launch_dequantize_rows(Values value, bool aligned, int64_t rows, int64_t cols, const float *scales,
+                                 int64_t br, int64_t bc, const int64_t *ids, int64_t n, void *out, int out_dtype,
+                                 cudaStream_t s) {
+    if (aligned && cols % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0)
+        return launch_dequantize_rows_of<8>(value, rows, cols, scales, br, bc, ids, n, out, out_dtype, s);
+    return launch_dequantize_rows_of<1>(value, rows, cols, scales, br, bc, ids, n, out, out_dtype, s);
 }
 
 bool packed_bits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
@@ -434,7 +486,8 @@ extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64
                                            out, out_dtype);
     if (st != QD_OK) return st;
     const StoreValues value{values, bits, bits ? qd::ceil_div(cols, int64_t(32 / bits)) : 0, cols};
-    return launch_dequantize_rows(value, rows, cols, scales, block_rows, block_cols, ids, n, out, out_dtype,
+    const bool aligned = bits || reinterpret_cast<uintptr_t>(values) % 8 == 0;
+    return launch_dequantize_rows(value, aligned, rows, cols, scales, block_rows, block_cols, ids, n, out, out_dtype,
                                   as_stream(stream));
 }
 
@@ -451,7 +504,7 @@ extern "C" qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int
     auto launch_bits = [&](auto value) {
         value.tiles = words;
         value.order = {qd::ceil_div(N, int64_t(16)), qd::ceil_div(K, qd::fq::tile_k(bits))};
-        return launch_dequantize_rows(value, N, K, scales, block_rows, block_cols, ids, n, out, out_dtype, s);
+        return launch_dequantize_rows(value, true, N, K, scales, block_rows, block_cols, ids, n, out, out_dtype, s);
     };
     return bits == 8 ? launch_bits(TileValues<8>{}) : bits == 4 ? launch_bits(TileValues<4>{}) : launch_bits(TileValues<2>{});
 }
