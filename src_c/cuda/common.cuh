@@ -164,13 +164,11 @@ __device__ inline void store_from_f32(void *dst, int dtype, int64_t i, float v) 
     else static_cast<float *>(dst)[i] = v;
 }
 
-// Eight values at i, a multiple of 8 (dst 16-byte aligned): one 16-byte store of
-// 16-bit values, two of float32.
-__device__ inline void store8_from_f32(void *dst, int dtype, int64_t i, const float *v) {
+// 16 bytes at element i (dst + i 16-byte aligned): four float32 values of v, or
+// eight float16 or bfloat16.
+__device__ inline void store16_from_f32(void *dst, int dtype, int64_t i, const float *v) {
     if (!half_dtype(dtype)) {
-        float4 *at = reinterpret_cast<float4 *>(static_cast<float *>(dst) + i);
-        at[0] = make_float4(v[0], v[1], v[2], v[3]);
-        at[1] = make_float4(v[4], v[5], v[6], v[7]);
+        *reinterpret_cast<float4 *>(static_cast<float *>(dst) + i) = make_float4(v[0], v[1], v[2], v[3]);
         return;
     }
     uint32_t pairs[4];

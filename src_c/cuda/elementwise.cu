@@ -173,18 +173,6 @@ __device__ __forceinline__ int stored_value(const void *values, int bits, int64_
                 : static_cast<const int8_t *>(values)[r * cols + c];
 }
 
-// Same product as the reference (value as float32 times its scale): bit-identical.
-__global__ void dequantize_kernel(const void *values, int bits, int64_t rows, int64_t cols,
-                                  const float *scales, int64_t br, int64_t bc, float *out) {
-    const int64_t gc = cols / bc;
-    const int64_t wpr = bits ? (cols + 32 / bits - 1) / (32 / bits) : 0;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < rows * cols;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t r = i / cols, c = i % cols;
-        out[i] = (float)stored_value(values, bits, wpr, cols, r, c) * scales[(r / br) * gc + c / bc];
-    }
-}
-
 // The W-bit fields of `word` from its lowest, sign-extended: n of them.
 template <int W>
 __device__ __forceinline__ void fields(uint32_t word, int n, int *q) {
@@ -193,37 +181,52 @@ __device__ __forceinline__ void fields(uint32_t word, int n, int *q) {
 }
 
 // Values (r, c .. c + WIDTH - 1) of a weight's store (stored_value) or of its decode
-// tiles (fq_tiles.cuh), for dequantize_rows_kernel.  Eight at a time start at a
-// multiple of 8 in rows of a multiple of 8 values: whole words of the store (its
-// int8 values 8-byte aligned).
+// tiles (fq_tiles.cuh), for dequantize_rows_kernel.  Four or eight at a time start
+// at a multiple of WIDTH in rows of a multiple of WIDTH values: within one word of
+// the store (two of 8-bit values), or WIDTH whole bytes of int8 values when
+// `whole(WIDTH)`.
 struct StoreValues {
     const void *values;
     int bits;
     int64_t wpr, cols;
+    bool whole(int width) const { return bits || reinterpret_cast<uintptr_t>(values) % width == 0; }
     template <int WIDTH>
     __device__ void read(int64_t r, int64_t c, int *q) const {
         if constexpr (WIDTH == 1) {
             q[0] = stored_value(values, bits, wpr, cols, r, c);
         } else {
-            static_assert(WIDTH == 8, "a store is read a value or eight at a time");
-            const uint32_t *row = static_cast<const uint32_t *>(values) + r * wpr;
+            static_assert(WIDTH == 4 || WIDTH == 8, "a store is read a value, four or eight at a time");
             if (bits == 0) {
-                const uint2 w = *reinterpret_cast<const uint2 *>(static_cast<const int8_t *>(values) + r * cols + c);
-                fields<8>(w.x, 4, q), fields<8>(w.y, 4, q + 4);
-            } else if (bits == 8) {
-                fields<8>(row[c / 4], 4, q), fields<8>(row[c / 4 + 1], 4, q + 4);
-            } else if (bits == 4) {
-                fields<4>(row[c / 8], 8, q);
+                const int8_t *at = static_cast<const int8_t *>(values) + r * cols + c;
+                if constexpr (WIDTH == 8) {
+                    const uint2 w = *reinterpret_cast<const uint2 *>(at);
+                    fields<8>(w.x, 4, q), fields<8>(w.y, 4, q + 4);
+                } else {
+                    fields<8>(*reinterpret_cast<const uint32_t *>(at), 4, q);
+                }
+                return;
+            }
+            const uint32_t *row = static_cast<const uint32_t *>(values) + r * wpr;
+            if (bits == 8) {
+                fields<8>(row[c / 4], 4, q);
+                if constexpr (WIDTH == 8) fields<8>(row[c / 4 + 1], 4, q + 4);
+            } else if (bits == 4) {  // c's field the word's lowest
+                fields<4>(row[c / 8] >> (4 * (int)(c % 8)), WIDTH, q);
             } else {
-                fields<2>(row[c / 16] >> (2 * (c % 16)), 8, q);
+                fields<2>(row[c / 16] >> (2 * (int)(c % 16)), WIDTH, q);
             }
         }
     }
 };
+StoreValues store_values(const void *values, int bits, int64_t cols) {
+    return {values, bits, bits ? qd::ceil_div(cols, int64_t(32 / bits)) : 0, cols};
+}
+
 template <int BITS>
 struct TileValues {
     const uint32_t *tiles;
     qd::fq::TileOrder<BITS> order;
+    bool whole(int) const { return true; }
     template <int WIDTH>
     __device__ void read(int64_t r, int64_t c, int *q) const {
 #pragma unroll
@@ -231,11 +234,13 @@ struct TileValues {
     }
 };
 
-// Rows `ids` of the same product, in out_dtype (rounded as the host casts): blocks
+// Rows `ids` (every row in turn where ids is null) of value(r, c) * scale as float32
+// (the reference's product, bit-identical) in out_dtype (rounded as the host casts): blocks
 // (x) take an output row at a time, its id and scale row read once, and share its
 // columns with the other blocks of their y (a few values a thread: a lookup of one
-// row is not one block's chain of loads).  WIDTH 8: eight values a thread, one word
-// of 4-bit values, one 16-byte store of 16-bit rows.  An id outside [0, rows) gives
+// row is not one block's chain of loads).  WIDTH 4 or 8: a thread's values are one
+// 16-byte store (four float32 or eight 16-bit values, so that each store of a warp
+// fills whole sectors), read from one word of 4-bit values.  An id outside [0, rows) gives
 // a row of NaN, not another row's values.  I: the column type (32 bits below 2^30
 // columns).
 template <int WIDTH, typename I, typename Values>
@@ -244,7 +249,7 @@ __global__ void dequantize_rows_kernel(Values value, int64_t rows, I cols, const
     const I gc = cols / bc;
     const bool one_scale = bc % WIDTH == 0;  // a thread's values share a scale
     for (int64_t o = blockIdx.x; o < n; o += gridDim.x) {
-        const int64_t r = ids[o];
+        const int64_t r = ids ? ids[o] : o;
         const bool inside = r >= 0 && r < rows;
         const float *scale_row = scales + (inside ? r / br : 0) * gc;
         for (I c = WIDTH * (blockIdx.y * blockDim.x + threadIdx.x); c < cols; c += WIDTH * blockDim.x * gridDim.y) {
@@ -256,8 +261,8 @@ __global__ void dequantize_rows_kernel(Values value, int64_t rows, I cols, const
             for (int j = 0; j < WIDTH; ++j)
                 v[j] = inside ? (float)q[j] * (one_scale ? scale : scale_row[(c + j) / bc])
                               : __int_as_float(0x7FC00000);  // quiet NaN
-            if constexpr (WIDTH == 8) qd::store8_from_f32(out, out_dtype, o * (int64_t)cols + c, v);
-            else qd::store_from_f32(out, out_dtype, o * (int64_t)cols + c, v[0]);
+            if constexpr (WIDTH == 1) qd::store_from_f32(out, out_dtype, o * (int64_t)cols + c, v[0]);
+            else qd::store16_from_f32(out, out_dtype, o * (int64_t)cols + c, v);
         }
     }
 }
@@ -278,14 +283,16 @@ qd_status launch_dequantize_rows_of(Values value, int64_t rows, int64_t cols, co
     return qd::launched();
 }
 
-// Eight values a thread where rows are whole 16-byte stores (and whole 8 bytes of
-// an int8 store, `aligned`); one a thread otherwise.
+// A 16-byte store a thread where rows are whole stores (and whole words or bytes of
+// the values, `whole`); a value a thread otherwise.
 template <typename Values>
-qd_status launch_dequantize_rows(Values value, bool aligned, int64_t rows, int64_t cols, const float *scales,
-                                 int64_t br, int64_t bc, const int64_t *ids, int64_t n, void *out, int out_dtype,
+qd_status launch_dequantize_rows(Values value, int64_t rows, int64_t cols, const float *scales, int64_t br,
+                                 int64_t bc, const int64_t *ids, int64_t n, void *out, int out_dtype,
                                  cudaStream_t s) {
-    if (aligned && cols % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0)
-        return launch_dequantize_rows_of<8>(value, rows, cols, scales, br, bc, ids, n, out, out_dtype, s);
+    const int width = 16 / (int)qd::dtype_bytes(out_dtype);
+    if (cols % width == 0 && value.whole(width) && reinterpret_cast<uintptr_t>(out) % 16 == 0)
+        return width == 8 ? launch_dequantize_rows_of<8>(value, rows, cols, scales, br, bc, ids, n, out, out_dtype, s)
+                          : launch_dequantize_rows_of<4>(value, rows, cols, scales, br, bc, ids, n, out, out_dtype, s);
     return launch_dequantize_rows_of<1>(value, rows, cols, scales, br, bc, ids, n, out, out_dtype, s);
 }
 
@@ -472,9 +479,8 @@ extern "C" qd_status qd_cuda_dequantize(const void *values, int bits, int64_t ro
         dequantize_checks(values, bits, false, rows, cols, scales, block_rows, block_cols, nullptr, rows, out,
                           QD_CUDA_F32);
     if (st != QD_OK) return st;
-    dequantize_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, as_stream(stream)>>>(
-        values, bits, rows, cols, scales, block_rows, block_cols, out);
-    return qd::launched();
+    return launch_dequantize_rows(store_values(values, bits, cols), rows, cols, scales, block_rows, block_cols,
+                                  nullptr, rows, out, QD_CUDA_F32, as_stream(stream));
 }
 
 extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
@@ -485,10 +491,8 @@ extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64
     const qd_status st = dequantize_checks(values, bits, false, rows, cols, scales, block_rows, block_cols, ids, n,
                                            out, out_dtype);
     if (st != QD_OK) return st;
-    const StoreValues value{values, bits, bits ? qd::ceil_div(cols, int64_t(32 / bits)) : 0, cols};
-    const bool aligned = bits || reinterpret_cast<uintptr_t>(values) % 8 == 0;
-    return launch_dequantize_rows(value, aligned, rows, cols, scales, block_rows, block_cols, ids, n, out, out_dtype,
-                                  as_stream(stream));
+    return launch_dequantize_rows(store_values(values, bits, cols), rows, cols, scales, block_rows, block_cols, ids,
+                                  n, out, out_dtype, as_stream(stream));
 }
 
 extern "C" qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
@@ -504,7 +508,7 @@ extern "C" qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int
     auto launch_bits = [&](auto value) {
         value.tiles = words;
         value.order = {qd::ceil_div(N, int64_t(16)), qd::ceil_div(K, qd::fq::tile_k(bits))};
-        return launch_dequantize_rows(value, true, N, K, scales, block_rows, block_cols, ids, n, out, out_dtype, s);
+        return launch_dequantize_rows(value, N, K, scales, block_rows, block_cols, ids, n, out, out_dtype, s);
     };
     return bits == 8 ? launch_bits(TileValues<8>{}) : bits == 4 ? launch_bits(TileValues<4>{}) : launch_bits(TileValues<2>{});
 }
