@@ -75,7 +75,7 @@ SCHEMES = [
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=repr)
-@pytest.mark.parametrize("shape", [(8, 128), (4, 8, 256), (1, 4096)])
+@pytest.mark.parametrize("shape", [(8, 128), (4, 8, 256), (1, 4096), (300, 12), (77, 36)])  # and narrow rows
 def test_quantize_bit_identical(rng, scheme, shape):
     x = (rng.standard_normal(shape) * rng.uniform(0.01, 100, size=shape[-1])).astype(np.float32)
     x[..., :32] = 0.0  # an all-zero block (scale 1.0) where blocks are 32 wide

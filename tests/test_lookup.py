@@ -46,14 +46,17 @@ def test_rows_are_the_dequantized_rows(device, rng, scheme, transposed):
 @pytest.mark.parametrize("dim, scheme", [
     (100, qd.QuantScheme("q8s", axis=0)), (100, qd.QuantScheme("q4s", block=4, store="packed_u32")),
     (100, qd.QuantScheme("q2f", store="packed_u32")), (120, qd.QuantScheme("q4s", block=4, store="packed_u32")),
-    (120, qd.QuantScheme("q2s", block=(1, 24), store="packed_u32")), (136, qd.QuantScheme("q8s", block=(1, 8)))],
-    ids=["100 per row", "100 int4 block 4", "100 int2", "120 int4 block 4", "120 int2 block 24", "136 int8 block 8"])
+    (120, qd.QuantScheme("q2s", block=(1, 24), store="packed_u32")), (136, qd.QuantScheme("q8s", block=(1, 8))),
+    (4, qd.QuantScheme("q8s", axis=0)), (8, qd.QuantScheme("q4s", block=8, store="packed_u32"))],
+    ids=["100 per row", "100 int4 block 4", "100 int2", "120 int4 block 4", "120 int2 block 24", "136 int8 block 8",
+         "4 per row", "8 int4 block 8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_of_any_length_and_blocks_of_any_width(device, rng, dim, scheme, dtype):
     """Rows whose values are no whole number of words or vectors (a value a thread on
-    CUDA), and scale blocks narrower than a thread's eight values, or not aligned to them."""
-    w = table(rng, 33, dim, scheme, device, False)
-    ids = rng.integers(0, 33, 50)
+    CUDA), scale blocks narrower than a thread's eight values, or not aligned to them,
+    and rows so narrow that a CUDA block takes many at once."""
+    w = table(rng, 333, dim, scheme, device, False)
+    ids = rng.integers(0, 333, 700)
     np.testing.assert_array_equal(qd.embedding(ids, w, dtype=dtype).numpy(), qd.dequantize(w, dtype).numpy()[ids])
 
 

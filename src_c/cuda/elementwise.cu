@@ -235,24 +235,31 @@ struct TileValues {
 };
 
 // Rows `ids` (every row in turn where ids is null) of value(r, c) * scale as float32
-// (the reference's product, bit-identical) in out_dtype (rounded as the host casts): blocks
-// (x) take an output row at a time, its id and scale row read once, and share its
-// columns with the other blocks of their y (a few values a thread: a lookup of one
-// row is not one block's chain of loads).  WIDTH 4 or 8: a thread's values are one
-// 16-byte store (four float32 or eight 16-bit values, so that each store of a warp
-// fills whole sectors), read from one word of 4-bit values.  An id outside [0, rows) gives
-// a row of NaN, not another row's values.  I: the column type (32 bits below 2^30
-// columns).
-template <int WIDTH, typename I, typename Values>
+// (the reference's product, bit-identical) in out_dtype (rounded as the host casts).
+// 2^lane_bits threads of a block (its lanes) take an output row at a time, its id
+// and scale row read once, and share its columns with the lanes of the other blocks
+// of their y (a few values a thread: a lookup of one row is not one block's chain of
+// loads); a block takes blockDim.x / lanes rows at once, so narrow rows leave no
+// thread idle.  WIDTH 4 or 8: a thread's values are one 16-byte store (four float32
+// or eight 16-bit values, so that each store of a warp fills whole sectors), read
+// from one word of 4-bit values.  An id outside [0, rows) gives a row of NaN, not
+// another row's values.  I: the column type (32 bits below 2^30 columns).  NARROW:
+// lanes fewer than the block's threads (else a block's row is uniform, and a
+// thread's work, often one store, has no per-thread row to find).
+template <int WIDTH, bool NARROW, typename I, typename Values>
 __global__ void dequantize_rows_kernel(Values value, int64_t rows, I cols, const float *scales, int64_t br, I bc,
-                                       const int64_t *ids, int64_t n, void *out, int out_dtype) {
+                                       const int64_t *ids, int64_t n, void *out, int out_dtype, int lane_bits) {
     const I gc = cols / bc;
     const bool one_scale = bc % WIDTH == 0;  // a thread's values share a scale
-    for (int64_t o = blockIdx.x; o < n; o += gridDim.x) {
+    // shifts, not divisions: a thread's whole work may be one store
+    const int lanes = NARROW ? 1 << lane_bits : blockDim.x, rows_at_once = NARROW ? blockDim.x >> lane_bits : 1;
+    const int lane = NARROW ? threadIdx.x & (lanes - 1) : threadIdx.x;
+    for (int64_t o = blockIdx.x * (int64_t)rows_at_once + (NARROW ? threadIdx.x >> lane_bits : 0); o < n;
+         o += (int64_t)gridDim.x * rows_at_once) {
         const int64_t r = ids ? ids[o] : o;
         const bool inside = r >= 0 && r < rows;
         const float *scale_row = scales + (inside ? r / br : 0) * gc;
-        for (I c = WIDTH * (blockIdx.y * blockDim.x + threadIdx.x); c < cols; c += WIDTH * blockDim.x * gridDim.y) {
+        for (I c = WIDTH * (blockIdx.y * lanes + lane); c < cols; c += WIDTH * lanes * gridDim.y) {
             int q[WIDTH];
             float v[WIDTH];
             if (inside) value.template read<WIDTH>(r, c, q);
@@ -272,14 +279,20 @@ qd_status launch_dequantize_rows_of(Values value, int64_t rows, int64_t cols, co
                                     int64_t bc, const int64_t *ids, int64_t n, void *out, int out_dtype,
                                     cudaStream_t s) {
     constexpr int64_t PER_THREAD = WIDTH < 4 ? 4 : WIDTH;  // values of a row per thread
-    const dim3 grid((unsigned)std::min<int64_t>(n, 65535),  // a block a row, in turn past that
-                    (unsigned)std::min<int64_t>(qd::ceil_div(cols, kThreads * PER_THREAD), 65535));
-    if (cols < (int64_t(1) << 30))  // no column index near 32 bits' end
-        dequantize_rows_kernel<WIDTH, int32_t><<<grid, kThreads, 0, s>>>(value, rows, (int32_t)cols, scales, br,
-                                                                        (int32_t)bc, ids, n, out, out_dtype);
+    int lane_bits = 0;  // 2^lane_bits threads a row: enough for PER_THREAD values each, up to a block
+    while ((1 << lane_bits) < kThreads && (int64_t(1) << lane_bits) * PER_THREAD < cols) ++lane_bits;
+    const int64_t lanes = int64_t(1) << lane_bits;
+    const dim3 grid((unsigned)std::min<int64_t>(qd::ceil_div(n, int64_t(kThreads / lanes)), 65535),  // in turn past that
+                    (unsigned)std::min<int64_t>(qd::ceil_div(cols, lanes * PER_THREAD), 65535));
+    if (cols >= (int64_t(1) << 30))  // column indices near 32 bits' end (and rows of a whole block)
+        dequantize_rows_kernel<WIDTH, false, int64_t><<<grid, kThreads, 0, s>>>(value, rows, cols, scales, br, bc,
+                                                                               ids, n, out, out_dtype, lane_bits);
+    else if (lanes == kThreads)
+        dequantize_rows_kernel<WIDTH, false, int32_t><<<grid, kThreads, 0, s>>>(
+            value, rows, (int32_t)cols, scales, br, (int32_t)bc, ids, n, out, out_dtype, lane_bits);
     else
-        dequantize_rows_kernel<WIDTH, int64_t><<<grid, kThreads, 0, s>>>(value, rows, cols, scales, br, bc, ids, n,
-                                                                        out, out_dtype);
+        dequantize_rows_kernel<WIDTH, true, int32_t><<<grid, kThreads, 0, s>>>(
+            value, rows, (int32_t)cols, scales, br, (int32_t)bc, ids, n, out, out_dtype, lane_bits);
     return qd::launched();
 }
 
