@@ -185,8 +185,8 @@ inline unsigned grid_for(int64_t n, int threads) {
 }
 
 // ---- argument checks of the entry points (qd_checks.h holds those the CPU shares) ----
-inline bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
-inline size_t dtype_bytes(int dtype) { return dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16 ? 2 : dtype == QD_CUDA_S8 ? 1 : 4; }
+inline bool float_dtype(int dtype) { return dtype == QD_CUDA_F32 || half_dtype(dtype); }
+inline size_t dtype_bytes(int dtype) { return half_dtype(dtype) ? 2 : dtype == QD_CUDA_S8 ? 1 : 4; }
 
 // Bytes from the first element of `rows` rows of `cols` elements, `ld` apart, to
 // past the last (0 when empty).  Sizes checked by qd_dims_fit(rows, ld, elem).
