@@ -95,9 +95,6 @@ cdef extern from "qdispatch.h" nogil:
                                    int64_t block_rows, int64_t block_cols, int scale_dtype,
                                    float *scales, int8_t *q, void *scratch, int64_t *bad_index,
                                    void *stream)
-    qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
-                                 const float *scales, int64_t block_rows, int64_t block_cols,
-                                 float *out, void *stream)
     qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                       const float *scales, int64_t block_rows, int64_t block_cols,
                                       const int64_t *ids, int64_t n, void *out, int out_dtype,
@@ -736,18 +733,13 @@ def quantize(DeviceArray x, str value, int64_t block_rows, int64_t block_cols, s
 
 
 def dequantize(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
-               int64_t block_rows, int64_t block_cols):
-    """float32 [rows, cols] = values * scales; bits = 0 for int8 values, else packed words."""
-    out = empty((rows, cols), "float32", values.device)
-    cdef void *pv = P(values)
-    cdef void *ps = P(scales)
-    cdef void *po = P(out)
-    cdef qd_status st
-    with on_device(values.device):
-        with nogil:
-            st = qd_cuda_dequantize(pv, bits, rows, cols, <float *>ps, block_rows, block_cols,
-                                    <float *>po, NULL)
-        _status(st, "dequantize")
+               int64_t block_rows, int64_t block_cols, str dtype="float32", bint tiled=False):
+    """dtype [rows, cols] = values * scales (the float32 product, rounded once to a
+    16-bit dtype); bits = 0 for int8 values, else packed words, or with `tiled` the
+    weight's fq tiles of `bits`."""
+    out = empty((rows, cols), dtype, values.device)
+    dequantize_rows_into(values, bits, rows, cols, scales, block_rows, block_cols, 0, rows, <uintptr_t>P(out),
+                         dtype, tiled, 0)
     return out
 
 
@@ -765,7 +757,8 @@ def dequantize_rows_into(DeviceArray values, int bits, int64_t rows, int64_t col
                          int64_t block_rows, int64_t block_cols, uintptr_t ids, int64_t n, uintptr_t out,
                          str dtype, bint tiled, uintptr_t stream):
     """dequantize_rows on ids and out another library may own (device addresses: int64
-    ids [n], out [n, cols] of dtype, dense), queued on `stream` (0: ours).  Nothing here
+    ids [n], or 0 for every row in turn; out [n, cols] of dtype, dense), queued on
+    `stream` (0: ours).  Nothing here
     allocates or synchronizes, so a CUDA graph can capture it."""
     cdef void *pv = P(values)
     cdef void *ps = P(scales)

@@ -341,10 +341,7 @@ def dequantize(q, dtype="float32"):
         raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
     dtype = check_dtype(dtype)
     backend = get_backend(q.kind)
-    out = backend.dequantize(q)
-    if dtype != "float32":
-        out = backend.cast(out, "float32", dtype)
-    return Tensor(out, dtype, q.shape, q.kind, q.index)
+    return Tensor(backend.dequantize(q, dtype), dtype, q.shape, q.kind, q.index)
 
 
 def embedding(ids, weight, dtype="float32"):

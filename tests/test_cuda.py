@@ -89,8 +89,11 @@ def test_quantize_bit_identical(rng, scheme, shape):
     on_gpu = qd.quantize(x, scheme, device="cuda")
     np.testing.assert_array_equal(on_gpu.values, spec.values)
     np.testing.assert_array_equal(on_gpu.scales, spec.scales)
-    np.testing.assert_array_equal(on_gpu.dequantize().numpy(), spec.dequantize().numpy())
-    np.testing.assert_array_equal(on_gpu.T.dequantize().numpy(), spec.T.dequantize().numpy())
+    for dtype in ("float32", "bfloat16", "float16"):  # the float32 products, rounded once as the host casts
+        for got, want in ((on_gpu, spec), (on_gpu.T, spec.T)):
+            out = got.dequantize(dtype)
+            assert out.dtype == dtype and out.device == "cuda:0"
+            np.testing.assert_array_equal(out.numpy(), want.dequantize(dtype).numpy())
 
 
 def test_quantize_takes_names_read_from_numpy(rng):

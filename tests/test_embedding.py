@@ -221,7 +221,8 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
     and outputs over inputs are QD_ERR_ARGUMENT, found before any CUDA call (the
     pointers here are never dereferenced).  Before, the sizes wrapped in the grid
     arithmetic and the kernels wrote where they pleased, which kills the CUDA context
-    for good.  Without a GPU, arrays side by side pass the checks and reach the
+    for good.  A lookup without ids (the whole table) whose count is not the rows' is
+    QD_ERR_SHAPE.  Without a GPU, arrays side by side pass the checks and reach the
     launch, which reports QD_ERR_CUDA_UNAVAILABLE (in place add_bias among them, the
     one overlap the header allows)."""
     out = c_program_output(c_compiler, shell_env, tmp_path, """\
@@ -277,6 +278,9 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
             qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, f + 32, bf, NULL),
             qd_cuda_fq_gemm(d, e, bf, 4, 16, 64, (int64_t)1 << 60, (float *)f, 1, 64, g, f32, NULL),
             qd_cuda_fq_gemm(d, e, bf, 2, 16, 64, 64, (float *)f, 1, 64, e + 256, f32, NULL),
+            /* no ids: every row, so n must be the rows' count (QD_ERR_SHAPE) */
+            qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, NULL, 3, f, bf, NULL),
+            qd_cuda_fq_dequantize_rows(d, 4, 16, 64, (float *)e, 1, 64, NULL, 15, f, f32, NULL),
         };
         for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
             printf("%d ", bad[i]);
@@ -295,7 +299,7 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
         for (size_t i = 0; i < sizeof side_by_side / sizeof side_by_side[0]; i++)
             printf("%d ", side_by_side[i]);
     """)
-    assert out[:out.index("|")] == ["3"] * 43
+    assert out[:out.index("|")] == ["3"] * 43 + ["2"] * 2
     assert out[out.index("|") + 1:] in ([], ["11"] * 7)
 
 

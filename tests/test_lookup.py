@@ -151,6 +151,29 @@ def test_a_table_tied_to_the_output_layer_on_cuda(rng, monkeypatch, scheme, tran
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.value}-{s.block or s.axis}-{s.store}")
+def test_dequantize_of_a_tied_table_reads_its_tiles_on_cuda(rng, monkeypatch, scheme, transposed):
+    """The whole table dequantized once the decode kernel laid it out (its store
+    freed): the reference's values in every dtype, read from the tiles as lookups
+    read them, with no copy of the store rebuilt."""
+    from qdispatch.backends import cuda
+    w = table(rng, 1000, 320, scheme, "cuda", transposed)
+    spec = w.to("reference")
+    x = qd.tensor(rng.standard_normal((1, 320)).astype(np.float32), device="cuda")
+    qd.q_matmul(x, w.T, out_dtype="bfloat16")
+
+    def untile(*args):
+        raise AssertionError("dequantize rebuilt the table's store from its tiles")
+    if not w.storage.holds_values:
+        monkeypatch.setattr(cuda._cuda, "fq_untile_weights", untile)
+    for dtype in ("float32", "bfloat16", "float16"):
+        out = w.dequantize(dtype)
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out.numpy(), spec.dequantize(dtype).numpy())
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("scheme", [SCHEMES[1], qd.QuantScheme("q4s", block=(32, 1), store="packed_u32")],
                          ids=["int8", "int4"])
 def test_a_table_laid_out_along_its_columns(rng, scheme):

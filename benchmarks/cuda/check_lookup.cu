@@ -3,7 +3,7 @@
 // packed_u32 words of 8, 4 and 2 bits, rows from 4 to 4096 values, scale blocks of
 // every width that divides them (narrower than a thread's values, or not aligned to
 // them), float32, float16 and bfloat16 rows, ids outside the table (rows of NaN),
-// and values and outputs a few bytes off their alignment.  Prints each failure and
+// no ids (every row in turn), and values and outputs a few bytes off their alignment.  Prints each failure and
 // the count of cases; exits 1 on any failure.
 //
 // Build and run from the repo root:
@@ -84,20 +84,22 @@ void check(const Case &c) {
     // int8 values may sit a few bytes off (a view); packed words stay 4-byte aligned
     for (int value_at : c.bits ? std::vector<int>{0} : std::vector<int>{0, 3, 4}) {
         CK(cudaMemcpy(values + value_at, store.data(), store.size(), cudaMemcpyHostToDevice));
-        for (int dtype : {QD_CUDA_F32, QD_CUDA_F16, QD_CUDA_BF16}) {
+        for (int dtype : {QD_CUDA_F32, QD_CUDA_F16, QD_CUDA_BF16})
+        for (bool with_ids : {true, false}) {  // no ids: every row in turn
             const int size = dtype == QD_CUDA_F32 ? 4 : 2;
+            const int64_t n_out = with_ids ? n : c.rows;
             for (int out_at : {0, 1}) {  // elements
                 uint8_t *at = static_cast<uint8_t *>(out) + out_at * size;
                 QK(qd_cuda_dequantize_rows(values + value_at, c.bits, c.rows, c.cols, d_scales, c.block_rows,
-                                           c.block_cols, d_ids, n, at, dtype, nullptr));
-                CK(cudaMemcpy(got.data(), at, n * c.cols * size, cudaMemcpyDeviceToHost));
+                                           c.block_cols, with_ids ? d_ids : nullptr, n_out, at, dtype, nullptr));
+                CK(cudaMemcpy(got.data(), at, n_out * c.cols * size, cudaMemcpyDeviceToHost));
                 ++cases;
                 int64_t bad = 0;
-                for (int64_t i = 0; i < n; ++i)
+                for (int64_t i = 0; i < n_out; ++i)
                     for (int64_t k = 0; k < c.cols; ++k) {
                         uint32_t g = 0;
                         std::memcpy(&g, got.data() + (i * c.cols + k) * size, size);
-                        const int64_t r = ids[i];
+                        const int64_t r = with_ids ? ids[i] : i;
                         const bool inside = r >= 0 && r < c.rows;
                         const float as_float =
                             dtype == QD_CUDA_F32 ? *reinterpret_cast<float *>(&g)
@@ -107,10 +109,11 @@ void check(const Case &c) {
                     }
                 if (bad) {
                     ++failures;
-                    std::printf("FAIL rows %lld x %lld, blocks %lld x %lld, bits %d, dtype %d, values +%d, out +%d: "
-                                "%lld wrong values\n",
+                    std::printf("FAIL rows %lld x %lld, blocks %lld x %lld, bits %d, dtype %d, %s, values +%d, "
+                                "out +%d: %lld wrong values\n",
                                 (long long)c.rows, (long long)c.cols, (long long)c.block_rows,
-                                (long long)c.block_cols, c.bits, dtype, value_at, out_at, (long long)bad);
+                                (long long)c.block_cols, c.bits, dtype, with_ids ? "ids" : "no ids", value_at,
+                                out_at, (long long)bad);
                 }
             }
         }

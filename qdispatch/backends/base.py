@@ -36,8 +36,9 @@ class Backend:
     def quantize(self, payload, layout, index):
         raise NotImplementedError
 
-    def dequantize(self, q):
-        """float32 payload of the QTensor's logical values times scales."""
+    def dequantize(self, q, dtype="float32"):
+        """Payload of the QTensor's logical values times scales: their float32
+        products, in float `dtype` (rounded once to a 16-bit dtype)."""
         raise NotImplementedError
 
     def dequantize_rows(self, q, rows, dtype):

@@ -296,18 +296,22 @@ class CudaBackend(Backend):
             storage.cache["int8"] = values
         return values
 
-    def dequantize(self, q):
+    def dequantize(self, q, dtype="float32"):
         layout = q.layout
+        if len(q.shape) == 2:  # its rows as a lookup reads them: no copy of the store, nor a turn of the output
+            values, bits, scales, tiled = self._rows_source(q)
+            return _cuda.dequantize(values, bits, *q.shape, scales, *layout.logical_block(q.transposed), dtype,
+                                    tiled=tiled)
         flat = _as_2d_block(layout.shape, layout.block)
         if flat is None:
             values, scales = self.qstorage_to_host(q.storage, layout)
             out = quantmath.dequantize_array(values, scales, layout.block)
-            out = self.from_host(out.astype(np.float32), q.index)
+            out = self.cast(self.from_host(out.astype(np.float32), q.index), "float32", dtype)
         else:
             rows, cols, br, bc = flat
             packed = layout.scheme.store == "packed_u32"
             out = _cuda.dequantize(q.storage.values, layout.bits if packed else 0, rows, cols,
-                                   q.storage.scales, br, bc).view(layout.shape)
+                                   q.storage.scales, br, bc, dtype).view(layout.shape)
         return self.transpose2(out) if q.transposed else out
 
     def qtensor_batch(self, q, index):

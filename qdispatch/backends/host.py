@@ -53,9 +53,10 @@ class HostBackend(Backend):
             values, scales = np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
         return values, scales
 
-    def dequantize(self, q):
+    def dequantize(self, q, dtype="float32"):
         values, scales = self.logical(q)
-        return quantmath.dequantize_array(values, scales, q.layout.logical_block(q.transposed))
+        return self.cast(quantmath.dequantize_array(values, scales, q.layout.logical_block(q.transposed)),
+                         "float32", dtype)
 
     def dequantize_rows(self, q, rows, dtype):
         br, bc = q.layout.logical_block(q.transposed)

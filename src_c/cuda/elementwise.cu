@@ -460,8 +460,8 @@ extern "C" qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int
 namespace {
 
 // The checks qd_cuda_dequantize and the row lookups share, for n rows of out_dtype
-// out.  values: the store (bits 0, or packed_u32 words of `bits`), or with `tiled`
-// the weight's decode tiles.
+// out (ids null: every row in turn, n == rows).  values: the store (bits 0, or
+// packed_u32 words of `bits`), or with `tiled` the weight's decode tiles.
 qd_status dequantize_checks(const void *values, int bits, bool tiled, int64_t rows, int64_t cols,
                             const float *scales, int64_t block_rows, int64_t block_cols, const int64_t *ids,
                             int64_t n, void *out, int out_dtype) {
@@ -469,7 +469,7 @@ qd_status dequantize_checks(const void *values, int bits, bool tiled, int64_t ro
     if (tiled ? !packed_bits(bits) : bits != 0 && !packed_bits(bits)) return QD_ERR_SCHEME;
     if (!qd::float_dtype(out_dtype)) return QD_ERR_ARGUMENT;
     if (rows <= 0 || cols <= 0 || n <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
-        cols % block_cols)
+        cols % block_cols || (!ids && n != rows))
         return QD_ERR_SHAPE;
     const size_t out_size = qd::dtype_bytes(out_dtype);
     if (!qd_dims_fit(rows, cols, sizeof(float)) || !qd_dims_fit(n, cols, out_size)) return QD_ERR_ARGUMENT;
@@ -500,7 +500,6 @@ extern "C" qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64
                                              const float *scales, int64_t block_rows, int64_t block_cols,
                                              const int64_t *ids, int64_t n, void *out, int out_dtype,
                                              void *stream) {
-    if (!ids) return QD_ERR_NULL;
     const qd_status st = dequantize_checks(values, bits, false, rows, cols, scales, block_rows, block_cols, ids, n,
                                            out, out_dtype);
     if (st != QD_OK) return st;
@@ -512,7 +511,6 @@ extern "C" qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int
                                                 const float *scales, int64_t block_rows, int64_t block_cols,
                                                 const int64_t *ids, int64_t n, void *out, int out_dtype,
                                                 void *stream) {
-    if (!ids) return QD_ERR_NULL;
     const qd_status st =
         dequantize_checks(tiles, bits, true, N, K, scales, block_rows, block_cols, ids, n, out, out_dtype);
     if (st != QD_OK) return st;

@@ -211,7 +211,8 @@ qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t
  * value(ids[i], c) * scales[ids[i] / block_rows, c / block_cols] for the n ids
  * (int64, in device memory), without dequantizing the other rows; out [n, cols] of
  * out_dtype (QD_CUDA_F32, F16 or BF16: the float32 product rounded to nearest even).
- * An id outside [0, rows) gives a row of NaN in out: check ids that come from outside. */
+ * An id outside [0, rows) gives a row of NaN in out: check ids that come from outside.
+ * ids NULL: every row in turn (n must be rows), the whole matrix in out_dtype. */
 qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                   const float *scales, int64_t block_rows, int64_t block_cols,
                                   const int64_t *ids, int64_t n, void *out, int out_dtype,
