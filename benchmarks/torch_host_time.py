@@ -1,17 +1,19 @@
 """Host time of one decode-sized call through qdispatch.torch, against torch's own
-bf16 nn.Linear in the same run (CUDA GPU, torch and the cuda backend needed):
+bf16 nn.Linear and nn.Embedding in the same run (CUDA GPU, torch and the cuda
+backend needed):
 
     python benchmarks/torch_host_time.py
 
 M = 1 rows keep every kernel short, so each figure (wall time per call over
 back-to-back calls, best of three runs of 2,000) is the host's cost of a call:
-what a Python decode loop pays per layer when the GPU waits on it."""
+what a Python decode loop pays per layer when the GPU waits on it.  A lookup of
+one id with checked ids copies the id to the host, which waits for the GPU."""
 import time
 
 import torch
 
 import qdispatch as qd
-from qdispatch.torch import QLinear, from_torch, q_matmul, to_torch
+from qdispatch.torch import QEmbedding, QLinear, from_torch, q_matmul, to_torch
 
 torch.manual_seed(0)
 
@@ -49,3 +51,15 @@ for K, N in ((256, 256), (4096, 4096)):
         r["QLinear (no_grad)"] = per_call(lambda: ql(x))
     r["QLinear (grad mode)"] = per_call(lambda: ql(x))
     print(f"M=1 K={K} N={N}: " + "; ".join(f"{k} {v:.1f} us" for k, v in r.items()))
+
+emb = torch.nn.Embedding(32000, 4096, dtype=torch.bfloat16, device="cuda")
+checked = QEmbedding.from_embedding(emb, qd.QuantScheme("q4s", block=32, store="packed_u32"))
+unchecked = QEmbedding(checked.weight, dtype=torch.bfloat16, check_ids=False)
+ids = torch.tensor([[7]], device="cuda")
+with torch.inference_mode():
+    r = {
+        "torch nn.Embedding bf16": per_call(lambda: emb(ids)),
+        "QEmbedding (ids checked)": per_call(lambda: checked(ids)),
+        "QEmbedding (check_ids=False)": per_call(lambda: unchecked(ids)),
+    }
+print("1 id of a 32000 x 4096 table, int4 block 32: " + "; ".join(f"{k} {v:.1f} us" for k, v in r.items()))

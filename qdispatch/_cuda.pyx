@@ -1084,6 +1084,12 @@ cdef int _stream_waits(int device, cudaStream_t waiter, cudaStream_t producer) e
     return 0
 
 
+def stream_waits(int device, uintptr_t waiter, uintptr_t producer):
+    """`waiter` waits for the work queued on `producer` so far, without the host
+    waiting: raw handles, one of them 0 (ours, the legacy default stream)."""
+    _stream_waits(device, <cudaStream_t>waiter, <cudaStream_t>producer)
+
+
 cdef int _sync_consumer(int device, object stream) except -1:
     """DLPack's stream contract: work queued on our stream (the legacy default)
     must be visible to the consumer's stream before it reads."""

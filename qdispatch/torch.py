@@ -688,15 +688,17 @@ class QEmbedding(_QuantizedModule):
     gives rows `ids` of the dequantized table (`qdispatch.embedding`), dequantizing only
     those, as `dtype` on the table's device.  `ids`: a torch integer tensor on the
     table's device (the CPU for a host table), each in [0, num_embeddings); an id
-    outside is `OutOfRangeError`, an IndexError as torch raises (inside a CUDA graph
-    capture, where the ids are not read on the host, a row of NaN).  The table is a
-    constant to autograd.  `dtype` follows `Module.to(dtype)`, as nn.Embedding's
+    outside is `OutOfRangeError`, an IndexError as torch raises.  To check them, CUDA
+    ids are read on the host, so each call waits for the GPU to reach them; with
+    `check_ids=False` they stay on the GPU (no wait, as nn.Embedding's lookups) and
+    an id outside gives a row of NaN, as it does inside a CUDA graph capture, where
+    ids are never read on the host.  The table is a constant to autograd.  `dtype` follows `Module.to(dtype)`, as nn.Embedding's
     weight's does; moves and state_dict() go as QLinear's.  A table shared with the
     output layer (tied embeddings) stays one QTensor: `QEmbedding(lm_head.weight)`."""
 
     _float_kind, _made_by = torch.nn.Embedding, "from_embedding"
 
-    def __init__(self, weight, padding_idx=None, dtype=torch.float32):
+    def __init__(self, weight, padding_idx=None, dtype=torch.float32, check_ids=True):
         super().__init__(weight, "num_embeddings, embedding_dim",
                          "QEmbedding.from_embedding(embedding, scheme) to quantize an nn.Embedding")
         if dtype not in _KERNEL_DTYPES:
@@ -704,6 +706,7 @@ class QEmbedding(_QuantizedModule):
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
         self.padding_idx = padding_idx  # kept as nn.Embedding's: it only shapes gradients of the table
+        self.check_ids = bool(check_ids)
 
     @classmethod
     def from_embedding(cls, embedding, scheme, device=None):
@@ -746,26 +749,29 @@ class QEmbedding(_QuantizedModule):
         if ids.is_cuda:
             stream = _current_raw_stream(ids.get_device())
             if _capturing(ids.get_device(), stream):
-                return self._lookup_captured(ids.detach(), stream)
+                return self._lookup_on_gpu(ids.detach(), stream, captured=True)
+            if not self.check_ids:
+                return self._lookup_on_gpu(ids.detach(), stream, captured=False)
         rows = tensor_api.embedding(ids.detach().cpu().numpy(), self.weight, dtype=_KERNEL_DTYPES[self.dtype])
         return to_torch(rows)
 
-    def _lookup_captured(self, ids, stream):
-        """forward(ids) while torch captures a CUDA graph: the ids stay on the GPU (a
-        graph can't hold their check on the host), an id outside the table gives a row
-        of NaN, and the lookup kernel writes into an output torch allocates on its
-        capturing stream."""
+    def _lookup_on_gpu(self, ids, stream, captured):
+        """forward(ids) with the ids left on the GPU (a graph can't hold their check on
+        the host, and `check_ids=False` asks for none): an id outside the table gives a
+        row of NaN, and the lookup kernel writes into an output torch allocates on its
+        current `stream`, while it captures a graph (`captured`) or in its order."""
         ids = ids.long().contiguous()  # the kernel reads int64 ids (no copy for torch.long ones)
         out = torch.empty((*ids.shape, self.embedding_dim), dtype=self.dtype, device=ids.device)
         if ids.numel():
             backend = _cuda_ready.get(ids.get_device()) or _cuda_backend(ids.get_device())
-            backend.dequantize_rows_into(self.weight, ids.data_ptr(), ids.numel(), out.data_ptr(),
-                                         _KERNEL_DTYPES[self.dtype], stream)
+            lookup = backend.dequantize_rows_into if captured else backend.dequantize_rows_beside
+            lookup(self.weight, ids.data_ptr(), ids.numel(), out.data_ptr(), _KERNEL_DTYPES[self.dtype], stream)
         return out
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
-                f"dtype={self.dtype}, scheme={self.weight.scheme!r}, device='{self.weight.device}'")
+                f"dtype={self.dtype}, scheme={self.weight.scheme!r}, device='{self.weight.device}'"
+                + ("" if self.check_ids else ", check_ids=False"))
 
 
 def quantize_linears(model, scheme, skip=(), device=None):

@@ -62,6 +62,9 @@ def test_ids_must_be_integers_on_the_tables_device_and_inside_it():
         q(torch.tensor([3, 10]))
     with pytest.raises(qd.OutOfRangeError, match="embedding id -1"):
         q(torch.tensor([-1]))
+    q.check_ids = False  # host ids are checked whatever it says: reading them waits for nothing
+    with pytest.raises(qd.OutOfRangeError, match="embedding id 10"):
+        q(torch.tensor([10]))
     with pytest.raises(qd.BackendMismatchError, match="ids are on torch device 'meta'.*move the ids first"):
         q(torch.tensor([1], device="meta"))
 
@@ -344,6 +347,61 @@ def test_lookups_replay_inside_a_cuda_graph():
     assert torch.equal(static_rows[0, 2], table(torch.tensor([4], device="cuda"))[0])
     with pytest.raises(qd.OutOfRangeError):
         table(static_ids)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+def test_unchecked_lookups_leave_the_ids_on_the_gpu(monkeypatch, transposed):
+    """check_ids=False: CUDA ids are never read on the host (torch's sync debug mode
+    would raise on a copy), eager lookups give the checked rows in every dtype and for
+    int32 and 2-D ids, an id outside gives a row of NaN, and lookups on a side stream
+    come in that stream's order.  A table stored as columns is turned for the call."""
+    _needs_cuda()
+    from qdispatch import tensor_api
+    rng = np.random.default_rng(0)
+    if transposed:
+        stored = qd.quantize(rng.standard_normal((64, 300)).astype(np.float32), QuantScheme("q8s", axis=1),
+                             device="cuda")
+        table = QEmbedding(stored.T, check_ids=False)
+    else:
+        table = QEmbedding(qd.quantize(rng.standard_normal((300, 64)).astype(np.float32), INT4, device="cuda"),
+                           check_ids=False)
+    assert "check_ids=False" in repr(table)
+    full = torch.from_numpy(table.weight.dequantize().numpy()).cuda()
+    ids = torch.tensor([[299, 0, 5], [5, 17, 2]], device="cuda")
+    ids32, outside_ids = ids.int(), torch.tensor([-1, 300, 7, 2**32 + 7], device="cuda")
+    no_ids = torch.zeros((0, 4), dtype=torch.long, device="cuda")
+
+    def read_on_host(*args, **kwargs):
+        raise AssertionError("the ids were read on the host")
+    monkeypatch.setattr(tensor_api, "embedding", read_on_host)
+    got = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            table.dtype = dtype
+            got[dtype] = table(ids), table(ids32)
+        outside, empty = table(outside_ids), table(no_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for dtype, (rows, rows32) in got.items():
+        assert rows.dtype == dtype and rows.shape == (2, 3, 64) and rows.device == ids.device
+        assert torch.equal(rows, torch.nn.functional.embedding(ids, full).to(dtype))
+        assert torch.equal(rows32, rows)
+    outside = outside.float().cpu()
+    assert torch.isnan(outside[[0, 1, 3]]).all()
+    assert torch.equal(outside[2], full[7].cpu().to(torch.float16).float())  # the table's dtype by then
+    assert empty.shape == (0, 4, 64) and empty.dtype == torch.float16
+    side = torch.cuda.Stream()
+    big = torch.randint(0, 300, (4096,), device="cuda")
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream())
+        ids_there = big.flip(0) * 1  # written on the side stream just before the lookup reads it
+        rows = table(ids_there)
+        del ids_there  # its memory may go to torch's next tensor on that stream, after the lookup
+        later = torch.randint(0, 300, (4096,), device="cuda")
+    side.synchronize()
+    assert torch.equal(rows, torch.nn.functional.embedding(big.flip(0), full).to(table.dtype))
+    assert later.shape == (4096,)
 
 
 def test_a_tied_decode_step_replays_inside_a_cuda_graph():

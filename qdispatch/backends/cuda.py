@@ -262,8 +262,24 @@ class CudaBackend(Backend):
             raise KernelError("a CUDA graph can't hold this lookup: the table's rows are stored as columns (a "
                               "transposed QTensor, or tiles another product laid out), which each lookup turns "
                               "first; capture a table quantized as [rows, dim]")
-        values, bits, scales, tiled = source
         q.storage.keep_values()
+        self._rows_into(q, source, ids, n, out, dtype, stream)
+
+    def dequantize_rows_beside(self, q, ids, n, out, dtype, stream):
+        """dequantize_rows_into outside a graph capture, the ids left unread on the
+        host: queued on our stream, after the work queued on the owner's `stream` so
+        far (its ids), and that stream's later work after it (its reads of out, and
+        its reuse of the ids' memory).  Events order them; the host never waits."""
+        source = self._rows_source(q)  # a turned copy of the rows, if need be, lives on our stream
+        if stream:
+            _cuda.stream_waits(q.index, 0, stream)
+        self._rows_into(q, source, ids, n, out, dtype, 0)
+        if stream:
+            _cuda.stream_waits(q.index, stream, 0)
+
+    @staticmethod
+    def _rows_into(q, source, ids, n, out, dtype, stream):
+        values, bits, scales, tiled = source
         _cuda.dequantize_rows_into(values, bits, *q.shape, scales, *q.layout.logical_block(q.transposed), ids, n,
                                    out, dtype, tiled, stream)
 
