@@ -203,7 +203,8 @@ qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int v
                                float *scales, int8_t *q, void *scratch, int64_t *bad_index,
                                void *stream);
 /* out[r, c] = value(r, c) * scales[r / block_rows, c / block_cols] (float32).  values:
- * int8 [rows, cols] when bits == 0, else packed_u32 words of `bits`-bit values. */
+ * int8 [rows, cols] when bits == 0, else packed_u32 words of `bits`-bit values.  In a
+ * 16-bit dtype: qd_cuda_dequantize_rows without ids. */
 qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
                              const float *scales, int64_t block_rows, int64_t block_cols,
                              float *out, void *stream);
