@@ -357,7 +357,7 @@ def embedding(ids, weight, dtype="float32"):
         raise ShapeError(f"embedding takes a 2-D table [num_embeddings, dim], got a QTensor of shape "
                          f"{tuple(weight.shape)}")
     dtype = check_dtype(dtype)
-    rows = _embedding_ids(ids, weight.shape[0])
+    rows = embedding_ids(ids, weight.shape[0])
     backend = get_backend(weight.kind)
     shape = rows.shape + (weight.shape[1],)
     if rows.size == 0:
@@ -368,7 +368,7 @@ def embedding(ids, weight, dtype="float32"):
     return Tensor(backend.reshape(out, shape), dtype, shape, weight.kind, weight.index)
 
 
-def _embedding_ids(ids, count):
+def embedding_ids(ids, count):
     """ids as an int64 numpy array, each checked to lie in [0, count)."""
     try:
         arr = tensor_numpy(ids) if isinstance(ids, Tensor) else np.asarray(ids)

@@ -689,10 +689,10 @@ class QEmbedding(_QuantizedModule):
     those, as `dtype` on the table's device.  `ids`: a torch integer tensor on the
     table's device (the CPU for a host table), each in [0, num_embeddings); an id
     outside is `OutOfRangeError`, an IndexError as torch raises.  To check them, CUDA
-    ids are read on the host, so each call waits for the GPU to reach them; with
-    `check_ids=False` they stay on the GPU (no wait, as nn.Embedding's lookups) and
-    an id outside gives a row of NaN, as it does inside a CUDA graph capture, where
-    ids are never read on the host.  The table is a constant to autograd.  `dtype` follows `Module.to(dtype)`, as nn.Embedding's
+    ids are copied to the host, so each call waits for the GPU to reach them; with
+    `check_ids=False` they are not (no wait, as nn.Embedding's lookups) and an id
+    outside gives a row of NaN, as it does inside a CUDA graph capture, where ids are
+    never read on the host.  The table is a constant to autograd.  `dtype` follows `Module.to(dtype)`, as nn.Embedding's
     weight's does; moves and state_dict() go as QLinear's.  A table shared with the
     output layer (tied embeddings) stays one QTensor: `QEmbedding(lm_head.weight)`."""
 
@@ -748,17 +748,16 @@ class QEmbedding(_QuantizedModule):
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
         if ids.is_cuda:
             stream = _current_raw_stream(ids.get_device())
-            if _capturing(ids.get_device(), stream):
-                return self._lookup_on_gpu(ids.detach(), stream, captured=True)
-            if not self.check_ids:
-                return self._lookup_on_gpu(ids.detach(), stream, captured=False)
-        rows = tensor_api.embedding(ids.detach().cpu().numpy(), self.weight, dtype=_KERNEL_DTYPES[self.dtype])
+            captured = _capturing(ids.get_device(), stream)
+            if self.check_ids and not captured:  # a graph can't hold a check on the host
+                tensor_api.embedding_ids(ids.detach().cpu().numpy(), self.num_embeddings)
+            return self._lookup_on_gpu(ids.detach(), stream, captured)
+        rows = tensor_api.embedding(ids.detach().numpy(), self.weight, dtype=_KERNEL_DTYPES[self.dtype])
         return to_torch(rows)
 
     def _lookup_on_gpu(self, ids, stream, captured):
-        """forward(ids) with the ids left on the GPU (a graph can't hold their check on
-        the host, and `check_ids=False` asks for none): an id outside the table gives a
-        row of NaN, and the lookup kernel writes into an output torch allocates on its
+        """forward(ids) of CUDA ids, read where they are (an id outside the table gives a
+        row of NaN): the lookup kernel writes into an output torch allocates on its
         current `stream`, while it captures a graph (`captured`) or in its order."""
         ids = ids.long().contiguous()  # the kernel reads int64 ids (no copy for torch.long ones)
         out = torch.empty((*ids.shape, self.embedding_dim), dtype=self.dtype, device=ids.device)

@@ -374,6 +374,7 @@ def test_unchecked_lookups_leave_the_ids_on_the_gpu(monkeypatch, transposed):
     def read_on_host(*args, **kwargs):
         raise AssertionError("the ids were read on the host")
     monkeypatch.setattr(tensor_api, "embedding", read_on_host)
+    monkeypatch.setattr(tensor_api, "embedding_ids", read_on_host)
     got = {}
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -402,6 +403,11 @@ def test_unchecked_lookups_leave_the_ids_on_the_gpu(monkeypatch, transposed):
     side.synchronize()
     assert torch.equal(rows, torch.nn.functional.embedding(big.flip(0), full).to(table.dtype))
     assert later.shape == (4096,)
+    monkeypatch.undo()
+    table.check_ids = True  # the same kernel on the same ids, once they were looked at on the host
+    assert torch.equal(table(ids), got[torch.float16][0]) and torch.equal(table(ids32), got[torch.float16][0])
+    with pytest.raises(qd.OutOfRangeError, match=r"embedding id -1 at position \(0,\)"):
+        table(outside_ids)
 
 
 def test_a_tied_decode_step_replays_inside_a_cuda_graph():
