@@ -758,8 +758,8 @@ def dequantize_rows_into(DeviceArray values, int bits, int64_t rows, int64_t col
                          str dtype, bint tiled, uintptr_t stream):
     """dequantize_rows on ids and out another library may own (device addresses: int64
     ids [n], or 0 for every row in turn; out [n, cols] of dtype, dense), queued on
-    `stream` (0: ours).  Nothing here
-    allocates or synchronizes, so a CUDA graph can capture it."""
+    `stream` (0: ours).  Nothing here allocates or synchronizes, so a CUDA graph can
+    capture it."""
     cdef void *pv = P(values)
     cdef void *ps = P(scales)
     cdef int code = DTYPES[dtype]

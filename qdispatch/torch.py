@@ -692,9 +692,10 @@ class QEmbedding(_QuantizedModule):
     ids are copied to the host, so each call waits for the GPU to reach them; with
     `check_ids=False` they are not (no wait, as nn.Embedding's lookups) and an id
     outside gives a row of NaN, as it does inside a CUDA graph capture, where ids are
-    never read on the host.  The table is a constant to autograd.  `dtype` follows `Module.to(dtype)`, as nn.Embedding's
-    weight's does; moves and state_dict() go as QLinear's.  A table shared with the
-    output layer (tied embeddings) stays one QTensor: `QEmbedding(lm_head.weight)`."""
+    never read on the host.  The table is a constant to autograd.  `dtype` follows
+    `Module.to(dtype)`, as nn.Embedding's weight's does; moves and state_dict() go as
+    QLinear's.  A table shared with the output layer (tied embeddings) stays one
+    QTensor: `QEmbedding(lm_head.weight)`."""
 
     _float_kind, _made_by = torch.nn.Embedding, "from_embedding"
 
