@@ -698,6 +698,7 @@ class QEmbedding(_QuantizedModule):
     QTensor: `QEmbedding(lm_head.weight)`."""
 
     _float_kind, _made_by = torch.nn.Embedding, "from_embedding"
+    check_ids = True  # what a module pickled before the setting existed reads
 
     def __init__(self, weight, padding_idx=None, dtype=torch.float32, check_ids=True):
         super().__init__(weight, "num_embeddings, embedding_dim",

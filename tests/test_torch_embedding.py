@@ -85,6 +85,16 @@ def test_construction_checks():
         QEmbedding.from_embedding(torch.nn.Embedding(10, 32, padding_idx=0), PER_ROW))
 
 
+def test_a_module_pickled_before_check_ids_checks_its_ids():
+    q = QEmbedding(qd.quantize(np.ones((4, 8), np.float32), PER_ROW, device=HOSTS[-1]))
+    del q.__dict__["check_ids"]  # as a pickle from before the setting holds the module
+    old = pickle.loads(pickle.dumps(q))
+    assert old.check_ids and "check_ids" not in repr(old)
+    assert torch.equal(old(torch.tensor([3])), torch.ones(1, 8))
+    with pytest.raises(qd.OutOfRangeError, match="embedding id 4"):
+        old(torch.tensor([4]))
+
+
 def test_quantize_embeddings_replaces_the_tables_and_skips_by_name():
     torch.manual_seed(0)
     model = TinyLM()
