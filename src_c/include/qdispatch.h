@@ -21,7 +21,7 @@ extern "C" {
  * QD_ABI_VERSION goes up whenever an entry point's arguments or meaning change.  A program
  * should check qd_abi_version() == QD_ABI_VERSION before its first call: that catches a
  * different libqdispatch found at run time than the header it was compiled against. */
-#define QD_ABI_VERSION 1
+#define QD_ABI_VERSION 2
 
 /* The ABI version of the library linked in. */
 int qd_abi_version(void);
