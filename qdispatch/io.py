@@ -7,7 +7,7 @@ with numpy only).
 A loaded QTensor holds exactly the values and scales that were saved, on any
 backend, so everything computed from it is bit-identical to the original.
 
-File layout (format versions 1 and 2), readable by any safetensors reader:
+File layout (format versions 1 to 3), readable by any safetensors reader:
 
 - A QTensor `name` is two entries: `name.qvalues` holds its values in the
   scheme's store and in storage orientation (int8, or uint32 words packed along
@@ -18,13 +18,16 @@ File layout (format versions 1 and 2), readable by any safetensors reader:
 - One object saved under several names (a weight shared by two layers) is
   stored once, under its first name; each other name's record is an alias,
   {"kind": "alias", "of": that name}, and `load` gives one object for all of
-  them.
+  them.  A QTensor saved beside its transpose (`q` and `q.T`, one store) is
+  stored once too: the other name's alias adds "transposed": true, and `load`
+  gives the first name's QTensor and its `.T`.
 - The header's metadata holds `qdispatch.format_version` and
   `qdispatch.tensors`, a JSON object with one record per name: its kind
   ("qtensor", "tensor", "array" or "alias"), a CRC-32 of each entry's bytes, and
   for a QTensor its scheme (value, block, axis, store, scale_dtype; storage
   orientation, as the bytes are), logical shape and transposed flag.  Version
-  2 is a file with aliases; one without is version 1, as before them.
+  3 is a file with a transposed alias, 2 one with aliases only, 1 one without
+  (each file the oldest version that describes it, for older readers).
 
 Writes are atomic: the file is written next to its destination, synced, then
 renamed over it, so a crash mid-write leaves the old file intact.
@@ -46,8 +49,9 @@ from .layout import QLayout, swap_last2
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_stored, qtensor_stored, tensor, tensor_stored
 
-FORMAT_VERSION = 2   # what this qdispatch writes at most and reads
+FORMAT_VERSION = 3   # what this qdispatch writes at most and reads
 _FIRST_WITH_ALIASES = 2
+_FIRST_WITH_TRANSPOSED_ALIASES = 3
 _VERSION_KEY = "qdispatch.format_version"
 _TENSORS_KEY = "qdispatch.tensors"
 _SUFFIXES = (".qvalues", ".qscales")
@@ -206,12 +210,13 @@ def save(path, tensors):
     file, atomically.  `qdispatch.load` reads it back bit for bit.  Tensors are
     fetched and written one at a time, so the host holds one tensor's bytes at a
     time (a model on the GPU is never on the host whole).  An object under several
-    names (a tied weight) is written once; `load` gives it back as one object."""
+    names (a tied weight) is written once; `load` gives it back as one object.  So is
+    a QTensor beside its transpose (`q` and `q.T`): `load` gives one and its `.T`."""
     tensors = check_tensor_dict(tensors, "save")
     plans, keys, first_names = [], set(), {}
     for name, obj in tensors.items():
-        first = first_names.setdefault(id(obj), name)  # the dict keeps obj alive: ids stay unique
-        record, entries, fetch = ({"kind": "alias", "of": first}, [], list) if first != name else _plan(name, obj)
+        first, first_obj = first_names.setdefault(_held_bytes(obj), (name, obj))
+        record, entries, fetch = (_alias(first, first_obj, obj), [], list) if first != name else _plan(name, obj)
         for key, _, _ in entries:
             if key == _METADATA:
                 raise SerializationError(
@@ -249,10 +254,26 @@ def save(path, tensors):
         f.write(room.to_bytes(8, "little") + _header_json(header, records).ljust(room, b" "))
 
 
+def _held_bytes(obj):
+    """What names the bytes `obj` would write: the object, or a QTensor's store and
+    layout, which its transpose shares (the dict being saved keeps them alive, so
+    their ids stay unique)."""
+    return (id(obj.storage), id(obj.layout)) if isinstance(obj, QTensor) else (id(obj),)
+
+
+def _alias(first, first_obj, obj):
+    """The record of `obj`, whose bytes `first_obj` (saved as `first`) holds."""
+    record = {"kind": "alias", "of": first}
+    if isinstance(obj, QTensor) and obj.transposed != first_obj.transposed:
+        record["transposed"] = True
+    return record
+
+
 def _header_json(header, records):
     # the oldest version that describes the file, so that older readers read what they can
-    aliases = any(record["kind"] == "alias" for record in records.values())
-    version = _FIRST_WITH_ALIASES if aliases else 1
+    aliases = [record for record in records.values() if record["kind"] == "alias"]
+    version = (_FIRST_WITH_TRANSPOSED_ALIASES if any(alias.get("transposed") for alias in aliases)
+               else _FIRST_WITH_ALIASES if aliases else 1)
     metadata = {_VERSION_KEY: str(version), _TENSORS_KEY: json.dumps(records)}
     return json.dumps({**header, _METADATA: metadata}, separators=(",", ":")).encode()
 
@@ -304,6 +325,8 @@ def _metadata(path, header):
             target = records.get(record["of"])
             if not isinstance(target, dict) or target.get("kind") == "alias":
                 problem = f"it is an alias of {_brief(record['of'])}, which names no tensor stored in the file"
+            elif record.get("transposed") and target.get("kind") != "qtensor":
+                problem = f"it is the transpose of {_brief(record['of'])}, which is no QTensor"
         if problem:
             raise SerializationError(f"Tensor {name!r} in {path} has a corrupted record: {problem}")
     return records
@@ -318,7 +341,10 @@ def _record_problem(record):
     if kind not in _KINDS:
         return f"unknown kind {_brief(kind)} (expected one of {', '.join(map(repr, _KINDS))})"
     if kind == "alias":
-        return None if isinstance(record.get("of"), str) else f"its alias target is {_brief(record.get('of'))}"
+        if not isinstance(record.get("of"), str):
+            return f"its alias target is {_brief(record.get('of'))}"
+        turned = record.get("transposed", False)
+        return None if isinstance(turned, bool) else f"its transposed flag is {_brief(turned)}, expected true or false"
     crcs, entries = record.get("crc32"), len(_SUFFIXES) if kind == "qtensor" else 1
     if not (isinstance(crcs, list) and len(crcs) == entries and all(_is_crc(c) for c in crcs)):
         return f"its crc32 is {_brief(crcs)}, expected a list of {entries} CRC-32 values"
@@ -416,17 +442,19 @@ class StoredFile:
 
     def decode(self, name, dev):
         """Tensor `name` read from the file, on qdispatch device `dev` (None: the
-        default backend).  An alias and its target, on one device, give one object."""
+        default backend).  An alias and its target, on one device, give one object (a
+        transposed alias its `.T`)."""
         record = self.records[name]
+        turned = record["kind"] == "alias" and record.get("transposed", False)
         if record["kind"] == "alias":
             name = record["of"]
         key = (name, None if dev is None else str(dev))
-        if key in self._shared:
-            return self._shared[key]
-        obj = self._decode(name, dev)
-        if name in self._targets:
-            self._shared[key] = obj
-        return obj
+        obj = self._shared.get(key)
+        if obj is None:
+            obj = self._decode(name, dev)
+            if name in self._targets:
+                self._shared[key] = obj
+        return obj.T if turned else obj
 
     def _decode(self, name, dev):
         try:

@@ -103,24 +103,55 @@ def test_an_object_under_several_names_is_stored_once_and_loads_as_one(tmp_path,
     t, a = qd.tensor(data((3, 4)), device="reference"), np.arange(6)
     path = tmp_path / "tied.st"
     qd.save(path, {"embed.weight": q, "lm_head.weight": q, "t": t, "t_again": t, "a": a, "a_again": a,
-                   "turned": q.T})
-    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
-    meta = header.pop("__metadata__")
-    assert sorted(header) == ["a", "embed.weight.qscales", "embed.weight.qvalues", "t",
-                              "turned.qscales", "turned.qvalues"]
-    assert meta["qdispatch.format_version"] == "2"
+                   "other": qd.quantize(data((64, 32)), QuantScheme("q8s"), device="reference")})
+    header, meta = read_header(path)
+    assert sorted(header) == ["a", "embed.weight.qscales", "embed.weight.qvalues", "other.qscales",
+                              "other.qvalues", "t"]
+    assert meta["qdispatch.format_version"] == "2"  # readable by every qdispatch that reads aliases
     records = json.loads(meta["qdispatch.tensors"])
     assert records["lm_head.weight"] == {"kind": "alias", "of": "embed.weight"}
     assert records["t_again"] == {"kind": "alias", "of": "t"} and records["a_again"] == {"kind": "alias", "of": "a"}
     loaded = qd.load(path, device=device)
     assert loaded["lm_head.weight"] is loaded["embed.weight"]
     assert loaded["t_again"] is loaded["t"] and loaded["a_again"] is loaded["a"]
-    assert loaded["turned"] is not loaded["embed.weight"]  # another object (a view): saved as itself
+    assert loaded["other"] is not loaded["embed.weight"]
     assert_same_qtensor(loaded["embed.weight"], q)
-    assert_same_qtensor(loaded["turned"], q.T)
     np.testing.assert_array_equal(loaded["t_again"].numpy(), t.numpy())
     np.testing.assert_array_equal(loaded["a_again"], a)
     assert_same_qtensor(qd.load(path, device=device, names=["lm_head.weight"])["lm_head.weight"], q)
+
+
+def read_header(path):
+    """(entries, metadata) of a safetensors file's header."""
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return header, header.pop("__metadata__")
+
+
+@pytest.mark.parametrize("device", HOST_DEVICES)
+@pytest.mark.parametrize("first_turned", [False, True], ids=["q-first", "q.T-first"])
+def test_a_qtensor_beside_its_transpose_is_stored_once(tmp_path, device, first_turned):
+    """q and q.T share one store: saved together, it is written once, under the first
+    name; the transpose's name is an alias marked transposed (format version 3, which
+    older readers refuse rather than misread), and load gives the first name's
+    QTensor and its .T, one store between them."""
+    q = qd.quantize(data((64, 32)), QuantScheme("q4s", block=32, store="packed_u32"), device="reference")
+    first, turned = (q.T, q) if first_turned else (q, q.T)
+    path = tmp_path / "turned.st"
+    qd.save(path, {"first": first, "turned": turned, "turned_again": turned.T.T, "first_again": turned.T})
+    header, meta = read_header(path)
+    assert sorted(header) == ["first.qscales", "first.qvalues"]
+    assert meta["qdispatch.format_version"] == "3"
+    records = json.loads(meta["qdispatch.tensors"])
+    assert records["turned"] == records["turned_again"] == {"kind": "alias", "of": "first", "transposed": True}
+    assert records["first_again"] == {"kind": "alias", "of": "first"}
+    loaded = qd.load(path, device=device)
+    assert loaded["first_again"] is loaded["first"]
+    assert loaded["turned"].storage is loaded["first"].storage and loaded["turned"].transposed != first.transposed
+    for name, want in (("first", first), ("turned", turned), ("turned_again", turned)):
+        assert_same_qtensor(loaded[name], want)
+        assert loaded[name].transposed == want.transposed
+    assert_same_qtensor(qd.load(path, device=device, names=["turned"])["turned"], turned)
 
 
 @pytest.mark.parametrize("alias, match", [
@@ -128,7 +159,9 @@ def test_an_object_under_several_names_is_stored_once_and_loads_as_one(tmp_path,
     ({"kind": "alias", "of": "b"}, "it is an alias of 'b', which names no tensor stored in the file"),  # b: an alias
     ({"kind": "alias", "of": 5}, "its alias target is 5"),
     ({"kind": "alias"}, "its alias target is None"),
-], ids=["missing", "alias-of-alias", "not-a-name", "no-target"])
+    ({"kind": "alias", "of": "a", "transposed": "yes"}, "its transposed flag is 'yes', expected true or false"),
+    ({"kind": "alias", "of": "a", "transposed": True}, "it is the transpose of 'a', which is no QTensor"),
+], ids=["missing", "alias-of-alias", "not-a-name", "no-target", "bad-flag", "turned-array"])
 def test_an_alias_that_names_no_tensor_is_refused(tmp_path, alias, match):
     path = tmp_path / "tied.st"
     w = np.arange(4.0)
