@@ -3,6 +3,7 @@ int_matmul and quantization bit-identical, qq/fq within named tolerances, on
 shapes that hit the kernels' tiles and tails; transfers, dispatch errors,
 out-of-memory, several GPUs and DLPack."""
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -1096,3 +1097,23 @@ def test_save_and_gguf_export_fetch_gpu_tensors(tmp_path, rng):
                                   ref(q8).dequantize().numpy())
     np.testing.assert_array_equal(qgguf.load(tmp_path / "m.gguf", device="cuda")["q8"].dequantize().numpy(),
                                   ref(q8).dequantize().numpy())
+
+
+def test_save_of_a_decode_weight_beside_its_transpose(tmp_path, rng):
+    """A decode weight whose store the kernel's tiles replaced, saved with its .T: one
+    store is written (read back from the tiles), and load on the GPU gives the weight
+    and its transpose over one store, with the reference's values."""
+    x = rng.standard_normal((96, 128)).astype(np.float32)
+    w = qd.quantize(x, qd.QuantScheme("q4s", block=32, store="packed_u32"), device="cuda")
+    want = ref(w)
+    qd.q_matmul(qd.tensor(rng.standard_normal((2, 128)).astype(np.float32), device="cuda"), w.T)  # lays out the tiles
+    path = tmp_path / "w.st"
+    qd.save(path, {"w": w, "wt": w.T})
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert sorted(k for k in header if k != "__metadata__") == ["w.qscales", "w.qvalues"]
+    back = qd.load(path, device="cuda")
+    assert back["wt"].storage is back["w"].storage and back["wt"].transposed and back["w"].device == "cuda:0"
+    for name, expected in (("w", want), ("wt", want.T)):
+        np.testing.assert_array_equal(back[name].values, expected.values)
+        np.testing.assert_array_equal(back[name].dequantize().numpy(), expected.dequantize().numpy())
