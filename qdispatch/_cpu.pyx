@@ -123,6 +123,12 @@ def get_num_threads():
     return qd_get_num_threads()
 
 
+def forked_child():
+    """Whether this process was forked after the kernels' library was loaded (its
+    kernels then run on one thread: OpenMP's threads do not survive fork)."""
+    return bool(qd_forked_child())
+
+
 # ---- quantization ------------------------------------------------------------
 
 def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, grid=None):

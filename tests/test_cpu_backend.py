@@ -1,5 +1,6 @@
 """The cpu backend through the public API: every ISA this machine runs, against
 the reference backend; thread, batch and concurrency invariance."""
+import os
 import sys
 import threading
 import time
@@ -270,6 +271,50 @@ def test_a_thread_count_that_is_no_number_names_its_variable():
     assert bad.returncode != 0
     assert ("ValueError: QDISPATCH_NUM_THREADS='abc' is not a whole number: set it to a thread count"
             in bad.stderr)
+
+
+FORKED_WORKER = """
+import multiprocessing as mp, warnings
+import numpy as np, qdispatch as qd
+
+qd.set_num_threads(2)
+x = np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32)
+qd.q_matmul(qd.quantize(x[:64], "q8s", device="cpu"), qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="cpu").T)
+
+
+def work(_):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qd.set_num_threads(4)
+    got, want = (qd.q_matmul(qd.quantize(x[:64], "q8s", device=d), qd.quantize(x, qd.QuantScheme("q8s", axis=0), device=d).T)
+                 for d in ("cpu", "reference"))
+    return (qd.get_num_threads(), qd.info()["backends"]["cpu"].get("threads_note", ""),
+            [str(w.message) for w in caught if w.category is RuntimeWarning],
+            bool(np.array_equal(got.numpy(), want.numpy())))
+
+
+if __name__ == "__main__":
+    with mp.get_context("fork").Pool(1) as pool:
+        threads, note, warned, same = pool.map_async(work, [0]).get(timeout=120)[0]
+    assert threads == 1 and "forked after qdispatch was loaded" in note, (threads, note)
+    assert len(warned) == 1 and warned[0].startswith("set_num_threads(4) has no effect"), warned
+    assert same
+    assert qd.get_num_threads() == 2 and "threads_note" not in qd.info()["backends"]["cpu"]
+    print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.skipif(not built_with_openmp(), reason="built without OpenMP: one thread everywhere")
+def test_a_worker_forked_after_threaded_kernels_runs_them_on_one_thread(tmp_path):
+    """OpenMP's threads do not survive fork: a worker forked after the kernels ran on
+    several threads would wait for them forever in its first threaded kernel.  It runs
+    them on one thread instead, with the reference's bits, and says so; the parent
+    keeps its threads."""
+    script = tmp_path / "forked_worker.py"
+    script.write_text(FORKED_WORKER)
+    out = run_python(str(script))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_gil_is_released_during_kernels(rng, threads):

@@ -5,6 +5,7 @@ created on or moved to cpu; a weight used in the other orientation is packed
 on first use and kept."""
 import operator
 import os
+import warnings
 
 import numpy as np
 
@@ -47,6 +48,9 @@ def _thread_count_setting(text):
 
 
 _MOST_THREADS = 2**31 - 1  # the C library's thread count is an int
+FORKED_ONE_THREAD = ("this process was forked after qdispatch was loaded, and OpenMP's threads do not "
+                     "survive fork, so its cpu kernels run on one thread here; start worker processes "
+                     "with multiprocessing's 'spawn' or 'forkserver' method to run them on several")
 
 
 class CpuBackend(HostBackend):
@@ -92,6 +96,9 @@ class CpuBackend(HostBackend):
             raise ValueError(f"set_num_threads({count}): at most {_MOST_THREADS} threads; "
                              f"0 or less means one per processor")
         _cpu.set_num_threads(max(count, 0))
+        if count != 1 and _cpu.forked_child():
+            warnings.warn(f"set_num_threads({count}) has no effect: {FORKED_ONE_THREAD}", RuntimeWarning,
+                          stacklevel=3)
 
     def get_num_threads(self):
         return _cpu.get_num_threads()
@@ -102,6 +109,8 @@ class CpuBackend(HostBackend):
         d = dict(_cpu.isa_info())
         d["isa"] = d.pop("active")
         d["threads"] = _cpu.get_num_threads()
+        if _cpu.forked_child():
+            d["threads_note"] = FORKED_ONE_THREAD
         d["library"] = _cpu.library_version()
         return d
 

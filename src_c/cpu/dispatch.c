@@ -5,6 +5,10 @@
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#define QD_WATCHES_FORKS 1 /* see qd_forked_child */
+#endif
 #endif
 #include "qd_internal.h"
 
@@ -166,9 +170,38 @@ void qd_set_num_threads(int n)
     __atomic_store_n(&thread_setting, n <= 0 ? 0 : n < cap ? n : cap, __ATOMIC_RELAXED);
 }
 
+/* GNU OpenMP's team of threads does not survive fork(): in the child, the first
+ * parallel loop of more than one thread waits forever for threads that are gone.
+ * So a process forked after this library was loaded runs its loops on its own
+ * thread; workers that want threads start by spawn, not fork. */
+#ifdef QD_WATCHES_FORKS
+static int forked;
+
+static void note_fork_in_child(void)
+{
+    forked = 1;
+}
+
+__attribute__((constructor)) static void watch_forks(void)
+{
+    pthread_atfork(NULL, NULL, note_fork_in_child);
+}
+#endif
+
+int qd_forked_child(void)
+{
+#ifdef QD_WATCHES_FORKS
+    return forked;
+#else
+    return 0;
+#endif
+}
+
 int qd_get_num_threads(void)
 {
 #ifdef _OPENMP
+    if (qd_forked_child())
+        return 1;
     const int n = __atomic_load_n(&thread_setting, __ATOMIC_RELAXED);
     return n > 0 ? n : processors();
 #else

@@ -86,6 +86,9 @@ void qd_isa_reset(void);
  * accepts n, and qd_get_num_threads() returns 1. */
 void qd_set_num_threads(int n);
 int qd_get_num_threads(void);
+/* 1 in a process forked after the library was loaded: OpenMP's threads do not survive
+ * fork(), so there the kernels run on one thread, whatever qd_set_num_threads said. */
+int qd_forked_child(void);
 
 /* ---- quantization ---- */
 typedef enum qd_value { QD_Q8S = 0, QD_Q8F = 1, QD_Q4S = 2, QD_Q4F = 3, QD_Q2S = 4, QD_Q2F = 5 } qd_value;
