@@ -37,14 +37,16 @@ def _shapes(lhs, rhs, op):
     return ls, rs, tuple(batch)
 
 
-def activation_scheme_for(spec, x_shape):
+def activation_scheme_for(spec, x_shape, tokens_are_columns=False):
     """`activation_scheme=` as given: a QuantScheme, or a value name meaning one
-    scale per row (per token), the usual dynamic-quantization choice."""
+    scale per token, the usual dynamic-quantization choice: per row of a float lhs,
+    per column of a float rhs (x.T in w @ x.T), so a group spans all of K."""
     if isinstance(spec, str):
         # A block of one whole row, not axis=-2: that would give row m of every
         # batch one shared scale, and a large batch would crush the others' rows.
         store = "native" if as_scheme(spec).bits == 8 else "packed_u32"
-        return QuantScheme(spec, block=(1, x_shape[-1]), store=store)
+        block = (x_shape[-2], 1) if tokens_are_columns else (1, x_shape[-1])
+        return QuantScheme(spec, block=block, store=store)
     return as_scheme(spec)
 
 
@@ -73,7 +75,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
             if not lq:
                 lhs = quantize_activation(lhs, activation_scheme_for(activation_scheme, ls))
             if not rq:
-                rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs))
+                rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs, tokens_are_columns=True))
             lq = rq = True
     kernel_dtype = "float32"  # what the kernel writes
     if fused is not None:

@@ -152,6 +152,20 @@ def test_activation_scheme_scales_each_row_of_each_batch(device, rng):
             assert rel_err(x[1].astype(np.float64) @ deq64(wq).T, batched[1]) < 0.03
 
 
+def test_activation_scheme_scales_each_token_of_a_float_rhs(device, rng):
+    """w @ x.T with a value name quantizes each column of x.T (a token) on its own, as
+    x @ w.T does each row of x: one group over all of K, and the same bits, turned."""
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    x[0, 1] *= 1000
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                     device=device)
+    for act in ("q8s", "q4f"):
+        turned = qd.q_matmul(wq, np.swapaxes(x, -1, -2), activation_scheme=act)
+        assert turned.shape == (2, 16, 5)
+        np.testing.assert_array_equal(
+            turned.numpy(), np.swapaxes(qd.q_matmul(x, wq.T, activation_scheme=act).numpy(), -1, -2))
+
+
 @pytest.mark.parametrize("shape,bad", [((4, 64), (2, 5)), ((2, 3, 64), (1, 2, 5))])
 def test_activation_scheme_names_a_non_finite_activation_by_its_position(device, rng, shape, bad):
     """As quantize does, also where the kernel quantizes x on the fly (cpu's fused W8A8)."""
