@@ -8,9 +8,8 @@ import itertools
 import numpy as np
 
 from ._core import QTensor, Tensor
-from .backends.base import INT32_EXACT_K
 from .errors import NonFiniteError, ShapeError
-from .quantmath import check_finite
+from .quantmath import INT32_EXACT_K, check_finite, k_group
 from .scheme import QuantScheme, as_scheme
 from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation
 
@@ -70,7 +69,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     # (and quantize refuses empty data).
     if activation_scheme is not None and not _is_empty(ls, rs, batch):
         if not lq and rq:
-            fused = _fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls)
+            fused = _fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls, rhs)
         if fused is None:
             if not lq:
                 lhs = quantize_activation(lhs, activation_scheme_for(activation_scheme, ls))
@@ -116,14 +115,17 @@ def _is_empty(ls, rs, batch):
     return 0 in batch + (ls[-2], ls[-1], rs[-1])
 
 
-def _fused_w8a8(backend, scheme, x_shape):
+def _fused_w8a8(backend, scheme, x_shape, w):
     """The backend's one-pass W8A8 kernel when it takes this activation scheme
-    (8-bit values, one scale per row or per block of K, float32 scales)."""
+    (8-bit values, one scale per row or per block of K, float32 scales) and
+    weight w's K-groups keep int32 sums exact (longer ones take qq's path)."""
     fused = getattr(backend, "w8a8_matmul", None)
     if fused is None or scheme.bits != 8 or scheme.scale_dtype != "f32":
         return None
     block = scheme.block_shape(x_shape)
     if any(b != 1 for b in block[:-1]):
+        return None
+    if k_group(block[-1], w.layout.logical_block(w.transposed)[-2]) > INT32_EXACT_K:
         return None
     return lambda x, w: fused(x, w, scheme.value, block[-1])
 

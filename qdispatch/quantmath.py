@@ -5,6 +5,8 @@ Pinned arithmetic: the scale is 2*amax/(hi-lo) rounded to float32 (computed as
 amax/((hi-lo)/2), which rounds the same and never overflows), stored in its
 scale dtype rounded up (never down), and values are quantized with a true
 float32 division by the stored scale, rounded half to even, then clamped."""
+import math
+
 import numpy as np
 
 from .errors import NonFiniteError, ScaleOverflowError, ShapeError
@@ -141,6 +143,57 @@ def dequantize_array(values: np.ndarray, scales: np.ndarray, block) -> np.ndarra
     # max), as IEEE and every backend give it, without numpy's warning
     with np.errstate(over="ignore"):
         return values.astype(np.float32) * expand_scales(scales, values.shape, block)
+
+
+# ---- qq: integer sums per K-group, then the scales ----------------------------
+
+INT32_EXACT_K = 131071  # 131072 * (-128)**2 == 2**31 would overflow int32
+# A K-group longer than INT32_EXACT_K is summed from int32 products of pieces this
+# long (16-byte bounds for the GPU's copies), added in int64: still exact.
+LONG_GROUP_PIECE = 65536
+
+
+def k_group(lhs_block_k, rhs_block_k):
+    """Integer dot products accumulate exactly within groups of this many K
+    indices: each group lies inside one scale block of either operand."""
+    return math.gcd(int(lhs_block_k), int(rhs_block_k))
+
+
+def group_scales(scales, block_rows, block_k, rows, K, G, k_axis):
+    """Scale of each (row, K-group) pair as a [rows, K/G] float32 array, for a
+    scale grid whose K dim is `k_axis` (1 for lhs [M,K], 0 for rhs [K,N])."""
+    grid = scales if k_axis == 1 else scales.T
+    row_idx = np.arange(rows) // block_rows
+    group_idx = (np.arange(K // G) * G) // block_k
+    return grid[row_idx][:, group_idx].astype(np.float32)
+
+
+def qq_in_groups(group_sums, sa, lhs_block, sb, rhs_block, M, K, N):
+    """qq's arithmetic: each K-group's exact integer sums (group_sums(k0, k1), [M, N]
+    of float64 or int64, exact) rounded to float32 once, times the product of its two
+    scales, added in order of K.  sa: lhs's [M/bm, K/bka] grid; sb: rhs's [K/bkb, N/bn]."""
+    (bm, bka), (bkb, bn) = lhs_block, rhs_block
+    G = k_group(bka, bkb)
+    sa_g = group_scales(sa, bm, bka, M, K, G, k_axis=1)      # [M, K/G]
+    sb_g = group_scales(sb, bn, bkb, N, K, G, k_axis=0)      # [N, K/G]
+    out = np.zeros((M, N), dtype=np.float32)
+    # a sum past float32's range is inf (and inf - inf NaN), as on the other
+    # backends, without numpy's warnings (errors under `-W error`)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g in range(K // G):
+            acc = np.asarray(group_sums(g * G, (g + 1) * G)).astype(np.float32)
+            out += (sa_g[:, g:g + 1] * sb_g[:, g][None, :]) * acc
+    return out
+
+
+def summed_in_pieces(int_products, k0, k1):
+    """The exact sums over K in [k0, k1) as int64, from int_products(s, e): the
+    int32 products over [s, e), pieces of at most LONG_GROUP_PIECE values."""
+    total = None
+    for s in range(k0, k1, LONG_GROUP_PIECE):
+        part = np.asarray(int_products(s, min(s + LONG_GROUP_PIECE, k1)), dtype=np.int64)
+        total = part if total is None else total + part
+    return total
 
 
 # ---- packed_u32 store --------------------------------------------------------

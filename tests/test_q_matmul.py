@@ -37,6 +37,27 @@ def test_qq_matches_dequantized_float64(device, rng, w_scheme, a_scheme):
     assert rel_err(deq64(xq) @ deq64(wq).T, out.numpy()) < 1e-5
 
 
+@pytest.mark.parametrize("K, block", [(131101, None), (262144, None), (2 * 131088, 131088)],
+                         ids=["prime-K", "2^18", "two-long-blocks"])
+def test_qq_groups_longer_than_int32_sums_are_exact(device, rng, K, block):
+    """A K-group past int32's exact range (131071 products of -128 * -128) is summed
+    exactly all the same, rounded to float32 once and scaled: the reference's bits on
+    every backend, for all -128 values too (whose sums pass 2**31), and for W8A8."""
+    scheme = qd.QuantScheme("q8f", axis=0) if block is None else qd.QuantScheme("q8f", block=block)
+    x, w = rng.standard_normal((3, K)).astype(np.float32), rng.standard_normal((2, K)).astype(np.float32)
+    xq, wq = qd.quantize(x, scheme, device=device), qd.quantize(w, scheme, device=device)
+    lowest = [qd.qtensor_from_parts(np.full(q.shape, -128, np.int8), q.scales, scheme, device=device)
+              for q in (xq, wq)]
+    for a, b in ((xq, wq), lowest):
+        got = qd.q_matmul(a, b.T).numpy()
+        np.testing.assert_array_equal(got, qd.q_matmul(a.to("reference"), b.to("reference").T).numpy())
+        if block is None:  # one group: (row scale * column scale) * the exact sum in float32
+            exact = (a.values.astype(np.int64) @ b.values.astype(np.int64).T).astype(np.float32)
+            np.testing.assert_array_equal(got, (a.scales[:, None] * b.scales[None, :]) * exact)
+    w8a8 = qd.q_matmul(x, wq.T, activation_scheme="q8f").numpy()
+    np.testing.assert_array_equal(w8a8, qd.q_matmul(x, wq.to("reference").T, activation_scheme="q8f").numpy())
+
+
 @pytest.mark.parametrize("w_scheme", W_SCHEMES, ids=repr)
 def test_fq_matches_float_times_dequantized(device, rng, w_scheme):
     x = rng.standard_normal((5, 128)).astype(np.float32)

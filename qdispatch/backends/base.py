@@ -4,7 +4,6 @@ The dispatcher has already checked that operands share a device, validated
 shapes, dtypes and schemes, and reduced batched calls to 2-D ones; a backend
 only moves data and runs kernels.  Payloads (dense data) and storages
 (quantized data) are the backend's own objects."""
-import math
 
 
 class Backend:
@@ -61,12 +60,3 @@ class Backend:
         """x [M, K] payload (one of fq_dtypes) times QTensor w [K, N] (weight-only),
         as out_dtype (one of fq_dtypes)."""
         raise NotImplementedError
-
-
-def k_group(lhs_block_k, rhs_block_k):
-    """Integer dot products accumulate exactly within groups of this many K
-    indices: each group lies inside one scale block of either operand."""
-    return math.gcd(int(lhs_block_k), int(rhs_block_k))
-
-
-INT32_EXACT_K = 131071  # 131072 * (-128)**2 == 2**31 would overflow int32

@@ -374,12 +374,40 @@ class CudaBackend(Backend):
         return _cuda.int_matmul(a, bt, K)
 
     def qq_matmul(self, lhs, rhs):
+        lhs_block, rhs_block = lhs.layout.logical_block(lhs.transposed), rhs.layout.logical_block(rhs.transposed)
+        if quantmath.k_group(lhs_block[-1], rhs_block[-2]) > quantmath.INT32_EXACT_K:
+            return self._qq_long_groups(lhs, rhs, lhs_block, rhs_block)
         a, sa = self._k_rows(lhs, k_last=True)
         bt, sb = self._k_rows(rhs, k_last=False)
         K = lhs.shape[1]
         bm, bka = lhs.layout.logical_block(lhs.transposed)
         bkb, bn = rhs.layout.logical_block(rhs.transposed)
         return _cuda.qq_matmul(a, bt, K, sa, bm, bka, sb, bn, bkb)
+
+    def _qq_long_groups(self, lhs, rhs, lhs_block, rhs_block):
+        """qq whose K-groups pass int32's exact sums: the int8 kernel on pieces of K,
+        their products added in int64 and scaled on the host, as the reference does."""
+        (M, K), N = lhs.shape, rhs.shape[1]
+        a_k_first, b = self._k_first(lhs, lhs=True), self._k_first(rhs, lhs=False)
+
+        def int_products(s, e):
+            a = _cuda.transpose2(self.slice_rows(a_k_first, s, e))
+            return _cuda.to_host(self.int_matmul(a, self.slice_rows(b, s, e)))
+
+        out = quantmath.qq_in_groups(lambda k0, k1: quantmath.summed_in_pieces(int_products, k0, k1),
+                                     self._logical_scales(lhs), lhs_block, self._logical_scales(rhs), rhs_block,
+                                     M, K, N)
+        return self.from_host(out, lhs.index)
+
+    def _k_first(self, q, lhs):
+        """q's int8 values with K along the first axis: [K, M] of an lhs, [K, N] of an rhs."""
+        values = self._int8_values(q.storage, q.layout)
+        return values if q.transposed == lhs else _cuda.transpose2(values)
+
+    @staticmethod
+    def _logical_scales(q):
+        scales = _cuda.to_host(q.storage.scales)
+        return scales.T if q.transposed else scales
 
     def fq_prepared(self, w, lay_out=True):
         """w's fq operands (see _fq_call), derived on its first fq call and kept with its

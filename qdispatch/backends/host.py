@@ -53,6 +53,15 @@ class HostBackend(Backend):
             values, scales = np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
         return values, scales
 
+    def qq_in_groups(self, lhs, rhs, int_products):
+        """qq by its arithmetic (quantmath.qq_in_groups) on the host values, each
+        K-group's exact sums from int_products(a [M, G], b [G, N])."""
+        a, sa = self.logical(lhs)
+        b, sb = self.logical(rhs)
+        return quantmath.qq_in_groups(lambda k0, k1: int_products(a[:, k0:k1], b[k0:k1]),
+                                      sa, lhs.layout.logical_block(lhs.transposed),
+                                      sb, rhs.layout.logical_block(rhs.transposed), *a.shape, b.shape[1])
+
     def dequantize(self, q, dtype="float32"):
         values, scales = self.logical(q)
         return self.cast(quantmath.dequantize_array(values, scales, q.layout.logical_block(q.transposed)),
