@@ -117,23 +117,19 @@ def _crc(data):
 
 
 def encode_scales(name, scales, scale_dtype, op="save"):
-    """The scale grid as stored: raw 16-bit for f16/bf16, after checking that
-    the float32 scales really are values of that dtype (so nothing is rounded)."""
+    """The scale grid as stored: raw 16-bit for f16/bf16.  A QTensor's scales are
+    values of its scale dtype (qtensor_from_parts refuses others); checked again
+    here, so that nothing is ever rounded on its way to a file."""
     scales = np.ascontiguousarray(scales, dtype=np.float32)
-    if scale_dtype == "f32":
-        return scales
-    if scale_dtype == "f16":
-        with np.errstate(over="ignore"):  # a scale past f16's range is refused below
-            stored = scales.astype(np.float16)
-        back = stored.astype(np.float32)
-    else:
-        stored = quantmath.f32_to_bf16_bits(scales)
-        back = quantmath.bf16_bits_to_f32(stored)
-    if not np.array_equal(back.view(np.uint32), scales.view(np.uint32)):
+    if quantmath.first_scale_off_dtype(scales, scale_dtype) is not None:
         raise SerializationError(
             f"Can't {op} tensor {name!r}: its scales are not all {scale_dtype} values, as its "
             f"scheme says; rebuild it with qdispatch.quantize or qtensor_from_parts using {scale_dtype} scales")
-    return stored
+    if scale_dtype == "f32":
+        return scales
+    if scale_dtype == "f16":
+        return scales.astype(np.float16)
+    return quantmath.f32_to_bf16_bits(scales)
 
 
 def _stored_shapes(scheme, layout):

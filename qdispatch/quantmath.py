@@ -55,6 +55,23 @@ def round_up_to_dtype(scale: np.ndarray, scale_dtype: str) -> np.ndarray:
     return stored
 
 
+def first_scale_off_dtype(scales: np.ndarray, scale_dtype: str):
+    """The position of the first float32 scale that `scale_dtype` does not hold
+    exactly (between two of its values, or past its range), or None."""
+    scales = np.asarray(scales, dtype=np.float32)
+    if scale_dtype == "f16":
+        with np.errstate(over="ignore"):  # past f16's range is inf, which differs
+            back = scales.astype(np.float16).astype(np.float32)
+    elif scale_dtype == "bf16":
+        back = bf16_bits_to_f32(f32_to_bf16_bits(scales))
+    else:
+        return None
+    off = back.view(np.uint32) != scales.view(np.uint32)
+    if not off.any():
+        return None
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(off)), scales.shape))
+
+
 def scale_overflow_error(block, scale_dtype, value=None):
     """The error for the scale of `block` (its position in the scale grid), whose
     float32 `value` (when known) `scale_dtype` cannot hold."""

@@ -470,7 +470,8 @@ def qtensor_zeros(shape, scheme, device=None):
 
 def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     """A QTensor from already-quantized int8 values and a float32 scale grid
-    (for loaders); values must lie in the scheme's range.  `shape`, when given,
+    (for loaders); values must lie in the scheme's range, and scales be values of
+    its scale_dtype.  `shape`, when given,
     is the tensor's shape and values may come in any shape holding its elements
     in order (flat, as read from a file), as scales may.  The QTensor keeps
     copies: later edits to the arrays passed can't reach it, nor get past the
@@ -536,4 +537,10 @@ def _scale_grid(scales, scheme, layout):
         first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), grid.shape))
         raise NonFiniteError(f"The scale at {first} of the scale grid is {float(grid[first])}: scales must be "
                              f"finite (quantize the float data instead, or repair the scales)")
+    off = quantmath.first_scale_off_dtype(grid, scheme.scale_dtype)
+    if off is not None:  # what is kept must be what the scheme says it stores (and save writes)
+        raise QuantSchemeError(
+            f"The scale at {off} of the scale grid, {float(grid[off]):g}, is no {scheme.scale_dtype} value, "
+            f"though the scheme stores its scales as {scheme.scale_dtype}: convert the scales to "
+            f"{scheme.scale_dtype} first (rounding up keeps the values in range), or use scale_dtype='f32'")
     return grid

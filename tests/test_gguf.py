@@ -210,19 +210,6 @@ def test_export_refuses_more_dims_than_ggml_reads(tmp_path):
     assert qgguf.load(tmp_path / "o.gguf", device="reference")["w"].shape == (1, 2, 1, 64)
 
 
-@pytest.mark.parametrize("scale", [0.1, 1e5], ids=["between f16 values", "past f16's range"])
-def test_export_refuses_scales_that_are_no_f16_values(tmp_path, scale):
-    """A QTensor built from parts may hold such scales: GGUF's f16 would round them
-    (0.1 to 0.0999756) or make them inf, so export refuses them, as save does."""
-    q = qd.qtensor_from_parts(np.ones((2, 32), np.int8), np.full((2, 1), scale, np.float32),
-                              FITTING["Q8_0"][0], device="reference")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(SerializationError, match="export tensor 'w': its scales are not all f16 values"):
-            qgguf.export(tmp_path / "o.gguf", {"w": q})
-    assert os.listdir(tmp_path) == []
-
-
 def test_export_refuses_a_name_that_is_no_utf8(tmp_path):
     """A lone surrogate failed the writer with a UnicodeEncodeError."""
     with pytest.raises(SerializationError, match=r"export tensor '\\ud800': its name is no UTF-8 text"):

@@ -127,6 +127,25 @@ def test_qtensor_from_parts_refuses_scales_that_are_not_finite(bad):
         qd.qtensor_from_parts(np.ones((2, 64), np.int8), scales, qd.QuantScheme("q8s", block=32), device="reference")
 
 
+@pytest.mark.parametrize("scale_dtype, scale", [("f16", 0.1), ("f16", 1e5), ("bf16", 0.1), ("bf16", 3e38)],
+                         ids=["between-f16-values", "past-f16s-range", "between-bf16-values", "past-bf16s-range"])
+def test_qtensor_from_parts_refuses_scales_its_scale_dtype_does_not_hold(tmp_path, scale_dtype, scale):
+    """A QTensor whose scheme stores f16 scales, built from parts holding 0.1 (no f16
+    value), computed with 0.1 but could not be saved or exported, and counted 2 bytes a
+    scale: such scales are refused when it is built.  Scales the dtype holds pass,
+    and save and load keep them bit for bit."""
+    scheme = qd.QuantScheme("q8s", block=32, scale_dtype=scale_dtype)
+    scales = np.ones((2, 1), np.float32)
+    scales[1, 0] = scale
+    with pytest.raises(qd.QuantSchemeError, match=rf"scale at \(1, 0\) of the scale grid, {re.escape(f'{scale:g}')}, "
+                                                   rf"is no {scale_dtype} value.*or use scale_dtype='f32'"):
+        qd.qtensor_from_parts(np.ones((2, 32), np.int8), scales, scheme, device="reference")
+    scales[1, 0] = 0.099975586 if scale_dtype == "f16" else 0.5  # f16's nearest to 0.1; a bf16 value
+    q = qd.qtensor_from_parts(np.ones((2, 32), np.int8), scales, scheme, device="reference")
+    qd.save(tmp_path / "q.st", {"q": q})
+    np.testing.assert_array_equal(qd.load(tmp_path / "q.st")["q"].scales, scales)
+
+
 @pytest.mark.parametrize("scales", [np.array([1 + 2j, 1.0]), np.array(["0.5", "1"]), [None, 1.0]],
                          ids=["complex", "text", "object"])
 def test_qtensor_from_parts_refuses_scales_that_are_no_real_numbers(device, scales):
