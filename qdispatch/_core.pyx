@@ -5,6 +5,7 @@ The backend kind is the C enum `qd_backend` of qdispatch.h (defined there and
 nowhere else).  Every tensor stores it in a C field, and the dispatcher checks
 that two operands share a device with two C integer compares before it looks
 the backend up in a C-indexed table."""
+import operator
 from enum import IntEnum
 
 from .errors import (BackendMismatchError, BackendUnavailableError,
@@ -72,11 +73,12 @@ cdef bint same_device(TensorBase a, TensorBase b) noexcept:
 cdef class Device:
     """A (backend kind, index) pair: 'cpu', 'reference', 'cuda', 'cuda:1'."""
 
-    def __cinit__(self, int kind, int index=0):
+    def __cinit__(self, kind, index=0):
+        kind, index = operator.index(kind), operator.index(index)  # whole numbers: no 1.5, no "1"
         if not 0 <= kind < QD_BACKEND_COUNT:
             raise ValueError(f"Unknown backend kind {kind}")
-        if index < 0:
-            raise ValueError(f"Device index must be >= 0, got {index}")
+        if not 0 <= index < 2**31:  # a C int
+            raise ValueError(f"Device index must lie in [0, 2**31), got {index}")
         self.kind = kind
         self.index = index
 
@@ -95,7 +97,7 @@ cdef class Device:
         name, _, idx = spec.strip().lower().partition(":")
         if name not in _KIND_BY_NAME:
             raise ValueError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'")
-        if idx and not (idx.isdigit() and int(idx) < 2**31):  # a C int
+        if idx and not (idx.isascii() and idx.isdigit() and int(idx) < 2**31):  # a C int; '²' is a digit too
             raise ValueError(f"Bad device index in {spec!r}: expected e.g. 'cuda:0'")
         return Device(_KIND_BY_NAME[name], int(idx) if idx else 0)
 

@@ -481,6 +481,14 @@ def _csv(kind):
     return parse
 
 
+def count(text):
+    """A whole number of at least 1 (argparse's int takes 0 and -3)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is no count: give a whole number of at least 1")
+    return value
+
+
 def default_threads():
     return sorted({1, os.cpu_count() or 1})
 
@@ -492,14 +500,14 @@ def add_arguments(parser):
                              f"'reference' only when named)")
     parser.add_argument("--shapes", type=_csv(Shape.parse), default=_csv(Shape.parse)(DEFAULT_SHAPES),
                         help=f"MxKxN list (default: {DEFAULT_SHAPES})")
-    parser.add_argument("--threads", type=_csv(int), default=default_threads(),
+    parser.add_argument("--threads", type=_csv(count), default=default_threads(),
                         help="thread counts (default: 1 and the machine's core count)")
     parser.add_argument("--paths", type=_csv(str), default=list(PATHS),
                         help="; ".join(f"{p}: {h}" for p, h in PATH_HELP.items()))
     parser.add_argument("--contenders", type=_csv(str), default=["numpy_f32"],
                         help=f"contenders, or 'all' (default: numpy_f32); one of {', '.join(CONTENDERS)}")
-    parser.add_argument("--repeat", type=int, default=5, help="samples per case; the best is kept")
-    parser.add_argument("--bandwidth-mb", type=int, default=1024,
+    parser.add_argument("--repeat", type=count, default=5, help="samples per case; the best is kept")
+    parser.add_argument("--bandwidth-mb", type=count, default=1024,
                         help="buffer size of the read-bandwidth ceiling (default: 1024)")
     parser.add_argument("--plot", metavar="OUT.png", help="draw GOP/s per shape and backend (needs matplotlib)")
     parser.add_argument("--json", metavar="OUT.json", help="write the results and the machine description")

@@ -326,10 +326,29 @@ def _float_host_data(x, op="quantize"):
     of integers, and the error would then name int8 for, say, int64 data."""
     if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
         return x  # keeps its own dtype through from_dlpack
-    arr = np.asarray(x)
+    try:
+        arr = np.asarray(x)
+    except ValueError as exc:  # a ragged list
+        raise ShapeError(f"{op} takes an array of numbers: {exc}") from None
     if arr.dtype.kind != "f":
         raise _not_float_error(arr.dtype, op)
+    if op == "quantize" and arr.dtype.itemsize > 4:
+        return _within_float32(arr)
     return arr
+
+
+def _within_float32(arr):
+    """Wider float data as the float32 quantize works in, refusing the finite values
+    that would be inf there (the error would otherwise name an inf the data lacks)."""
+    with np.errstate(over="ignore"):
+        narrow = arr.astype(np.float32)
+    past = np.isinf(narrow) & np.isfinite(arr)
+    if past.any():
+        at = tuple(int(i) for i in np.unravel_index(int(np.argmax(past)), arr.shape))
+        raise NonFiniteError(f"Can't quantize data holding {float(arr[at]):g} at position {at}: quantize works in "
+                             f"float32, whose range ends at {float(np.finfo(np.float32).max):g}; scale the data "
+                             f"down first")
+    return narrow
 
 
 def _not_float_error(dtype, op="quantize"):

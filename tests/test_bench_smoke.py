@@ -113,6 +113,22 @@ def test_bad_arguments_are_clear():
         main(["bench", "--paths", "qq_int9"])
 
 
+@pytest.mark.parametrize("option,value,message", [
+    ("--threads", "1,0", "argument --threads: 0 is no count: give a whole number of at least 1"),
+    ("--threads", "-1", "argument --threads: -1 is no count"),
+    ("--repeat", "0", "argument --repeat: 0 is no count"),
+    ("--bandwidth-mb", "-1", "argument --bandwidth-mb: -1 is no count"),
+    ("--repeat", "x", "argument --repeat: invalid count value: 'x'"),
+])
+def test_counts_below_one_are_refused(capsys, option, value, message):
+    """--repeat 0, --threads 0 or --bandwidth-mb -1 ran, labelled rows "0" and
+    measured a 16 KiB buffer as the read bandwidth."""
+    from qdispatch.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", option, value])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def refuse_to_run(*args):
     raise AssertionError("a case ran before every argument was checked")
 

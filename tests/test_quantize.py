@@ -1,5 +1,6 @@
 """quantize / dequantize against the formulas of DESIGN.md, on every backend."""
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -107,6 +108,29 @@ def test_nan_and_inf_are_rejected_with_their_position(device, bad):
     x[2, 5] = bad
     with pytest.raises(qd.NonFiniteError, match=r"position \(2, 5\)"):
         qd.quantize(x, "q8s", device=device)
+
+
+def test_float64_data_past_float32s_range_is_named_as_it_is(device):
+    """quantize works in float32: 1e300 would be inf there, and the error named an inf
+    the data lacks (after numpy's overflow warning).  Values that round to float32's
+    largest pass, as does NaN or Inf the data really holds, which is named as such."""
+    x = np.ones((3, 8))
+    x[1, 4] = -1e300
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(qd.NonFiniteError, match=r"holding -1e\+300 at position \(1, 4\): quantize works in "
+                                                     r"float32, whose range ends at 3\.40282e\+38; scale the data"):
+            qd.quantize(x, "q8s", device=device)
+        x[1, 4] = float(np.finfo(np.float32).max) * (1 + 2.0**-30)  # rounds down to float32's largest
+        assert qd.quantize(x, "q8s", device=device).scales.max() > 1e36
+        x[1, 4] = np.inf
+        with pytest.raises(qd.NonFiniteError, match=r"holding inf at position \(1, 4\)"):
+            qd.quantize(x, "q8s", device=device)
+
+
+def test_a_ragged_list_is_a_shape_error():
+    with pytest.raises(qd.ShapeError, match="quantize takes an array of numbers: .*inhomogeneous"):
+        qd.quantize([[1.0, 2.0], [1.0]], "q8s")
 
 
 @pytest.mark.parametrize("gran", [dict(), dict(axis=0), dict(block=(2, 1, 4))], ids=repr)

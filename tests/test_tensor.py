@@ -74,13 +74,27 @@ def test_device_parsing_and_repr(rng):
     (2**40, ValueError, "Unknown backend kind 1099511627776"),
     (-1, ValueError, "Unknown backend kind -1"),
     (True, TypeError, "Expected a device like 'cpu' or 'cuda:0', got True"),
+    ("cuda:\u00b2", ValueError, "Bad device index in 'cuda:\u00b2'"),        # a digit to isdigit, not to int
+    ("cuda:\u0661", ValueError, "Bad device index in 'cuda:\u0661'"),        # an Arabic-Indic 1 read as cuda:1
 ])
 def test_device_specs_out_of_range_say_what_is_wrong(spec, error, match):
-    """Past C's int they overflowed (a bare OverflowError); True named the cpu backend."""
+    """Past C's int they overflowed (a bare OverflowError); True named the cpu backend;
+    a superscript digit failed int() with a bare ValueError."""
     t = qd.tensor(np.ones(3, np.float32), device="reference")
     for call in (lambda: qd.Device.parse(spec), lambda: t.to(spec), lambda: qd.quantize(t, "q8s").to(spec)):
         with pytest.raises(error, match=re.escape(match)):
             call()
+
+
+@pytest.mark.parametrize("index,error,match", [
+    (2**40, ValueError, "Device index must lie in [0, 2**31), got 1099511627776"),
+    (-1, ValueError, "Device index must lie in [0, 2**31), got -1"),
+    (1.5, TypeError, "'float' object cannot be interpreted as an integer"),
+])
+def test_a_device_built_with_an_index_out_of_range_says_so(index, error, match):
+    with pytest.raises(error, match=re.escape(match)):
+        qd.Device(qd.BackendKind.CUDA, index)
+    assert qd.Device(qd.BackendKind.CUDA, np.int64(1)) == qd.Device.parse("cuda:1")
 
 
 def test_nbytes_counts_values_and_scales_in_their_dtype(rng):
