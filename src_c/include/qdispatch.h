@@ -138,8 +138,9 @@ qd_status qd_int_matmul_packed(const int8_t *a, int64_t M, int64_t K,
 
 /* ---- quantized matmuls (float32 out) ---- */
 /* out[m, n] = sum over K-groups g of (a_scale(m, g) * w_scale(n, g)) * exact int32 dot
- * of the group; groups are gcd(a_block_k, w_block_k) long (split further if needed
- * to keep int32 exact). a_scales: [M/a_block_m, K/a_block_k]. */
+ * of the group; groups are gcd(a_block_k, w_block_k) long (a group past
+ * QD_INT_MATMUL_MAX_K is split, each part scaled as a group of its own; the Python
+ * package sums such groups whole, in int64). a_scales: [M/a_block_m, K/a_block_k]. */
 qd_status qd_qq_matmul(const int8_t *a, int64_t M, int64_t K, const float *a_scales,
                        int64_t a_block_m, int64_t a_block_k, const qd_packed_weights *w,
                        float *out);
@@ -227,7 +228,8 @@ qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, in
 qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
                                 int64_t K, int64_t ld, int32_t *c, void *stream);
 /* out[m, n] = sum over K-groups g of (a_scale(m, g) * b_scale(n, g)) * exact int32 dot of
- * the group, groups gcd(a_block_k, b_block_k) long.  a, bt as for qd_cuda_int_matmul_s8;
+ * the group, groups gcd(a_block_k, b_block_k) long (split past QD_INT_MATMUL_MAX_K, as
+ * for qd_qq_matmul).  a, bt as for qd_cuda_int_matmul_s8;
  * a_scales [M/a_block_m, K/a_block_k], b_scales [N/b_block_n, K/b_block_k];
  * out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16. */
 qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
