@@ -1117,3 +1117,42 @@ def test_save_of_a_decode_weight_beside_its_transpose(tmp_path, rng):
     for name, expected in (("w", want), ("wt", want.T)):
         np.testing.assert_array_equal(back[name].values, expected.values)
         np.testing.assert_array_equal(back[name].dequantize().numpy(), expected.dequantize().numpy())
+
+
+CUDA_IN_A_FORKED_WORKER = """
+import multiprocessing as mp
+import numpy as np, qdispatch as qd
+
+x = np.ones((4, 64), np.float32)
+w = qd.quantize(x, "q8s", device="cuda")  # the parent uses CUDA
+
+
+def work(_):
+    try:
+        qd.quantize(x, "q8s", device="cuda").dequantize().numpy()
+    except qd.QDispatchError as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+if __name__ == "__main__":
+    with mp.get_context("fork").Pool(1) as pool:
+        kind, message = pool.map_async(work, [0]).get(timeout=120)[0]
+    np.testing.assert_array_equal(w.dequantize().numpy(), qd.quantize(x, "q8s", device="reference").dequantize().numpy())
+    print(kind)
+    print(message)
+"""
+
+
+def test_cuda_in_a_worker_forked_after_the_parent_used_it_says_to_spawn(tmp_path):
+    """CUDA does not survive fork: a forked worker's GPU call fails with a qdispatch
+    error that says why and what to do (start workers by 'spawn'), not a bare CUDA
+    code or a hang; the parent keeps its GPU."""
+    from helpers import run_python
+    script = tmp_path / "cuda_in_a_forked_worker.py"
+    script.write_text(CUDA_IN_A_FORKED_WORKER)
+    out = run_python(str(script))
+    assert out.returncode == 0, out.stderr
+    kind, message = out.stdout.split("\n", 1)
+    assert kind in ("KernelError", "BackendUnavailableError"), out.stdout
+    assert "forked from one that had loaded qdispatch's cuda backend" in message and "'spawn'" in message, message
