@@ -421,9 +421,10 @@ def _autocast(x):
 _q_matmul_between_graph_breaks = (torch.compiler.disable(_q_matmul) if hasattr(torch, "compiler")
                                   else _q_matmul)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-_NOT_RECORDED = ("torch.export, torch.jit.trace and torch.fx can't record qdispatch's q_matmul (QLinear): its "
-                 "kernels run outside torch, so a recorded graph would hold this call's output as a constant. Run "
-                 "the model eagerly, or with torch.compile, which runs each q_matmul between graph breaks")
+_NOT_RECORDED = ("torch.export, torch.jit.trace and torch.fx can't record qdispatch's q_matmul (QLinear) or "
+                 "lookups (QEmbedding): their kernels run outside torch, so a recorded graph would hold this "
+                 "call's output as a constant. Run the model eagerly, or with torch.compile, which runs each "
+                 "qdispatch call between graph breaks")
 _is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
 _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its Python wrapper
 
@@ -669,7 +670,10 @@ class QLinear(_QuantizedModule):
 
     @classmethod
     def _around(cls, linear, qweight):
-        return cls(qweight, None if linear.bias is None else linear.bias.detach().clone())
+        layer = cls(qweight, None if linear.bias is None else linear.bias.detach().clone())
+        if linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)  # a frozen bias stays frozen
+        return layer
 
     def forward(self, x):
         y, bias = q_matmul(x, self.weight.T), self.bias
@@ -739,6 +743,8 @@ class QEmbedding(_QuantizedModule):
             self.dtype = probe.dtype
 
     def forward(self, ids):
+        if _is_exporting() or _is_tracing() or isinstance(ids, torch.fx.Proxy):
+            raise BackendUnavailableError(_NOT_RECORDED)
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
             got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -748,6 +754,11 @@ class QEmbedding(_QuantizedModule):
             raise BackendMismatchError(
                 f"QEmbedding's ids are on torch device {str(ids.device)!r}, its table on qdispatch's "
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
+        if _transformed():
+            return _Lookup.apply(ids, self)
+        return self._lookup(ids)
+
+    def _lookup(self, ids):
         if ids.is_cuda:
             stream = _current_raw_stream(ids.get_device())
             captured = _capturing(ids.get_device(), stream)
@@ -775,6 +786,29 @@ class QEmbedding(_QuantizedModule):
                 + ("" if self.check_ids else ", check_ids=False"))
 
 
+class _Lookup(torch.autograd.Function):
+    """QEmbedding's lookup under torch.func's transforms, which hand forward the ids
+    themselves (they wrap them in tensors whose data only a Function reaches).  The
+    rows take no gradient, and a vmapped dim of the ids stays where it is: each id
+    gives one row."""
+
+    @staticmethod
+    def forward(ids, layer):
+        return layer._lookup(ids)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, d_rows):
+        return None, None
+
+    @staticmethod
+    def vmap(info, in_dims, ids, layer):
+        return _Lookup.apply(ids, layer), in_dims[0]
+
+
 def quantize_linears(model, scheme, skip=(), device=None):
     """Replace every `nn.Linear` in `model` by a `QLinear` holding its weight
     quantized with `scheme`, in place, and return the model (a QLinear when
@@ -785,7 +819,8 @@ def quantize_linears(model, scheme, skip=(), device=None):
     A layer reached under several names (shared) is quantized once and stays
     shared.  Weights are quantized where they live (host weights on the default
     backend) unless `device` names another.  Every layer is quantized before any
-    is replaced, so an error (naming the layer) leaves the model as it was.  The
+    is replaced, so an error (naming the layer) leaves the model as it was; a
+    subclass of nn.Linear with a forward of its own is such an error.  The
     Linears that torch's fused layers read as tensors stay in float:
     MultiheadAttention's out_proj and TransformerEncoderLayer's linear1/linear2."""
     return _quantize_layers(model, scheme, skip, device, torch.nn.Linear, _replaceable, QLinear)
@@ -807,26 +842,44 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: name in names)
     if isinstance(model, kind):
-        return model if keep("", model) else _quantized_layer("", model, quantized_class, scheme, device, {})
+        if keep("", model):
+            return model
+        _refuse_own_forward([("", model)], kind, quantized_class)
+        return _quantized_layer("", model, quantized_class, scheme, device, {})
     ties = _tied_weights(_module(model, f"quantize_{kind.__name__.lower()}s"))
-    places, quantized = [], {}  # (parent, attribute, layer); id(layer) -> its quantized layer
+    found, kept = [], set()  # (name, parent, attribute, layer) of the replaceable layers; ids kept
     layer_names = set()
     for parent_name, parent in model.named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
             name = _joined(parent_name, child_name)
             if isinstance(child, kind):
                 layer_names.add(name)
-            if replaceable(parent, child) and not keep(name, child):
-                places.append((parent, child_name, child))
-                if id(child) not in quantized:
-                    quantized[id(child)] = _quantized_layer(name, child, quantized_class, scheme, device, ties)
+            if replaceable(parent, child):
+                found.append((name, parent, child_name, child))
+                if keep(name, child):  # a shared layer kept under one name is kept everywhere
+                    kept.add(id(child))
     unknown = [] if names is None else sorted(names - layer_names, key=str)
     if unknown:  # a misspelt name would quantize the layer it meant to keep
         raise ValueError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
                          f"{kind.__name__}s are {sorted(layer_names)}")
-    for parent, child_name, child in places:
+    places = [place for place in found if id(place[3]) not in kept]
+    _refuse_own_forward([(name, child) for name, _, _, child in places], kind, quantized_class)
+    quantized = {}  # id(layer) -> its quantized layer
+    for name, _, _, child in places:
+        if id(child) not in quantized:
+            quantized[id(child)] = _quantized_layer(name, child, quantized_class, scheme, device, ties)
+    for _, parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
     return model
+
+
+def _refuse_own_forward(named_layers, kind, quantized_class):
+    """ValueError naming the layers whose class overrides kind's forward: the quantized
+    layer would drop what that forward does."""
+    own = [name for name, layer in named_layers if type(layer).forward is not kind.forward]
+    if own:
+        raise ValueError(f"layers {own} are subclasses of nn.{kind.__name__} with a forward of their own, which "
+                         f"{quantized_class.__name__} would not run: keep them in float with skip={own}")
 
 
 def _skip_names(skip):

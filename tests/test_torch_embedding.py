@@ -69,6 +69,36 @@ def test_ids_must_be_integers_on_the_tables_device_and_inside_it():
         q(torch.tensor([1], device="meta"))
 
 
+def test_tracers_refuse_a_lookup_they_cannot_record():
+    """torch.jit.trace recorded a lookup's rows as constants: the traced model gave the
+    trace's rows for any ids.  Tracers now refuse it, as they refuse QLinear."""
+    model = quantize_embeddings(TinyLM(), PER_ROW, device=HOSTS[-1])
+    ids = torch.tensor([[1, 2, 3]])
+    says = "can't record qdispatch's q_matmul \\(QLinear\\) or lookups \\(QEmbedding\\).*torch.compile"
+    with pytest.raises(qd.BackendUnavailableError, match=says):
+        torch.jit.trace(model, (ids,))
+    with pytest.raises(qd.BackendUnavailableError, match=says):
+        torch.export.export(model, (ids,), strict=False)
+    with pytest.raises(qd.BackendUnavailableError, match=says):
+        torch.fx.symbolic_trace(model)
+
+
+def test_lookups_under_torch_func():
+    """Under torch.func's transforms the ids reached the lookup as tensors without
+    data: grad through a model with a QEmbedding, and vmap over its ids, now work."""
+    layer = QEmbedding.from_embedding(torch.nn.Embedding(50, 16), PER_ROW, device=HOSTS[-1])
+    ids = torch.tensor([[1, 2], [3, 49]])
+    rows = layer(ids)
+    v = torch.randn(16)
+    grad = torch.func.grad(lambda v: (layer(torch.tensor([1, 2])) * v).sum())(v)
+    torch.testing.assert_close(grad, rows[0].sum(0), rtol=0, atol=0)
+    for in_dims, out_dims in ((0, 0), (1, 1)):
+        mapped = torch.func.vmap(layer, in_dims=in_dims, out_dims=out_dims)(ids)
+        torch.testing.assert_close(mapped, rows, rtol=0, atol=0)
+    batched = torch.func.vmap(lambda v: layer(ids) * v)(torch.ones(3, 16))  # ids themselves not mapped
+    torch.testing.assert_close(batched, rows.expand(3, *rows.shape), rtol=0, atol=0)
+
+
 def test_construction_checks():
     w = qd.quantize(np.ones((4, 8), np.float32), PER_ROW)
     with pytest.raises(TypeError, match="QEmbedding needs a QTensor weight, got Tensor: use QEmbedding.from_embedding"):

@@ -539,6 +539,42 @@ def test_quantize_linears_keeps_shared_layers_shared():
     assert isinstance(model[0], QLinear) and model[0] is model[2]
 
 
+def test_a_shared_layer_skipped_by_one_of_its_names_stays_float_and_shared():
+    """named_modules() names a shared layer once ('0'): skipping it by that name
+    quantized its other place ('2') and split the sharing."""
+    shared = torch.nn.Linear(16, 16)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    for skip in (["0"], ["2"]):
+        quantize_linears(model, QuantScheme("q8s", axis=0), skip=skip)
+        assert model[0] is model[2] is shared
+
+
+class _Scaled(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 10
+
+
+def test_a_linear_with_a_forward_of_its_own_is_not_replaced_silently():
+    """A subclass's forward (here, times 10) was dropped by the QLinear put in its place."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), _Scaled(16, 8))
+    with pytest.raises(ValueError, match=r"layers \['1'\] are subclasses of nn.Linear with a forward of their "
+                                         r"own, which QLinear would not run: keep them in float with skip=\['1'\]"):
+        quantize_linears(model, QuantScheme("q8s", axis=0))
+    assert type(model[0]) is torch.nn.Linear  # nothing replaced
+    quantize_linears(model, QuantScheme("q8s", axis=0), skip=["1"])
+    assert isinstance(model[0], QLinear) and type(model[1]) is _Scaled
+    with pytest.raises(ValueError, match="forward of their own"):
+        quantize_linears(_Scaled(16, 8), QuantScheme("q8s", axis=0))
+
+
+def test_a_frozen_bias_stays_frozen():
+    linear = torch.nn.Linear(16, 8)
+    linear.bias.requires_grad_(False)
+    assert not QLinear.from_linear(linear, QuantScheme("q8s", axis=0)).bias.requires_grad
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), QuantScheme("q8s", axis=0))
+    assert model[0].bias.requires_grad
+
+
 def test_quantize_linears_names_the_layer_that_does_not_fit_and_changes_nothing():
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 30))
     scheme = QuantScheme("q4f", block=(1, 32), store="packed_u32")  # 32 along in_features
