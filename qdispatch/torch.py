@@ -62,6 +62,7 @@ __all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "QEmbedding", "
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CUDA_VIEW_DTYPES = {**_KERNEL_DTYPES, torch.int8: "int8", torch.int32: "int32"}
+_EMBEDDING_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # QEmbedding's outputs
 _NUMPY_VIEW_DTYPES = (torch.float32, torch.float16, torch.int8, torch.int32)  # not bfloat16
 # torch's current stream on a GPU as a raw handle (0: the legacy default stream)
 _current_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -443,6 +444,25 @@ def _quantized(weight, scheme, device):
     return tensor_api.quantize(from_torch(weight), scheme, device=device)
 
 
+# Float weights quantized as a checkpoint loads, by what identifies their values: a
+# tied weight comes under each of its names as a view of one storage, and its layers
+# must share one QTensor again.  An entry goes when its float tensor does.
+_loaded = {}
+
+
+def _quantized_from_checkpoint(weight, scheme, device):
+    """_quantized(weight, scheme, device), once for all the names of one tied weight
+    in a checkpoint being loaded."""
+    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
+           weight.dtype, str(weight.device), weight._version, scheme, str(device))
+    hit = _loaded.get(key)
+    if hit is not None and hit[0]() is not None:
+        return hit[1]
+    quantized = _quantized(weight.detach(), scheme, device)
+    _loaded[key] = (weakref.ref(weight, lambda _: _loaded.pop(key, None)), quantized)  # the checkpoint's own
+    return quantized
+
+
 def _stored_weight(w):
     """QTensor w as a QLinear's extra state: its stored values and scales as torch
     tensors, its scheme as plain values."""
@@ -609,10 +629,12 @@ class _QuantizedModule(torch.nn.Module):
                               f"but this {type(self).__name__}'s is {self.weight.shape}")
             return
         try:
-            self.weight = _quantized(weight.detach(), self.weight.scheme, self.weight.device)
+            self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device)
         except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
             raise type(exc)(f"{weight_key}: {exc}") from exc
         self._source = None  # no longer the float weight's values
+        if local_metadata.get("assign_to_params_buffers", False):
+            self._moved(weight)  # assign=True: the float dtype follows the checkpoint's, as a Parameter's would
 
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight
@@ -707,8 +729,8 @@ class QEmbedding(_QuantizedModule):
     def __init__(self, weight, padding_idx=None, dtype=torch.float32, check_ids=True):
         super().__init__(weight, "num_embeddings, embedding_dim",
                          "QEmbedding.from_embedding(embedding, scheme) to quantize an nn.Embedding")
-        if dtype not in _KERNEL_DTYPES:
-            raise TypeError(f"QEmbedding's dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+        if dtype not in _EMBEDDING_DTYPES:
+            raise TypeError(f"QEmbedding's dtype must be torch.float32, float16, bfloat16 or float64, got {dtype}")
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
         self.padding_idx = padding_idx  # kept as nn.Embedding's: it only shapes gradients of the table
@@ -736,10 +758,10 @@ class QEmbedding(_QuantizedModule):
     @classmethod
     def _around(cls, embedding, qweight):
         dtype = embedding.weight.dtype
-        return cls(qweight, embedding.padding_idx, dtype if dtype in _KERNEL_DTYPES else torch.float32)
+        return cls(qweight, embedding.padding_idx, dtype if dtype in _EMBEDDING_DTYPES else torch.float32)
 
     def _moved(self, probe):
-        if probe.dtype in _KERNEL_DTYPES:
+        if probe.dtype in _EMBEDDING_DTYPES:
             self.dtype = probe.dtype
 
     def forward(self, ids):
@@ -759,25 +781,28 @@ class QEmbedding(_QuantizedModule):
         return self._lookup(ids)
 
     def _lookup(self, ids):
+        # float64 rows are the float32 ones widened: dequantized values are float32's
+        dtype = self.dtype if self.dtype in _KERNEL_DTYPES else torch.float32
         if ids.is_cuda:
             stream = _current_raw_stream(ids.get_device())
             captured = _capturing(ids.get_device(), stream)
             if self.check_ids and not captured:  # a graph can't hold a check on the host
                 tensor_api.embedding_ids(ids.detach().cpu().numpy(), self.num_embeddings)
-            return self._lookup_on_gpu(ids.detach(), stream, captured)
-        rows = tensor_api.embedding(ids.detach().numpy(), self.weight, dtype=_KERNEL_DTYPES[self.dtype])
-        return to_torch(rows)
+            rows = self._lookup_on_gpu(ids.detach(), dtype, stream, captured)
+        else:
+            rows = to_torch(tensor_api.embedding(ids.detach().numpy(), self.weight, dtype=_KERNEL_DTYPES[dtype]))
+        return rows if dtype == self.dtype else rows.to(self.dtype)
 
-    def _lookup_on_gpu(self, ids, stream, captured):
-        """forward(ids) of CUDA ids, read where they are (an id outside the table gives a
-        row of NaN): the lookup kernel writes into an output torch allocates on its
-        current `stream`, while it captures a graph (`captured`) or in its order."""
+    def _lookup_on_gpu(self, ids, dtype, stream, captured):
+        """The rows of CUDA ids as `dtype`, read where they are (an id outside the table
+        gives a row of NaN): the lookup kernel writes into an output torch allocates on
+        its current `stream`, while it captures a graph (`captured`) or in its order."""
         ids = ids.long().contiguous()  # the kernel reads int64 ids (no copy for torch.long ones)
-        out = torch.empty((*ids.shape, self.embedding_dim), dtype=self.dtype, device=ids.device)
+        out = torch.empty((*ids.shape, self.embedding_dim), dtype=dtype, device=ids.device)
         if ids.numel():
             backend = _cuda_ready.get(ids.get_device()) or _cuda_backend(ids.get_device())
             lookup = backend.dequantize_rows_into if captured else backend.dequantize_rows_beside
-            lookup(self.weight, ids.data_ptr(), ids.numel(), out.data_ptr(), _KERNEL_DTYPES[self.dtype], stream)
+            lookup(self.weight, ids.data_ptr(), ids.numel(), out.data_ptr(), _KERNEL_DTYPES[dtype], stream)
         return out
 
     def extra_repr(self):

@@ -105,8 +105,8 @@ def test_construction_checks():
         QEmbedding(torch.ones(4, 8))
     with pytest.raises(qd.ShapeError, match=r"2-D weight \[num_embeddings, embedding_dim\]"):
         QEmbedding(qd.quantize(np.ones((2, 4, 8), np.float32), QuantScheme("q8s", block=8)))
-    with pytest.raises(TypeError, match="dtype must be torch.float32, float16 or bfloat16, got torch.float64"):
-        QEmbedding(w, dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype must be torch.float32, float16, bfloat16 or float64, got torch.int64"):
+        QEmbedding(w, dtype=torch.int64)
     with pytest.raises(ValueError, match="max_norm=1.0: a quantized table can't be renormalized"):
         QEmbedding.from_embedding(torch.nn.Embedding(4, 8, max_norm=1.0), PER_ROW)
     with pytest.raises(TypeError, match="needs an nn.Embedding, got Linear"):
@@ -197,6 +197,49 @@ def test_dtype_follows_module_to(device):
     assert q.dtype == torch.float16 and q(torch.tensor([3])).dtype == torch.float16
     np.testing.assert_array_equal(q.weight.values, values)  # the table is left as it is
     assert q.weight.device == device
+
+
+def test_float64_rows_and_a_float_checkpoints_dtype(device):
+    """model.double() left a QEmbedding's rows float32 (the float layers after it then
+    refused them), and a float checkpoint loaded with assign=True left its dtype as
+    it was while the other layers took the checkpoint's: both follow, as
+    nn.Embedding's weight does."""
+    q = QEmbedding.from_embedding(torch.nn.Embedding(10, 32), PER_ROW, device=device)
+    ids = torch.tensor([[3, 9]])
+    rows = q(ids)
+    q.double()
+    assert q.dtype == torch.float64 and torch.equal(q(ids), rows.double())
+    assert QEmbedding.from_embedding(torch.nn.Embedding(10, 32).double(), PER_ROW, device=device).dtype == torch.float64
+    float_model = TinyLM().to(torch.bfloat16)
+    with torch.device("meta"):
+        empty = TinyLM()
+    quantize_linears(quantize_embeddings(empty, PER_ROW, device=device), PER_ROW, device=device)
+    empty.load_state_dict(float_model.state_dict(), assign=True)
+    assert empty.embed.dtype == torch.bfloat16 and empty(ids).dtype == torch.bfloat16
+
+
+def test_a_tied_float_checkpoint_loads_into_one_qtensor():
+    """A float checkpoint of a tied model names its table twice (one storage): the
+    layers quantized it apart, two copies of the largest matrix, no longer tied."""
+    class Tied(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.head.weight = self.embed.weight
+
+    float_model = Tied()
+    with torch.device("meta"):
+        empty = Tied()
+    quantize_linears(quantize_embeddings(empty, PER_ROW), PER_ROW)
+    assert empty.embed.weight is empty.head.weight
+    for assign in (True, False):
+        empty.load_state_dict(float_model.state_dict(), assign=assign)
+        assert empty.embed.weight is empty.head.weight
+        want = qd.quantize(float_model.embed.weight.detach().numpy(), PER_ROW)
+        np.testing.assert_array_equal(empty.head.weight.values, want.values)
+    other = float_model.state_dict()
+    other["head.weight"] = other["head.weight"].clone()  # equal values, but two tensors: two tables
+    empty.load_state_dict(other)
+    assert empty.embed.weight is not empty.head.weight
 
 
 def test_a_table_tied_to_the_output_layer_on_cuda():
