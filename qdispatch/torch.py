@@ -962,9 +962,13 @@ def _named_layer_errors(name, what, make):
     """make(), its errors saying which layer: a model's layers differ in shape and values."""
     try:
         return make()
-    except QDispatchError as exc:
-        hint = (f"; pick a scheme that fits it or keep it in float with skip=[{name!r}]"
-                if isinstance(exc, QuantSchemeError) else "")
+    except (QDispatchError, ValueError) as exc:  # ValueError: a layer the quantized class can't take
+        if not isinstance(exc, QDispatchError) and type(exc) is not ValueError:
+            raise  # a subclass may not be built from a message alone
+        if isinstance(exc, QuantSchemeError):
+            hint = f"; pick a scheme that fits it or keep it in float with skip=[{name!r}]"
+        else:
+            hint = "" if isinstance(exc, QDispatchError) else f"; keep it in float with skip=[{name!r}]"
         raise type(exc)(f"layer {name or 'model'!r} ({what}): {exc}{hint}") from exc
 
 

@@ -99,6 +99,14 @@ def test_lookups_under_torch_func():
     torch.testing.assert_close(batched, rows.expand(3, *rows.shape), rtol=0, atol=0)
 
 
+def test_a_table_quantize_embeddings_cannot_take_is_named():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Embedding(10, 8, max_norm=1.0))
+    with pytest.raises(ValueError, match=r"layer '1' \(10 x 8\): QEmbedding can't take an nn.Embedding with "
+                                         r"max_norm=1.0.*; keep it in float with skip=\['1'\]"):
+        quantize_embeddings(model, PER_ROW)
+    assert isinstance(quantize_embeddings(model, PER_ROW, skip=["1"])[0], QEmbedding)
+
+
 def test_construction_checks():
     w = qd.quantize(np.ones((4, 8), np.float32), PER_ROW)
     with pytest.raises(TypeError, match="QEmbedding needs a QTensor weight, got Tensor: use QEmbedding.from_embedding"):
