@@ -12,7 +12,6 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
-import os
 import sys
 
 import numpy as np
@@ -149,29 +148,13 @@ cdef str _cuda_text(cudaError_t err):
     return f"{cudaGetErrorName(err).decode()}: {cudaGetErrorString(err).decode()}"
 
 
-_LOADED_IN = os.getpid()
-FORKED = ("this process was forked from one that had loaded qdispatch's cuda backend, and CUDA does not "
-          "survive fork once the parent has used it: start worker processes that use the GPU with "
-          "multiprocessing's 'spawn' or 'forkserver' method")
-
-
-def forked():
-    """Whether this process was forked after this module was loaded (see FORKED)."""
-    return os.getpid() != _LOADED_IN
-
-
-cdef str _after_fork():
-    """What a CUDA failure adds in a forked process: the likely cause."""
-    return f"; {FORKED}" if forked() else ""
-
-
 cdef int _check(cudaError_t err, str what) except -1:
     if err == cudaSuccess:
         return 0
     cudaGetLastError()  # clear a non-sticky error so later calls start clean
     if err == cudaErrorMemoryAllocation:
         raise CudaOutOfMemoryError(f"CUDA out of memory in {what} ({_cuda_text(err)})")
-    raise KernelError(f"CUDA error in {what}: {_cuda_text(err)}{_after_fork()}")
+    raise KernelError(f"CUDA error in {what}: {_cuda_text(err)}")
 
 
 cdef int _status(qd_status st, str what) except -1:
@@ -180,7 +163,7 @@ cdef int _status(qd_status st, str what) except -1:
     if st == QD_ERR_NO_MEMORY:
         raise CudaOutOfMemoryError(f"CUDA out of memory in {what} ({qd_cuda_last_error().decode()})")
     if st == QD_ERR_CUDA:
-        raise KernelError(f"CUDA error in {what}: {qd_cuda_last_error().decode()}{_after_fork()}")
+        raise KernelError(f"CUDA error in {what}: {qd_cuda_last_error().decode()}")
     raise KernelError(f"{what} rejected its arguments (qd_status {st})")
 
 
