@@ -213,11 +213,13 @@ def test_float64_rows_and_a_float_checkpoints_dtype(device):
     it was while the other layers took the checkpoint's: both follow, as
     nn.Embedding's weight does."""
     q = QEmbedding.from_embedding(torch.nn.Embedding(10, 32), PER_ROW, device=device)
-    ids = torch.tensor([[3, 9]])
+    ids = torch.tensor([[3, 9]], device="cuda" if device == "cuda" else "cpu")
     rows = q(ids)
     q.double()
     assert q.dtype == torch.float64 and torch.equal(q(ids), rows.double())
     assert QEmbedding.from_embedding(torch.nn.Embedding(10, 32).double(), PER_ROW, device=device).dtype == torch.float64
+    if device == "cuda":
+        return  # the load below is a host model's
     float_model = TinyLM().to(torch.bfloat16)
     with torch.device("meta"):
         empty = TinyLM()
