@@ -9,7 +9,7 @@ import numpy as np
 
 from ._core import QTensor, Tensor
 from .errors import NonFiniteError, ShapeError
-from .quantmath import INT32_EXACT_K, check_finite, k_group
+from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32
 from .scheme import QuantScheme, as_scheme
 from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation
 
@@ -125,7 +125,7 @@ def _fused_w8a8(backend, scheme, x_shape, w):
     block = scheme.block_shape(x_shape)
     if any(b != 1 for b in block[:-1]):
         return None
-    if k_group(block[-1], w.layout.logical_block(w.transposed)[-2]) > INT32_EXACT_K:
+    if groups_past_int32(block[-1], w.layout.logical_block(w.transposed)[-2]):
         return None
     return lambda x, w: fused(x, w, scheme.value, block[-1])
 

@@ -176,6 +176,11 @@ def k_group(lhs_block_k, rhs_block_k):
     return math.gcd(int(lhs_block_k), int(rhs_block_k))
 
 
+def groups_past_int32(lhs_block_k, rhs_block_k):
+    """Whether qq's K-groups are too long for exact int32 sums (summed_in_pieces)."""
+    return k_group(lhs_block_k, rhs_block_k) > INT32_EXACT_K
+
+
 def group_scales(scales, block_rows, block_k, rows, K, G, k_axis):
     """Scale of each (row, K-group) pair as a [rows, K/G] float32 array, for a
     scale grid whose K dim is `k_axis` (1 for lhs [M,K], 0 for rhs [K,N])."""

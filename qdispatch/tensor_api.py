@@ -490,9 +490,9 @@ def qtensor_zeros(shape, scheme, device=None):
 def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     """A QTensor from already-quantized int8 values and a float32 scale grid
     (for loaders); values must lie in the scheme's range, and scales be values of
-    its scale_dtype.  `shape`, when given,
-    is the tensor's shape and values may come in any shape holding its elements
-    in order (flat, as read from a file), as scales may.  The QTensor keeps
+    its scale_dtype.  `shape`, when given, is the tensor's shape and values may
+    come in any shape holding its elements in order (flat, as read from a file),
+    as scales may.  The QTensor keeps
     copies: later edits to the arrays passed can't reach it, nor get past the
     range check."""
     values = np.array(values)

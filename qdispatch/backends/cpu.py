@@ -164,8 +164,8 @@ class CpuBackend(HostBackend):
                                np.ascontiguousarray(b, dtype=np.int8))
 
     def qq_matmul(self, lhs, rhs):
-        if quantmath.k_group(lhs.layout.logical_block(lhs.transposed)[-1],
-                             rhs.layout.logical_block(rhs.transposed)[-2]) > quantmath.INT32_EXACT_K:
+        if quantmath.groups_past_int32(lhs.layout.logical_block(lhs.transposed)[-1],
+                                       rhs.layout.logical_block(rhs.transposed)[-2]):
             # groups past int32's exact sums: the int8 kernel on pieces, added in int64
             return self.qq_in_groups(lhs, rhs, lambda a, b: quantmath.summed_in_pieces(
                 lambda s, e: self.int_matmul(a[:, s:e], b[s:e]), 0, a.shape[1]))

@@ -375,7 +375,7 @@ class CudaBackend(Backend):
 
     def qq_matmul(self, lhs, rhs):
         lhs_block, rhs_block = lhs.layout.logical_block(lhs.transposed), rhs.layout.logical_block(rhs.transposed)
-        if quantmath.k_group(lhs_block[-1], rhs_block[-2]) > quantmath.INT32_EXACT_K:
+        if quantmath.groups_past_int32(lhs_block[-1], rhs_block[-2]):
             return self._qq_long_groups(lhs, rhs, lhs_block, rhs_block)
         a, sa = self._k_rows(lhs, k_last=True)
         bt, sb = self._k_rows(rhs, k_last=False)
