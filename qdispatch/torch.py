@@ -543,6 +543,9 @@ class _QuantizedModule(torch.nn.Module):
     # The float weight this one was quantized from: a weak reference to it and its
     # version counter then (an in-place change since, a load say, bumps it).
     _source = None
+    # The zeros a layer on torch's meta device was given, until a checkpoint replaces
+    # them: a call before that would compute with values no one gave it.
+    _unloaded = None
 
     def __init__(self, weight, dims, made_by):
         """weight: a 2-D QTensor [dims]; `made_by` says how one quantizes a float layer."""
@@ -571,7 +574,16 @@ class _QuantizedModule(torch.nn.Module):
             weight = _quantized(layer.weight.detach(), scheme, device)
         module = cls._around(layer, weight)
         module._source = (weakref.ref(layer.weight), layer.weight._version)
+        if layer.weight.is_meta:
+            module._unloaded = module.weight
         return module
+
+    def _refuse_unloaded(self):
+        if self.weight is self._unloaded:
+            raise BackendUnavailableError(
+                f"this {type(self).__name__} was made from a layer on torch's meta device and holds no "
+                f"values until a checkpoint loads: call model.load_state_dict(state, assign=True) or "
+                f"qdispatch.torch.load_model(model, path) before running it")
 
     def __getstate__(self):
         state = dict(self.__dict__)  # a weak reference can't be pickled: a copy starts untied
@@ -590,6 +602,8 @@ class _QuantizedModule(torch.nn.Module):
                                device=_torch_device(self.weight.device)))
         weight = _moved_once(fn, self.weight, lambda: _move_weight(self.weight, probe.device, type(self).__name__))
         super()._apply(fn, *args, **kwargs)
+        if self.weight is self._unloaded:
+            self._unloaded = weight
         self.weight = weight
         self._moved(probe)
         return self
@@ -632,7 +646,7 @@ class _QuantizedModule(torch.nn.Module):
             self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device)
         except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
             raise type(exc)(f"{weight_key}: {exc}") from exc
-        self._source = None  # no longer the float weight's values
+        self._source = self._unloaded = None  # no longer the float weight's values, nor zeros
         if local_metadata.get("assign_to_params_buffers", False):
             self._moved(weight)  # assign=True: the float dtype follows the checkpoint's, as a Parameter's would
 
@@ -649,7 +663,7 @@ class _QuantizedModule(torch.nn.Module):
         if weight.shape != self.weight.shape:
             raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
                              f"layer's is {self.weight.shape}")
-        self.weight, self._source = weight, None
+        self.weight, self._source, self._unloaded = weight, None, None
 
 
 class QLinear(_QuantizedModule):
@@ -683,7 +697,7 @@ class QLinear(_QuantizedModule):
         weight lives, host weights on the default backend); the bias is copied.
         A Linear on torch's meta device (a model built empty, to be loaded) gets a
         weight of zeros in the scheme's layout, on `device` or the default backend,
-        for `load_state_dict(..., assign=True)` to replace."""
+        for `load_state_dict(..., assign=True)` to replace; it refuses to run until then."""
         return cls._quantize(linear, scheme, device)
 
     @staticmethod
@@ -698,6 +712,7 @@ class QLinear(_QuantizedModule):
         return layer
 
     def forward(self, x):
+        self._refuse_unloaded()
         y, bias = q_matmul(x, self.weight.T), self.bias
         if bias is None:
             return y
@@ -741,7 +756,8 @@ class QEmbedding(_QuantizedModule):
         """Quantize `embedding.weight` with `scheme` (on `device`, default: where the
         table lives, host tables on the default backend); the output dtype is the
         table's.  An Embedding on torch's meta device gets a table of zeros in the
-        scheme's layout, for `load_state_dict(..., assign=True)` to replace."""
+        scheme's layout, for `load_state_dict(..., assign=True)` to replace; it refuses
+        to run until then."""
         return cls._quantize(embedding, scheme, device)
 
     @staticmethod
@@ -767,6 +783,7 @@ class QEmbedding(_QuantizedModule):
     def forward(self, ids):
         if _is_exporting() or _is_tracing() or isinstance(ids, torch.fx.Proxy):
             raise BackendUnavailableError(_NOT_RECORDED)
+        self._refuse_unloaded()
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
             got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__

@@ -180,6 +180,30 @@ def test_state_dict_round_trip_and_float_checkpoints(tmp_path):
         fresh.load_state_dict(wrong)
 
 
+def test_layers_made_on_the_meta_device_refuse_to_run_until_loaded(tmp_path):
+    """A model built empty holds zeros in its quantized layers until a checkpoint
+    loads: running it before (the bias-free head, the table) is refused, not zeros;
+    a copy and a float or quantized checkpoint load are honoured."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    source = quantize_linears(quantize_embeddings(copy.deepcopy(model), INT4), PER_ROW)
+    with torch.device("meta"):
+        empty = TinyLM()
+    quantize_linears(quantize_embeddings(empty, INT4), PER_ROW)
+    ids, h = torch.tensor([[1, 2, 3]]), torch.randn(2, 64)
+    unloaded = r"^this {} was made from a layer on torch's meta device.*load_state_dict\(state, assign=True\)"
+    for layer, arg in ((empty.embed, ids), (empty.head, h), (copy.deepcopy(empty).head, h)):
+        with pytest.raises(qd.BackendUnavailableError, match=unloaded.format(type(layer).__name__)):
+            layer(arg)
+    for load in (lambda m: m.load_state_dict(model.state_dict(), assign=True),
+                 lambda m: m.load_state_dict(source.state_dict(), assign=True)):
+        loaded = copy.deepcopy(empty)
+        load(loaded)
+        with torch.no_grad():
+            assert torch.equal(loaded(ids), source(ids))
+            assert torch.equal(loaded.head(h), source.head(h))
+
+
 def test_save_model_and_load_model_carry_the_table(tmp_path):
     pytest.importorskip("safetensors")
     torch.manual_seed(0)
