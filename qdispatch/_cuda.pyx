@@ -12,11 +12,12 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
+import os
 import sys
 
 import numpy as np
 
-from .errors import NOT_IN_CUDA_GRAPHS, KernelError, NonFiniteError, ScaleOverflowError
+from .errors import NOT_IN_CUDA_GRAPHS, BackendUnavailableError, KernelError, NonFiniteError, ScaleOverflowError
 
 
 class CudaOutOfMemoryError(KernelError, MemoryError):
@@ -167,10 +168,48 @@ cdef int _status(qd_status st, str what) except -1:
     raise KernelError(f"{what} rejected its arguments (qd_status {st})")
 
 
+# ---- fork ----------------------------------------------------------------------
+# CUDA does not survive fork: in a process forked after this one started CUDA, CUDA's
+# calls fail, or wait forever on a lock some thread held at the fork.  Such a child
+# refuses GPU work before any CUDA call, and leaves the parent's memory alone.
+
+FORKED = ("this process was forked from one that had started CUDA (used the GPU or asked for its devices), "
+          "and CUDA does not survive fork: "
+          "start worker processes that use the GPU with multiprocessing's 'spawn' or 'forkserver' "
+          "method (multiprocessing.get_context('spawn'))")
+
+cdef bint _used = False  # CUDA was started here (cuInit: asked for devices, or made one current)
+cdef bint _forked_after_use = False
+
+
+def _mark_forked():
+    global _forked_after_use
+    _forked_after_use = _used
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_mark_forked)
+
+
+cdef inline int _refuse_if_forked() except -1:
+    if _forked_after_use:
+        raise BackendUnavailableError(f"The cuda backend is unavailable in this process: {FORKED}")
+    return 0
+
+
+def forked_after_use():
+    """Whether this process was forked after its parent started CUDA (see FORKED)."""
+    return bool(_forked_after_use)
+
+
 # ---- devices -------------------------------------------------------------------
 
 def device_count():
     """Number of CUDA devices, 0 when there is no driver or no GPU."""
+    global _used
+    if _forked_after_use:
+        return 0
+    _used = True
     cdef int n = 0
     if cudaGetDeviceCount(&n) != cudaSuccess:
         cudaGetLastError()
@@ -179,7 +218,11 @@ def device_count():
 
 
 def unavailable_reason():
-    """None when a device can run, else what CUDA said."""
+    """None when a device can run, else what CUDA said (or FORKED)."""
+    global _used
+    if _forked_after_use:
+        return FORKED
+    _used = True
     cdef int n = 0
     cdef cudaError_t err = cudaGetDeviceCount(&n)
     if err != cudaSuccess:
@@ -196,7 +239,10 @@ def versions():
 
 
 def device_properties(int index):
+    global _used
     cdef cudaDeviceProp prop
+    _refuse_if_forked()
+    _used = True
     _check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties")
     return {"name": prop.name.decode(), "memory": int(prop.totalGlobalMem),
             "capability": f"{prop.major}.{prop.minor}", "multiprocessors": prop.multiProcessorCount}
@@ -220,10 +266,13 @@ cdef class on_device:
 cdef int _switch_device(int device) except -1:
     """Makes `device` current and returns the device that was (on_device without an
     object, for calls made per decode step)."""
+    global _used
+    _refuse_if_forked()
     cdef int previous = 0
     _check(cudaGetDevice(&previous), "cudaGetDevice")
     if previous != device:
         _check(cudaSetDevice(device), f"cudaSetDevice({device})")
+    _used = True
     return previous
 
 
@@ -416,6 +465,7 @@ cdef class DeviceBuffer:
     @staticmethod
     cdef DeviceBuffer allocate(size_t nbytes, int device):
         global _cached_bytes
+        _refuse_if_forked()
         _refuse_inside_torch_capture(device)
         cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
         cdef size_t size = _bin(nbytes)
@@ -448,6 +498,10 @@ cdef class DeviceBuffer:
 
     def __dealloc__(self):
         global _cached_bytes
+        if _forked_after_use:  # the parent's memory, which CUDA here can't reach
+            if self.borrowed != NULL:
+                _give_back(<uintptr_t>self.borrowed)
+            return
         if self.borrowed != NULL:  # a DLPack producer's stream is unknown: always after ours
             _give_back_after_our_stream(self.device, <uintptr_t>self.borrowed, None, NULL)
             return

@@ -1117,3 +1117,62 @@ def test_save_of_a_decode_weight_beside_its_transpose(tmp_path, rng):
     for name, expected in (("w", want), ("wt", want.T)):
         np.testing.assert_array_equal(back[name].values, expected.values)
         np.testing.assert_array_equal(back[name].dequantize().numpy(), expected.dequantize().numpy())
+
+
+CUDA_IN_A_FORKED_WORKER = """
+import multiprocessing as mp, sys
+import numpy as np, qdispatch as qd
+
+x = np.arange(256, dtype=np.float32).reshape(4, 64)
+used = sys.argv[1] == "used"
+if used:
+    w = qd.quantize(x, "q8s", device="cuda")  # the parent uses the GPU
+elif sys.argv[1] == "asked":
+    assert "cuda" in qd.available_backends()  # asks CUDA for its devices, which starts it
+else:
+    qd.quantize(x, "q8s")  # on the host: CUDA never started
+
+
+def work(_):
+    try:
+        got = qd.quantize(x, "q8s", device="cuda").dequantize().numpy()
+    except qd.QDispatchError as exc:
+        return type(exc).__name__, str(exc), "cuda" in qd.available_backends()
+    try:
+        w.dequantize()  # the parent's GPU memory
+    except qd.QDispatchError as exc:
+        return type(exc).__name__, str(exc), "cuda" in qd.available_backends()
+    except NameError:
+        pass
+    return "same" if np.array_equal(got, qd.quantize(x, "q8s").dequantize().numpy()) else "other", "", True
+
+
+if __name__ == "__main__":
+    with mp.get_context("fork").Pool(1) as pool:
+        print(repr(pool.map_async(work, [0]).get(timeout=120)[0]))
+    if used:  # the parent keeps its GPU
+        np.testing.assert_array_equal(w.dequantize().numpy(), qd.quantize(x, "q8s").dequantize().numpy())
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_worker_forked_after_the_parent_used_the_gpu_refuses_it_up_front(tmp_path):
+    """CUDA does not survive fork: a worker forked after its parent started CUDA (used
+    the GPU, or only asked for its devices) gets BackendUnavailableError saying to
+    start GPU workers by 'spawn', before any CUDA call (which would fail, or wait
+    forever), and cuda is not among its backends; the parent keeps its GPU.  A parent
+    that never started CUDA leaves its workers the GPU."""
+    import ast
+    from helpers import run_python
+    script = tmp_path / "cuda_in_a_forked_worker.py"
+    script.write_text(CUDA_IN_A_FORKED_WORKER)
+    for parent in ("used", "asked"):
+        out = run_python(str(script), parent)
+        assert out.returncode == 0, out.stderr
+        kind, message, listed = ast.literal_eval(out.stdout.strip())
+        assert kind == "BackendUnavailableError" and not listed, out.stdout
+        assert message.startswith("The cuda backend is unavailable in this process: this process was forked from "
+                                  "one that had started CUDA") and "'spawn'" in message, message
+    out = run_python(str(script), "host")
+    assert out.returncode == 0, out.stderr
+    assert ast.literal_eval(out.stdout.strip()) == ("same", "", True), out.stdout

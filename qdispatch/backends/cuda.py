@@ -162,6 +162,8 @@ class CudaBackend(Backend):
             return (f"The cuda backend is unavailable: qdispatch was built without CUDA: "
                     f"{_build_reason()}. {REBUILD}")
         why = _cuda.unavailable_reason()
+        if why == _cuda.FORKED:
+            return f"The cuda backend is unavailable in this process: {why}"
         if why is not None:
             return (f"The cuda backend is unavailable: qdispatch was built with CUDA, but no GPU "
                     f"or driver can be used here ({why}). Install the NVIDIA driver (one at least "
