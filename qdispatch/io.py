@@ -132,7 +132,35 @@ def encode_scales(name, scales, scale_dtype, op="save"):
     return quantmath.f32_to_bf16_bits(scales)
 
 
-def _stored_shapes(scheme, layout):
+def encode_qtensor(name, q, op="save"):
+    """QTensor q's values and scales as qdispatch stores them, in storage
+    orientation: int8, or uint32 words for `packed_u32`; the scales in their scale
+    dtype (raw 16-bit for f16/bf16).  decode_qtensor is the inverse."""
+    scheme = q.layout.scheme
+    values, scales, _, _ = qtensor_stored(q)
+    if scheme.store == "packed_u32":
+        values = quantmath.pack_u32(values, scheme.bits)
+    return values, encode_scales(name, scales, scheme.scale_dtype, op)
+
+
+def decode_qtensor(name, values, raw_scales, scheme, layout):
+    """(int8 values, float32 scales) of what encode_qtensor gave, in storage
+    orientation `layout`; stray bits in packed words and scales that are not finite
+    are refused."""
+    if scheme.store == "packed_u32":
+        words = values
+        values = quantmath.unpack_u32(words, scheme.bits, layout.shape[-1])
+        if not np.array_equal(quantmath.pack_u32(values, scheme.bits), words):
+            raise SerializationError(
+                f"Tensor {name!r}: packed words have bits set outside their {layout.shape[-1]} values")
+    scales = (quantmath.bf16_bits_to_f32(raw_scales) if scheme.scale_dtype == "bf16"
+              else raw_scales.astype(np.float32))
+    if not np.all(np.isfinite(scales)):
+        raise SerializationError(f"Tensor {name!r}: its scales hold NaN or Inf")
+    return values, scales
+
+
+def stored_shapes(scheme, layout):
     """The shapes of a QTensor's two entries, in storage orientation: its values
     (int8, or uint32 words packed along the last dim) and its scale grid."""
     values = tuple(layout.shape)
@@ -149,15 +177,12 @@ def _plan(name, obj):
     if isinstance(obj, QTensor):
         scheme = obj.layout.scheme  # in storage orientation, as the bytes are (obj.scheme is logical)
         packed = scheme.store == "packed_u32"
-        values_shape, scales_shape = _stored_shapes(scheme, obj.layout)
+        values_shape, scales_shape = stored_shapes(scheme, obj.layout)
         entries = [(name + _SUFFIXES[0], "U32" if packed else "I8", values_shape),
                    (name + _SUFFIXES[1], _SCALE_CODES[scheme.scale_dtype], scales_shape)]
 
         def fetch():
-            values, scales, _, _ = qtensor_stored(obj)
-            if packed:
-                values = quantmath.pack_u32(values, scheme.bits)
-            return [_little_endian(values), _little_endian(encode_scales(name, scales, scheme.scale_dtype))]
+            return [_little_endian(part) for part in encode_qtensor(name, obj)]
         record = {"kind": "qtensor", "scheme": scheme.to_record(), "shape": list(obj.shape),
                   "transposed": bool(obj.transposed)}
         return record, entries, fetch
@@ -541,18 +566,8 @@ def _decode_qtensor(name, record, entries, dev, crcs):
     transposed = record["transposed"]
     layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
     vkey, skey = _entry_keys(name, record)
-    values_shape, scales_shape = _stored_shapes(scheme, layout)
-    if scheme.store == "packed_u32":
-        words = entries.read(name, vkey, "U32", values_shape, crcs[0])
-        values = quantmath.unpack_u32(words, scheme.bits, layout.shape[-1])
-        if not np.array_equal(quantmath.pack_u32(values, scheme.bits), words):
-            raise SerializationError(
-                f"Tensor {name!r}: packed words have bits set outside their {layout.shape[-1]} values")
-    else:
-        values = entries.read(name, vkey, "I8", values_shape, crcs[0])
+    values_shape, scales_shape = stored_shapes(scheme, layout)
+    values = entries.read(name, vkey, "U32" if scheme.store == "packed_u32" else "I8", values_shape, crcs[0])
     raw = entries.read(name, skey, _SCALE_CODES[scheme.scale_dtype], scales_shape, crcs[1])
-    scales = (quantmath.bf16_bits_to_f32(raw) if scheme.scale_dtype == "bf16"
-              else raw.astype(np.float32))
-    if not np.all(np.isfinite(scales)):
-        raise SerializationError(f"Tensor {name!r}: its scales hold NaN or Inf")
+    values, scales = decode_qtensor(name, values, raw, scheme, layout)
     return qtensor_from_stored(values, scales, scheme, transposed, device=dev)

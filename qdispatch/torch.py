@@ -51,7 +51,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
-from .io import reading as read_stored, save as save_tensors
+from .io import decode_qtensor, encode_qtensor, reading as read_stored, save as save_tensors, stored_shapes
+from .layout import QLayout, swap_last2
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
                      KernelError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
 from .scheme import QuantScheme, as_scheme
@@ -463,14 +464,41 @@ def _quantized_from_checkpoint(weight, scheme, device):
     return quantized
 
 
+# The extra state's format: 2 holds the values and scales as qdispatch.save stores
+# them (packed words as int32, 16-bit scales as float16/bfloat16), with the shape;
+# 1 (no "format" key, still read) held int8 values and float32 scales.
+_STATE_FORMAT = 2
+# the torch dtypes of stored parts; uint32 words and bf16 bits go as int32 and bfloat16
+_STORED_DTYPES = {"packed_u32": torch.int32, "int8": torch.int8,
+                  "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _to_torch_stored(a):
+    """A torch copy of a stored part: a host weight's stored arrays are its storage,
+    which an edit of the state dict must not reach."""
+    if a.dtype == np.uint32:
+        return torch.tensor(a.view(np.int32))
+    if a.dtype == np.uint16:  # bfloat16 bits
+        return torch.tensor(a.view(np.int16)).view(torch.bfloat16)
+    return torch.tensor(a)
+
+
+def _from_torch_stored(t):
+    """A stored part as numpy (its own copy, on the host), as io.decode_qtensor reads it."""
+    t = t.detach().to("cpu", copy=True)
+    if t.dtype == torch.int32:
+        return t.numpy().view(np.uint32)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
 def _stored_weight(w):
-    """QTensor w as a QLinear's extra state: its stored values and scales as torch
-    tensors, its scheme as plain values."""
-    values, scales, scheme, transposed = tensor_api.qtensor_stored(w)
-    # copies: a host weight's stored arrays are its storage, which an edit of the
-    # state dict must not reach
-    return {"qvalues": torch.tensor(values), "qscales": torch.tensor(scales),
-            "scheme": scheme.to_record(), "transposed": transposed}
+    """QTensor w as a QLinear's extra state: its values and scales as qdispatch
+    stores them, as torch tensors, its scheme, shape and orientation as plain values."""
+    values, scales = encode_qtensor("weight", w, op="put in a state_dict")
+    return {"format": _STATE_FORMAT, "qvalues": _to_torch_stored(values), "qscales": _to_torch_stored(scales),
+            "scheme": w.layout.scheme.to_record(), "shape": list(w.shape), "transposed": bool(w.transposed)}
 
 
 # state_dict() and load_state_dict() keep a shared weight shared.  One state_dict()
@@ -505,7 +533,7 @@ def _weight_read_once(state, device, read):
     """read(), the QTensor of extra state `state` on `device`, or the one read from
     the same, unchanged tensors before (the other layer of a tied pair)."""
     values, scales = state["qvalues"], state["qscales"]
-    here = (values._version, scales._version, state["scheme"], state["transposed"], device)
+    here = (values._version, scales._version, state["scheme"], state.get("shape"), state["transposed"], device)
     earlier = _READ.get(values)
     if earlier is not None and earlier[0]() is scales and earlier[1] == here:
         weight = earlier[2]()
@@ -520,17 +548,35 @@ def _check_stored_weight(state, owner):
     """Refuse an extra state that is not what _stored_weight writes (a checkpoint of
     another format, say), before its parts are read; `owner` names the module."""
     if not (isinstance(state, dict) and isinstance(state.get("scheme"), dict) and "transposed" in state
-            and all(isinstance(state.get(key), torch.Tensor) for key in ("qvalues", "qscales"))):
+            and all(isinstance(state.get(key), torch.Tensor) for key in ("qvalues", "qscales"))
+            and ("format" not in state or (state["format"] == _STATE_FORMAT and isinstance(state.get("shape"), list)))):
         got = ({key: type(value).__name__ for key, value in state.items()} if isinstance(state, dict)
                else type(state).__name__)
         raise SerializationError(f"a {owner}'s _extra_state is a dict of tensors 'qvalues' and 'qscales', a "
-                                 f"'scheme' record and a 'transposed' flag, as state_dict() writes it; got {got}")
+                                 f"'scheme' record, a 'shape' list, a 'transposed' flag and 'format' "
+                                 f"{_STATE_FORMAT}, as state_dict() writes it; got {got}")
 
 
-def _owned_array(t):
-    """Torch tensor t's values in a numpy array of their own: the QTensor built from
-    a state dict keeps its arrays, and the state dict's tensors stay the caller's."""
-    return t.detach().to("cpu", copy=True).numpy()
+def _weight_from_state(state, owner, device):
+    """The QTensor of extra state `state` (either format) on `device`; the QTensor
+    keeps arrays of its own, and the state dict's tensors stay the caller's."""
+    scheme, transposed = QuantScheme.from_record(state["scheme"]), state["transposed"]
+    values, scales = state["qvalues"], state["qscales"]
+    if "format" not in state:  # format 1: int8 values and float32 scales, in storage orientation
+        return tensor_api.qtensor_from_stored(_from_torch_stored(values), _from_torch_stored(scales), scheme,
+                                              transposed, device=device)
+    shape = tuple(state["shape"])
+    layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
+    wanted = stored_shapes(scheme, layout)
+    dtypes = (_STORED_DTYPES["packed_u32" if scheme.store == "packed_u32" else "int8"],
+              _STORED_DTYPES[scheme.scale_dtype])
+    for part, tensor, shape_wanted, dtype in zip(("qvalues", "qscales"), (values, scales), wanted, dtypes):
+        if tuple(tensor.shape) != shape_wanted or tensor.dtype != dtype:
+            raise SerializationError(f"a {owner}'s _extra_state {part!r} of a {shape} weight of scheme {scheme} "
+                                     f"is a {dtype} tensor of shape {shape_wanted}; got {tensor.dtype} "
+                                     f"{tuple(tensor.shape)}")
+    values, scales = decode_qtensor(owner, _from_torch_stored(values), _from_torch_stored(scales), scheme, layout)
+    return tensor_api.qtensor_from_stored(values, scales, scheme, transposed, device=device)
 
 
 class _QuantizedModule(torch.nn.Module):
@@ -657,9 +703,8 @@ class _QuantizedModule(torch.nn.Module):
             weight = state.read(self.weight.device)
         else:
             _check_stored_weight(state, type(self).__name__)
-            weight = _weight_read_once(state, self.weight.device, lambda: tensor_api.qtensor_from_stored(
-                _owned_array(state["qvalues"]), _owned_array(state["qscales"]),
-                QuantScheme.from_record(state["scheme"]), state["transposed"], device=self.weight.device))
+            weight = _weight_read_once(state, self.weight.device, lambda: _weight_from_state(
+                state, type(self).__name__, self.weight.device))
         if weight.shape != self.weight.shape:
             raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
                              f"layer's is {self.weight.shape}")

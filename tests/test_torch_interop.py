@@ -433,6 +433,68 @@ def test_qlinear_state_dict_round_trip_through_torch_save(tmp_path):
             fresh.load_state_dict({**state, "0._extra_state": bad})
 
 
+STORED = [  # (scheme, torch dtypes of the stored values and scales)
+    (QuantScheme("q4f", block=(1, 4), store="packed_u32", scale_dtype="bf16"), torch.int32, torch.bfloat16),
+    (QuantScheme("q2s", block=(4, 4), store="packed_u32", scale_dtype="f16"), torch.int32, torch.float16),
+    (QuantScheme("q8s", axis=1), torch.int8, torch.float32),
+]
+
+
+@pytest.mark.parametrize("scheme, values_dtype, scales_dtype", STORED, ids=["int4 bf16", "int2 f16", "int8"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["", "transposed"])
+def test_state_dict_holds_the_weight_as_qdispatch_stores_it(tmp_path, scheme, values_dtype, scales_dtype,
+                                                             transposed):
+    """The extra state is as compact as a save_model file: packed words and 16-bit
+    scales as they are stored (a 4-bit weight in half an int8 one's bytes), and it
+    loads back bit for bit, a K that does not fill the last word included."""
+    torch.manual_seed(0)
+    w = qd.quantize(np.random.default_rng(1).standard_normal((36, 24) if transposed else (24, 36)).astype(np.float32),
+                    scheme, device=DEVICES[-1])
+    layer = QLinear(w.T if transposed else w)
+    state = layer.state_dict()["_extra_state"]
+    values, scales = state["qvalues"], state["qscales"]
+    per_word = 32 // scheme.bits if scheme.store == "packed_u32" else 1
+    assert values.dtype == values_dtype and tuple(values.shape) == (w.shape[0], -(-w.shape[1] // per_word))
+    assert scales.dtype == scales_dtype and state["shape"] == list(layer.weight.shape)
+    torch.save(layer.state_dict(), tmp_path / "layer.pt")
+    fresh = QLinear(qd.quantize(np.zeros(layer.weight.shape, np.float32), "q8s", device=DEVICES[0]))
+    fresh.load_state_dict(torch.load(tmp_path / "layer.pt", weights_only=True))
+    assert fresh.weight.scheme == layer.weight.scheme and fresh.weight.transposed == transposed
+    np.testing.assert_array_equal(fresh.weight.values, layer.weight.values)
+    np.testing.assert_array_equal(fresh.weight.scales, layer.weight.scales)
+
+
+def test_a_state_dict_of_the_earlier_format_still_loads():
+    """A state dict saved by earlier releases (int8 values, float32 scales, no
+    format) loads bit for bit."""
+    scheme = QuantScheme("q4f", block=(1, 8), store="packed_u32", scale_dtype="bf16")
+    layer = QLinear.from_linear(torch.nn.Linear(40, 12), scheme, device=DEVICES[-1])
+    values, scales, stored_scheme, transposed = qd.tensor_api.qtensor_stored(layer.weight)
+    earlier = {"qvalues": torch.tensor(values), "qscales": torch.tensor(scales),
+               "scheme": stored_scheme.to_record(), "transposed": transposed}
+    fresh = QLinear.from_linear(torch.nn.Linear(40, 12), "q8s", device=DEVICES[0])
+    fresh.load_state_dict({"_extra_state": earlier, "bias": layer.bias.detach()})
+    np.testing.assert_array_equal(fresh.weight.values, layer.weight.values)
+    np.testing.assert_array_equal(fresh.weight.scales, layer.weight.scales)
+
+
+def test_a_damaged_state_dict_is_refused_by_name():
+    scheme = QuantScheme("q4f", block=(1, 4), store="packed_u32", scale_dtype="bf16")
+    layer = QLinear.from_linear(torch.nn.Linear(36, 12), scheme, device=DEVICES[-1])
+    state = layer.state_dict()["_extra_state"]
+    stray = {**state, "qvalues": state["qvalues"].clone()}
+    stray["qvalues"][0, -1] = -1  # the last word holds 4 of its 36 values, in 16 bits: set the rest
+    unpacked = {**state, "qvalues": torch.zeros(12, 36, dtype=torch.int8)}
+    nan = {**state, "qscales": state["qscales"].clone().fill_(float("nan"))}
+    future = {**state, "format": 3}
+    fresh = QLinear.from_linear(torch.nn.Linear(36, 12), scheme, device=DEVICES[0])
+    for bad, said in ((stray, "packed words have bits set outside their 36 values"),
+                      (unpacked, r"'qvalues' .*is a torch.int32 tensor of shape \(12, 5\); got torch.int8 \(12, 36\)"),
+                      (nan, "scales hold NaN"), (future, "'format' 2.*'format': 'int'")):
+        with pytest.raises(qd.SerializationError, match=said):
+            fresh.load_state_dict({"_extra_state": bad, "bias": layer.bias.detach()})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_qlinear_loaded_from_a_state_dict_owns_its_weight(device):
     torch.manual_seed(0)
