@@ -333,11 +333,11 @@ def _float_host_data(x, op="quantize"):
     if arr.dtype.kind != "f":
         raise _not_float_error(arr.dtype, op)
     if op == "quantize" and arr.dtype.itemsize > 4:
-        return _within_float32(arr)
+        return within_float32(arr)
     return arr
 
 
-def _within_float32(arr):
+def within_float32(arr):
     """Wider float data as the float32 quantize works in, refusing the finite values
     that would be inf there (the error would otherwise name an inf the data lacks)."""
     with np.errstate(over="ignore"):

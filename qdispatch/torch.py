@@ -440,6 +440,8 @@ def _quantized(weight, scheme, device):
     scheme's layout, on `device` or the default backend."""
     if weight.is_meta:
         return tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
+    if weight.dtype == torch.float64:  # narrowed here, so that a value past float32's range is named
+        weight = torch.from_numpy(tensor_api.within_float32(weight.cpu().numpy())).to(weight.device)
     if device is not None and Device.parse(device).is_host:
         weight = weight.cpu()
     return tensor_api.quantize(from_torch(weight), scheme, device=device)

@@ -570,6 +570,21 @@ def test_quantize_linears_replaces_every_linear_in_place():
         torch.testing.assert_close(model(x), float_out, rtol=0, atol=0.05)
 
 
+def test_a_float64_layer_past_float32_range_is_named_by_its_value():
+    """A float64 weight is narrowed to the float32 quantize works in: a finite value
+    past its range is named as it is, with the layer, not as an inf it never held;
+    values within it quantize as the float32 weight does."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4)).double()
+    expected = QLinear.from_linear(copy.deepcopy(model[0]).float(), SCHEMES[0], device=DEVICES[-1])
+    np.testing.assert_array_equal(QLinear.from_linear(model[0], SCHEMES[0], device=DEVICES[-1]).weight.values,
+                                  expected.weight.values)
+    with torch.no_grad():
+        model[1].weight[1, 2] = -1e300
+    with pytest.raises(qd.NonFiniteError, match=r"^layer '1' \(4 -> 4 features\): .*holding -1e\+300 at position "
+                                                r"\(1, 2\).*scale the data down"):
+        quantize_linears(model, SCHEMES[0])
+
+
 def test_quantize_linears_skips_layers_by_name_or_predicate():
     scheme = QuantScheme("q8s", axis=0)
     model = quantize_linears(_model(), scheme, skip=["3", "0.down"])
