@@ -1038,6 +1038,11 @@ def _named_layer_errors(name, what, make):
 
 # ---- whole models in safetensors ------------------------------------------------------------
 
+# the torch dtypes a safetensors file holds (bfloat16 as its bits)
+_SAVABLE_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                   torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
 def save_model(model, path):
     """Write `model`'s state_dict to `path` as one safetensors file in qdispatch's
     format (`qdispatch.save`): each QLinear's and QEmbedding's weight as its stored
@@ -1051,6 +1056,9 @@ def save_model(model, path):
         if leaf == "_extra_state" and prefix in quantized:
             tensors[_joined(prefix, "weight")] = quantized[prefix].weight
         elif isinstance(value, torch.Tensor):
+            if value.dtype not in _SAVABLE_DTYPES:
+                raise TypeError(f"save_model can't save {key!r}, a {value.dtype} tensor: the file holds bool, "
+                                f"integer and real float tensors (use torch.save for other state)")
             # a float parameter under several names converts once, so the file holds it once
             same = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), value.stride())
             if same not in converted:

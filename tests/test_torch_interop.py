@@ -973,6 +973,27 @@ def test_save_model_and_load_model_take_a_module(tmp_path):
         load_model({}, tmp_path / "model.safetensors")
 
 
+def test_save_model_keeps_every_buffer_dtype_a_file_holds_and_names_the_others(tmp_path):
+    pytest.importorskip("safetensors")
+    held = (torch.bool, torch.uint8, torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float64)
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), SCHEMES[0])
+    for i, dtype in enumerate(held):
+        model.register_buffer(f"b{i}", torch.arange(3).to(dtype))
+    save_model(model, tmp_path / "model.safetensors")
+    twin = quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), SCHEMES[0])
+    for i, dtype in enumerate(held):
+        twin.register_buffer(f"b{i}", torch.zeros(3, dtype=dtype))
+    load_model(twin, tmp_path / "model.safetensors")
+    for i, dtype in enumerate(held):
+        assert getattr(twin, f"b{i}").dtype == dtype and torch.equal(getattr(twin, f"b{i}"), getattr(model, f"b{i}"))
+    for dtype in (torch.complex64, torch.float8_e4m3fn):
+        odd = quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), SCHEMES[0])
+        odd.register_buffer("odd", torch.zeros(3, dtype=dtype))
+        with pytest.raises(TypeError, match=f"save_model can't save 'odd', a {dtype} tensor: .*use torch.save"):
+            save_model(odd, tmp_path / "odd.safetensors")
+        assert not (tmp_path / "odd.safetensors").exists()
+
+
 def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):
     path = tmp_path / "model.safetensors"
     save_model(quantize_linears(_model(), QuantScheme("q8s", axis=0)), path)
