@@ -58,11 +58,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
         _check_float(lhs, "lhs")
     if not rq:
         _check_float(rhs, "rhs")
-    squeeze = False
-    if not lq and len(lhs.shape) == 1:  # a vector x[K] is a 1-row matrix
-        lhs = Tensor(backend.reshape(lhs.payload, (1,) + lhs.shape), lhs.dtype, (1,) + lhs.shape,
-                     lhs.kind, lhs.index)
-        squeeze = True
+    lhs, rhs, row, col = _vectors_as_matrices(backend, lhs, rhs)
     ls, rs, batch = _shapes(lhs, rhs, "q_matmul")
     fused = None
     # An empty product runs no kernel, so there is nothing to quantize on the fly
@@ -98,8 +94,8 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
             # the fused kernel only says that x holds NaN or Inf: name where, as quantize does
             check_finite(np.asarray(lhs.numpy(), np.float32))
         raise
-    if squeeze:  # drop the 1-row dim a vector lhs was given
-        out_shape = out_shape[:-2] + out_shape[-1:]
+    if row or col:
+        out_shape = _without_vector_dims(out_shape, row, col)
         payload = backend.reshape(payload, out_shape)
     out = Tensor(payload, kernel_dtype, out_shape, lhs.kind, lhs.index)
     if requantize is not None:
@@ -175,9 +171,7 @@ def int_matmul(backend, a, b):
         if not isinstance(t, Tensor) or t.dtype != "int8":
             got = "a QTensor" if isinstance(t, QTensor) else getattr(t, "dtype", type(t).__name__)
             raise TypeError(f"int_matmul's {side} must be int8 data, got {got}: use q_matmul for QTensors")
-    squeeze = len(a.shape) == 1
-    if squeeze:
-        a = Tensor(backend.reshape(a.payload, (1,) + a.shape), a.dtype, (1,) + a.shape, a.kind, a.index)
+    a, b, row, col = _vectors_as_matrices(backend, a, b)
     ls, rs, batch = _shapes(a, b, "int_matmul")
     if ls[-1] > INT32_EXACT_K:
         raise ShapeError(
@@ -186,10 +180,27 @@ def int_matmul(backend, a, b):
     out_shape = batch + (ls[-2], rs[-1])
     payload = _batched(backend, lambda x, y: backend.int_matmul(x.payload, y.payload), a, b,
                        batch, out_shape, dtype="int32")
-    if squeeze:  # a 1-D a is one row, dropped again as numpy's matmul drops it
-        out_shape = batch + (rs[-1],)
+    if row or col:
+        out_shape = _without_vector_dims(out_shape, row, col)
         payload = backend.reshape(payload, out_shape)
     return Tensor(payload, "int32", out_shape, a.kind, a.index)
+
+
+def _vectors_as_matrices(backend, lhs, rhs):
+    """(lhs, rhs, row, col): numpy's matmul for a 1-D operand that is data, not a
+    QTensor: a vector lhs is one row (`row`), a vector rhs one column (`col`),
+    which _without_vector_dims drops from the result again."""
+    row = not isinstance(lhs, QTensor) and len(lhs.shape) == 1
+    col = not isinstance(rhs, QTensor) and len(rhs.shape) == 1
+    if row:
+        lhs = Tensor(backend.reshape(lhs.payload, (1,) + lhs.shape), lhs.dtype, (1,) + lhs.shape, lhs.kind, lhs.index)
+    if col:
+        rhs = Tensor(backend.reshape(rhs.payload, rhs.shape + (1,)), rhs.dtype, rhs.shape + (1,), rhs.kind, rhs.index)
+    return lhs, rhs, row, col
+
+
+def _without_vector_dims(out_shape, row, col):
+    return out_shape[:-2] + (() if row else out_shape[-2:-1]) + (() if col else out_shape[-1:])
 
 
 def add_bias(out, bias, out_dtype, transfer=None):

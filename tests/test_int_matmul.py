@@ -73,6 +73,12 @@ def test_vector_and_batch_shapes(device, rng):
     out = qd.int_matmul(qd.tensor(v, device=device), qd.tensor(b, device=device))
     assert out.shape == (2, 4)
     np.testing.assert_array_equal(out.numpy(), v.astype(np.int64) @ b.astype(np.int64))
+    # a vector rhs is one column, dropped again; two vectors give their dot product
+    for lhs, rhs in ((a, v), (b[0].T, v), (v, v)):
+        out = qd.int_matmul(qd.tensor(lhs, device=device), qd.tensor(rhs, device=device))
+        want = lhs.astype(np.int64) @ rhs.astype(np.int64)
+        assert out.shape == want.shape and out.dtype == "int32"
+        np.testing.assert_array_equal(out.numpy(), want)
 
 
 def test_bad_inputs_raise_before_any_kernel():

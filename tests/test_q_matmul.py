@@ -97,12 +97,21 @@ def test_batch_dims_broadcast(device, rng):
     assert rel_err(deq64(aq) @ deq64(bq), out.numpy()) < 1e-5
 
 
-def test_vector_lhs(device, rng):
+def test_vector_lhs_and_rhs(device, rng):
+    """A float vector is one row on the left and one column on the right, dropped
+    from the result again, as numpy's matmul does."""
     wq = qd.quantize(rng.standard_normal((8, 32)).astype(np.float32), "q8s", device=device)
     v = rng.standard_normal(32).astype(np.float32)
     out = qd.q_matmul(v, wq.T)
     assert out.shape == (8,)
     assert rel_err(v.astype(np.float64) @ deq64(wq).T, out.numpy()) < 1e-5
+    out = qd.q_matmul(wq, v)
+    assert out.shape == (8,)
+    assert rel_err(deq64(wq) @ v.astype(np.float64), out.numpy()) < 1e-5
+    x = qd.tensor(v, device=device)
+    for spec in ("q8s", "q4f"):  # quantized on the fly: the same bits as the column's
+        np.testing.assert_array_equal(qd.q_matmul(wq, x, activation_scheme=spec).numpy(),
+                                      qd.q_matmul(wq, v[:, None], activation_scheme=spec).numpy()[:, 0])
 
 
 @pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])

@@ -97,7 +97,9 @@ typedef enum qd_scale_dtype { QD_SCALE_F32 = 0, QD_SCALE_F16 = 1, QD_SCALE_BF16 
 /* Quantizes x [rows, cols] in blocks of [block_rows, block_cols]:
  *   scale = (2*amax)/(b - a) in float32, stored in scale_dtype rounded up
  *   (1.0 for an all-zero block); q = clamp(rint(x / scale), a, b) with an
- *   IEEE float32 division and round half to even.
+ *   IEEE float32 division and round half to even.  That assumes the default
+ *   floating-point environment (round to nearest, no flush-to-zero): a caller
+ *   that changed it gets divisions and rint in its mode.
  * scales: [rows/block_rows, cols/block_cols] float32 (the stored values).
  * bad_index (optional): on QD_ERR_NOT_FINITE, the flat index of the first
  * NaN/Inf; on QD_ERR_SCALE_OVERFLOW, the flat index of the offending scale. */
