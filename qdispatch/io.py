@@ -67,6 +67,9 @@ _CODE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items() if k != "BF16"}
 _SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 _TENSOR_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "int32": "I32"}
 _KINDS = ("qtensor", "tensor", "array", "alias")
+_RECORD_KEYS = {"qtensor": {"kind", "scheme", "shape", "transposed", "crc32"},
+                "tensor": {"kind", "dtype", "shape", "crc32"}, "array": {"kind", "dtype", "shape", "crc32"},
+                "alias": {"kind", "of", "transposed"}}
 
 
 # ---- atomic writes -------------------------------------------------------------
@@ -187,13 +190,14 @@ def _plan(name, obj):
                   "transposed": bool(obj.transposed)}
         return record, entries, fetch
     if isinstance(obj, Tensor):
-        return ({"kind": "tensor", "dtype": obj.dtype}, [(name, _TENSOR_CODES[obj.dtype], tuple(obj.shape))],
-                lambda: [_little_endian(tensor_stored(obj)[0])])
+        return ({"kind": "tensor", "dtype": obj.dtype, "shape": list(obj.shape)},
+                [(name, _TENSOR_CODES[obj.dtype], tuple(obj.shape))], lambda: [_little_endian(tensor_stored(obj)[0])])
     if isinstance(obj, np.ndarray):
         code = _CODE_OF_NUMPY.get(obj.dtype.newbyteorder("="))
         if code is None:
             raise TypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
-        return {"kind": "array"}, [(name, code, obj.shape)], lambda: [_little_endian(obj)]
+        return ({"kind": "array", "dtype": code, "shape": list(obj.shape)}, [(name, code, obj.shape)],
+                lambda: [_little_endian(obj)])
     raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: "
                     f"expected a QTensor, a Tensor or a numpy array")
 
@@ -312,12 +316,23 @@ def _read_header(path, f):
             f"{path} is truncated or not a safetensors file: its header claims {size} bytes "
             f"but the file holds {file_size}")
     try:
-        header = json.loads(f.read(size))
+        header = json.loads(f.read(size), object_pairs_hook=_without_repeats)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (ValueError, RecursionError) as exc:
         raise SerializationError(f"{path} has a corrupted safetensors header ({exc})") from None
     return header, file_size - 8 - size, 8 + size
+
+
+def _without_repeats(pairs):
+    """A JSON object's dict, refusing a key given twice (json keeps the last one, so
+    a damaged name could hide a tensor)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"the key {_brief(twice)} appears twice in one object")
+    return obj
 
 
 def _metadata(path, header):
@@ -335,7 +350,7 @@ def _metadata(path, header):
             f"{path} has qdispatch format version {version!r}; this qdispatch reads versions 1 to "
             f"{FORMAT_VERSION}: upgrade qdispatch to read it")
     try:
-        records = json.loads(meta[_TENSORS_KEY])
+        records = json.loads(meta[_TENSORS_KEY], object_pairs_hook=_without_repeats)
         if not isinstance(records, dict):
             raise ValueError("not a JSON object")
     except (TypeError, ValueError, RecursionError) as exc:  # TypeError: the metadata is not a string
@@ -361,6 +376,9 @@ def _record_problem(record):
     kind = record.get("kind")
     if kind not in _KINDS:
         return f"unknown kind {_brief(kind)} (expected one of {', '.join(map(repr, _KINDS))})"
+    unknown = sorted(set(record) - _RECORD_KEYS[kind])
+    if unknown:
+        return f"it has the field {_brief(unknown[0])}, which a {kind} record does not hold"
     if kind == "alias":
         if not isinstance(record.get("of"), str):
             return f"its alias target is {_brief(record.get('of'))}"
@@ -371,13 +389,15 @@ def _record_problem(record):
         return f"its crc32 is {_brief(crcs)}, expected a list of {entries} CRC-32 values"
     if kind == "tensor" and not (isinstance(record.get("dtype"), str) and record["dtype"] in _TENSOR_CODES):
         return f"its dtype is {_brief(record.get('dtype'))}, expected one of {', '.join(_TENSOR_CODES)}"
+    if kind == "array" and "dtype" in record and record["dtype"] not in _NUMPY_OF:
+        return f"its dtype is {_brief(record['dtype'])}, expected one of {', '.join(_NUMPY_OF)}"
+    shape = record.get("shape")  # always in a QTensor's record; in files of later releases, in the others'
+    if (kind == "qtensor" or shape is not None) and not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        return f"its shape is {_brief(shape)}, expected a list of sizes"
     if kind != "qtensor":
         return None
     if not isinstance(record.get("scheme"), dict):
         return f"its scheme is {_brief(record.get('scheme'))}, expected a JSON object"
-    shape = record.get("shape")
-    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-        return f"its shape is {_brief(shape)}, expected a list of sizes"
     if not isinstance(record.get("transposed"), bool):
         return f"its transposed flag is {_brief(record.get('transposed'))}, expected true or false"
     return None
@@ -390,16 +410,40 @@ def _brief(value, limit=60):
 
 
 def _check_complete(path, header, data_size, records):
+    """Every record's entries are there, and the entries tile the data section, in
+    some order, as safetensors requires: no overlap (a small file that names its
+    bytes many times would load as a large one), no hole, no entry no record names."""
+    spans = []
     for name, record in records.items():
         for key in _entry_keys(name, record):
             info = header.get(key)
             if not isinstance(info, dict):
                 raise SerializationError(f"Tensor {name!r} in {path} is missing its entry {key!r}")
-            _, end = _offsets(info)
-            if _is_count(end) and end > data_size:
+            begin, end = _offsets(info)
+            if not (_is_count(begin) and _is_count(end) and begin <= end):
+                raise SerializationError(f"Tensor {name!r} in {path}: entry {key!r} has data_offsets "
+                                         f"{_brief(info.get('data_offsets'))}, expected [begin, end] byte offsets")
+            if end > data_size:
                 raise SerializationError(
                     f"Tensor {name!r} in {path} is truncated: its data ends at byte {end} of the "
                     f"data section but the file holds {data_size}; the file is incomplete, write it again")
+            spans.append((begin, end, key))
+    named = {key for _, _, key in spans}
+    stray = sorted(key for key in header if key != _METADATA and key not in named)
+    if stray:
+        raise SerializationError(f"{path} has the entry {stray[0]!r}, which no tensor record names: the "
+                                 f"header does not match its metadata")
+    reached, last = 0, None
+    for begin, end, key in sorted(spans):
+        if begin != reached:
+            where = f"after {last!r}" if last is not None else "at its start"
+            raise SerializationError(
+                f"{path}: entry {key!r} begins at byte {begin} of the data section, {where} the data "
+                f"reaches byte {reached}; entries must cover the data without overlap or holes")
+        reached, last = end, key
+    if reached != data_size:
+        raise SerializationError(f"{path}: its entries cover {reached} bytes of a data section of {data_size}; "
+                                 f"the file does not match its header")
 
 
 def load(path, device=None, names=None):
@@ -552,6 +596,10 @@ def _decode(name, record, entries, dev):
     if kind == "qtensor":
         return _decode_qtensor(name, record, entries, dev, crcs)
     code, shape = entries.format(name, name)
+    said = (record.get("dtype", code) if kind == "array" else code, record.get("shape", shape))
+    if said != (code, shape):
+        raise SerializationError(f"Tensor {name!r}: its entry holds {code}{shape} but its record says "
+                                 f"{said[0]}{said[1]}; the file does not match its metadata")
     if kind == "tensor":
         dtype = record["dtype"]
         arr = entries.read(name, name, _TENSOR_CODES[dtype], shape, crcs[0])

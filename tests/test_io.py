@@ -497,7 +497,7 @@ def test_malformed_record_names_the_tensor_and_the_field(saved, name, change, me
 @pytest.mark.parametrize("change,message", [
     (lambda h: h.update({"__metadata__": ["qdispatch"]}), "its __metadata__ is \\['qdispatch'\\], not a JSON object"),
     (lambda h: h["__metadata__"].update({"qdispatch.tensors": {"small": {}}}), "corrupted qdispatch metadata"),
-    (lambda h: h["small"].update({"data_offsets": 8}), "'small'.*spans bytes None to None"),
+    (lambda h: h["small"].update({"data_offsets": 8}), "'small'.*has data_offsets 8, expected \\[begin, end\\]"),
     (lambda h: h["small"].update({"dtype": "F8_E4M3"}), "'small'.*has dtype 'F8_E4M3', expected one of F64"),
     (lambda h: h["small"].update({"shape": 2}), "'small'.*has no valid shape \\(2\\)"),
 ], ids=["metadata a list", "records not a string", "offsets a number", "unknown dtype", "shape a number"])
@@ -505,6 +505,68 @@ def test_malformed_header_is_a_serialization_error(saved, change, message):
     rewrite_metadata(saved, change)
     with pytest.raises(SerializationError, match=message):
         qd.load(saved)
+
+
+def test_entries_must_tile_the_data_section(tmp_path):
+    """Entries that overlap (a tiny file naming its bytes many times would load as a
+    large one), leave a hole, or that no record names are refused when the file opens."""
+    path = tmp_path / "a.st"
+    qd.save(path, {f"a{i}": np.full(1024, i, np.uint8) for i in range(3)})
+
+    def all_at_start(h):
+        for key in ("a1", "a2"):
+            h[key]["data_offsets"] = [0, 1024]
+        meta = json.loads(h["__metadata__"]["qdispatch.tensors"])
+        for key in ("a1", "a2"):  # their CRCs made right: only the overlap is wrong
+            meta[key]["crc32"] = meta["a0"]["crc32"]
+        h["__metadata__"]["qdispatch.tensors"] = json.dumps(meta)
+    for change, message in (
+            (all_at_start, r"entry 'a1' begins at byte 0 of the data section, after 'a0' the data reaches byte 1024"),
+            (lambda h: h["a0"].update({"data_offsets": [0, 1000], "shape": [1000]}),
+             r"entry 'a1' begins at byte 1024 .*after 'a0' the data reaches byte 1000; .*without overlap or holes"),
+            (lambda h: h.update({"stray": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}),
+             r"the entry 'stray', which no tensor record names")):
+        broken = tmp_path / "broken.st"
+        broken.write_bytes(path.read_bytes())
+        rewrite_metadata(broken, change)
+        with pytest.raises(SerializationError, match=message):
+            qd.load(broken)
+    broken.write_bytes(path.read_bytes() + b"\0" * 8)  # bytes past the last entry
+    with pytest.raises(SerializationError, match="entries cover 3072 bytes of a data section of 3080"):
+        qd.load(broken)
+
+
+def test_a_header_or_record_edit_that_would_change_what_loads_is_refused(tmp_path):
+    """The CRCs cover the data, not the header: a record holds every field a load
+    reads (a tensor's shape, an array's dtype too), refuses fields it does not know
+    and names given twice, so a damaged header can't change what loads."""
+    path = tmp_path / "s.st"
+    q = qd.quantize(data(), QuantScheme("q8s", block=(1, 32)), device="reference")
+    qd.save(path, {"t": qd.tensor(np.arange(15, dtype=np.float32).reshape(3, 5)), "a": np.arange(4),
+                   "w": q, "wT": q.T})
+    raw = path.read_bytes()
+    for old, new, message in (
+            (b'"shape":[3,5]', b'"shape":[5,3]', r"'t': its entry holds F32\[5, 3\] but its record says F32\[3, 5\]"),
+            (b'"dtype":"I64"', b'"dtype":"F64"', r"'a': its entry holds F64\[4\] but its record says I64\[4\]"),
+            (b'transposed\\": true', b'uransposed\\": true', r"'wT' .*has the field 'uransposed', which an? alias"),
+            (b'\\"t\\":', b'\\"a\\":', r"the key '\"?a\"?' appears twice")):
+        assert raw.count(old) == 1, old
+        broken = tmp_path / "broken.st"
+        broken.write_bytes(raw.replace(old, new))
+        with pytest.raises(SerializationError, match=message):
+            qd.load(broken)
+
+
+def test_files_whose_records_lack_the_later_fields_still_load(tmp_path):
+    """Files of earlier releases: tensor and array records without shape or dtype."""
+    path = tmp_path / "old.st"
+    qd.save(path, {"t": qd.tensor(np.arange(6, dtype=np.float32).reshape(2, 3)), "a": np.arange(4)})
+    for name in ("t", "a"):
+        rewrite_record(path, name, lambda r: {k: v for k, v in r.items() if k not in ("shape", "dtype")}
+                       | ({"dtype": r["dtype"]} if r["kind"] == "tensor" else {}))
+    back = qd.load(path)
+    np.testing.assert_array_equal(back["t"].numpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(back["a"], np.arange(4))
 
 
 def test_damaged_dim_fails_at_once(tmp_path):
