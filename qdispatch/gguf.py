@@ -119,10 +119,25 @@ def load(path, device=None):
         backend_for(device)  # an unavailable device fails before any reading
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError) as exc:
-        raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): {exc}") from None
+    except (ValueError, IndexError, KeyError, OverflowError, RecursionError) as exc:  # RecursionError: nested arrays
+        raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): "
+                                 f"{type(exc).__name__}: {exc}") from None
+    _check_offsets(path, reader)
     swapped = reader.byte_order == "S"  # a big-endian file (as gguf_convert_endian writes) on a little-endian host
     return {t.name: _load_tensor(path, t, device, swapped) for t in reader.tensors}
+
+
+def _check_offsets(path, reader):
+    """Each tensor's data starts where the one before it ends, rounded up to the
+    file's alignment, as ggml requires (the gguf reader does not check): tensors that
+    overlap would load one file's bytes many times over, or as another's garbage."""
+    expected = reader.data_offset
+    for t in reader.tensors:
+        if int(t.data_offset) != expected:
+            raise SerializationError(
+                f"Tensor {t.name!r} in {path} starts at byte {int(t.data_offset)} of the file, where the "
+                f"tensors before it end at {expected} (aligned to {reader.alignment} bytes): the file is corrupted")
+        expected += -(-int(t.n_bytes) // reader.alignment) * reader.alignment
 
 
 def _load_tensor(path, t, device, swapped):
@@ -133,7 +148,12 @@ def _load_tensor(path, t, device, swapped):
         data = np.array(t.data)  # a copy: the reader's memory map must not outlive it
         if dtype == "bfloat16":  # the reader gives its bytes, in the file's order (F32 and F16 come as numbers)
             data = data.view(np.uint16).byteswap() if swapped else data.view(np.uint16)
-        return tensor(data.reshape(shape), device=device, dtype=dtype)
+        try:
+            data = data.reshape(shape)
+        except ValueError as exc:  # an empty tensor with a dim numpy can't hold, say
+            raise SerializationError(f"Tensor {t.name!r} in {path} has shape {shape}, which its {data.size} values "
+                                     f"can't take ({exc}): the file is corrupted") from None
+        return tensor(data, device=device, dtype=dtype)
     if kind not in _QUANT_TYPES:
         raise SerializationError(
             f"Tensor {t.name!r} in {path} is {kind}, which qdispatch does not read: supported "

@@ -2,6 +2,7 @@
 changing a value, and QTensors whose scheme fits export back."""
 import argparse
 import os
+import struct
 import warnings
 
 import numpy as np
@@ -134,6 +135,47 @@ def test_truncated_file(tmp_path):
     (tmp_path / "m.gguf").write_bytes((tmp_path / "m.gguf").read_bytes()[:end - 5])
     with pytest.raises(SerializationError, match="not a readable GGUF file"):
         qgguf.load(tmp_path / "m.gguf")
+
+
+def raw_gguf(path, tensors, kvs=b"", kv_count=0, data=b""):
+    """A GGUF v3 file by hand: tensors [(name, dims, ggml type, offset)], then data."""
+    def text(b):
+        return struct.pack("<Q", len(b)) + b
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), kv_count + 1)
+    head += text(b"general.architecture") + struct.pack("<I", 8) + text(b"llama") + kvs
+    for name, dims, kind, offset in tensors:
+        head += text(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        head += struct.pack("<IQ", kind, offset)
+    path.write_bytes(head + b"\0" * (-len(head) % 32) + data)
+
+
+def test_tensors_that_overlap_or_start_off_their_place_are_refused(tmp_path):
+    """ggml requires each tensor to start where the one before ends (aligned); the
+    gguf reader does not check, so a small file naming one tensor's bytes many times
+    would load as many copies, and a tensor inside another as garbage."""
+    data = np.arange(1024, dtype=np.float32).tobytes()
+    path = tmp_path / "m.gguf"
+    raw_gguf(path, [(f"t{i}".encode(), [1024], int(T.F32), 0) for i in range(100)], data=data)
+    with pytest.raises(SerializationError, match=r"'t1' in .*m.gguf starts at byte \d+ of the file, where the "
+                                                 r"tensors before it end at \d+ \(aligned to 32 bytes\)"):
+        qgguf.load(path)
+    raw_gguf(path, [(b"a", [8], int(T.F32), 0), (b"b", [8], int(T.F32), 1)], data=data[:64])
+    with pytest.raises(SerializationError, match="'b' in .*starts at byte"):
+        qgguf.load(path)
+    raw_gguf(path, [(b"a", [8], int(T.F32), 0), (b"b", [8], int(T.F32), 32)], data=data[:64])
+    back = qgguf.load(path)  # in place: loads
+    np.testing.assert_array_equal(back["b"].numpy(), np.arange(8, 16, dtype=np.float32))
+
+
+def test_a_file_the_reader_chokes_on_is_a_serialization_error(tmp_path):
+    path = tmp_path / "m.gguf"
+    deep = struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2000
+    raw_gguf(path, [], kvs=deep + struct.pack("<IQ", 4, 0), kv_count=1)  # arrays of arrays, 2000 deep
+    with pytest.raises(SerializationError, match="not a readable GGUF file .*RecursionError"):
+        qgguf.load(path)
+    raw_gguf(path, [(b"bf", [0, 2**62], int(T.BF16), 0)])  # no values, a dim numpy can't hold
+    with pytest.raises(SerializationError, match=r"'bf' in .*has shape \(4611686018427387904, 0\), which its 0 values"):
+        qgguf.load(path)
 
 
 # ---- export ---------------------------------------------------------------------------
