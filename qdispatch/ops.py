@@ -9,7 +9,7 @@ import numpy as np
 
 from ._core import QTensor, Tensor
 from .errors import NonFiniteError, ShapeError
-from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32
+from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
 from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation
 
@@ -173,17 +173,30 @@ def int_matmul(backend, a, b):
             raise TypeError(f"int_matmul's {side} must be int8 data, got {got}: use q_matmul for QTensors")
     a, b, row, col = _vectors_as_matrices(backend, a, b)
     ls, rs, batch = _shapes(a, b, "int_matmul")
-    if ls[-1] > INT32_EXACT_K:
-        raise ShapeError(
-            f"int_matmul with K={ls[-1]} could overflow int32 (exact up to K={INT32_EXACT_K}): "
-            f"split K into chunks and add the int32 results in int64")
     out_shape = batch + (ls[-2], rs[-1])
-    payload = _batched(backend, lambda x, y: backend.int_matmul(x.payload, y.payload), a, b,
-                       batch, out_shape, dtype="int32")
+    if ls[-1] > INT32_EXACT_K:  # past the K whose int32 sums never overflow
+        kernel = lambda x, y: _int_matmul_in_pieces(backend, x.payload, y.payload, ls[-1], a.index)
+    else:
+        kernel = lambda x, y: backend.int_matmul(x.payload, y.payload)
+    payload = _batched(backend, kernel, a, b, batch, out_shape, dtype="int32")
     if row or col:
         out_shape = _without_vector_dims(out_shape, row, col)
         payload = backend.reshape(payload, out_shape)
     return Tensor(payload, "int32", out_shape, a.kind, a.index)
+
+
+def _int_matmul_in_pieces(backend, a, b, K, index):
+    """int_matmul of a [M, K] and b [K, N] past int32's exact K: the int32 products
+    of pieces of K added in int64, given as int32 where every sum fits it."""
+    a_k_first = backend.transpose2(a)
+    sums = summed_in_pieces(lambda s, e: backend.to_host(backend.int_matmul(
+        backend.transpose2(backend.slice_rows(a_k_first, s, e)), backend.slice_rows(b, s, e))), 0, K)
+    past = (sums < np.iinfo(np.int32).min) | (sums > np.iinfo(np.int32).max)
+    if past.any():
+        at = tuple(int(i) for i in np.unravel_index(int(np.argmax(past)), sums.shape))
+        raise ShapeError(f"int_matmul's sum at {at} over K={K} is {int(sums[at])}, past the int32 it returns: "
+                         f"split K into parts and add their int32 results in int64")
+    return backend.from_host(sums.astype(np.int32), index)
 
 
 def _vectors_as_matrices(backend, lhs, rhs):

@@ -56,8 +56,23 @@ def test_largest_exact_k(device):
     b = np.full((k, 2), -128, np.int8)
     out = qd.int_matmul(qd.tensor(a, device=device), qd.tensor(b, device=device)).numpy()
     np.testing.assert_array_equal(out, [[k * 16384, k * 16384]])
-    with pytest.raises(qd.ShapeError, match="exact up to K=131071"):
-        qd.int_matmul(np.zeros((1, k + 1), np.int8), np.zeros((k + 1, 1), np.int8))
+
+
+@pytest.mark.parametrize("k", [131072, 2 * 65536 + 77, 3 * 65536])
+def test_k_past_int32s_exact_range_sums_in_pieces(device, rng, k):
+    """Past K = 131071 the int32 sums are of pieces of K, added in int64: exact, and
+    an int32 result wherever the sums fit; a sum past int32 is refused by position."""
+    a = rng.integers(-128, 128, size=(2, 3, k), dtype=np.int8)  # batched, as other K are
+    b = rng.integers(-128, 128, size=(k, 5), dtype=np.int8)
+    out = qd.int_matmul(qd.tensor(a, device=device), qd.tensor(b, device=device))
+    assert out.dtype == "int32" and out.shape == (2, 3, 5)
+    np.testing.assert_array_equal(out.numpy(), a.astype(np.int64) @ b.astype(np.int64))
+    top = np.full((1, k), -128, np.int8)
+    cols = np.full((k, 2), -128, np.int8)
+    cols[1:, 1] = 0  # the sum at (0, 1) fits, the one at (0, 0) does not
+    with pytest.raises(qd.ShapeError, match=rf"int_matmul's sum at \(0, 0\) over K={k} is {k * 16384}, past "
+                                            r"the int32 it returns: split K"):
+        qd.int_matmul(qd.tensor(top, device=device), qd.tensor(cols, device=device))
 
 
 def test_vector_and_batch_shapes(device, rng):
