@@ -317,6 +317,37 @@ def test_a_worker_forked_after_threaded_kernels_runs_them_on_one_thread(tmp_path
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_threads_meeting_a_fresh_weight_pack_it_once(rng, monkeypatch):
+    """The panels of a weight used in its lazily packed orientation (x @ w, w not
+    transposed) are built by one thread while the others wait: every thread packing
+    its own copy cost N times the time and memory."""
+    from qdispatch.backends import cpu as cpu_backend
+    real, packs = cpu_backend._cpu.PackedWeights, []
+
+    def slow_pack(*args):
+        packs.append(args[0].shape)
+        time.sleep(0.05)  # hold the window open: the others arrive meanwhile
+        return real(*args)
+    monkeypatch.setattr(cpu_backend._cpu, "PackedWeights", slow_pack)
+    w = qd.quantize(rng.standard_normal((256, 128)).astype(np.float32), qd.QuantScheme("q8s", axis=1), device="cpu")
+    packs.clear()  # a weight's own orientation is packed as it is made
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    results, start = [None] * 8, threading.Barrier(8)
+
+    def work(i):
+        start.wait()
+        results[i] = qd.q_matmul(x, w).numpy()
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert packs == [(128, 256)]
+    want = qd.q_matmul(x, w.to("reference")).numpy()
+    for got in results:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_gil_is_released_during_kernels(rng, threads):
     """Another Python thread keeps running while one long kernel call runs; with
     the GIL held it would get no turn until the call returned."""

@@ -5,6 +5,7 @@ created on or moved to cpu; a weight used in the other orientation is packed
 on first use and kept."""
 import operator
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -13,6 +14,8 @@ from .. import quantmath
 from .._core import BackendKind, register_backend
 from ..errors import BackendUnavailableError
 from .host import HostBackend
+
+_PACKING = threading.Lock()
 
 try:
     from .. import _cpu
@@ -142,7 +145,12 @@ class CpuBackend(HostBackend):
         K = R when `transposed_pack`."""
         key = ("panels", transposed_pack)
         panels = storage.cache.get(key)
-        if panels is None:
+        if panels is not None:
+            return panels
+        with _PACKING:  # threads meeting a fresh weight pack it once (packing runs without the GIL)
+            panels = storage.cache.get(key)
+            if panels is not None:
+                return panels
             if values is None:
                 values, _ = self.qstorage_to_host(storage, layout)
             scales, block = storage.scales, layout.block
