@@ -345,8 +345,8 @@ def within_float32(arr):
     past = np.isinf(narrow) & np.isfinite(arr)
     if past.any():
         at = tuple(int(i) for i in np.unravel_index(int(np.argmax(past)), arr.shape))
-        raise NonFiniteError(f"Can't quantize data holding {float(arr[at]):g} at position {at}: quantize works in "
-                             f"float32, whose range ends at {float(np.finfo(np.float32).max):g}; scale the data "
+        raise NonFiniteError(f"Can't quantize data holding {float(arr[at])!r} at position {at}: quantize works in "
+                             f"float32, whose range ends at {float(np.finfo(np.float32).max)!r}; scale the data "
                              f"down first")
     return narrow
 

@@ -63,6 +63,8 @@ __all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "QEmbedding", "
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CUDA_VIEW_DTYPES = {**_KERNEL_DTYPES, torch.int8: "int8", torch.int32: "int32"}
+# the float weights a checkpoint may hold for a quantized layer to quantize
+_CHECKPOINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _EMBEDDING_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # QEmbedding's outputs
 _NUMPY_VIEW_DTYPES = (torch.float32, torch.float16, torch.int8, torch.int32)  # not bfloat16
 # torch's current stream on a GPU as a raw handle (0: the legacy default stream)
@@ -549,7 +551,7 @@ def _weight_read_once(state, device, read):
 def _check_stored_weight(state, owner):
     """Refuse an extra state that is not what _stored_weight writes (a checkpoint of
     another format, say), before its parts are read; `owner` names the module."""
-    if not (isinstance(state, dict) and isinstance(state.get("scheme"), dict) and "transposed" in state
+    if not (isinstance(state, dict) and isinstance(state.get("scheme"), dict) and isinstance(state.get("transposed"), bool)
             and all(isinstance(state.get(key), torch.Tensor) for key in ("qvalues", "qscales"))
             and ("format" not in state or (state["format"] == _STATE_FORMAT and isinstance(state.get("shape"), list)))):
         got = ({key: type(value).__name__ for key, value in state.items()} if isinstance(state, dict)
@@ -559,10 +561,20 @@ def _check_stored_weight(state, owner):
                                  f"{_STATE_FORMAT}, as state_dict() writes it; got {got}")
 
 
+def _brief_record(record, limit=80):
+    text = repr(record)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _weight_from_state(state, owner, device):
     """The QTensor of extra state `state` (either format) on `device`; the QTensor
     keeps arrays of its own, and the state dict's tensors stay the caller's."""
-    scheme, transposed = QuantScheme.from_record(state["scheme"]), state["transposed"]
+    try:
+        scheme = QuantScheme.from_record(state["scheme"])
+    except (TypeError, ValueError) as exc:  # a record of unknown fields or values
+        raise SerializationError(f"a {owner}'s _extra_state holds no scheme qdispatch reads "
+                                 f"({_brief_record(state['scheme'])}): {exc}") from None
+    transposed = state["transposed"]
     values, scales = state["qvalues"], state["qscales"]
     if "format" not in state:  # format 1: int8 values and float32 scales, in storage orientation
         return tensor_api.qtensor_from_stored(_from_torch_stored(values), _from_torch_stored(scales), scheme,
@@ -674,8 +686,8 @@ class _QuantizedModule(torch.nn.Module):
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
-        except ShapeError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
-            raise ShapeError(f"{prefix}weight: {exc}") from exc
+        except QDispatchError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
+            raise type(exc)(f"{prefix}_extra_state: {exc}") from exc
         # A float checkpoint (an nn.Linear's or nn.Embedding's "weight") is quantized
         # into this module's scheme as it loads, so a model built empty never holds
         # all its float weights.
@@ -686,6 +698,11 @@ class _QuantizedModule(torch.nn.Module):
             if key in keys:
                 keys.remove(key)
         weight = state_dict[weight_key]
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in _CHECKPOINT_DTYPES:
+            got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise TypeError(f"{weight_key}: a float checkpoint's weight is a float32, float16, bfloat16 or "
+                            f"float64 torch tensor, got {got} (a quantized checkpoint holds {state_key}; a "
+                            f"QTensor goes in as `layer.weight = qtensor`)")
         if tuple(weight.shape) != self.weight.shape:
             error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
                               f"but this {type(self).__name__}'s is {self.weight.shape}")
@@ -842,6 +859,8 @@ class QEmbedding(_QuantizedModule):
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
         if _transformed():
             return _Lookup.apply(ids, self)
+        if _is_compiling():  # as q_matmul: the lookup runs as it is, between graph breaks
+            return _lookup_between_graph_breaks(self, ids)
         return self._lookup(ids)
 
     def _lookup(self, ids):
@@ -873,6 +892,10 @@ class QEmbedding(_QuantizedModule):
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
                 f"dtype={self.dtype}, scheme={self.weight.scheme!r}, device='{self.weight.device}'"
                 + ("" if self.check_ids else ", check_ids=False"))
+
+
+_lookup_between_graph_breaks = (torch.compiler.disable(QEmbedding._lookup) if hasattr(torch, "compiler")
+                                else QEmbedding._lookup)
 
 
 class _Lookup(torch.autograd.Function):
@@ -1056,9 +1079,12 @@ def save_model(model, path):
         if leaf == "_extra_state" and prefix in quantized:
             tensors[_joined(prefix, "weight")] = quantized[prefix].weight
         elif isinstance(value, torch.Tensor):
-            if value.dtype not in _SAVABLE_DTYPES:
-                raise TypeError(f"save_model can't save {key!r}, a {value.dtype} tensor: the file holds bool, "
-                                f"integer and real float tensors (use torch.save for other state)")
+            if value.dtype not in _SAVABLE_DTYPES or value.layout != torch.strided or value.is_nested \
+                    or value.is_meta:
+                what = ("meta" if value.is_meta else "nested" if value.is_nested
+                        else str(value.layout).replace("torch.", "") if value.layout != torch.strided else value.dtype)
+                raise TypeError(f"save_model can't save {key!r}, a {what} tensor: the file holds dense bool, "
+                                f"integer and real float tensors with values (use torch.save for other state)")
             # a float parameter under several names converts once, so the file holds it once
             same = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), value.stride())
             if same not in converted:

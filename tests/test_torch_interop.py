@@ -424,7 +424,7 @@ def test_qlinear_state_dict_round_trip_through_torch_save(tmp_path):
     x = torch.randn(5, 32)
     torch.testing.assert_close(fresh(x), model(x), rtol=1e-5, atol=1e-5)  # another backend's sums
     narrow = torch.nn.Sequential(QLinear(weight((12, 16), SCHEMES[0], DEVICES[0])))
-    with pytest.raises(ShapeError, match=r"^0\.weight: .*shape \(12, 32\).*\(12, 16\)"):
+    with pytest.raises(ShapeError, match=r"^0\._extra_state: .*shape \(12, 32\).*\(12, 16\)"):
         narrow.load_state_dict({"0._extra_state": state["0._extra_state"]})
     foreign = {**state["0._extra_state"], "qvalues": state["0._extra_state"]["qvalues"].numpy()}
     for bad, named in ((None, "got NoneType"), (foreign, "'qvalues': 'ndarray'"),
@@ -986,10 +986,12 @@ def test_save_model_keeps_every_buffer_dtype_a_file_holds_and_names_the_others(t
     load_model(twin, tmp_path / "model.safetensors")
     for i, dtype in enumerate(held):
         assert getattr(twin, f"b{i}").dtype == dtype and torch.equal(getattr(twin, f"b{i}"), getattr(model, f"b{i}"))
-    for dtype in (torch.complex64, torch.float8_e4m3fn):
+    for buffer, what in ((torch.zeros(3, dtype=torch.complex64), "torch.complex64"),
+                         (torch.zeros(3, dtype=torch.float8_e4m3fn), "torch.float8_e4m3fn"),
+                         (torch.zeros(3).to_sparse(), "sparse_coo"), (torch.zeros(3, device="meta"), "meta")):
         odd = quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), SCHEMES[0])
-        odd.register_buffer("odd", torch.zeros(3, dtype=dtype))
-        with pytest.raises(TypeError, match=f"save_model can't save 'odd', a {dtype} tensor: .*use torch.save"):
+        odd.register_buffer("odd", buffer)
+        with pytest.raises(TypeError, match=f"save_model can't save 'odd', a {what} tensor: .*use torch.save"):
             save_model(odd, tmp_path / "odd.safetensors")
         assert not (tmp_path / "odd.safetensors").exists()
 
@@ -1031,6 +1033,49 @@ def test_torch_compile_runs_around_qdispatch():
     got.sum().backward()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, want_grad, rtol=0, atol=0)
+
+
+def test_torch_compile_runs_a_qembedding_lookup_between_graph_breaks():
+    """A compiled QEmbedding under inference_mode: torch's tracer in the lookup's
+    host code failed a guard before."""
+    from qdispatch.torch import QEmbedding
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(QEmbedding.from_embedding(torch.nn.Embedding(20, 16), QuantScheme("q8s", axis=0),
+                                                          device=DEVICES[-1]), torch.nn.ReLU())
+    ids = torch.tensor([[1, 2, 3], [19, 0, 4]])
+    want = model(ids)
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(ids), want, rtol=0, atol=0)
+    torch.testing.assert_close(compiled(ids), want, rtol=0, atol=0)
+
+
+def test_a_float_checkpoint_weight_that_is_no_float_tensor_is_named():
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)))
+    quantize_linears(model, SCHEMES[0])
+    for weight, got in ((qd.quantize(np.ones((4, 8), np.float32), "q8s"), "QTensor"), (np.ones((4, 8)), "ndarray"),
+                        (None, "NoneType"), (torch.ones(4, 8, dtype=torch.int32), "torch.int32"),
+                        (torch.ones(4, 8).to(torch.float8_e4m3fn), "torch.float8_e4m3fn")):
+        with pytest.raises(TypeError, match=rf"^0\.0\.weight: a float checkpoint's weight is a float32, .* got {got} "
+                                            rf"\(a quantized checkpoint holds 0\.0\._extra_state"):
+            model.load_state_dict({"0.0.weight": weight})
+
+
+def test_a_damaged_extra_state_is_named_by_its_layer():
+    """Every error of a damaged extra state says which layer's, in a nested model,
+    and a record that does not hold what state_dict() writes is a SerializationError."""
+    scheme = QuantScheme("q4f", block=(1, 4), store="packed_u32", scale_dtype="bf16")
+    model = torch.nn.Sequential(torch.nn.Sequential(QLinear.from_linear(torch.nn.Linear(12, 8, bias=False), scheme)))
+    state = model.state_dict()["0.0._extra_state"]
+    stray = {**state, "qvalues": state["qvalues"].clone().fill_(-1)}
+    for bad, error, said in (
+            ({**state, "qscales": state["qscales"].clone().fill_(float("nan"))}, qd.SerializationError, "NaN or Inf"),
+            (stray, qd.SerializationError, "bits set outside"),
+            ({**state, "transposed": "False"}, qd.SerializationError, "a 'transposed' flag"),
+            ({**state, "scheme": {**state["scheme"], "zero_point": 3}}, qd.SerializationError, "holds no scheme"),
+            ({**state, "shape": [8, 9]}, qd.QuantSchemeError, "")):
+        with pytest.raises(error, match=rf"^0\.0\._extra_state: .*{said}"):
+            model.load_state_dict({"0.0._extra_state": bad})
 
 
 def test_quantize_takes_a_parameter_by_its_values():
