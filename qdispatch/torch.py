@@ -497,12 +497,20 @@ def _from_torch_stored(t):
     return t.numpy()
 
 
-def _stored_weight(w):
+def _stored_weight(w, on_meta=False):
     """QTensor w as a QLinear's extra state: its values and scales as qdispatch
-    stores them, as torch tensors, its scheme, shape and orientation as plain values."""
-    values, scales = encode_qtensor("weight", w, op="put in a state_dict")
-    return {"format": _STATE_FORMAT, "qvalues": _to_torch_stored(values), "qscales": _to_torch_stored(scales),
-            "scheme": w.layout.scheme.to_record(), "shape": list(w.shape), "transposed": bool(w.transposed)}
+    stores them, as torch tensors (`on_meta`: tensors without values, of their
+    dtypes and shapes), its scheme, shape and orientation as plain values."""
+    scheme = w.layout.scheme
+    if on_meta:
+        dtypes = (_STORED_DTYPES["packed_u32" if scheme.store == "packed_u32" else "int8"],
+                  _STORED_DTYPES[scheme.scale_dtype])
+        values, scales = (torch.empty(shape, dtype=dtype, device="meta")
+                          for shape, dtype in zip(stored_shapes(scheme, w.layout), dtypes))
+    else:
+        values, scales = (_to_torch_stored(part) for part in encode_qtensor("weight", w, op="put in a state_dict"))
+    return {"format": _STATE_FORMAT, "qvalues": values, "qscales": scales,
+            "scheme": scheme.to_record(), "shape": list(w.shape), "transposed": bool(w.transposed)}
 
 
 # state_dict() and load_state_dict() keep a shared weight shared.  One state_dict()
@@ -566,15 +574,21 @@ def _brief_record(record, limit=80):
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _weight_from_state(state, owner, device):
+def _weight_from_state(state, owner, device, values=True):
     """The QTensor of extra state `state` (either format) on `device`; the QTensor
-    keeps arrays of its own, and the state dict's tensors stay the caller's."""
+    keeps arrays of its own, and the state dict's tensors stay the caller's.
+    Without `values`: zeros of the state's shape and scheme, its tensors unread."""
     try:
         scheme = QuantScheme.from_record(state["scheme"])
     except (TypeError, ValueError) as exc:  # a record of unknown fields or values
         raise SerializationError(f"a {owner}'s _extra_state holds no scheme qdispatch reads "
                                  f"({_brief_record(state['scheme'])}): {exc}") from None
     transposed = state["transposed"]
+    if not values:
+        shape = tuple(state["shape"]) if "format" in state else swap_last2(tuple(state["qvalues"].shape)) \
+            if transposed else tuple(state["qvalues"].shape)
+        zeros = tensor_api.qtensor_zeros(swap_last2(shape) if transposed else shape, scheme, device=device)
+        return zeros.T if transposed else zeros
     values, scales = state["qvalues"], state["qscales"]
     if "format" not in state:  # format 1: int8 values and float32 scales, in storage orientation
         return tensor_api.qtensor_from_stored(_from_torch_stored(values), _from_torch_stored(scales), scheme,
@@ -678,8 +692,16 @@ class _QuantizedModule(torch.nn.Module):
     def get_extra_state(self):
         # The quantized weight in state_dict(), as torch tensors and plain values, so
         # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
+        if self.weight is self._unloaded:  # no values yet: as torch gives a meta parameter's
+            return _stored_weight(self.weight, on_meta=True)
         destination = getattr(self, "_destination", None)
         return _stored_weight(self.weight) if destination is None else _stored_weight_once(self.weight, destination)
+
+    def _placeholder(self, shape, scheme):
+        """This layer without values (zeros that refuse to run): what a checkpoint of
+        meta tensors loads."""
+        self.weight = self._unloaded = tensor_api.qtensor_zeros(shape, scheme, device=self.weight.device)
+        self._source = None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -707,11 +729,14 @@ class _QuantizedModule(torch.nn.Module):
             error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
                               f"but this {type(self).__name__}'s is {self.weight.shape}")
             return
-        try:
-            self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device)
-        except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
-            raise type(exc)(f"{weight_key}: {exc}") from exc
-        self._source = self._unloaded = None  # no longer the float weight's values, nor zeros
+        if weight.is_meta:  # no values: the layer holds none either
+            self._placeholder(self.weight.shape, self.weight.scheme)
+        else:
+            try:
+                self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device)
+            except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
+                raise type(exc)(f"{weight_key}: {exc}") from exc
+            self._source = self._unloaded = None  # no longer the float weight's values, nor zeros
         if local_metadata.get("assign_to_params_buffers", False):
             self._moved(weight)  # assign=True: the float dtype follows the checkpoint's, as a Parameter's would
 
@@ -722,8 +747,13 @@ class _QuantizedModule(torch.nn.Module):
             weight = state.read(self.weight.device)
         else:
             _check_stored_weight(state, type(self).__name__)
-            weight = _weight_read_once(state, self.weight.device, lambda: _weight_from_state(
-                state, type(self).__name__, self.weight.device))
+            if state["qvalues"].is_meta or state["qscales"].is_meta:  # a layer's that had no values
+                weight = _weight_from_state(state, type(self).__name__, self.weight.device, values=False)
+                if weight.shape == self.weight.shape:
+                    return self._placeholder(weight.shape, weight.scheme)
+            else:
+                weight = _weight_read_once(state, self.weight.device, lambda: _weight_from_state(
+                    state, type(self).__name__, self.weight.device))
         if weight.shape != self.weight.shape:
             raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
                              f"layer's is {self.weight.shape}")
@@ -1077,7 +1107,11 @@ def save_model(model, path):
     for key, value in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
         if leaf == "_extra_state" and prefix in quantized:
-            tensors[_joined(prefix, "weight")] = quantized[prefix].weight
+            layer = quantized[prefix]
+            if layer.weight is layer._unloaded:
+                raise BackendUnavailableError(f"save_model can't save {prefix!r}: it was made from a layer on "
+                                              f"torch's meta device and has not been loaded, so it holds no values")
+            tensors[_joined(prefix, "weight")] = layer.weight
         elif isinstance(value, torch.Tensor):
             if value.dtype not in _SAVABLE_DTYPES or value.layout != torch.strided or value.is_nested \
                     or value.is_meta:

@@ -1,5 +1,6 @@
 """qdispatch.torch's QEmbedding and quantize_embeddings: nn.Embedding with a quantized table."""
 import copy
+import io
 import json
 import pickle
 
@@ -192,9 +193,21 @@ def test_layers_made_on_the_meta_device_refuse_to_run_until_loaded(tmp_path):
     quantize_linears(quantize_embeddings(empty, INT4), PER_ROW)
     ids, h = torch.tensor([[1, 2, 3]]), torch.randn(2, 64)
     unloaded = r"^this {} was made from a layer on torch's meta device.*load_state_dict\(state, assign=True\)"
-    for layer, arg in ((empty.embed, ids), (empty.head, h), (copy.deepcopy(empty).head, h)):
-        with pytest.raises(qd.BackendUnavailableError, match=unloaded.format(type(layer).__name__)):
-            layer(arg)
+    with torch.device("meta"):
+        meta_float = TinyLM().state_dict()
+    unsaved, buffer = copy.deepcopy(empty), io.BytesIO()
+    torch.save(empty.state_dict(), buffer)
+    buffer.seek(0)
+    unsaved.load_state_dict(torch.load(buffer, weights_only=True))  # a state of no values loads none
+    meta_loaded = copy.deepcopy(empty)
+    meta_loaded.load_state_dict(meta_float, assign=True)  # nor does a float checkpoint on meta
+    for unfilled in (empty, copy.deepcopy(empty), unsaved, meta_loaded):
+        for layer, arg in ((unfilled.embed, ids), (unfilled.head, h)):
+            with pytest.raises(qd.BackendUnavailableError, match=unloaded.format(type(layer).__name__)):
+                layer(arg)
+    assert empty.state_dict()["head._extra_state"]["qvalues"].is_meta
+    with pytest.raises(qd.BackendUnavailableError, match="save_model can't save 'embed': .*meta device"):
+        save_model(empty, tmp_path / "empty.safetensors")
     for load in (lambda m: m.load_state_dict(model.state_dict(), assign=True),
                  lambda m: m.load_state_dict(source.state_dict(), assign=True)):
         loaded = copy.deepcopy(empty)
