@@ -889,9 +889,7 @@ class QEmbedding(_QuantizedModule):
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
         if _transformed():
             return _Lookup.apply(ids, self)
-        if _is_compiling():  # as q_matmul: the lookup runs as it is, between graph breaks
-            return _lookup_between_graph_breaks(self, ids)
-        return self._lookup(ids)
+        return _lookup_outside_dynamo(self, ids)
 
     def _lookup(self, ids):
         # float64 rows are the float32 ones widened: dequantized values are float32's
@@ -924,8 +922,12 @@ class QEmbedding(_QuantizedModule):
                 + ("" if self.check_ids else ", check_ids=False"))
 
 
-_lookup_between_graph_breaks = (torch.compiler.disable(QEmbedding._lookup) if hasattr(torch, "compiler")
-                                else QEmbedding._lookup)
+# torch.compile never traces the lookup's host code (reading ids as numpy): it runs
+# between graph breaks.  Always, not only while tracing as q_matmul: after a graph
+# break torch may compile the lookup's frame on its own, and its guards on the ids
+# then failed under inference_mode.  The wrapper costs about 4 us a lookup.
+_lookup_outside_dynamo = (torch.compiler.disable(QEmbedding._lookup) if hasattr(torch, "compiler")
+                          else QEmbedding._lookup)
 
 
 class _Lookup(torch.autograd.Function):
