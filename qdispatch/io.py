@@ -331,7 +331,7 @@ def _without_repeats(pairs):
     if len(obj) != len(pairs):
         seen = set()
         twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise ValueError(f"the key {_brief(twice)} appears twice in one object")
+        raise ValueError(f"the key {brief(twice)} appears twice in one object")
     return obj
 
 
@@ -340,7 +340,7 @@ def _metadata(path, header):
     meta = header.get(_METADATA) or {}
     if not isinstance(meta, dict):
         raise SerializationError(
-            f"{path} has a corrupted safetensors header: its __metadata__ is {_brief(meta)}, not a JSON object")
+            f"{path} has a corrupted safetensors header: its __metadata__ is {brief(meta)}, not a JSON object")
     version = meta.get(_VERSION_KEY)
     if version is None or _TENSORS_KEY not in meta:
         raise SerializationError(
@@ -360,9 +360,9 @@ def _metadata(path, header):
         if problem is None and record["kind"] == "alias":
             target = records.get(record["of"])
             if not isinstance(target, dict) or target.get("kind") == "alias":
-                problem = f"it is an alias of {_brief(record['of'])}, which names no tensor stored in the file"
+                problem = f"it is an alias of {brief(record['of'])}, which names no tensor stored in the file"
             elif record.get("transposed") and target.get("kind") != "qtensor":
-                problem = f"it is the transpose of {_brief(record['of'])}, which is no QTensor"
+                problem = f"it is the transpose of {brief(record['of'])}, which is no QTensor"
         if problem:
             raise SerializationError(f"Tensor {name!r} in {path} has a corrupted record: {problem}")
     return records
@@ -372,38 +372,38 @@ def _record_problem(record):
     """What is wrong with one tensor's record, or None: checked when the file is
     opened, so that decoding can trust the record's fields and their types."""
     if not isinstance(record, dict):
-        return f"expected a JSON object, got {_brief(record)}"
+        return f"expected a JSON object, got {brief(record)}"
     kind = record.get("kind")
     if kind not in _KINDS:
-        return f"unknown kind {_brief(kind)} (expected one of {', '.join(map(repr, _KINDS))})"
+        return f"unknown kind {brief(kind)} (expected one of {', '.join(map(repr, _KINDS))})"
     unknown = sorted(set(record) - _RECORD_KEYS[kind])
     if unknown:
-        return f"it has the field {_brief(unknown[0])}, which a {kind} record does not hold"
+        return f"it has the field {brief(unknown[0])}, which a {kind} record does not hold"
     if kind == "alias":
         if not isinstance(record.get("of"), str):
-            return f"its alias target is {_brief(record.get('of'))}"
+            return f"its alias target is {brief(record.get('of'))}"
         turned = record.get("transposed", False)
-        return None if isinstance(turned, bool) else f"its transposed flag is {_brief(turned)}, expected true or false"
+        return None if isinstance(turned, bool) else f"its transposed flag is {brief(turned)}, expected true or false"
     crcs, entries = record.get("crc32"), len(_SUFFIXES) if kind == "qtensor" else 1
     if not (isinstance(crcs, list) and len(crcs) == entries and all(_is_crc(c) for c in crcs)):
-        return f"its crc32 is {_brief(crcs)}, expected a list of {entries} CRC-32 values"
+        return f"its crc32 is {brief(crcs)}, expected a list of {entries} CRC-32 values"
     if kind == "tensor" and not (isinstance(record.get("dtype"), str) and record["dtype"] in _TENSOR_CODES):
-        return f"its dtype is {_brief(record.get('dtype'))}, expected one of {', '.join(_TENSOR_CODES)}"
+        return f"its dtype is {brief(record.get('dtype'))}, expected one of {', '.join(_TENSOR_CODES)}"
     if kind == "array" and "dtype" in record and record["dtype"] not in _NUMPY_OF:
-        return f"its dtype is {_brief(record['dtype'])}, expected one of {', '.join(_NUMPY_OF)}"
+        return f"its dtype is {brief(record['dtype'])}, expected one of {', '.join(_NUMPY_OF)}"
     shape = record.get("shape")  # always in a QTensor's record; in files of later releases, in the others'
     if (kind == "qtensor" or shape is not None) and not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-        return f"its shape is {_brief(shape)}, expected a list of sizes"
+        return f"its shape is {brief(shape)}, expected a list of sizes"
     if kind != "qtensor":
         return None
     if not isinstance(record.get("scheme"), dict):
-        return f"its scheme is {_brief(record.get('scheme'))}, expected a JSON object"
+        return f"its scheme is {brief(record.get('scheme'))}, expected a JSON object"
     if not isinstance(record.get("transposed"), bool):
-        return f"its transposed flag is {_brief(record.get('transposed'))}, expected true or false"
+        return f"its transposed flag is {brief(record.get('transposed'))}, expected true or false"
     return None
 
 
-def _brief(value, limit=60):
+def brief(value, limit=60):
     """repr(value), cut short: a damaged field may hold anything, of any length."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -422,7 +422,7 @@ def _check_complete(path, header, data_size, records):
             begin, end = _offsets(info)
             if not (_is_count(begin) and _is_count(end) and begin <= end):
                 raise SerializationError(f"Tensor {name!r} in {path}: entry {key!r} has data_offsets "
-                                         f"{_brief(info.get('data_offsets'))}, expected [begin, end] byte offsets")
+                                         f"{brief(info.get('data_offsets'))}, expected [begin, end] byte offsets")
             if end > data_size:
                 raise SerializationError(
                     f"Tensor {name!r} in {path} is truncated: its data ends at byte {end} of the "
@@ -476,7 +476,7 @@ def _name_list(names):
     except TypeError:
         listed = [None]
     if not all(isinstance(name, str) for name in listed):
-        raise TypeError(f"load's names= takes a list of tensor names (str), got {_brief(names)}")
+        raise TypeError(f"load's names= takes a list of tensor names (str), got {brief(names)}")
     return [_plain(name) for name in listed]
 
 
@@ -558,10 +558,10 @@ class _Entries:
         entry = self.header[key]
         code, shape = entry.get("dtype"), entry.get("shape")
         if not (isinstance(code, str) and code in _NUMPY_OF):
-            raise SerializationError(f"Tensor {name!r}: entry {key!r} has dtype {_brief(code)}, "
+            raise SerializationError(f"Tensor {name!r}: entry {key!r} has dtype {brief(code)}, "
                                      f"expected one of {', '.join(_NUMPY_OF)}")
         if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-            raise SerializationError(f"Tensor {name!r}: entry {key!r} has no valid shape ({_brief(shape)})")
+            raise SerializationError(f"Tensor {name!r}: entry {key!r} has no valid shape ({brief(shape)})")
         return code, shape
 
     def read(self, name, key, code, shape, crc):

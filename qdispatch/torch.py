@@ -51,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
-from .io import decode_qtensor, encode_qtensor, reading as read_stored, save as save_tensors, stored_shapes
+from .io import brief, decode_qtensor, encode_qtensor, reading as read_stored, save as save_tensors, stored_shapes
 from .layout import QLayout, swap_last2
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
                      KernelError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
@@ -477,6 +477,12 @@ _STORED_DTYPES = {"packed_u32": torch.int32, "int8": torch.int8,
                   "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
+def _stored_dtypes(scheme):
+    """The torch dtypes of a weight's stored values and scales in its extra state."""
+    return (_STORED_DTYPES["packed_u32" if scheme.store == "packed_u32" else "int8"],
+            _STORED_DTYPES[scheme.scale_dtype])
+
+
 def _to_torch_stored(a):
     """A torch copy of a stored part: a host weight's stored arrays are its storage,
     which an edit of the state dict must not reach."""
@@ -503,10 +509,8 @@ def _stored_weight(w, on_meta=False):
     dtypes and shapes), its scheme, shape and orientation as plain values."""
     scheme = w.layout.scheme
     if on_meta:
-        dtypes = (_STORED_DTYPES["packed_u32" if scheme.store == "packed_u32" else "int8"],
-                  _STORED_DTYPES[scheme.scale_dtype])
         values, scales = (torch.empty(shape, dtype=dtype, device="meta")
-                          for shape, dtype in zip(stored_shapes(scheme, w.layout), dtypes))
+                          for shape, dtype in zip(stored_shapes(scheme, w.layout), _stored_dtypes(scheme)))
     else:
         values, scales = (_to_torch_stored(part) for part in encode_qtensor("weight", w, op="put in a state_dict"))
     return {"format": _STATE_FORMAT, "qvalues": values, "qscales": scales,
@@ -569,11 +573,6 @@ def _check_stored_weight(state, owner):
                                  f"{_STATE_FORMAT}, as state_dict() writes it; got {got}")
 
 
-def _brief_record(record, limit=80):
-    text = repr(record)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def _weight_from_state(state, owner, device, values=True):
     """The QTensor of extra state `state` (either format) on `device`; the QTensor
     keeps arrays of its own, and the state dict's tensors stay the caller's.
@@ -582,7 +581,7 @@ def _weight_from_state(state, owner, device, values=True):
         scheme = QuantScheme.from_record(state["scheme"])
     except (TypeError, ValueError) as exc:  # a record of unknown fields or values
         raise SerializationError(f"a {owner}'s _extra_state holds no scheme qdispatch reads "
-                                 f"({_brief_record(state['scheme'])}): {exc}") from None
+                                 f"({brief(state['scheme'])}): {exc}") from None
     transposed = state["transposed"]
     if not values:
         shape = tuple(state["shape"]) if "format" in state else swap_last2(tuple(state["qvalues"].shape)) \
@@ -596,9 +595,8 @@ def _weight_from_state(state, owner, device, values=True):
     shape = tuple(state["shape"])
     layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
     wanted = stored_shapes(scheme, layout)
-    dtypes = (_STORED_DTYPES["packed_u32" if scheme.store == "packed_u32" else "int8"],
-              _STORED_DTYPES[scheme.scale_dtype])
-    for part, tensor, shape_wanted, dtype in zip(("qvalues", "qscales"), (values, scales), wanted, dtypes):
+    for part, tensor, shape_wanted, dtype in zip(("qvalues", "qscales"), (values, scales), wanted,
+                                                 _stored_dtypes(scheme)):
         if tuple(tensor.shape) != shape_wanted or tensor.dtype != dtype:
             raise SerializationError(f"a {owner}'s _extra_state {part!r} of a {shape} weight of scheme {scheme} "
                                      f"is a {dtype} tensor of shape {shape_wanted}; got {tensor.dtype} "
