@@ -193,7 +193,10 @@ def _mismatch(x, w, reason):
     """The error for torch tensor x beside QTensor w on another device, as the
     dispatcher words it, with `reason` (why it can't be moved here) after."""
     lhs, rhs = str(x.device), str(w.device)
-    move = f"Move one operand first ({'x.cpu()' if w.device.is_host else f'x.to({rhs!r})'} or w.to({lhs!r}))"
+    if x.is_meta:  # nothing to move: a meta tensor holds no values, and a QTensor can't go there
+        move = "x is on torch's meta device, which holds no values: make it on a device with data"
+    else:
+        move = f"Move one operand first ({'x.cpu()' if w.device.is_host else f'x.to({rhs!r})'} or w.to({lhs!r}))"
     if x.is_cuda and not w.device.is_host:
         return DeviceMismatchError(f"q_matmul inputs are on different devices of the cuda backend: lhs is on "
                                    f"{lhs!r}, rhs is on {rhs!r}. {move}. {reason}")
@@ -1148,6 +1151,12 @@ def load_model(model, path):
             prefix, _, leaf = key.rpartition(".")
             if stored.held_record(key)["kind"] == "qtensor":
                 if leaf != "weight" or prefix not in quantized:
+                    try:
+                        model.get_submodule(prefix)
+                    except AttributeError:  # the file is of another model
+                        raise SerializationError(
+                            f"{path}: {key!r} is a quantized weight of a layer {prefix!r}, which this model does "
+                            f"not have: load_model fills a model of the saved structure") from None
                     raise SerializationError(
                         f"{path}: {key!r} is a quantized weight, but {prefix or 'the model'!r} is not a QLinear "
                         f"or QEmbedding of this model: run quantize_linears(model, scheme) (and "

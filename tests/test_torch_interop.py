@@ -309,7 +309,8 @@ def test_host_input_joins_the_weights_host_backend():
 def test_input_on_a_device_without_backend_is_a_mismatch():
     w = weight((8, 4), SCHEMES[0], DEVICES[-1])
     x = torch.empty(2, 8, device="meta")
-    with pytest.raises(BackendMismatchError, match=f"lhs is on 'meta', rhs is on '{DEVICES[-1]}'"):
+    with pytest.raises(BackendMismatchError, match=f"lhs is on 'meta', rhs is on '{DEVICES[-1]}'. x is on torch's "
+                                                   f"meta device, which holds no values"):
         q_matmul(x, w)
 
 
@@ -1001,6 +1002,9 @@ def test_load_model_into_a_float_model_says_to_quantize_first(tmp_path):
     save_model(quantize_linears(_model(), QuantScheme("q8s", axis=0)), path)
     with pytest.raises(qd.SerializationError, match="'0.up' is not a QLinear.*quantize_linears"):
         load_model(_model(), path)
+    narrower = quantize_linears(torch.nn.Sequential(*list(_model())[:2]), QuantScheme("q8s", axis=0))  # no '2', '3'
+    with pytest.raises(qd.SerializationError, match="weight of a layer '3', which this model does not have"):
+        load_model(narrower, path)
 
 
 def test_quantize_linears_leaves_the_linears_torchs_fused_layers_read_as_tensors():
