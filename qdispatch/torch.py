@@ -1015,7 +1015,42 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
             quantized[id(child)] = _quantized_layer(name, child, quantized_class, scheme, device, ties)
     for _, parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
+    _keep_ties_on_load(model)
     return model
+
+
+# A checkpoint may name a tied weight once (tied embeddings stored under one name):
+# torch copies it into the one shared Parameter, so every layer sees it.  A quantized
+# layer's load replaces its QTensor instead, so the model's load_state_dict passes the
+# new one to the layers that shared the old one and were given no entry of their own.
+def _keep_ties_on_load(model):
+    if getattr(model, "_keeps_ties", False):
+        return
+    model._keeps_ties = True
+    model.register_load_state_dict_pre_hook(_note_ties)
+    model.register_load_state_dict_post_hook(_restore_ties)
+
+
+def _note_ties(model, state_dict, prefix, *_):
+    groups = {}
+    for name, module in model.named_modules(prefix=prefix.rstrip(".")):
+        if isinstance(module, _QuantizedModule):
+            groups.setdefault(id(module.weight), (module.weight, []))[1].append((_joined(name, ""), module))
+    model._ties_before_load = [(weight, layers) for weight, layers in groups.values() if len(layers) > 1]
+
+
+def _restore_ties(model, incompatible_keys):
+    for old, layers in model.__dict__.pop("_ties_before_load", ()):
+        loaded = {id(m.weight): m for _, m in layers if m.weight is not old}
+        if len(loaded) != 1:  # none loaded, or each its own entry (an untied checkpoint)
+            continue
+        source = next(iter(loaded.values()))
+        for layer_prefix, module in layers:
+            if module.weight is old:
+                module.weight, module._source, module._unloaded = source.weight, source._source, source._unloaded
+                for key in (layer_prefix + "_extra_state", layer_prefix + "weight"):
+                    if key in incompatible_keys.missing_keys:
+                        incompatible_keys.missing_keys.remove(key)
 
 
 def _refuse_own_forward(named_layers, kind, quantized_class):

@@ -289,6 +289,32 @@ def test_a_tied_float_checkpoint_loads_into_one_qtensor():
     assert empty.embed.weight is not empty.head.weight
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float checkpoint", "quantized checkpoint"])
+def test_a_checkpoint_naming_a_tied_weight_once_loads_it_into_every_layer_that_shares_it(quantized):
+    """Tied embeddings are often stored under one name only: as torch's copy into the
+    shared Parameter reaches both layers, the table's new QTensor goes to the output
+    layer too, which is not then missing; an untied checkpoint keeps two."""
+    torch.manual_seed(0)
+    source = TiedLM()
+    with torch.no_grad():
+        source.embed.weight.mul_(2)
+    if quantized:
+        quantize_linears(quantize_embeddings(source, PER_ROW), PER_ROW)
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith("head.")}  # one name
+    model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
+    with torch.device("meta"):
+        empty = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
+    h = torch.randn(2, 64)
+    want = qd.quantize(source.embed.weight.detach().numpy() if not quantized
+                       else source.embed.weight.dequantize().numpy(), PER_ROW)
+    for target, assign in ((model, False), (empty, True)):
+        missing = target.load_state_dict(state, assign=assign).missing_keys  # strict: nothing missing
+        assert missing == [] and target.head.weight is target.embed.weight
+        np.testing.assert_array_equal(target.head.weight.values, want.values)
+        with torch.no_grad():
+            torch.testing.assert_close(target.head(h), h @ torch.from_numpy(want.dequantize().numpy()).T)
+
+
 def test_a_table_tied_to_the_output_layer_on_cuda():
     """One QTensor as the output layer's weight and the table: the decode kernel lays
     it out (and frees its store) on the first product; lookups still give its rows."""
