@@ -1027,7 +1027,10 @@ def _keep_ties_on_load(model):
     if getattr(model, "_keeps_ties", False):
         return
     model._keeps_ties = True
-    model.register_load_state_dict_pre_hook(_note_ties)
+    if hasattr(model, "register_load_state_dict_pre_hook"):
+        model.register_load_state_dict_pre_hook(_note_ties)
+    else:  # torch before 2.5: the same hook, by its older name
+        model._register_load_state_dict_pre_hook(_note_ties, with_module=True)
     model.register_load_state_dict_post_hook(_restore_ties)
 
 
