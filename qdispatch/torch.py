@@ -1029,7 +1029,7 @@ def _keep_ties_on_load(model):
     model._keeps_ties = True
     if hasattr(model, "register_load_state_dict_pre_hook"):
         model.register_load_state_dict_pre_hook(_note_ties)
-    else:  # torch before 2.5: the same hook, by its older name
+    else:  # older torch: the same hook, under its private name
         model._register_load_state_dict_pre_hook(_note_ties, with_module=True)
     model.register_load_state_dict_post_hook(_restore_ties)
 
