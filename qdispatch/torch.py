@@ -576,33 +576,32 @@ def _check_stored_weight(state, owner):
                                  f"{_STATE_FORMAT}, as state_dict() writes it; got {got}")
 
 
-def _weight_from_state(state, owner, device, values=True):
+def _weight_from_state(state, owner, device, read=True):
     """The QTensor of extra state `state` (either format) on `device`; the QTensor
     keeps arrays of its own, and the state dict's tensors stay the caller's.
-    Without `values`: zeros of the state's shape and scheme, its tensors unread."""
+    Without `read`: zeros of the state's shape and scheme, its tensors unread."""
     try:
         scheme = QuantScheme.from_record(state["scheme"])
     except (TypeError, ValueError) as exc:  # a record of unknown fields or values
         raise SerializationError(f"a {owner}'s _extra_state holds no scheme qdispatch reads "
                                  f"({brief(state['scheme'])}): {exc}") from None
-    transposed = state["transposed"]
-    if not values:
-        shape = tuple(state["shape"]) if "format" in state else swap_last2(tuple(state["qvalues"].shape)) \
-            if transposed else tuple(state["qvalues"].shape)
-        zeros = tensor_api.qtensor_zeros(swap_last2(shape) if transposed else shape, scheme, device=device)
-        return zeros.T if transposed else zeros
-    values, scales = state["qvalues"], state["qscales"]
+    transposed, values, scales = state["transposed"], state["qvalues"], state["qscales"]
     if "format" not in state:  # format 1: int8 values and float32 scales, in storage orientation
+        stored = tuple(values.shape)
+    else:
+        stored = swap_last2(tuple(state["shape"])) if transposed else tuple(state["shape"])
+    if not read:
+        zeros = tensor_api.qtensor_zeros(stored, scheme, device=device)
+        return zeros.T if transposed else zeros
+    if "format" not in state:
         return tensor_api.qtensor_from_stored(_from_torch_stored(values), _from_torch_stored(scales), scheme,
                                               transposed, device=device)
-    shape = tuple(state["shape"])
-    layout = QLayout.for_shape(scheme, swap_last2(shape) if transposed else shape)
-    wanted = stored_shapes(scheme, layout)
-    for part, tensor, shape_wanted, dtype in zip(("qvalues", "qscales"), (values, scales), wanted,
-                                                 _stored_dtypes(scheme)):
-        if tuple(tensor.shape) != shape_wanted or tensor.dtype != dtype:
-            raise SerializationError(f"a {owner}'s _extra_state {part!r} of a {shape} weight of scheme {scheme} "
-                                     f"is a {dtype} tensor of shape {shape_wanted}; got {tensor.dtype} "
+    layout = QLayout.for_shape(scheme, stored)
+    for part, tensor, wanted, dtype in zip(("qvalues", "qscales"), (values, scales), stored_shapes(scheme, layout),
+                                           _stored_dtypes(scheme)):
+        if tuple(tensor.shape) != wanted or tensor.dtype != dtype:
+            raise SerializationError(f"a {owner}'s _extra_state {part!r} of a {tuple(state['shape'])} weight of "
+                                     f"scheme {scheme} is a {dtype} tensor of shape {wanted}; got {tensor.dtype} "
                                      f"{tuple(tensor.shape)}")
     values, scales = decode_qtensor(owner, _from_torch_stored(values), _from_torch_stored(scales), scheme, layout)
     return tensor_api.qtensor_from_stored(values, scales, scheme, transposed, device=device)
@@ -698,11 +697,10 @@ class _QuantizedModule(torch.nn.Module):
         destination = getattr(self, "_destination", None)
         return _stored_weight(self.weight) if destination is None else _stored_weight_once(self.weight, destination)
 
-    def _placeholder(self, shape, scheme):
-        """This layer without values (zeros that refuse to run): what a checkpoint of
+    def _placeholder(self, zeros):
+        """This layer without values: `zeros` that refuse to run, what a checkpoint of
         meta tensors loads."""
-        self.weight = self._unloaded = tensor_api.qtensor_zeros(shape, scheme, device=self.weight.device)
-        self._source = None
+        self.weight, self._unloaded, self._source = zeros, zeros, None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -731,7 +729,8 @@ class _QuantizedModule(torch.nn.Module):
                               f"but this {type(self).__name__}'s is {self.weight.shape}")
             return
         if weight.is_meta:  # no values: the layer holds none either
-            self._placeholder(self.weight.shape, self.weight.scheme)
+            self._placeholder(tensor_api.qtensor_zeros(self.weight.shape, self.weight.scheme,
+                                                       device=self.weight.device))
         else:
             try:
                 self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device)
@@ -749,9 +748,9 @@ class _QuantizedModule(torch.nn.Module):
         else:
             _check_stored_weight(state, type(self).__name__)
             if state["qvalues"].is_meta or state["qscales"].is_meta:  # a layer's that had no values
-                weight = _weight_from_state(state, type(self).__name__, self.weight.device, values=False)
+                weight = _weight_from_state(state, type(self).__name__, self.weight.device, read=False)
                 if weight.shape == self.weight.shape:
-                    return self._placeholder(weight.shape, weight.scheme)
+                    return self._placeholder(weight)
             else:
                 weight = _weight_read_once(state, self.weight.device, lambda: _weight_from_state(
                     state, type(self).__name__, self.weight.device))
