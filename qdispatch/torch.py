@@ -41,12 +41,12 @@ QTensor on any host backend ('cpu' or 'reference'); anything else raises
 `BackendMismatchError`, e.g. a CUDA input with a 'cpu' weight.
 """
 import itertools
+import threading
 import weakref
 
 import numpy as np
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import policy, quantmath, tensor_api
 from ._core import Device, QTensor, Tensor
@@ -452,23 +452,43 @@ def _quantized(weight, scheme, device):
     return tensor_api.quantize(from_torch(weight), scheme, device=device)
 
 
-# Float weights quantized as a checkpoint loads, by what identifies their values: a
-# tied weight comes under each of its names as a view of one storage, and its layers
-# must share one QTensor again.  An entry goes when its float tensor does.
-_loaded = {}
+# A tied weight comes under each of its names in a checkpoint, and its layers must
+# share one QTensor again.  What one load_state_dict() call has read is kept for that
+# call alone: it is known by its error list, one object passed to every module's load,
+# so a later load reads its tensors afresh, whatever was done to them in between.
+_LOADS = threading.local()
 
 
-def _quantized_from_checkpoint(weight, scheme, device):
+def _reads_of(error_msgs):
+    """The reads of the load_state_dict() call that passes `error_msgs` to its modules:
+    {key: (weak checkpoint tensors, weak QTensor)}, new for a new call."""
+    held = getattr(_LOADS, "held", None)
+    if held is None or held[0] is not error_msgs:
+        held = _LOADS.held = (error_msgs, {})
+    return held[1]
+
+
+def _read_once(reads, key, tensors, read):
+    """read(), or the QTensor read under `key` earlier in this load from the same
+    checkpoint `tensors` (the other names of a tied weight); reads None: no load."""
+    if reads is None:
+        return read()
+    hit = reads.get(key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
+        weight = hit[1]()
+        if weight is not None:
+            return weight
+    weight = read()
+    reads[key] = (tuple(weakref.ref(t) for t in tensors), weakref.ref(weight))
+    return weight
+
+
+def _quantized_from_checkpoint(weight, scheme, device, reads):
     """_quantized(weight, scheme, device), once for all the names of one tied weight
-    in a checkpoint being loaded."""
-    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
-           weight.dtype, str(weight.device), weight._version, scheme, str(device))
-    hit = _loaded.get(key)
-    if hit is not None and hit[0]() is not None:
-        return hit[1]
-    quantized = _quantized(weight.detach(), scheme, device)
-    _loaded[key] = (weakref.ref(weight, lambda _: _loaded.pop(key, None)), quantized)  # the checkpoint's own
-    return quantized
+    in the checkpoint being loaded: views of one storage, alike."""
+    key = ("float", weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape),
+           weight.stride(), weight.dtype, str(weight.device), scheme, str(device))
+    return _read_once(reads, key, (), lambda: _quantized(weight.detach(), scheme, device))
 
 
 # The extra state's format: 2 holds the values and scales as qdispatch.save stores
@@ -525,9 +545,6 @@ def _stored_weight(w, on_meta=False):
 # each layer's name, so torch.save pickles it once and torch.load gives one dict back;
 # a load then meets the same tensors under each name and gives them one QTensor.
 _WRITTEN = {}  # id(destination) -> (weak destination, {id(QTensor): (weak QTensor, state)})
-# a state's "qvalues" tensor -> (weak "qscales", what else matched, weak QTensor); by
-# identity, as tensors compare by value
-_READ = WeakIdKeyDictionary()
 
 
 def _stored_weight_once(w, destination):
@@ -546,21 +563,6 @@ def _stored_weight_once(w, destination):
     if earlier is None or earlier[0]() is not w:
         earlier = written[id(w)] = (weakref.ref(w), _stored_weight(w))
     return earlier[1]
-
-
-def _weight_read_once(state, device, read):
-    """read(), the QTensor of extra state `state` on `device`, or the one read from
-    the same, unchanged tensors before (the other layer of a tied pair)."""
-    values, scales = state["qvalues"], state["qscales"]
-    here = (values._version, scales._version, state["scheme"], state.get("shape"), state["transposed"], device)
-    earlier = _READ.get(values)
-    if earlier is not None and earlier[0]() is scales and earlier[1] == here:
-        weight = earlier[2]()
-        if weight is not None:
-            return weight
-    weight = read()
-    _READ[values] = (weakref.ref(scales), here, weakref.ref(weight))
-    return weight
 
 
 def _check_stored_weight(state, owner):
@@ -704,11 +706,15 @@ class _QuantizedModule(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        reads = _reads_of(error_msgs)
+        _LOADS.active = reads  # for set_extra_state, which torch calls from here
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
         except QDispatchError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
             raise type(exc)(f"{prefix}_extra_state: {exc}") from exc
+        finally:
+            _LOADS.active = None
         # A float checkpoint (an nn.Linear's or nn.Embedding's "weight") is quantized
         # into this module's scheme as it loads, so a model built empty never holds
         # all its float weights.
@@ -733,7 +739,7 @@ class _QuantizedModule(torch.nn.Module):
                                                        device=self.weight.device))
         else:
             try:
-                self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device)
+                self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device, reads)
             except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
                 raise type(exc)(f"{weight_key}: {exc}") from exc
             self._source = self._unloaded = None  # no longer the float weight's values, nor zeros
@@ -752,7 +758,10 @@ class _QuantizedModule(torch.nn.Module):
                 if weight.shape == self.weight.shape:
                     return self._placeholder(weight)
             else:
-                weight = _weight_read_once(state, self.weight.device, lambda: _weight_from_state(
+                parts = (state["qvalues"], state["qscales"])
+                key = ("stored", *map(id, parts), repr([state[k] for k in ("scheme", "shape", "transposed")
+                                                         if k in state]), str(self.weight.device))
+                weight = _read_once(getattr(_LOADS, "active", None), key, parts, lambda: _weight_from_state(
                     state, type(self).__name__, self.weight.device))
         if weight.shape != self.weight.shape:
             raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "

@@ -446,6 +446,30 @@ def test_a_state_dict_shares_only_what_is_one_weight():
     assert again.embed.weight.values[0, 0] == first.values[0, 0]
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["float checkpoint", "quantized checkpoint"])
+def test_each_load_reads_the_state_afresh(quantized):
+    """A tied weight is read once within one load_state_dict() call, not across calls:
+    an edit that torch does not count (through numpy, or .data) shows in the next load,
+    and two models loaded from one state dict hold weights of their own."""
+    torch.manual_seed(0)
+    source = TiedLM()
+    if quantized:
+        quantize_linears(quantize_embeddings(source, PER_ROW), PER_ROW)
+    state = source.state_dict()
+    first, second = (quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW) for _ in range(2))
+    first.load_state_dict(state)
+    before = first.embed.weight.values.copy()
+    table = state["embed._extra_state"]["qvalues"] if quantized else state["embed.weight"]
+    table.numpy()[0, :] = -table.numpy()[0, :]  # in place, unseen by torch's version counter
+    table.data[1, :] = 0
+    second.load_state_dict(state)
+    assert second.embed.weight is second.head.weight and second.embed.weight is not first.embed.weight
+    np.testing.assert_array_equal(first.embed.weight.values, before)
+    want = (qd.quantize(table.numpy(), PER_ROW).values if not quantized
+            else np.concatenate([-before[:1], np.zeros_like(before[1:2]), before[2:]]))
+    np.testing.assert_array_equal(second.embed.weight.values, want)
+
+
 def test_tied_float_weights_are_saved_once(tmp_path):
     pytest.importorskip("safetensors")
     torch.manual_seed(0)
