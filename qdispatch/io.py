@@ -36,7 +36,8 @@ import contextlib
 import json
 import math
 import os
-import tempfile
+import secrets
+import stat
 import zlib
 from collections.abc import Mapping
 
@@ -78,20 +79,33 @@ _RECORD_KEYS = {"qtensor": {"kind", "scheme", "shape", "transposed", "crc32"},
 def atomic_path(path):
     """Yield a temporary path next to `path`; on success sync it and rename it
     over `path`, on failure remove it.  Either way `path` is never half-written."""
-    path = os.fsdecode(path)  # a bytes path too: tempfile's str prefix can't mix with bytes
+    path = os.fsdecode(path)  # a bytes path too: the temporary name is str
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
+    tmp = _new_file(folder, f".{os.path.basename(path)}.", ".tmp")
     try:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        with contextlib.suppress(OSError):  # a file replaced keeps its permissions, as one overwritten would
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     _fsync_dir(folder)
+
+
+def _new_file(folder, prefix, suffix):
+    """The path of a new empty file in `folder`, made with the permissions any new
+    file gets (0666 less the umask), where tempfile's are the owner's alone."""
+    while True:
+        path = os.path.join(folder, prefix + secrets.token_hex(8) + suffix)
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return path
+        except FileExistsError:  # another's name, drawn by chance: draw again
+            continue
 
 
 def _fsync_dir(folder):

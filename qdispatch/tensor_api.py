@@ -51,6 +51,8 @@ def backend_for(device):
 def _host_array(data, dtype=None):
     """A numpy array plus its qdispatch dtype name; float64 becomes float32."""
     arr = np.asarray(data)
+    if not arr.dtype.isnative:  # big-endian data: the same numbers (or bfloat16 bits) in the host's order
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     if dtype is not None:
         dtype = check_dtype(dtype, tuple(DTYPES))
         if dtype == "bfloat16":
@@ -63,6 +65,8 @@ def _host_array(data, dtype=None):
             return arr.astype(DTYPES[dtype], copy=False), dtype
     if arr.dtype in _NUMPY_NAMES:
         return arr, _NUMPY_NAMES[arr.dtype]
+    if arr.dtype.kind == "f" and arr.dtype.itemsize > 4:  # narrowed unasked: no finite value may become inf
+        return within_float32(arr, op="take", reason=f"{arr.dtype} data becomes float32 here"), "float32"
     if arr.dtype.kind in "fiub":
         if arr.dtype.kind != "f" and arr.size and (arr.min() < -128 or arr.max() > 127):
             raise TypeError(f"Integer data of dtype {arr.dtype} is outside int8: quantize floats instead")
@@ -337,17 +341,16 @@ def _float_host_data(x, op="quantize"):
     return arr
 
 
-def within_float32(arr):
-    """Wider float data as the float32 quantize works in, refusing the finite values
-    that would be inf there (the error would otherwise name an inf the data lacks)."""
+def within_float32(arr, op="quantize", reason="quantize works in float32"):
+    """Wider float data as float32, refusing the finite values that would be inf
+    there (quantize's error would otherwise name an inf the data lacks)."""
     with np.errstate(over="ignore"):
         narrow = arr.astype(np.float32)
     past = np.isinf(narrow) & np.isfinite(arr)
     if past.any():
         at = tuple(int(i) for i in np.unravel_index(int(np.argmax(past)), arr.shape))
-        raise NonFiniteError(f"Can't quantize data holding {float(arr[at])!r} at position {at}: quantize works in "
-                             f"float32, whose range ends at {float(np.finfo(np.float32).max)!r}; scale the data "
-                             f"down first")
+        raise NonFiniteError(f"Can't {op} data holding {arr[at].item()!r} at position {at}: {reason}, whose "
+                             f"range ends at {float(np.finfo(np.float32).max)!r}; scale the data down first")
     return narrow
 
 

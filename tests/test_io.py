@@ -204,6 +204,22 @@ def test_overwrite_replaces_file(tmp_path):
     assert list(qd.load(path)) == ["b"]
 
 
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_a_new_file_gets_the_umasks_permissions_and_a_replaced_one_keeps_its_own(tmp_path):
+    """The file is written beside its destination and renamed over it: it must not
+    keep a temporary file's owner-only permissions."""
+    path = tmp_path / "w.st"
+    umask = os.umask(0o027)
+    try:
+        qd.save(path, {"a": np.zeros(2, dtype=np.float32)})
+        assert os.stat(path).st_mode & 0o777 == 0o640
+        os.chmod(path, 0o444)  # read-only: renamed over, as the folder allows, and read-only still
+        qd.save(path, {"b": np.ones(2, dtype=np.float32)})
+        assert os.stat(path).st_mode & 0o777 == 0o444 and list(qd.load(path)) == ["b"]
+    finally:
+        os.umask(umask)
+
+
 # ---- bad files ----------------------------------------------------------------
 
 @pytest.fixture

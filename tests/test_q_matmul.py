@@ -154,6 +154,8 @@ def test_requantize_returns_a_qtensor(device, rng):
     float_out = qd.q_matmul(x, wq.T)
     want = qd.quantize(float_out, qd.QuantScheme("q8s", axis=0))
     np.testing.assert_array_equal(out.values, want.values)
+    with pytest.raises(ValueError, match="out_dtype='float16' and requantize="):  # not silently dropped
+        qd.q_matmul(x, wq.T, requantize=qd.QuantScheme("q8s", axis=0), out_dtype="float16")
 
 
 def test_activation_scheme_takes_the_qq_path(device, rng):

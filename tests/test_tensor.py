@@ -460,3 +460,30 @@ def test_bfloat16_from_uint16_is_bit_patterns(device):
     np.testing.assert_array_equal(qd.tensor(bits, device=device, dtype="bfloat16").numpy(), [1.0, -3.0, np.inf])
     np.testing.assert_array_equal(qd.tensor(np.array([1, -3], np.int16), device=device, dtype="bfloat16").numpy(),
                                   [1.0, -3.0])
+
+
+def test_big_endian_data_is_read_as_the_numbers_it_holds(device):
+    """A big-endian array holds the same numbers as a little-endian one: the same
+    dtype, the same values (uint16 as bfloat16 bits too)."""
+    for data in (np.array([1, -2, 1000], ">i4"), np.array([1.5, -2.0], ">f2"), np.array([1.5, 3e38], ">f4"),
+                 np.array([[-128, 127]], ">i1")):
+        t = qd.tensor(data, device=device)
+        assert t.dtype == qd.tensor(data.astype(data.dtype.newbyteorder("="))).dtype
+        np.testing.assert_array_equal(t.numpy(), data)
+    bits = np.array([0x3F80, 0xC040], ">u2")  # 1.0, -3.0
+    np.testing.assert_array_equal(qd.tensor(bits, device=device, dtype="bfloat16").numpy(), [1.0, -3.0])
+
+
+def test_float64_past_float32s_range_is_refused_where_it_would_become_inf(device):
+    """float64 data becomes float32 unasked: a finite value that would be inf there
+    is named, in tensor() and as q_matmul's float side; dtype="float32" asks for
+    IEEE's rounding, inf."""
+    data = np.array([[1.0, -1e300], [2.0, 3.0]])
+    with pytest.raises(qd.NonFiniteError, match=re.escape("holding -1e+300 at position (0, 1): float64 data "
+                                                          "becomes float32 here")):
+        qd.tensor(data, device=device)
+    w = qd.quantize(np.ones((2, 2), np.float32), qd.QuantScheme("q8s"), device=device)
+    with pytest.raises(qd.NonFiniteError, match=re.escape("at position (0, 1)")):
+        qd.q_matmul(data, w)
+    np.testing.assert_array_equal(qd.tensor(data, device=device, dtype="float32").numpy()[0], [1.0, -np.inf])
+    np.testing.assert_array_equal(qd.tensor(data[1:], device=device).numpy(), [[2.0, 3.0]])  # in range: as ever
