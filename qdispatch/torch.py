@@ -453,19 +453,53 @@ def _quantized(weight, scheme, device):
 
 
 # A tied weight comes under each of its names in a checkpoint, and its layers must
-# share one QTensor again.  What one load_state_dict() call has read is kept for that
+# share one QTensor again.  What one load_state_dict() call has done is kept for that
 # call alone: it is known by its error list, one object passed to every module's load,
 # so a later load reads its tensors afresh, whatever was done to them in between.
 _LOADS = threading.local()
 
 
-def _reads_of(error_msgs):
-    """The reads of the load_state_dict() call that passes `error_msgs` to its modules:
-    {key: (weak checkpoint tensors, weak QTensor)}, new for a new call."""
+class _Load:
+    """One load_state_dict() call's: the QTensors it read, {key: (weak checkpoint
+    tensors, weak QTensor)}; the ids of the layers that loaded an entry of their own,
+    and of those given a sharer's; those that found none, {id(layer): (weak layer,
+    its missing key)}."""
+
+    def __init__(self, error_msgs):
+        self.error_msgs, self.reads, self.own, self.given, self.without = error_msgs, {}, set(), set(), {}
+
+
+def _load_of(error_msgs):
+    """The _Load of the load_state_dict() call that passes `error_msgs` to its
+    modules, new for a new call."""
     held = getattr(_LOADS, "held", None)
-    if held is None or held[0] is not error_msgs:
-        held = _LOADS.held = (error_msgs, {})
-    return held[1]
+    if held is None or held.error_msgs is not error_msgs:
+        held = _LOADS.held = _Load(error_msgs)
+    return held
+
+
+# Which layers hold each QTensor, so that a load replacing one layer's weight reaches
+# every layer that shares it (tied weights), wherever in the model the load starts.
+_HOLDERS = {}  # id(QTensor) -> (weak QTensor, weak set of modules)
+
+
+def _hold(module, weight):
+    key = id(weight)
+    entry = _HOLDERS.get(key)
+    if entry is None or entry[0]() is not weight:
+        def gone(ref):
+            if key in _HOLDERS and _HOLDERS[key][0] is ref:
+                del _HOLDERS[key]
+        entry = _HOLDERS[key] = (weakref.ref(weight, gone), weakref.WeakSet())
+    entry[1].add(module)
+
+
+def _sharers(module, weight):
+    """The other modules whose weight is `weight` now."""
+    entry = _HOLDERS.get(id(weight))
+    if entry is None or entry[0]() is not weight:
+        return []
+    return [m for m in list(entry[1]) if m is not module and m.__dict__.get("weight") is weight]
 
 
 def _read_once(reads, key, tensors, read):
@@ -661,10 +695,19 @@ class _QuantizedModule(torch.nn.Module):
                 f"values until a checkpoint loads: call model.load_state_dict(state, assign=True) or "
                 f"qdispatch.torch.load_model(model, path) before running it")
 
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "weight" and isinstance(value, QTensor):
+            _hold(self, value)
+
     def __getstate__(self):
         state = dict(self.__dict__)  # a weak reference can't be pickled: a copy starts untied
         state.pop("_source", None)
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _hold(self, self.weight)  # a copy's layers that share a weight know it, as the original's did
 
     def _moved(self, probe):
         """Told where Module.to() sends tensors: `probe`, an empty tensor of the
@@ -706,25 +749,56 @@ class _QuantizedModule(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        reads = _reads_of(error_msgs)
-        _LOADS.active = reads  # for set_extra_state, which torch calls from here
+        load, before = _load_of(error_msgs), self.weight
+        _LOADS.active = load  # for set_extra_state, which torch calls from here
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
+        except ShapeError as exc:  # a weight of another shape: reported with the rest, as torch does
+            error_msgs.append(f"size mismatch for {prefix}_extra_state: {exc}")
+            return
         except QDispatchError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
             raise type(exc)(f"{prefix}_extra_state: {exc}") from exc
         finally:
             _LOADS.active = None
-        # A float checkpoint (an nn.Linear's or nn.Embedding's "weight") is quantized
-        # into this module's scheme as it loads, so a model built empty never holds
-        # all its float weights.
         weight_key, state_key = prefix + "weight", prefix + "_extra_state"
-        if weight_key not in state_dict or state_key in state_dict:
+        if state_key in state_dict:
+            pass
+        elif weight_key in state_dict:
+            self._load_float(state_dict[weight_key], weight_key, state_key, local_metadata, missing_keys,
+                             unexpected_keys, error_msgs, load)
+        else:  # nothing of its own: a tied weight named under another layer's name
+            if id(self) in load.given:  # given it already, by that layer
+                if state_key in missing_keys:
+                    missing_keys.remove(state_key)
+            else:
+                load.without[id(self)] = (weakref.ref(self), state_key)
             return
+        load.own.add(id(self))
+        if self.weight is not before:
+            self._pass_on(before, load, missing_keys)
+
+    def _pass_on(self, old, load, missing_keys):
+        """This layer's new weight to the layers that shared `old` and load no entry of
+        their own (a checkpoint naming a tied weight once), as torch's copy into one
+        shared Parameter reaches them all; those found wanting earlier are not missing."""
+        for other in _sharers(self, old):
+            if id(other) in load.own:
+                continue
+            other.weight, other._source, other._unloaded = self.weight, self._source, self._unloaded
+            load.given.add(id(other))
+            earlier = load.without.pop(id(other), None)
+            if earlier is not None and earlier[0]() is other and earlier[1] in missing_keys:
+                missing_keys.remove(earlier[1])
+
+    def _load_float(self, weight, weight_key, state_key, local_metadata, missing_keys, unexpected_keys, error_msgs,
+                    load):
+        """A float checkpoint's weight (an nn.Linear's or nn.Embedding's "weight"),
+        quantized into this module's scheme as it loads, so a model built empty never
+        holds all its float weights."""
         for keys, key in ((unexpected_keys, weight_key), (missing_keys, state_key)):
             if key in keys:
                 keys.remove(key)
-        weight = state_dict[weight_key]
         if not isinstance(weight, torch.Tensor) or weight.dtype not in _CHECKPOINT_DTYPES:
             got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise TypeError(f"{weight_key}: a float checkpoint's weight is a float32, float16, bfloat16 or "
@@ -739,7 +813,7 @@ class _QuantizedModule(torch.nn.Module):
                                                        device=self.weight.device))
         else:
             try:
-                self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device, reads)
+                self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device, load.reads)
             except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
                 raise type(exc)(f"{weight_key}: {exc}") from exc
             self._source = self._unloaded = None  # no longer the float weight's values, nor zeros
@@ -761,7 +835,7 @@ class _QuantizedModule(torch.nn.Module):
                 parts = (state["qvalues"], state["qscales"])
                 key = ("stored", *map(id, parts), repr([state[k] for k in ("scheme", "shape", "transposed")
                                                          if k in state]), str(self.weight.device))
-                weight = _read_once(getattr(_LOADS, "active", None), key, parts, lambda: _weight_from_state(
+                weight = _read_once(getattr(getattr(_LOADS, "active", None), "reads", None), key, parts, lambda: _weight_from_state(
                     state, type(self).__name__, self.weight.device))
         if weight.shape != self.weight.shape:
             raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
@@ -1023,45 +1097,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
             quantized[id(child)] = _quantized_layer(name, child, quantized_class, scheme, device, ties)
     for _, parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
-    _keep_ties_on_load(model)
     return model
-
-
-# A checkpoint may name a tied weight once (tied embeddings stored under one name):
-# torch copies it into the one shared Parameter, so every layer sees it.  A quantized
-# layer's load replaces its QTensor instead, so the model's load_state_dict passes the
-# new one to the layers that shared the old one and were given no entry of their own.
-def _keep_ties_on_load(model):
-    if getattr(model, "_keeps_ties", False):
-        return
-    model._keeps_ties = True
-    if hasattr(model, "register_load_state_dict_pre_hook"):
-        model.register_load_state_dict_pre_hook(_note_ties)
-    else:  # older torch: the same hook, under its private name
-        model._register_load_state_dict_pre_hook(_note_ties, with_module=True)
-    model.register_load_state_dict_post_hook(_restore_ties)
-
-
-def _note_ties(model, state_dict, prefix, *_):
-    groups = {}
-    for name, module in model.named_modules(prefix=prefix.rstrip(".")):
-        if isinstance(module, _QuantizedModule):
-            groups.setdefault(id(module.weight), (module.weight, []))[1].append((_joined(name, ""), module))
-    model._ties_before_load = [(weight, layers) for weight, layers in groups.values() if len(layers) > 1]
-
-
-def _restore_ties(model, incompatible_keys):
-    for old, layers in model.__dict__.pop("_ties_before_load", ()):
-        loaded = {id(m.weight): m for _, m in layers if m.weight is not old}
-        if len(loaded) != 1:  # none loaded, or each its own entry (an untied checkpoint)
-            continue
-        source = next(iter(loaded.values()))
-        for layer_prefix, module in layers:
-            if module.weight is old:
-                module.weight, module._source, module._unloaded = source.weight, source._source, source._unloaded
-                for key in (layer_prefix + "_extra_state", layer_prefix + "weight"):
-                    if key in incompatible_keys.missing_keys:
-                        incompatible_keys.missing_keys.remove(key)
 
 
 def _refuse_own_forward(named_layers, kind, quantized_class):

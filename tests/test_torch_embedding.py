@@ -470,6 +470,75 @@ def test_each_load_reads_the_state_afresh(quantized):
     np.testing.assert_array_equal(second.embed.weight.values, want)
 
 
+class GPTLike(torch.nn.Module):
+    """The table inside a submodule, tied to an output layer beside it (GPT-2's layout)."""
+
+    def __init__(self, vocab=50, dim=32):
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict(dict(wte=torch.nn.Embedding(vocab, dim),
+                                                    h=torch.nn.Linear(dim, dim)))
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.transformer.h(self.transformer.wte(ids)))
+
+
+@pytest.mark.parametrize("copied", [False, True], ids=["model", "deepcopy"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["float checkpoint", "quantized checkpoint"])
+def test_a_load_into_a_submodule_reaches_a_tied_layer_outside_it(quantized, copied):
+    """model.transformer.load_state_dict(...) replaces the table's QTensor: the output
+    layer beside the submodule shares it, and must follow, as a tied Parameter does."""
+    torch.manual_seed(0)
+    source = GPTLike()
+    if quantized:
+        quantize_linears(quantize_embeddings(source, PER_ROW), PER_ROW)
+    model = quantize_linears(quantize_embeddings(GPTLike(), PER_ROW), PER_ROW)
+    if copied:
+        model = copy.deepcopy(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    result = model.transformer.load_state_dict(source.transformer.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.tensor([[1, 2, 3]])
+    want = qd.quantize(source.transformer.wte.weight.detach().numpy() if not quantized
+                       else source.transformer.wte.weight.dequantize().numpy(), PER_ROW)
+    np.testing.assert_array_equal(model.lm_head.weight.values, want.values)
+    with torch.no_grad():
+        if quantized:
+            assert torch.equal(model(ids), source(ids))
+        else:
+            quantize_linears(quantize_embeddings(source, PER_ROW), PER_ROW)
+            torch.testing.assert_close(model(ids), source(ids))
+
+
+def test_a_layer_of_another_shape_is_reported_with_the_rest_and_ties_hold():
+    """A quantized layer whose checkpoint entry has another shape is a size mismatch,
+    as torch reports one: the other layers still load (the tied pair as one), and a
+    later load naming the tied weight once reaches both layers."""
+    torch.manual_seed(0)
+
+    def model(width):
+        m = TiedLM()
+        m.hidden = torch.nn.Linear(64, width)
+        m.tail = torch.nn.Linear(64, 64)  # after the mismatch, in the model's order
+        return quantize_linears(quantize_embeddings(m, PER_ROW), PER_ROW)
+
+    target, wider = model(64), model(48)
+    with pytest.raises(RuntimeError, match=r"size mismatch for hidden\._extra_state: .*\(48, 64\).*\(64, 64\)"):
+        target.load_state_dict(wider.state_dict(), strict=False)
+    assert target.head.weight is target.embed.weight
+    for name in ("embed", "tail"):  # loaded beside it
+        np.testing.assert_array_equal(getattr(target, name).weight.values, getattr(wider, name).weight.values)
+    good = model(64)
+    once = {k: v for k, v in good.state_dict().items() if not k.startswith("head.")}
+    assert target.load_state_dict(once).missing_keys == []
+    assert target.head.weight is target.embed.weight
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(target(ids), good(ids))
+
+
 def test_tied_float_weights_are_saved_once(tmp_path):
     pytest.importorskip("safetensors")
     torch.manual_seed(0)
