@@ -1,4 +1,4 @@
-"""`python -m qdispatch [demo|info|config|bench]`."""
+"""`qdispatch [demo|info|config|bench]`, or `python -m qdispatch ...`."""
 import argparse
 import sys
 
@@ -6,7 +6,7 @@ from . import cli
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m qdispatch",
+    parser = argparse.ArgumentParser(prog="qdispatch",
                                      description="qdispatch: quantized tensors that know their backend")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="quantize a 4096 x 4096 layer and multiply on every backend (default)")

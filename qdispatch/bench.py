@@ -597,7 +597,7 @@ def run(args):
     if not desc["blas_threads_controlled"]:
         print("note: threadpoolctl is not installed, so numpy's BLAS threads were not controlled")
     if "cpu" in args.backend and not desc["cpu_openmp"]:
-        print("note: this qdispatch was built without OpenMP (see `python -m qdispatch info`), "
+        print("note: this qdispatch was built without OpenMP (see `qdispatch info`), "
               "so its cpu kernels ran on one thread in every case")
     for c in ceiling:
         print(f"ceilings at {c['threads']} threads: read bandwidth {c['read_gbs']:.1f} GB/s, "

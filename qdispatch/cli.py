@@ -1,4 +1,4 @@
-"""The commands behind `python -m qdispatch`."""
+"""The commands behind `qdispatch` (and `python -m qdispatch`)."""
 import json
 import time
 

@@ -1,5 +1,9 @@
 """`python -m qdispatch` and its subcommands, run as a user would."""
 import os
+import subprocess
+import sys
+
+import pytest
 
 import qdispatch as qd
 from helpers import run_python
@@ -49,3 +53,16 @@ def test_a_bad_default_backend_names_its_environment_variable():
         f"ValueError: QDISPATCH_BACKEND='gpu' can't be the default backend: Unknown device 'gpu': expected "
         f"'reference', 'cpu', 'cuda' or 'cuda:N' (available here: {', '.join(qd.available_backends())}; "
         f"set the variable to one of them, or unset it)")
+
+
+def test_the_installed_command_runs_the_installed_package_from_the_source_tree():
+    """The README's demo command, `pip install . && qdispatch`, runs where `python -m`
+    would import the source tree's package, which has no compiled modules."""
+    command = os.path.join(os.path.dirname(sys.executable), "qdispatch")
+    if not os.path.isfile(command):
+        pytest.skip("no installed qdispatch command beside this python (a package built in place)")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([command, "info"], cwd=root, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"qdispatch {qd.__version__}\n")

@@ -18,24 +18,31 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 EXAMPLES = os.path.join(ROOT, "examples", "c")
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "embedding.md")]
 
-BUILD_SHARED = ("cc examples/c/quantize_matmul.c $(python -m qdispatch config --cflags --libs) -lm "
+BUILD_SHARED = ("cc examples/c/quantize_matmul.c $(qdispatch config --cflags --libs) -lm "
                 "-o quantize_matmul && ./quantize_matmul")
-BUILD_STATIC = ("cc examples/c/quantize_matmul.c $(python -m qdispatch config --cflags --libs --static) "
+BUILD_STATIC = ("cc examples/c/quantize_matmul.c $(qdispatch config --cflags --libs --static) "
                 "-o quantize_matmul_static && ./quantize_matmul_static")
 
+INSTALLED_COMMAND = os.path.join(os.path.dirname(sys.executable), "qdispatch")  # pip puts it beside python
 needs_examples = pytest.mark.skipif(not os.path.isdir(EXAMPLES), reason="examples/c not beside the tests")
 
 
 @pytest.fixture
 def shell_env(tmp_path):
-    """An environment where `python` is the interpreter running the tests."""
+    """An environment where `python` is the interpreter running the tests, and
+    `qdispatch` its installed command (or, for a package built in place, which has
+    none, that python's `-m qdispatch`)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    # A wrapper, not a symlink: a virtual environment's python must run under its own path.
-    python = bin_dir / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
-    return dict(package_env(), PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    # Wrappers, not symlinks: a virtual environment's python must run under its own path.
+    commands = {"python": f'"{sys.executable}"'}
+    if not os.path.isfile(INSTALLED_COMMAND):
+        commands["qdispatch"] = f'"{sys.executable}" -m qdispatch'
+    for name, run in commands.items():
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {run} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), os.path.dirname(INSTALLED_COMMAND), os.environ.get("PATH", "")])
+    return dict(package_env(), PATH=path)
 
 
 def package_env():
@@ -102,13 +109,14 @@ def test_every_declared_function_links(c_compiler, shell_env, tmp_path, link):
         "#include <qdispatch.h>\ntypedef void (*fn)(void);\n"
         f"static fn functions[] = {{\n    {refs}\n}};\n"
         "int main(void) { return functions[0] == 0 || qd_abi_version() != QD_ABI_VERSION; }\n")
-    run_shell(f"{c_compiler} all.c $(python -m qdispatch config --cflags {link}) -lm -o all && ./all",
+    run_shell(f"{c_compiler} all.c $(qdispatch config --cflags {link}) -lm -o all && ./all",
               tmp_path, shell_env)
 
 
 def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_env, tmp_path):
-    """The tile size helpers are inline in the header: a bit width or block_k that the
-    tiling calls refuse gives 0, not a division by zero in the program."""
+    """The tile size helpers are inline in the header: a bit width, block_k or size
+    that the tiling calls refuse gives 0, not a division by zero or an overflow in the
+    program."""
     (tmp_path / "sizes.c").write_text(textwrap.dedent("""\
         #include <stdio.h>
         #include <qdispatch.h>
@@ -119,12 +127,17 @@ def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_
                 printf("%lld ", (long long)qd_cuda_fq_tiles_bytes(17, 100, bits[i]));
             for (int i = 0; i < 3; i++)
                 printf("%lld ", (long long)qd_cuda_fq_scale_tiles_bytes(17, 96, block_k[i]));
+            /* sizes of no weight, and sizes past INT64_MAX: 0, not a negative or wrapped size */
+            volatile long long dims[][2] = {{-100, 64}, {64, 0}, {INT64_MAX, 16}, {1ll << 40, 1ll << 40}};
+            for (int i = 0; i < 4; i++)
+                printf("%lld %lld ", (long long)qd_cuda_fq_tiles_bytes(dims[i][0], dims[i][1], 8),
+                       (long long)qd_cuda_fq_scale_tiles_bytes(dims[i][0], dims[i][1], 16));
             return 0;
         }
         """))
-    out = run_shell(f"{c_compiler} sizes.c $(python -m qdispatch config --cflags) -o sizes && ./sizes",
+    out = run_shell(f"{c_compiler} sizes.c $(qdispatch config --cflags) -o sizes && ./sizes",
                     tmp_path, shell_env)
-    assert out.split() == ["0", "0", "0", "2048", "0", "0", "384"]
+    assert out.split() == ["0", "0", "0", "2048", "0", "0", "384"] + ["0"] * 8
 
 
 # ---- bad input to the C entry points comes back as a status ----
@@ -135,7 +148,7 @@ def c_program_output(c_compiler, shell_env, tmp_path, body):
     (tmp_path / "prog.c").write_text(
         "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n#include <qdispatch.h>\n"
         "int main(void) {\n" + textwrap.dedent(body) + "\n    return 0;\n}\n")
-    return run_shell(f"{c_compiler} prog.c $(python -m qdispatch config --cflags --libs) -lm -o prog && ./prog",
+    return run_shell(f"{c_compiler} prog.c $(qdispatch config --cflags --libs) -lm -o prog && ./prog",
                      tmp_path, shell_env).split()
 
 

@@ -6,7 +6,7 @@
  * a status, not a crash.  Exits non-zero on any mismatch.
  *
  * Build (the flags come from the installed package):
- *   cc examples/c/quantize_matmul.c $(python -m qdispatch config --cflags --libs) -o quantize_matmul
+ *   cc examples/c/quantize_matmul.c $(qdispatch config --cflags --libs) -lm -o quantize_matmul
  */
 #include <math.h>
 #include <stdint.h>

@@ -247,17 +247,23 @@ qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_
  * qd_cuda_fq_matmul starts reading the tiles while the kernel before it on the
  * stream still runs (it waits for that kernel before reading x or writing out), so
  * tiles must not be written by work still queued.  Both sizes are 0 for bits other
- * than 8, 4 or 2 and for block_k <= 0, which the tiling calls refuse. */
+ * than 8, 4 or 2, for block_k, N or K <= 0, and where the size would pass INT64_MAX:
+ * the tiling calls refuse all of those. */
+static inline int64_t qd_cuda_tiles_size(int64_t row_groups, int64_t k_tiles, int64_t tile_bytes) {
+    if (row_groups <= 0 || k_tiles <= 0 || row_groups > INT64_MAX / tile_bytes / k_tiles)
+        return 0;
+    return row_groups * k_tiles * tile_bytes;
+}
 static inline int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits) {
-    if (bits != 8 && bits != 4 && bits != 2)
+    if ((bits != 8 && bits != 4 && bits != 2) || N <= 0 || K <= 0)
         return 0;
     const int64_t tile_k = 16 * (16 / bits);  /* 512-byte tiles of 16 rows */
-    return (N + 15) / 16 * ((K + tile_k - 1) / tile_k) * 512;
+    return qd_cuda_tiles_size(N / 16 + (N % 16 != 0), K / tile_k + (K % tile_k != 0), 512);
 }
 static inline int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k) {
-    if (block_k <= 0)
+    if (block_k <= 0 || N <= 0 || K <= 0)
         return 0;
-    return (N + 15) / 16 * (K / block_k) * 64;  /* 16 rows' float32 scales per block */
+    return qd_cuda_tiles_size(N / 16 + (N % 16 != 0), K / block_k, 64);  /* 16 rows' float32 scales a block */
 }
 qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
                                   void *tiles, void *stream);
