@@ -80,7 +80,8 @@ def from_torch(x, device=None):
     the cuda backend is built).  A CPU tensor goes to `device` if that is a host
     device, else to the default backend; both views share x's memory.  A strided
     x (an expanded gradient, say) or a negative view is copied to dense rows first:
-    the kernels read rows."""
+    the kernels read rows.  So is a dtype qdispatch does not hold, converted as
+    qdispatch.tensor converts numpy data (float64 to float32, other integers to int8)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"from_torch expects a torch tensor, got {type(x).__name__}: "
                         f"use qdispatch.tensor(...) for other data")

@@ -95,8 +95,10 @@ typedef enum qd_value { QD_Q8S = 0, QD_Q8F = 1, QD_Q4S = 2, QD_Q4F = 3, QD_Q2S =
 typedef enum qd_scale_dtype { QD_SCALE_F32 = 0, QD_SCALE_F16 = 1, QD_SCALE_BF16 = 2 } qd_scale_dtype;
 
 /* Quantizes x [rows, cols] in blocks of [block_rows, block_cols]:
- *   scale = (2*amax)/(b - a) in float32, stored in scale_dtype rounded up
- *   (1.0 for an all-zero block); q = clamp(rint(x / scale), a, b) with an
+ *   scale = (2*amax)/(b - a) in float32, computed as amax / ((b - a) / 2) so that
+ *   an amax near FLT_MAX does not overflow, and at least the smallest subnormal
+ *   where it would round to 0; stored in scale_dtype rounded up (1.0 for an
+ *   all-zero block); q = clamp(rint(x / scale), a, b) with an
  *   IEEE float32 division and round half to even.  That assumes the default
  *   floating-point environment (round to nearest, no flush-to-zero): a caller
  *   that changed it gets divisions and rint in its mode.
@@ -154,7 +156,8 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
 qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value_kind,
                              int64_t act_block_k, const qd_packed_weights *w, float *out);
 
-/* ---- half-precision conversions (uint16 bit patterns, round to nearest even) ---- */
+/* ---- half-precision conversions (uint16 bit patterns, round to nearest even) ----
+ * n = 0 converts nothing and returns QD_OK; n < 0 is QD_ERR_SHAPE. */
 qd_status qd_convert_f16_to_f32(const uint16_t *src, int64_t n, float *dst);
 qd_status qd_convert_bf16_to_f32(const uint16_t *src, int64_t n, float *dst);
 qd_status qd_convert_f32_to_f16(const float *src, int64_t n, uint16_t *dst);
@@ -171,7 +174,8 @@ typedef enum qd_cuda_dtype {
 
 /* 1 if this library has CUDA kernels and a device and driver can run them. */
 int qd_cuda_available(void);
-/* Text of the last failed CUDA call on this thread ("" if none). */
+/* Text of the last failed CUDA call on this thread ("" if none); a library built
+ * without CUDA says so. */
 const char *qd_cuda_last_error(void);
 
 /* dst[i] = (dst_dtype) src[i] for float dtypes (round to nearest even). */
