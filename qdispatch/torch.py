@@ -576,28 +576,33 @@ def _stored_weight(w, on_meta=False):
 
 
 # state_dict() and load_state_dict() keep a shared weight shared.  One state_dict()
-# call (its destination dict) makes a QTensor's extra state once and puts it under
-# each layer's name, so torch.save pickles it once and torch.load gives one dict back;
-# a load then meets the same tensors under each name and gives them one QTensor.
-_WRITTEN = {}  # id(destination) -> (weak destination, {id(QTensor): (weak QTensor, state)})
+# call puts one extra state dict under the name of each layer that shares a QTensor,
+# so torch.save pickles it once and torch.load gives one dict back; a load then meets
+# the same tensors under each name and gives them one QTensor.  The state is found
+# where the call put it first: under that layer's name in its destination.
+_WRITTEN = {}  # id(QTensor) -> (weak QTensor, id(destination), key, weak "qvalues", versions)
 
 
-def _stored_weight_once(w, destination):
-    """_stored_weight(w), made once for the state_dict() call filling `destination`
-    however many layers share w (tied weights)."""
-    entry = _WRITTEN.get(id(destination))
-    if entry is None or entry[0]() is not destination:
-        try:
-            entry = (weakref.ref(destination), {})
-        except TypeError:  # a destination without weak references (a plain dict): nothing shared
-            return _stored_weight(w)
-        _WRITTEN[id(destination)] = entry
-        weakref.finalize(destination, _WRITTEN.pop, id(destination), None)
-    written = entry[1]
-    earlier = written.get(id(w))
-    if earlier is None or earlier[0]() is not w:
-        earlier = written[id(w)] = (weakref.ref(w), _stored_weight(w))
-    return earlier[1]
+def _versions(state):
+    return state["qvalues"]._version, state["qscales"]._version
+
+
+def _stored_weight_once(w, destination, key):
+    """_stored_weight(w), or the state of w the state_dict() call filling `destination`
+    put there already, under another layer's name (a tied weight); `key` is this
+    layer's name for it."""
+    entry = _WRITTEN.get(id(w))
+    if entry is not None and entry[0]() is w and entry[1] == id(destination):
+        earlier = destination.get(entry[2])
+        if isinstance(earlier, dict) and earlier.get("qvalues") is entry[3]() and _versions(earlier) == entry[4]:
+            return earlier  # unchanged since: this call's (an edited or another's is made anew)
+    state = _stored_weight(w)
+
+    def gone(ref, at=id(w)):
+        if at in _WRITTEN and _WRITTEN[at][0] is ref:
+            del _WRITTEN[at]
+    _WRITTEN[id(w)] = (weakref.ref(w, gone), id(destination), key, weakref.ref(state["qvalues"]), _versions(state))
+    return state
 
 
 def _check_stored_weight(state, owner):
@@ -729,7 +734,7 @@ class _QuantizedModule(torch.nn.Module):
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        self._destination = destination  # for get_extra_state: which state_dict() call asks
+        self._destination = (destination, prefix + "_extra_state")  # for get_extra_state: which call asks
         try:
             super()._save_to_state_dict(destination, prefix, keep_vars)
         finally:
@@ -740,8 +745,8 @@ class _QuantizedModule(torch.nn.Module):
         # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
         if self.weight is self._unloaded:  # no values yet: as torch gives a meta parameter's
             return _stored_weight(self.weight, on_meta=True)
-        destination = getattr(self, "_destination", None)
-        return _stored_weight(self.weight) if destination is None else _stored_weight_once(self.weight, destination)
+        asking = getattr(self, "_destination", None)
+        return _stored_weight(self.weight) if asking is None else _stored_weight_once(self.weight, *asking)
 
     def _placeholder(self, zeros):
         """This layer without values: `zeros` that refuse to run, what a checkpoint of

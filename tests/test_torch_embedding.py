@@ -426,6 +426,26 @@ def test_a_tied_state_dict_holds_the_weight_once_and_loads_tied(tmp_path, weight
             assert torch.equal(model(ids), source(ids))
 
 
+def test_a_state_dict_into_a_plain_dict_holds_a_tied_weight_once():
+    """state_dict(destination={}): a dict takes no weak reference, and the tied weight
+    still goes in once, so it saves once and loads tied; a second call makes its own."""
+    torch.manual_seed(0)
+    source = quantize_linears(quantize_embeddings(TiedLM(), INT4), INT4)
+    state = source.state_dict(destination={})
+    assert type(state) is dict and state["head._extra_state"] is state["embed._extra_state"]
+    again = source.state_dict(destination={})
+    assert again["head._extra_state"] is again["embed._extra_state"] is not state["embed._extra_state"]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    model = quantize_linears(quantize_embeddings(TinyLM(), PER_ROW), PER_ROW)
+    model.load_state_dict(torch.load(buffer, weights_only=True))
+    assert model.head.weight is model.embed.weight
+    with torch.no_grad():
+        ids = torch.tensor([[5, 6], [7, 49]])
+        assert torch.equal(model(ids), source(ids))
+
+
 def test_a_state_dict_shares_only_what_is_one_weight():
     """Two weights of equal values, or a state edited between two loads, load as
     weights of their own."""
