@@ -519,19 +519,19 @@ class StoredFile:
         record = self.records[name]
         return self.records[record["of"]] if record["kind"] == "alias" else record
 
-    def decode(self, name, dev):
+    def decode(self, name, dev, shared=True):
         """Tensor `name` read from the file, on qdispatch device `dev` (None: the
         default backend).  An alias and its target, on one device, give one object (a
-        transposed alias its `.T`)."""
+        transposed alias its `.T`), unless not `shared`: then an object of its own."""
         record = self.records[name]
         turned = record["kind"] == "alias" and record.get("transposed", False)
         if record["kind"] == "alias":
             name = record["of"]
         key = (name, None if dev is None else str(dev))
-        obj = self._shared.get(key)
+        obj = self._shared.get(key) if shared else None
         if obj is None:
             obj = self._decode(name, dev)
-            if name in self._targets:
+            if shared and name in self._targets:
                 self._shared[key] = obj
         return obj.T if turned else obj
 

@@ -453,34 +453,41 @@ def _quantized(weight, scheme, device):
     return tensor_api.quantize(from_torch(weight), scheme, device=device)
 
 
-# A tied weight comes under each of its names in a checkpoint, and its layers must
-# share one QTensor again.  What one load_state_dict() call has done is kept for that
-# call alone: it is known by its error list, one object passed to every module's load,
-# so a later load reads its tensors afresh, whatever was done to them in between.
+# Layers that share a QTensor in the model (tied weights) share one after a load too,
+# as tied Parameters stay one tensor whatever a checkpoint holds: a layer's new QTensor
+# goes to every layer that shared its old one (the last entry loaded wins, as torch's
+# copies into one Parameter do).  Layers that do not share one never come to, however
+# their entries alias.  What one load_state_dict() call has done is kept for that call
+# alone: it is known by its error list, one object passed to every module's load.
 _LOADS = threading.local()
+_LOADS_KEPT = 4  # loads known at once per thread: a load run from another's hook keeps its own
 
 
 class _Load:
     """One load_state_dict() call's: the QTensors it read, {key: (weak checkpoint
-    tensors, weak QTensor)}; the ids of the layers that loaded an entry of their own,
-    and of those given a sharer's; those that found none, {id(layer): (weak layer,
-    its missing key)}."""
+    tensors, weak QTensor)}; the ids of the layers given a sharer's new weight, and
+    the layers that found no entry of their own, {id(layer): (weak layer, its
+    missing key)}."""
 
     def __init__(self, error_msgs):
-        self.error_msgs, self.reads, self.own, self.given, self.without = error_msgs, {}, set(), set(), {}
+        self.error_msgs, self.reads, self.given, self.without = error_msgs, {}, set(), {}
+        self.key = None  # the extra state key of the layer loading now
 
 
 def _load_of(error_msgs):
     """The _Load of the load_state_dict() call that passes `error_msgs` to its
     modules, new for a new call."""
-    held = getattr(_LOADS, "held", None)
-    if held is None or held.error_msgs is not error_msgs:
-        held = _LOADS.held = _Load(error_msgs)
-    return held
+    loads = _LOADS.__dict__.setdefault("loads", [])
+    for load in loads:
+        if load.error_msgs is error_msgs:
+            return load
+    loads.append(_Load(error_msgs))
+    del loads[:-_LOADS_KEPT]
+    return loads[-1]
 
 
 # Which layers hold each QTensor, so that a load replacing one layer's weight reaches
-# every layer that shares it (tied weights), wherever in the model the load starts.
+# every layer that shares it, wherever in the model the load starts.
 _HOLDERS = {}  # id(QTensor) -> (weak QTensor, weak set of modules)
 
 
@@ -495,35 +502,36 @@ def _hold(module, weight):
     entry[1].add(module)
 
 
-def _sharers(module, weight):
-    """The other modules whose weight is `weight` now."""
+def _holders(weight, but=None):
+    """The modules other than `but` whose weight is `weight` now."""
     entry = _HOLDERS.get(id(weight))
     if entry is None or entry[0]() is not weight:
         return []
-    return [m for m in list(entry[1]) if m is not module and m.__dict__.get("weight") is weight]
+    return [m for m in list(entry[1]) if m is not but and m.__dict__.get("weight") is weight]
 
 
-def _read_once(reads, key, tensors, read):
-    """read(), or the QTensor read under `key` earlier in this load from the same
-    checkpoint `tensors` (the other names of a tied weight); reads None: no load."""
+def _read_once(reads, key, tensors, current, read, alike=lambda earlier, now: earlier is now):
+    """read(), or `current` where this load read it under `key` from checkpoint
+    tensors `alike` these (the entry of a tied layer loaded before this one, which
+    passed it on); reads None: no load to remember."""
     if reads is None:
         return read()
     hit = reads.get(key)
-    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
-        weight = hit[1]()
-        if weight is not None:
-            return weight
+    if hit is not None and hit[1]() is current and all(alike(ref(), t) for ref, t in zip(hit[0], tensors)):
+        return current
     weight = read()
     reads[key] = (tuple(weakref.ref(t) for t in tensors), weakref.ref(weight))
     return weight
 
 
-def _quantized_from_checkpoint(weight, scheme, device, reads):
-    """_quantized(weight, scheme, device), once for all the names of one tied weight
-    in the checkpoint being loaded: views of one storage, alike."""
+def _quantized_from_checkpoint(weight, scheme, device, current, reads):
+    """_quantized(weight, scheme, device), or `current` where this load quantized it
+    from the same float weight (views of one storage) for a tied layer before."""
     key = ("float", weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape),
            weight.stride(), weight.dtype, str(weight.device), scheme, str(device))
-    return _read_once(reads, key, (), lambda: _quantized(weight.detach(), scheme, device))
+    # another view of one storage is alike while the first lives: no other tensor has its address then
+    return _read_once(reads, key, (weight,), current, lambda: _quantized(weight.detach(), scheme, device),
+                      alike=lambda earlier, now: earlier is not None)
 
 
 # The extra state's format: 2 holds the values and scales as qdispatch.save stores
@@ -580,7 +588,10 @@ def _stored_weight(w, on_meta=False):
 # so torch.save pickles it once and torch.load gives one dict back; a load then meets
 # the same tensors under each name and gives them one QTensor.  The state is found
 # where the call put it first: under that layer's name in its destination.
-_WRITTEN = {}  # id(QTensor) -> (weak QTensor, id(destination), key, weak "qvalues", versions)
+# Per thread: .asking, (layer, destination, key) of the layer whose state_dict() runs;
+# .written, {id(QTensor): (weak QTensor, id(destination), key, weak "qvalues", weak
+# "qscales", versions)}.
+_SAVING = threading.local()
 
 
 def _versions(state):
@@ -590,18 +601,21 @@ def _versions(state):
 def _stored_weight_once(w, destination, key):
     """_stored_weight(w), or the state of w the state_dict() call filling `destination`
     put there already, under another layer's name (a tied weight); `key` is this
-    layer's name for it."""
-    entry = _WRITTEN.get(id(w))
-    if entry is not None and entry[0]() is w and entry[1] == id(destination):
+    layer's name for it.  The layer that put it there asking again is a new call."""
+    written = _SAVING.__dict__.setdefault("written", {})
+    entry = written.get(id(w))
+    if entry is not None and entry[0]() is w and entry[1] == id(destination) and entry[2] != key:
         earlier = destination.get(entry[2])
-        if isinstance(earlier, dict) and earlier.get("qvalues") is entry[3]() and _versions(earlier) == entry[4]:
-            return earlier  # unchanged since: this call's (an edited or another's is made anew)
+        if (isinstance(earlier, dict) and earlier.get("qvalues") is entry[3]() and earlier.get("qscales") is entry[4]()
+                and _versions(earlier) == entry[5]):
+            return earlier  # as this call put it there: the same tensors, unchanged
     state = _stored_weight(w)
 
     def gone(ref, at=id(w)):
-        if at in _WRITTEN and _WRITTEN[at][0] is ref:
-            del _WRITTEN[at]
-    _WRITTEN[id(w)] = (weakref.ref(w, gone), id(destination), key, weakref.ref(state["qvalues"]), _versions(state))
+        if at in written and written[at][0] is ref:
+            del written[at]
+    written[id(w)] = (weakref.ref(w, gone), id(destination), key, weakref.ref(state["qvalues"]),
+                      weakref.ref(state["qscales"]), _versions(state))
     return state
 
 
@@ -734,19 +748,22 @@ class _QuantizedModule(torch.nn.Module):
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        self._destination = (destination, prefix + "_extra_state")  # for get_extra_state: which call asks
+        outer = getattr(_SAVING, "asking", None)
+        _SAVING.asking = (self, destination, prefix + "_extra_state")  # for get_extra_state: which call asks
         try:
             super()._save_to_state_dict(destination, prefix, keep_vars)
         finally:
-            del self._destination
+            _SAVING.asking = outer
 
     def get_extra_state(self):
         # The quantized weight in state_dict(), as torch tensors and plain values, so
         # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
         if self.weight is self._unloaded:  # no values yet: as torch gives a meta parameter's
             return _stored_weight(self.weight, on_meta=True)
-        asking = getattr(self, "_destination", None)
-        return _stored_weight(self.weight) if asking is None else _stored_weight_once(self.weight, *asking)
+        asking = getattr(_SAVING, "asking", None)
+        if asking is None or asking[0] is not self:  # called on its own
+            return _stored_weight(self.weight)
+        return _stored_weight_once(self.weight, *asking[1:])
 
     def _placeholder(self, zeros):
         """This layer without values: `zeros` that refuse to run, what a checkpoint of
@@ -755,42 +772,34 @@ class _QuantizedModule(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        load, before = _load_of(error_msgs), self.weight
-        _LOADS.active = load  # for set_extra_state, which torch calls from here
+        load, before, outer = _load_of(error_msgs), self.weight, getattr(_LOADS, "active", None)
+        load.key, _LOADS.active = prefix + "_extra_state", load  # for set_extra_state, which torch calls from here
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
-        except ShapeError as exc:  # a weight of another shape: reported with the rest, as torch does
-            error_msgs.append(f"size mismatch for {prefix}_extra_state: {exc}")
-            return
         except QDispatchError as exc:  # set_extra_state's: say which layer's, as torch names a parameter
             raise type(exc)(f"{prefix}_extra_state: {exc}") from exc
         finally:
-            _LOADS.active = None
+            _LOADS.active = outer
         weight_key, state_key = prefix + "weight", prefix + "_extra_state"
-        if state_key in state_dict:
-            pass
-        elif weight_key in state_dict:
+        if state_key not in state_dict and weight_key in state_dict:
             self._load_float(state_dict[weight_key], weight_key, state_key, local_metadata, missing_keys,
                              unexpected_keys, error_msgs, load)
-        else:  # nothing of its own: a tied weight named under another layer's name
+        elif state_key not in state_dict:  # nothing of its own: a tied weight named under another layer's name
             if id(self) in load.given:  # given it already, by that layer
                 if state_key in missing_keys:
                     missing_keys.remove(state_key)
             else:
                 load.without[id(self)] = (weakref.ref(self), state_key)
             return
-        load.own.add(id(self))
         if self.weight is not before:
             self._pass_on(before, load, missing_keys)
 
     def _pass_on(self, old, load, missing_keys):
-        """This layer's new weight to the layers that shared `old` and load no entry of
-        their own (a checkpoint naming a tied weight once), as torch's copy into one
-        shared Parameter reaches them all; those found wanting earlier are not missing."""
-        for other in _sharers(self, old):
-            if id(other) in load.own:
-                continue
+        """This layer's new weight to the layers that shared `old`, as torch's copy into
+        one shared Parameter reaches them all; those found wanting earlier in this load
+        (a checkpoint naming a tied weight once) are not missing."""
+        for other in _holders(old, but=self):
             other.weight, other._source, other._unloaded = self.weight, self._source, self._unloaded
             load.given.add(id(other))
             earlier = load.without.pop(id(other), None)
@@ -819,7 +828,8 @@ class _QuantizedModule(torch.nn.Module):
                                                        device=self.weight.device))
         else:
             try:
-                self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device, load.reads)
+                self.weight = _quantized_from_checkpoint(weight, self.weight.scheme, self.weight.device, self.weight,
+                                                         load.reads)
             except QDispatchError as exc:  # a NaN or an overflowing scale: say which layer's
                 raise type(exc)(f"{weight_key}: {exc}") from exc
             self._source = self._unloaded = None  # no longer the float weight's values, nor zeros
@@ -829,8 +839,11 @@ class _QuantizedModule(torch.nn.Module):
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight
         # lands on the device of the weight it replaces.
+        load = getattr(_LOADS, "active", None)
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
+            if weight is not self.weight and _holders(weight):  # an alias of another layer's, not tied here
+                weight = state.read(self.weight.device, shared=False)
         else:
             _check_stored_weight(state, type(self).__name__)
             if state["qvalues"].is_meta or state["qscales"].is_meta:  # a layer's that had no values
@@ -841,11 +854,15 @@ class _QuantizedModule(torch.nn.Module):
                 parts = (state["qvalues"], state["qscales"])
                 key = ("stored", *map(id, parts), repr([state[k] for k in ("scheme", "shape", "transposed")
                                                          if k in state]), str(self.weight.device))
-                weight = _read_once(getattr(getattr(_LOADS, "active", None), "reads", None), key, parts, lambda: _weight_from_state(
-                    state, type(self).__name__, self.weight.device))
+                weight = _read_once(load and load.reads, key, parts, self.weight,
+                                    lambda: _weight_from_state(state, type(self).__name__, self.weight.device))
         if weight.shape != self.weight.shape:
-            raise ShapeError(f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this "
-                             f"layer's is {self.weight.shape}")
+            mismatch = (f"{type(self).__name__} state holds a weight of shape {weight.shape}, but this layer's "
+                        f"is {self.weight.shape}")
+            if load is None:
+                raise ShapeError(mismatch)
+            # in a load: reported with the rest once they have loaded, as torch reports a size mismatch
+            return load.error_msgs.append(f"size mismatch for {load.key}: {mismatch}")
         self.weight, self._source, self._unloaded = weight, None, None
 
 
@@ -1268,8 +1285,8 @@ class _WeightInFile:
     def __init__(self, stored, name):
         self.stored, self.name = stored, name
 
-    def read(self, device):
-        return self.stored.decode(self.name, device)
+    def read(self, device, shared=True):
+        return self.stored.decode(self.name, device, shared)
 
 
 def _module(model, op, instead=None):

@@ -3,6 +3,7 @@ import copy
 import io
 import json
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import qdispatch as qd  # noqa: E402
+import qdispatch.torch as qtorch  # noqa: E402
 from qdispatch import QuantScheme  # noqa: E402
 from qdispatch.torch import (QEmbedding, QLinear, load_model, quantize_embeddings, quantize_linears,  # noqa: E402
                              save_model)
@@ -266,8 +268,10 @@ def test_float64_rows_and_a_float_checkpoints_dtype(device):
 
 
 def test_a_tied_float_checkpoint_loads_into_one_qtensor():
-    """A float checkpoint of a tied model names its table twice (one storage): the
-    layers quantized it apart, two copies of the largest matrix, no longer tied."""
+    """A float checkpoint of a tied model names its table twice (one storage): it is
+    quantized once, and the layers stay tied.  Two tensors under the two names (a
+    state dict each of whose entries was copied) still load as one weight, the last
+    one loaded, as torch's copies into one tied Parameter do."""
     class Tied(TinyLM):
         def __init__(self):
             super().__init__()
@@ -284,9 +288,10 @@ def test_a_tied_float_checkpoint_loads_into_one_qtensor():
         want = qd.quantize(float_model.embed.weight.detach().numpy(), PER_ROW)
         np.testing.assert_array_equal(empty.head.weight.values, want.values)
     other = float_model.state_dict()
-    other["head.weight"] = other["head.weight"].clone()  # equal values, but two tensors: two tables
+    other["head.weight"] = other["head.weight"].clone() * 2  # two tensors, the head's loaded last
     empty.load_state_dict(other)
-    assert empty.embed.weight is not empty.head.weight
+    assert empty.embed.weight is empty.head.weight
+    np.testing.assert_array_equal(empty.embed.weight.values, qd.quantize(other["head.weight"].numpy(), PER_ROW).values)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float checkpoint", "quantized checkpoint"])
@@ -401,13 +406,17 @@ def test_a_tied_model_saves_its_weight_once_and_loads_tied(tmp_path):
     ids = torch.tensor([[5, 6], [7, 49]])
     with torch.no_grad():
         assert torch.equal(model(ids), source(ids))
+    untied = load_model(quantize_linears(quantize_embeddings(TinyLM(), INT4), INT4), path)
+    assert untied.head.weight is not untied.embed.weight  # the alias reads as a weight of its own there
+    with torch.no_grad():
+        assert torch.equal(untied(ids), source(ids))
 
 
 @pytest.mark.parametrize("weights_only", [True, False])
-def test_a_tied_state_dict_holds_the_weight_once_and_loads_tied(tmp_path, weights_only):
+def test_a_tied_state_dict_holds_the_weight_once_and_loads_tied(tmp_path, weights_only, monkeypatch):
     """state_dict() puts one extra state under both names, so torch.save pickles the
-    shared weight once; load_state_dict, in memory or from that file, gives the pair
-    one QTensor again."""
+    shared weight once; load_state_dict, in memory or from that file, gives a tied
+    pair one QTensor again (read once), and an untied pair two."""
     torch.manual_seed(0)
     source = quantize_linears(quantize_embeddings(TiedLM(), INT4), INT4)
     state = source.state_dict()
@@ -416,14 +425,26 @@ def test_a_tied_state_dict_holds_the_weight_once_and_loads_tied(tmp_path, weight
     torch.save(state, tmp_path / "tied.pt")
     from_file = torch.load(tmp_path / "tied.pt", weights_only=weights_only)
     assert from_file["head._extra_state"] is from_file["embed._extra_state"]
+    reads = []
+    read = qtorch._weight_from_state
+    monkeypatch.setattr(qtorch, "_weight_from_state", lambda *args, **kwargs: reads.append(1) or read(*args, **kwargs))
     for loaded in (state, from_file):
-        model = quantize_linears(quantize_embeddings(TinyLM(), PER_ROW), PER_ROW)  # untied, other values
+        model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)  # other values and scheme
+        reads.clear()
         model.load_state_dict(loaded)
+        assert len(reads) == 2  # the tied table once, the hidden layer's weight
         assert model.head.weight is model.embed.weight and model.head.weight.scheme == INT4
         assert model.hidden.weight is not model.embed.weight
         ids = torch.tensor([[5, 6], [7, 49]])
         with torch.no_grad():
             assert torch.equal(model(ids), source(ids))
+        # a model whose layers are not tied keeps them apart, as torch keeps two Parameters
+        untied = quantize_linears(quantize_embeddings(TinyLM(), PER_ROW), PER_ROW)
+        untied.load_state_dict(loaded)
+        assert untied.head.weight is not untied.embed.weight
+        np.testing.assert_array_equal(untied.head.weight.values, source.head.weight.values)
+        with torch.no_grad():
+            assert torch.equal(untied(ids), source(ids))
 
 
 def test_a_state_dict_into_a_plain_dict_holds_a_tied_weight_once():
@@ -438,7 +459,7 @@ def test_a_state_dict_into_a_plain_dict_holds_a_tied_weight_once():
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    model = quantize_linears(quantize_embeddings(TinyLM(), PER_ROW), PER_ROW)
+    model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
     model.load_state_dict(torch.load(buffer, weights_only=True))
     assert model.head.weight is model.embed.weight
     with torch.no_grad():
@@ -557,6 +578,115 @@ def test_a_layer_of_another_shape_is_reported_with_the_rest_and_ties_hold():
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(target(ids), good(ids))
+
+
+class TwoLinears(torch.nn.Module):
+    """Two layers of one shape, not tied."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64, bias=False)
+        self.b = torch.nn.Linear(64, 64, bias=False)
+
+
+def test_layers_that_are_not_tied_never_come_to_share_a_weight():
+    """One tensor under two untied layers' names (or a float weight each, converted
+    by a hook and freed as its layer loads) loads into two QTensors, each layer its
+    own values, and a later load of one leaves the other as it was, as torch's two
+    Parameters would."""
+    torch.manual_seed(0)
+    model = quantize_linears(TwoLinears(), PER_ROW)
+    same = torch.randn(64, 64)
+    model.load_state_dict({"a.weight": same, "b.weight": same})
+    assert model.a.weight is not model.b.weight
+    b_before = model.b.weight
+    model.load_state_dict({"a.weight": torch.randn(64, 64)}, strict=False)
+    assert model.b.weight is b_before
+
+    def to_float32(module, state_dict, prefix, *_):  # a copy each layer frees once it has loaded
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"].float()
+    for layer in (model.a, model.b):
+        layer.register_load_state_dict_pre_hook(to_float32)
+    half = {name: torch.randn(64, 64, dtype=torch.float16) for name in ("a.weight", "b.weight")}
+    model.load_state_dict(half)
+    for name in ("a", "b"):
+        want = qd.quantize(half[name + ".weight"].float().numpy(), PER_ROW)
+        np.testing.assert_array_equal(getattr(model, name).weight.values, want.values)
+
+
+def test_a_load_started_from_another_loads_hook_keeps_its_own_account():
+    """A load run from inside another load (a hook filling a second model) does not
+    make the first forget which layer was given the tied weight."""
+    torch.manual_seed(0)
+    good = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
+    once = {k: v for k, v in good.state_dict().items() if not k.startswith("head.")}
+    aux = quantize_linears(TwoLinears(), PER_ROW)
+    aux_state = aux.state_dict()
+    for head_first in (False, True):
+        model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
+        if head_first:  # the tied layer without an entry loads before the one with it
+            model._modules["embed"] = model._modules.pop("embed")
+        model.hidden.register_load_state_dict_pre_hook(lambda *_: aux.load_state_dict(aux_state))
+        assert model.load_state_dict(once).missing_keys == []
+        assert model.head.weight is model.embed.weight
+        np.testing.assert_array_equal(model.head.weight.values, good.embed.weight.values)
+
+
+def test_a_size_mismatch_leaves_the_rest_of_the_layers_keys_reported():
+    """The mismatch goes to torch's error list and torch's own scan of the layer's
+    keys goes on: a stray key beside it is still unexpected."""
+    target = quantize_linears(TwoLinears(), PER_ROW)
+    narrow = QLinear.from_linear(torch.nn.Linear(32, 64, bias=False), PER_ROW)
+    state = {"a._extra_state": narrow.state_dict()["_extra_state"], "a.stray": torch.zeros(1),
+             "b._extra_state": target.b.state_dict()["_extra_state"]}
+    with pytest.raises(RuntimeError, match=r'(?s)Unexpected key\(s\) in state_dict: "a\.stray".*size mismatch '
+                                           r'for a\._extra_state: .*\(64, 32\)'):
+        target.load_state_dict(state)
+    result = target.load_state_dict({k: v for k, v in state.items() if k != "a._extra_state"}, strict=False)
+    assert result.unexpected_keys == ["a.stray"]
+
+
+def test_state_dicts_made_on_several_threads_at_once():
+    """Each state_dict() call knows its own destination: eight threads at once get
+    whole state dicts, a tied weight's state under both names."""
+    import threading
+    torch.manual_seed(0)
+    model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
+    want = model.embed.weight.values
+    failures = []
+
+    def work():
+        try:
+            for _ in range(50):
+                state = model.state_dict()
+                assert state["head._extra_state"] is state["embed._extra_state"]
+                assert np.array_equal(state["embed._extra_state"]["qvalues"].numpy(), want)
+        except Exception as exc:  # noqa: BLE001 - reported below, with the thread's error
+            failures.append(repr(exc))
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, where the calls interleave
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert failures == []
+
+
+def test_a_destination_written_again_gets_the_weights_state_anew():
+    """state_dict(destination=d) twice: the second call writes the weight's state
+    again, as torch overwrites a destination, not what the first left (edited since)."""
+    layer = QLinear.from_linear(torch.nn.Linear(64, 64), PER_ROW)
+    d = {}
+    layer.state_dict(destination=d)
+    first = d["_extra_state"]
+    first["qscales"] = first["qscales"] * 2  # edited in the destination
+    layer.state_dict(destination=d)
+    assert d["_extra_state"] is not first
+    np.testing.assert_array_equal(d["_extra_state"]["qscales"].numpy(), layer.weight.scales.reshape(-1, 1))
 
 
 def test_tied_float_weights_are_saved_once(tmp_path):
