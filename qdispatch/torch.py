@@ -460,14 +460,14 @@ def _quantized(weight, scheme, device):
 # their entries alias.  What one load_state_dict() call has done is kept for that call
 # alone: it is known by its error list, one object passed to every module's load.
 _LOADS = threading.local()
-_LOADS_KEPT = 4  # loads known at once per thread: a load run from another's hook keeps its own
+_LOADS_KEPT = 64  # loads known at once per thread: loads run from another's hooks keep their own
 
 
 class _Load:
     """One load_state_dict() call's: the QTensors it read, {key: (weak checkpoint
-    tensors, weak QTensor)}; the ids of the layers given a sharer's new weight, and
-    the layers that found no entry of their own, {id(layer): (weak layer, its
-    missing key)}."""
+    tensors, their versions, {id(QTensor): weak QTensor})}; the ids of the layers
+    given a sharer's new weight, and the layers that found no entry of their own,
+    {id(layer): (weak layer, its missing key)}."""
 
     def __init__(self, error_msgs):
         self.error_msgs, self.reads, self.given, self.without = error_msgs, {}, set(), {}
@@ -489,25 +489,29 @@ def _load_of(error_msgs):
 # Which layers hold each QTensor, so that a load replacing one layer's weight reaches
 # every layer that shares it, wherever in the model the load starts.
 _HOLDERS = {}  # id(QTensor) -> (weak QTensor, weak set of modules)
+_HOLDERS_LOCK = threading.Lock()  # a weak set can't be read while another thread adds to it
 
 
 def _hold(module, weight):
     key = id(weight)
-    entry = _HOLDERS.get(key)
-    if entry is None or entry[0]() is not weight:
-        def gone(ref):
-            if key in _HOLDERS and _HOLDERS[key][0] is ref:
-                del _HOLDERS[key]
-        entry = _HOLDERS[key] = (weakref.ref(weight, gone), weakref.WeakSet())
-    entry[1].add(module)
+    with _HOLDERS_LOCK:
+        entry = _HOLDERS.get(key)
+        if entry is None or entry[0]() is not weight:
+            def gone(ref):
+                if key in _HOLDERS and _HOLDERS[key][0] is ref:
+                    del _HOLDERS[key]
+            entry = _HOLDERS[key] = (weakref.ref(weight, gone), weakref.WeakSet())
+        entry[1].add(module)
 
 
 def _holders(weight, but=None):
     """The modules other than `but` whose weight is `weight` now."""
-    entry = _HOLDERS.get(id(weight))
-    if entry is None or entry[0]() is not weight:
-        return []
-    return [m for m in list(entry[1]) if m is not but and m.__dict__.get("weight") is weight]
+    with _HOLDERS_LOCK:
+        entry = _HOLDERS.get(id(weight))
+        if entry is None or entry[0]() is not weight:
+            return []
+        held = list(entry[1])
+    return [m for m in held if m is not but and m.__dict__.get("weight") is weight]
 
 
 def _read_once(reads, key, tensors, current, read, alike=lambda earlier, now: earlier is now):
@@ -516,11 +520,15 @@ def _read_once(reads, key, tensors, current, read, alike=lambda earlier, now: ea
     passed it on); reads None: no load to remember."""
     if reads is None:
         return read()
+    versions = tuple(t._version for t in tensors)  # a hook may have changed them in place since
     hit = reads.get(key)
-    if hit is not None and hit[1]() is current and all(alike(ref(), t) for ref, t in zip(hit[0], tensors)):
+    if (hit is not None and id(current) in hit[2] and hit[2][id(current)]() is current and hit[1] == versions
+            and all(alike(ref(), t) for ref, t in zip(hit[0], tensors))):
         return current
     weight = read()
-    reads[key] = (tuple(weakref.ref(t) for t in tensors), weakref.ref(weight))
+    if hit is None or hit[1] != versions or not all(alike(ref(), t) for ref, t in zip(hit[0], tensors)):
+        hit = reads[key] = (tuple(weakref.ref(t) for t in tensors), versions, {})
+    hit[2][id(weight)] = weakref.ref(weight)  # one key may feed several untied layers, each its own
     return weight
 
 
@@ -773,7 +781,7 @@ class _QuantizedModule(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         load, before, outer = _load_of(error_msgs), self.weight, getattr(_LOADS, "active", None)
-        load.key, _LOADS.active = prefix + "_extra_state", load  # for set_extra_state, which torch calls from here
+        load.key, _LOADS.active = prefix + "_extra_state", (self, load)  # for set_extra_state, called from here
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
@@ -839,7 +847,8 @@ class _QuantizedModule(torch.nn.Module):
     def set_extra_state(self, state):
         # As load_state_dict copies into parameters where they are, the weight
         # lands on the device of the weight it replaces.
-        load = getattr(_LOADS, "active", None)
+        active = getattr(_LOADS, "active", None)
+        load = active[1] if active is not None and active[0] is self else None  # not a hook's call of another's
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
             if weight is not self.weight and _holders(weight):  # an alias of another layer's, not tied here

@@ -626,10 +626,64 @@ def test_a_load_started_from_another_loads_hook_keeps_its_own_account():
         model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
         if head_first:  # the tied layer without an entry loads before the one with it
             model._modules["embed"] = model._modules.pop("embed")
-        model.hidden.register_load_state_dict_pre_hook(lambda *_: aux.load_state_dict(aux_state))
+        model.hidden.register_load_state_dict_pre_hook(lambda *_: [aux.load_state_dict(aux_state) for _ in range(8)])
         assert model.load_state_dict(once).missing_keys == []
         assert model.head.weight is model.embed.weight
         np.testing.assert_array_equal(model.head.weight.values, good.embed.weight.values)
+
+
+def test_a_tied_weight_changed_by_a_hook_between_its_layers_loads_is_read_again():
+    """One tensor under both names of a tied weight, changed in place by a hook
+    before the second layer loads: the pair takes the changed values, as torch's
+    float model would, not the first read's."""
+    torch.manual_seed(0)
+    source = TiedLM()
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    state["head.weight"] = state["embed.weight"]
+
+    model = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
+    model.hidden.register_load_state_dict_pre_hook(lambda *_: state["embed.weight"].mul_(2))  # after embed's read
+    model.load_state_dict(state)
+    assert model.head.weight is model.embed.weight
+    want = qd.quantize(2 * source.embed.weight.detach().numpy(), PER_ROW)
+    np.testing.assert_array_equal(model.head.weight.dequantize().numpy(), want.dequantize().numpy())
+
+
+def test_an_untied_layer_between_a_tied_pair_keeps_the_pair_read_once(monkeypatch):
+    """One extra state under three names, two of them tied and one not, the untied
+    one loaded between them: the pair reads it once, the other layer its own."""
+    class Three(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.c, self.b = (torch.nn.Linear(64, 64, bias=False) for _ in range(3))
+            self.b.weight = self.a.weight
+    source = quantize_linears(Three(), PER_ROW)
+    entry = source.state_dict()["a._extra_state"]
+    reads = []
+    read = qtorch._weight_from_state
+    monkeypatch.setattr(qtorch, "_weight_from_state", lambda *args, **kwargs: reads.append(1) or read(*args, **kwargs))
+    model = quantize_linears(Three(), PER_ROW)
+    model.load_state_dict({name + "._extra_state": entry for name in "acb"})
+    assert len(reads) == 2 and model.a.weight is model.b.weight and model.c.weight is not model.a.weight
+    for name in "acb":
+        np.testing.assert_array_equal(getattr(model, name).weight.values, source.a.weight.values)
+
+
+def test_set_extra_state_called_by_a_hook_on_another_layer_is_its_own_call():
+    """A hook of one layer's load calling set_extra_state on a layer outside the load:
+    that call raises its own ShapeError, and the load's layer is not blamed."""
+    model = quantize_linears(TwoLinears(), PER_ROW)
+    outside = QLinear.from_linear(torch.nn.Linear(64, 64, bias=False), PER_ROW)
+    narrow = QLinear.from_linear(torch.nn.Linear(32, 64, bias=False), PER_ROW).state_dict()["_extra_state"]
+    refused = []
+
+    def hook(*_):
+        with pytest.raises(qd.ShapeError, match=r"\(64, 32\)"):
+            outside.set_extra_state(narrow)
+        refused.append(True)
+    model.a.register_load_state_dict_pre_hook(hook)
+    model.load_state_dict(model.state_dict())
+    assert refused == [True]
 
 
 def test_a_size_mismatch_leaves_the_rest_of_the_layers_keys_reported():
