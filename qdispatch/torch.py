@@ -471,7 +471,6 @@ class _Load:
 
     def __init__(self, error_msgs):
         self.error_msgs, self.reads, self.given, self.without = error_msgs, {}, set(), {}
-        self.key = None  # the extra state key of the layer loading now
 
 
 def _load_of(error_msgs):
@@ -492,15 +491,22 @@ _HOLDERS = {}  # id(QTensor) -> (weak QTensor, weak set of modules)
 _HOLDERS_LOCK = threading.Lock()  # a weak set can't be read while another thread adds to it
 
 
+def _entry_ref(table, obj):
+    """A weak reference to obj for table[id(obj)]'s entry, which it heads: the entry
+    goes with obj (unless another object's has taken its place)."""
+    at = id(obj)
+
+    def gone(ref):
+        if at in table and table[at][0] is ref:
+            del table[at]
+    return weakref.ref(obj, gone)
+
+
 def _hold(module, weight):
-    key = id(weight)
     with _HOLDERS_LOCK:
-        entry = _HOLDERS.get(key)
+        entry = _HOLDERS.get(id(weight))
         if entry is None or entry[0]() is not weight:
-            def gone(ref):
-                if key in _HOLDERS and _HOLDERS[key][0] is ref:
-                    del _HOLDERS[key]
-            entry = _HOLDERS[key] = (weakref.ref(weight, gone), weakref.WeakSet())
+            entry = _HOLDERS[id(weight)] = (_entry_ref(_HOLDERS, weight), weakref.WeakSet())
         entry[1].add(module)
 
 
@@ -522,12 +528,11 @@ def _read_once(reads, key, tensors, current, read, alike=lambda earlier, now: ea
         return read()
     versions = tuple(t._version for t in tensors)  # a hook may have changed them in place since
     hit = reads.get(key)
-    if (hit is not None and id(current) in hit[2] and hit[2][id(current)]() is current and hit[1] == versions
-            and all(alike(ref(), t) for ref, t in zip(hit[0], tensors))):
-        return current
-    weight = read()
     if hit is None or hit[1] != versions or not all(alike(ref(), t) for ref, t in zip(hit[0], tensors)):
         hit = reads[key] = (tuple(weakref.ref(t) for t in tensors), versions, {})
+    elif id(current) in hit[2] and hit[2][id(current)]() is current:
+        return current
+    weight = read()
     hit[2][id(weight)] = weakref.ref(weight)  # one key may feed several untied layers, each its own
     return weight
 
@@ -618,11 +623,7 @@ def _stored_weight_once(w, destination, key):
                 and _versions(earlier) == entry[5]):
             return earlier  # as this call put it there: the same tensors, unchanged
     state = _stored_weight(w)
-
-    def gone(ref, at=id(w)):
-        if at in written and written[at][0] is ref:
-            del written[at]
-    written[id(w)] = (weakref.ref(w, gone), id(destination), key, weakref.ref(state["qvalues"]),
+    written[id(w)] = (_entry_ref(written, w), id(destination), key, weakref.ref(state["qvalues"]),
                       weakref.ref(state["qscales"]), _versions(state))
     return state
 
@@ -781,7 +782,7 @@ class _QuantizedModule(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         load, before, outer = _load_of(error_msgs), self.weight, getattr(_LOADS, "active", None)
-        load.key, _LOADS.active = prefix + "_extra_state", (self, load)  # for set_extra_state, called from here
+        _LOADS.active = (self, load, prefix + "_extra_state")  # for set_extra_state, which torch calls from here
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
@@ -848,7 +849,8 @@ class _QuantizedModule(torch.nn.Module):
         # As load_state_dict copies into parameters where they are, the weight
         # lands on the device of the weight it replaces.
         active = getattr(_LOADS, "active", None)
-        load = active[1] if active is not None and active[0] is self else None  # not a hook's call of another's
+        # a hook's call on a layer outside the load is that layer's own call
+        load, own_key = active[1:] if active is not None and active[0] is self else (None, None)
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
             if weight is not self.weight and _holders(weight):  # an alias of another layer's, not tied here
@@ -871,7 +873,7 @@ class _QuantizedModule(torch.nn.Module):
             if load is None:
                 raise ShapeError(mismatch)
             # in a load: reported with the rest once they have loaded, as torch reports a size mismatch
-            return load.error_msgs.append(f"size mismatch for {load.key}: {mismatch}")
+            return load.error_msgs.append(f"size mismatch for {own_key}: {mismatch}")
         self.weight, self._source, self._unloaded = weight, None, None
 
 
