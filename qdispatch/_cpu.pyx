@@ -104,7 +104,8 @@ def set_isa(name):
         qd_isa_reset()
         return
     if qd_isa_from_name(str(name).encode(), &isa) != QD_OK:
-        raise ValueError(f"Unknown ISA {name!r}: use 'auto' or one of {_isa_names(lambda i: True)}")
+        raise ValueError(f"Can't use ISA {name!r}: no ISA has that name; use 'auto' or one of "
+                         f"{_isa_names(lambda i: True)}")
     _check(qd_isa_set(isa), f"Can't use ISA {name!r}")
 
 

@@ -35,6 +35,7 @@ Tensors or arrays (F32, F16, BF16), of 1 to 4 dims, atomically.  Anything else r
 Only tensors cross; GGUF key-value metadata other than the architecture is not
 read or written.
 """
+import functools
 import math
 
 import numpy as np
@@ -118,7 +119,7 @@ def load(path, device=None):
     if device is not None:
         backend_for(device)  # an unavailable device fails before any reading
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _reader_class(gguf)(path)
     except (ValueError, IndexError, KeyError, OverflowError, RecursionError) as exc:  # RecursionError: nested arrays
         raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): "
                                  f"{type(exc).__name__}: {exc}") from None
@@ -127,17 +128,32 @@ def load(path, device=None):
     return {t.name: _load_tensor(path, t, device, swapped) for t in reader.tensors}
 
 
+@functools.cache
+def _reader_class(gguf):
+    class Reader(gguf.GGUFReader):
+        # The reader takes bytes past the file's end as empty arrays, so an array
+        # that claims more items than the file holds (2**40, say) loops for ever,
+        # its list growing: stop at the end.
+        def _get(self, offset, dtype, count=1, *args, **kwargs):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise ValueError(f"the file ends at byte {len(self.data)}, before the {np.dtype(dtype)} "
+                                 f"data it describes at bytes {int(offset)}-{end}")
+            return super()._get(offset, dtype, count, *args, **kwargs)
+    return Reader
+
+
 def _check_offsets(path, reader):
     """Each tensor's data starts where the one before it ends, rounded up to the
     file's alignment, as ggml requires (the gguf reader does not check): tensors that
     overlap would load one file's bytes many times over, or as another's garbage."""
-    expected = reader.data_offset
+    expected, alignment = int(reader.data_offset), int(reader.alignment)  # numpy's uint32 with general.alignment
     for t in reader.tensors:
         if int(t.data_offset) != expected:
             raise SerializationError(
                 f"Tensor {t.name!r} in {path} starts at byte {int(t.data_offset)} of the file, where the "
-                f"tensors before it end at {expected} (aligned to {reader.alignment} bytes): the file is corrupted")
-        expected += -(-int(t.n_bytes) // reader.alignment) * reader.alignment
+                f"tensors before it end at {expected} (aligned to {alignment} bytes): the file is corrupted")
+        expected += -(-int(t.n_bytes) // alignment) * alignment
 
 
 def _load_tensor(path, t, device, swapped):

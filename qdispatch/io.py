@@ -57,6 +57,7 @@ _VERSION_KEY = "qdispatch.format_version"
 _TENSORS_KEY = "qdispatch.tensors"
 _SUFFIXES = (".qvalues", ".qscales")
 _METADATA = "__metadata__"  # the header's own key: no entry may take it
+_MAX_HEADER = 100_000_000  # bytes, as the safetensors library reads: a larger claim is a damaged file
 
 # safetensors dtype code -> numpy dtype of the raw bytes (BF16 stays as its bits)
 _NUMPY_OF = {
@@ -79,9 +80,11 @@ _RECORD_KEYS = {"qtensor": {"kind", "scheme", "shape", "transposed", "crc32"},
 def atomic_path(path):
     """Yield a temporary path next to `path`; on success sync it and rename it
     over `path`, on failure remove it.  Either way `path` is never half-written."""
-    path = os.fsdecode(path)  # a bytes path too: the temporary name is str
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = _new_file(folder, f".{os.path.basename(path)}.", ".tmp")
+    # a bytes path too: the temporary name is str.  A symbolic link stays one: its
+    # target is what is written, as open(path, "wb") would.
+    path = os.path.realpath(os.fsdecode(path))
+    folder = os.path.dirname(path)
+    tmp = _new_file(folder, ".qdispatch.", ".tmp")  # short: the target's name may be as long as names get
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -277,6 +280,10 @@ def save(path, tensors):
         if entries:  # an alias has none, and no CRC
             record["crc32"] = [0xFFFFFFFF] * len(entries)  # the widest CRC: the header's room is reserved
     room = -(-len(_header_json(header, records)) // 8) * 8  # safetensors pads its header to 8 bytes
+    if room > _MAX_HEADER:
+        raise SerializationError(
+            f"Can't save {len(tensors)} tensors in one file: their header takes {room} bytes, past the "
+            f"{_MAX_HEADER} that safetensors reads; save them in several files")
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.seek(8 + room)
         for record, entries, fetch in plans:
@@ -325,6 +332,10 @@ def _read_header(path, f):
     if file_size < 8:
         raise SerializationError(f"{path} is not a safetensors file: it holds only {file_size} bytes")
     size = int.from_bytes(f.read(8), "little")
+    if size > _MAX_HEADER:
+        raise SerializationError(
+            f"{path} is corrupted or not a safetensors file: its header claims {size} bytes, where "
+            f"safetensors headers hold at most {_MAX_HEADER}")
     if 8 + size > file_size:
         raise SerializationError(
             f"{path} is truncated or not a safetensors file: its header claims {size} bytes "

@@ -167,6 +167,34 @@ def test_tensors_that_overlap_or_start_off_their_place_are_refused(tmp_path):
     np.testing.assert_array_equal(back["b"].numpy(), np.arange(8, 16, dtype=np.float32))
 
 
+@pytest.mark.parametrize("alignment", [1, 8, 32, 4096])
+def test_a_file_that_names_its_alignment_loads(tmp_path, alignment):
+    """With general.alignment the reader gives it as numpy's uint32, whose arithmetic
+    with negative numbers failed as an OverflowError."""
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_custom_alignment(alignment)
+    x = np.arange(96, dtype=np.float32).reshape(3, 32)
+    writer.add_tensor("f", x)
+    writer.add_tensor("q", gguf.quants.quantize(x, T.Q8_0), raw_dtype=T.Q8_0)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    loaded = qgguf.load(tmp_path / "m.gguf", device="reference")
+    np.testing.assert_array_equal(loaded["f"].numpy(), x)
+    np.testing.assert_array_equal(as_float32(loaded["q"]), gguf.quants.dequantize(
+        gguf.quants.quantize(x, T.Q8_0), T.Q8_0))
+
+
+def test_an_array_longer_than_the_file_is_refused_at_once(tmp_path):
+    """A key's array claiming 2**40 items in a 49-byte file: the reader took the bytes
+    past the end as empty values and looped, its memory growing without end."""
+    path = tmp_path / "m.gguf"
+    raw_gguf(path, [], kvs=struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 0, 2**40),
+             kv_count=1)
+    with pytest.raises(SerializationError, match="not a readable GGUF file .*the file ends at byte"):
+        qgguf.load(path)
+
+
 def test_a_file_the_reader_chokes_on_is_a_serialization_error(tmp_path):
     path = tmp_path / "m.gguf"
     deep = struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2000

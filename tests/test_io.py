@@ -197,6 +197,26 @@ def test_save_takes_a_bytes_path_as_open_does(tmp_path):
     assert os.listdir(tmp_path) == ["x.st"]
 
 
+def test_a_name_as_long_as_names_get_saves(tmp_path):
+    """The temporary file beside it had the destination's name inside its own, so a
+    name near the file system's limit failed with "File name too long"."""
+    path = tmp_path / ("x" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 3) + ".st")
+    qd.save(path, {"a": np.arange(3)})
+    np.testing.assert_array_equal(qd.load(path)["a"], np.arange(3))
+    assert os.listdir(tmp_path) == [path.name]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links")
+def test_saving_through_a_symbolic_link_writes_its_target(tmp_path):
+    """The link was replaced by a file of its own, its target left as it was."""
+    target, link = tmp_path / "real.st", tmp_path / "link.st"
+    qd.save(target, {"a": np.zeros(2)})
+    link.symlink_to(target.name)
+    qd.save(link, {"b": np.ones(2)})
+    assert link.is_symlink() and list(qd.load(target)) == ["b"]
+    assert sorted(os.listdir(tmp_path)) == ["link.st", "real.st"]
+
+
 def test_overwrite_replaces_file(tmp_path):
     path = tmp_path / "w.st"
     qd.save(path, {"a": np.zeros(2, dtype=np.float32)})
@@ -266,6 +286,17 @@ def test_truncated_header(saved):
     saved.write_bytes(saved.read_bytes()[:40])
     with pytest.raises(SerializationError, match="truncated"):
         qd.load(saved)
+
+
+def test_a_header_larger_than_safetensors_reads_is_refused_unread(tmp_path):
+    """A sparse file claiming a 1.5 GB header had all of it read before it failed."""
+    path = tmp_path / "big.st"
+    with open(path, "wb") as f:
+        f.write((1_500_000_000).to_bytes(8, "little"))
+        f.truncate(8 + 1_500_000_000 + 8)
+    with pytest.raises(SerializationError, match="header claims 1500000000 bytes, where safetensors "
+                                                 "headers hold at most 100000000"):
+        qd.load(path)
 
 
 def test_corrupted_bytes_name_the_tensor(saved):

@@ -85,7 +85,7 @@ class CpuBackend(HostBackend):
             _cpu.set_isa(name)
         except Exception as exc:
             raise BackendUnavailableError(
-                f"Can't use ISA {name!r}: {exc}. Built and supported here: "
+                f"{exc}. Built and supported here: "
                 f"{', '.join(sorted(set(_cpu.isa_info()['built']) & set(_cpu.isa_info()['supported'])))}"
                 f" (or 'auto')") from None
 
