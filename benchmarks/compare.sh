@@ -10,10 +10,12 @@
 # a baseline only means something on the machine that saved it, so save one first
 # on yours.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-args=(benchmarks -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth)"
+# Run from benchmarks/: `python -m` puts the working folder first on sys.path, and at the
+# source root that is the unbuilt package, not the installed one.
+cd "$(dirname "$0")"
+args=(. -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth)"
       --bench-shapes 1x1024x1024,16x1024x1024 --bench-threads 1 --bench-bandwidth-mb 256
-      --benchmark-max-time=0.25 --benchmark-storage=file://benchmarks/baseline)
+      --benchmark-max-time=0.25 --benchmark-storage=file://baseline)
 if [[ "${1:-}" == "--save" ]]; then
     shift
     exec python -m pytest "${args[@]}" --benchmark-save=baseline "$@"

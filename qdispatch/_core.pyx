@@ -174,7 +174,9 @@ cdef class Tensor(TensorBase):
         return tensor_api.tensor_array(self, dtype, copy)
 
     def numpy(self):
-        """A host numpy array of the values (a copy from device memory on CUDA)."""
+        """A host numpy array of the values: on a host backend the tensor's own memory,
+        except bfloat16 (numpy has no such type), which comes as a float32 copy; a copy
+        from device memory on CUDA."""
         from . import tensor_api
         return tensor_api.tensor_numpy(self)
 
@@ -289,6 +291,11 @@ cdef class QTensor(TensorBase):
 
     def __len__(self):
         return self.shape[0]
+
+    def __getitem__(self, key):
+        # a slice of quantized values would have to cut scale blocks: name the ways that exist
+        raise TypeError(f"A QTensor can't be indexed: its rows come dequantized through "
+                        f"qdispatch.embedding(ids, q) (those rows only) or q.dequantize()[...]")
 
     def __repr__(self):
         return (f"QTensor(shape={self.shape}, scheme={self.scheme!r}, "

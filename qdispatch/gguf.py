@@ -215,7 +215,7 @@ def _plan(name, obj):
             raise SerializationError(
                 f"Can't export tensor {name!r}: GGUF has no type for {obj.scheme!r}. Q8_0 needs "
                 f"QuantScheme('q8s' or 'q8f', block=32, scale_dtype='f16'), Q4_0 needs "
-                f"QuantScheme('q4f', block=32, store='packed_u32', scale_dtype='f16'); "
+                f"QuantScheme('q4s' or 'q4f', block=32, store='packed_u32', scale_dtype='f16'); "
                 f"or export its dequantize() as F32")
         _, block_bytes, _, encode = _QUANT_TYPES[kind]
         shape = tuple(obj.shape[:-1]) + (obj.shape[-1] // BLOCK * block_bytes,)

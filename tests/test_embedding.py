@@ -358,6 +358,7 @@ def test_docs_show_the_tested_commands():
     assert section is not None, "no 'Embedding from C' section"
     for command in (BUILD_SHARED, BUILD_STATIC):
         assert command in section
+    assert CYTHON_EXT.split("\n", 1)[1] in section  # the Cython example is the one built below
 
 
 CYTHON_EXT = textwrap.dedent("""\

@@ -355,6 +355,24 @@ def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
     assert len(qd.tensor(np.zeros((3, 2), np.float32), device="reference")) == 3
 
 
+def test_indexing_a_qtensor_names_the_ways_to_its_rows():
+    """It was Python's bare "object is not subscriptable", and iterating "not iterable"."""
+    q = qd.quantize(np.ones((4, 32), np.float32), "q8s", device="reference")
+    for get in (lambda: q[0], lambda: q[1:3], lambda: q[1, 2:4], lambda: list(q)):
+        with pytest.raises(TypeError, match=r"A QTensor can't be indexed: its rows come dequantized through "
+                                            r"qdispatch.embedding\(ids, q\)"):
+            get()
+    np.testing.assert_array_equal(qd.embedding([1], q).numpy(), q.dequantize().numpy()[[1]])
+
+
+def test_a_bfloat16_tensor_comes_to_numpy_as_a_float32_copy():
+    t = qd.tensor(np.ones(3, np.float32), device="reference", dtype="bfloat16")
+    a = t.numpy()
+    assert a.dtype == np.float32 and not np.shares_memory(a, t.numpy())
+    f = qd.tensor(np.ones(3, np.float32), device="reference")
+    assert np.shares_memory(f.numpy(), f.numpy())
+
+
 def test_qtensor_is_no_array_for_numpy():
     """np.asarray(q) was a 0-d object array holding q."""
     q = qd.quantize(np.ones((4, 32), np.float32), "q8s", device="reference")
