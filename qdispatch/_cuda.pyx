@@ -38,6 +38,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
         cudaStreamCaptureModeRelaxed
     cdef int cudaSuccess
     cdef int cudaErrorMemoryAllocation
+    cdef int cudaErrorInitializationError
     cdef int cudaMemcpyHostToDevice
     cdef int cudaMemcpyDeviceToHost
     cdef int cudaMemcpyDeviceToDevice
@@ -180,11 +181,15 @@ FORKED = ("this process was forked from one that had started CUDA (used the GPU 
 
 cdef bint _used = False  # CUDA was started here (cuInit: asked for devices, or made one current)
 cdef bint _forked_after_use = False
+cdef bint _forked = False  # this process is a forked child (its parent may have started CUDA through another library)
 
 
 def _mark_forked():
-    global _forked_after_use
-    _forked_after_use = _used
+    global _forked_after_use, _forked, _cached_bytes
+    _forked, _forked_after_use = True, _used
+    if _used:  # the parent's cached blocks: not ours to free, and CUDA here can't reach them
+        _free_blocks.clear()
+        _cached_bytes = 0
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
@@ -219,7 +224,7 @@ def device_count():
 
 def unavailable_reason():
     """None when a device can run, else what CUDA said (or FORKED)."""
-    global _used
+    global _used, _forked_after_use
     if _forked_after_use:
         return FORKED
     _used = True
@@ -227,6 +232,9 @@ def unavailable_reason():
     cdef cudaError_t err = cudaGetDeviceCount(&n)
     if err != cudaSuccess:
         cudaGetLastError()
+        if err == cudaErrorInitializationError and _forked:  # another library started CUDA in the parent
+            _forked_after_use = True
+            return FORKED
         return _cuda_text(err)
     return None if n > 0 else "no CUDA device present"
 
@@ -297,13 +305,14 @@ cdef size_t _bin(size_t nbytes):
 
 cdef void _release_cache(int device):
     global _cached_bytes
-    cdef uintptr_t p
     for key in list(_free_blocks):
         if key[0] != device:
             continue
-        for p in _free_blocks.pop(key):
-            cudaFree(<void *>p)
-            _cached_bytes -= key[1]
+        blocks = _free_blocks.pop(key)
+        kept = [p for p in blocks if not _freed(<void *><uintptr_t>p, device)]  # one refused stays cached
+        if kept:
+            _free_blocks[key] = kept
+        _cached_bytes -= key[1] * (len(blocks) - len(kept))
 
 
 def empty_cache(int device=-1):
@@ -450,6 +459,15 @@ cdef int _refuse_inside_torch_capture(int device) except -1:
     return 0
 
 
+cdef bint _freed(void *ptr, int device) noexcept nogil:
+    """cudaFree, in a quiet scope: another library may be capturing a graph now."""
+    cdef QuietScope scope
+    _enter_quietly(&scope, device)
+    cdef bint ok = cudaFree(ptr) == cudaSuccess
+    _leave_quietly(&scope)
+    return ok
+
+
 cdef class DeviceBuffer:
     """Device memory: owned (from the cache or cudaMalloc), borrowed from a DLPack
     producer and handed back through its deleter, or viewed in a Python object
@@ -511,12 +529,11 @@ cdef class DeviceBuffer:
             return
         if self.ptr == NULL:
             return
-        if _cached_bytes + self.nbytes <= CACHE_LIMIT:
-            _free_blocks.setdefault((self.device, self.nbytes), []).append(<uintptr_t>self.ptr)
-            _cached_bytes += self.nbytes
-        else:
-            with on_device(self.device):
-                cudaFree(self.ptr)
+        if _cached_bytes + self.nbytes > CACHE_LIMIT and _freed(self.ptr, self.device):
+            return
+        # kept for reuse (also a block the driver would not free now: empty_cache tries again)
+        _free_blocks.setdefault((self.device, self.nbytes), []).append(<uintptr_t>self.ptr)
+        _cached_bytes += self.nbytes
 
 
 cdef class DeviceArray:
@@ -648,6 +665,8 @@ def cast(DeviceArray a, str dtype):
     cdef int sd = DTYPES[a.dtype], dd = DTYPES[dtype]
     cdef int64_t n = a.size
     cdef qd_status st
+    if n == 0:  # nothing to convert (an empty torch tensor's view has no address)
+        return out
     with on_device(a.device):
         with nogil:
             st = qd_cuda_cast(src, sd, dst, dd, n, NULL)
@@ -1218,10 +1237,14 @@ def from_dlpack(obj):
     if t.device.device_type != kDLCUDA:
         raise TypeError(f"from_dlpack: memory is on DLPack device type {t.device.device_type}, not CUDA")
     key = (t.dtype.code, t.dtype.bits)
-    if key not in _DL_NAMES or t.dtype.lanes != 1:
-        raise TypeError(f"from_dlpack: unsupported dtype (code {t.dtype.code}, {t.dtype.bits} bits)")
+    if key not in _DL_NAMES or _DL_NAMES[key] == "uint32" or t.dtype.lanes != 1:  # uint32: packed words only
+        kind = {kDLInt: "int", kDLUInt: "uint", kDLFloat: "float", kDLBfloat: "bfloat"}.get(t.dtype.code, "")
+        what = f"{kind}{t.dtype.bits}" if kind else f"DLPack type code {t.dtype.code}, {t.dtype.bits} bits"
+        raise TypeError(f"from_dlpack: a CUDA tensor of {what}{'' if t.dtype.lanes == 1 else ' vectors'} data; "
+                        f"qdispatch's CUDA tensors hold float32, float16, bfloat16, int8 or int32: convert "
+                        f"it to one of them first")
     shape = tuple(t.shape[i] for i in range(t.ndim))
-    if t.strides != NULL:
+    if t.strides != NULL and 0 not in shape:  # no values: any strides describe them
         expected = 1
         for i in reversed(range(t.ndim)):
             if shape[i] != 1 and t.strides[i] != expected:

@@ -138,6 +138,8 @@ def _from_torch_cuda(x, stream):
         # DLPack's import would make our stream wait on the capturing one: invalid there
         raise KernelError(f"torch is capturing a CUDA graph on {x.device}; {NOT_IN_CUDA_GRAPHS}. "
                           f"The capture is left as it was.")
+    if cuda is not None:  # a dtype qdispatch does not hold: converted by the host's rules, then copied back
+        return _shared(x.detach().cpu(), policy.default_host_device()).to(f"cuda:{index}")
     return tensor_api.import_dlpack(x.detach())
 
 

@@ -907,6 +907,41 @@ def test_freed_memory_is_cached_until_empty_cache():
     assert (out.numpy() == 8).all()  # allocation goes on after the cache is emptied
 
 
+def test_a_block_past_the_cache_freed_inside_a_torch_capture_goes_back(tmp_path):
+    """A block the cache can't keep is given to the driver at once.  Freed while torch
+    captured a graph, the free (unasked for in that mode) broke the capture, and the
+    8 GiB were lost; now the capture holds, and the block goes back."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or qd.memory_info("cuda:0")["free"] < 12 << 30:
+        pytest.skip("needs torch with CUDA and 12 GiB free")
+    from helpers import run_python
+    script = tmp_path / "free_in_capture.py"
+    script.write_text(FREE_IN_A_CAPTURE)
+    out = run_python(str(script))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split() == ["replayed", "back"], out.stdout
+
+
+FREE_IN_A_CAPTURE = """
+import numpy as np, torch, qdispatch as qd
+from qdispatch import _cuda
+big = _cuda.empty(((8 << 30) + (64 << 20),), "int8", 0)  # device memory past the cache's 8 GiB
+a = torch.randn(4096, device="cuda")
+b = torch.empty_like(a)
+torch.cuda.synchronize()
+free = torch.cuda.mem_get_info()[0]
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    b.copy_(a * 2)
+    del big
+g.replay()
+torch.cuda.synchronize()
+print("replayed" if torch.equal(b, a * 2) else "other values")
+qd.empty_cache()
+print("back" if torch.cuda.mem_get_info()[0] >= free + (7 << 30) else "lost")  # torch's graph pool took some
+"""
+
+
 def test_numpy_view_of_cuda_tensor_is_refused():
     t = qd.tensor(np.ones(3, np.float32), device="cuda")
     with pytest.raises(qd.WrongBackendError):
@@ -930,6 +965,101 @@ def test_dlpack_torch_zero_copy():
     assert rows.data_ptr() == src.data_ptr() + 4 * 4 and torch.equal(rows, src[1:3])
     bf = torch.randn(5, 7, device="cuda").to(torch.bfloat16)
     np.testing.assert_array_equal(qd.from_dlpack(bf).numpy(), bf.float().cpu().numpy())
+
+
+class _Producer:
+    """A DLPack producer that is not a torch.Tensor (as a CuPy array is not): it takes
+    the protocol's path, not qdispatch.torch's."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, stream=None, **_):
+        return self.t.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def test_empty_cuda_tensors_cross_and_convert():
+    """torch gives an empty CUDA tensor no address: converting its view failed ("cast
+    rejected its arguments"), and the protocol's path took a dense empty array for a
+    strided one."""
+    torch = pytest.importorskip("torch")
+    for shape in [(0,), (0, 8), (3, 0), (2, 0, 5)]:
+        for src, dst in [(torch.float16, "float32"), (torch.float32, "bfloat16"), (torch.bfloat16, "float16")]:
+            x = torch.empty(shape, dtype=src, device="cuda")
+            for got in (qd.tensor(x, dtype=dst), qd.from_dlpack(_Producer(x)).to("cuda:0")):
+                assert (got.shape, got.device) == (shape, "cuda:0")
+                assert got.numpy().shape == shape
+            assert qd.tensor(x, dtype=dst).dtype == dst
+
+
+def test_torch_cuda_tensors_of_other_dtypes_convert_as_host_data():
+    """from_torch converts a dtype qdispatch does not hold as qdispatch.tensor converts
+    numpy data; a CUDA tensor raised "unsupported dtype (code 2, 64 bits)" instead.
+    Other producers' such tensors are refused by name."""
+    torch = pytest.importorskip("torch")
+    from qdispatch.torch import from_torch
+    data = (np.arange(12, dtype=np.float64).reshape(3, 4) - 5) / 8
+    ints = np.array([[-3, 0, 100]], np.int64)
+    for host in (data, ints):
+        want = qd.tensor(host, device="reference")
+        for make in (qd.tensor, qd.from_dlpack, from_torch):
+            got = make(torch.from_numpy(host).cuda())
+            assert (got.dtype, got.device) == (want.dtype, "cuda:0")
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+    np.testing.assert_array_equal(qd.quantize(torch.from_numpy(data).cuda(), "q8s").dequantize().numpy(),
+                                  qd.quantize(data, "q8s", device="reference").dequantize().numpy())
+    with pytest.raises(qd.NonFiniteError, match=r"position \(1,\)"):
+        qd.tensor(torch.tensor([1.0, 1e39], dtype=torch.float64, device="cuda"))
+    for dtype, name in ((torch.float64, "float64"), (torch.int64, "int64"), (torch.uint8, "uint8")):
+        with pytest.raises(TypeError, match=f"a CUDA tensor of {name} data; qdispatch's CUDA tensors hold "
+                                            f"float32, float16, bfloat16, int8 or int32"):
+            qd.from_dlpack(_Producer(torch.zeros(3, dtype=dtype, device="cuda")))
+    if hasattr(torch, "uint32"):  # uint32 words are a QTensor's packed store, no Tensor's dtype
+        with pytest.raises(TypeError, match="a CUDA tensor of uint32 data"):
+            qd.from_dlpack(_Producer(torch.zeros(3, dtype=torch.uint32, device="cuda")))
+
+
+def test_int_matmul_of_views_off_16_byte_bounds(rng):
+    """A view starting off a 16-byte bound (t[1:33] of an int8 vector, a torch view at
+    an odd offset) went to the GEMM as it was, which refused it."""
+    torch = pytest.importorskip("torch")
+    for K, N in [(32, 24), (64, 130)]:
+        b = cuda_rng_int8(rng, (K, N))
+        v = cuda_rng_int8(rng, (K + 16,))
+        dv, db = qd.tensor(v, device="cuda"), qd.tensor(b, device="cuda")
+        for off in (1, 3, 8, 16):
+            np.testing.assert_array_equal(qd.int_matmul(dv[off:off + K], db).numpy(),
+                                          v[off:off + K].astype(np.int64) @ b.astype(np.int64))
+    a = cuda_rng_int8(rng, (8, 32))
+    b = cuda_rng_int8(rng, (32, 24))
+    base = torch.zeros(8 * 32 + 64, dtype=torch.int8, device="cuda")
+    for off in (1, 5):
+        view = base[off:off + 8 * 32].view(8, 32)
+        view.copy_(torch.from_numpy(a).cuda())
+        np.testing.assert_array_equal(qd.int_matmul(qd.from_dlpack(view), qd.tensor(b, device="cuda")).numpy(),
+                                      a.astype(np.int64) @ b.astype(np.int64))
+
+
+def test_dlpack_export_to_the_cpu_is_a_host_copy():
+    """Asked for the CPU (dl_device=(1, 0), as numpy's from_dlpack(x, device="cpu")
+    asks), the export gave CUDA memory."""
+    t = qd.tensor(np.arange(6, dtype=np.float32).reshape(2, 3), device="cuda")
+
+    class Host:
+        def __dlpack__(self, **_):
+            return t.__dlpack__(dl_device=(1, 0))
+
+        def __dlpack_device__(self):
+            return (1, 0)
+    np.testing.assert_array_equal(np.from_dlpack(Host()), np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(BufferError, match="reaches the CPU by a copy only"):
+        t.__dlpack__(dl_device=(1, 0), copy=False)
+    with pytest.raises(BufferError, match=r"to DLPack device \(2, 7\): move it there first"):
+        t.__dlpack__(dl_device=(2, 7))
+    t.__dlpack__(dl_device=(2, 0))  # its own device: as without
 
 
 def test_dlpack_out_on_torch_side_stream(rng):
@@ -1127,13 +1257,18 @@ x = np.arange(256, dtype=np.float32).reshape(4, 64)
 used = sys.argv[1] == "used"
 if used:
     w = qd.quantize(x, "q8s", device="cuda")  # the parent uses the GPU
+    qd.tensor(x, device="cuda")  # freed at once: its block stays in the parent's cache
 elif sys.argv[1] == "asked":
     assert "cuda" in qd.available_backends()  # asks CUDA for its devices, which starts it
+elif sys.argv[1] == "torch":
+    import torch
+    torch.zeros(1, device="cuda")  # another library starts CUDA; qdispatch never did
 else:
     qd.quantize(x, "q8s")  # on the host: CUDA never started
 
 
 def work(_):
+    qd.empty_cache()  # the parent's cached blocks are not the child's to free: nothing to do
     try:
         got = qd.quantize(x, "q8s", device="cuda").dequantize().numpy()
     except qd.QDispatchError as exc:
@@ -1158,7 +1293,8 @@ if __name__ == "__main__":
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
 def test_a_worker_forked_after_the_parent_used_the_gpu_refuses_it_up_front(tmp_path):
     """CUDA does not survive fork: a worker forked after its parent started CUDA (used
-    the GPU, or only asked for its devices) gets BackendUnavailableError saying to
+    the GPU, only asked for its devices, or let torch start it: that said "install the
+    NVIDIA driver") gets BackendUnavailableError saying to
     start GPU workers by 'spawn', before any CUDA call (which would fail, or wait
     forever), and cuda is not among its backends; the parent keeps its GPU.  A parent
     that never started CUDA leaves its workers the GPU."""
@@ -1166,7 +1302,12 @@ def test_a_worker_forked_after_the_parent_used_the_gpu_refuses_it_up_front(tmp_p
     from helpers import run_python
     script = tmp_path / "cuda_in_a_forked_worker.py"
     script.write_text(CUDA_IN_A_FORKED_WORKER)
-    for parent in ("used", "asked"):
+    try:
+        import torch
+        torch_cuda = ["torch"] if torch.cuda.is_available() else []
+    except ImportError:
+        torch_cuda = []
+    for parent in ["used", "asked"] + torch_cuda:
         out = run_python(str(script), parent)
         assert out.returncode == 0, out.stderr
         kind, message, listed = ast.literal_eval(out.stdout.strip())

@@ -368,12 +368,9 @@ class CudaBackend(Backend):
 
     # ---- kernels on 2-D logical operands ----
     def int_matmul(self, a, b):
-        K = a.shape[1]
-        ld = _round_up(K, GEMM_ALIGN)
-        bt = _cuda.transpose2(b)
-        if ld != K:
-            a, bt = _cuda.pad_rows(a, ld), _cuda.pad_rows(bt, ld)
-        return _cuda.int_matmul(a, bt, K)
+        # rows padded to 16 bytes, and a view that starts off a 16-byte bound copied
+        # (t[1:33], say): the GEMM reads whole aligned pieces
+        return _cuda.int_matmul(_cuda.aligned_rows(a), _cuda.aligned_rows(_cuda.transpose2(b)), a.shape[1])
 
     def qq_matmul(self, lhs, rhs):
         lhs_block, rhs_block = lhs.layout.logical_block(lhs.transposed), rhs.layout.logical_block(rhs.transposed)
@@ -545,6 +542,15 @@ class CudaBackend(Backend):
         return _cuda.add_bias(payload, bias)
 
     def dlpack(self, t, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if dl_device is not None and tuple(dl_device) != self.dlpack_device(t):
+            if tuple(dl_device) != (1, 0):  # kDLCPU
+                raise BufferError(f"Can't export a Tensor on {t.device} to DLPack device {tuple(dl_device)}: "
+                                  f"move it there first")
+            if copy is False:
+                raise BufferError(f"A Tensor on {t.device} reaches the CPU by a copy only: pass copy=None or True")
+            from .. import policy  # the host's copy, exported as host tensors are
+            asked = {} if max_version is None else {"max_version": max_version}  # numpy before 2.1 takes none
+            return t.to(policy.default_host_device()).__dlpack__(**asked)
         if copy:
             return _cuda.to_dlpack(_copy(t.payload), stream)
         return _cuda.to_dlpack(t.payload, stream)
