@@ -77,6 +77,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
 cdef extern from "qdispatch.h" nogil:
     ctypedef int qd_status
     cdef int QD_OK, QD_ERR_NO_MEMORY, QD_ERR_NOT_FINITE, QD_ERR_SCALE_OVERFLOW, QD_ERR_CUDA
+    cdef int QD_ERR_CUDA_UNAVAILABLE
     cdef int QD_ERR_SHAPE, QD_ERR_ARGUMENT, QD_ERR_K_TOO_LARGE
     cdef int QD_CUDA_F32, QD_CUDA_F16, QD_CUDA_BF16, QD_CUDA_S8, QD_CUDA_S32
     cdef int QD_CUDA_QUANTIZE_SCRATCH
@@ -162,10 +163,17 @@ cdef int _check(cudaError_t err, str what) except -1:
 cdef int _status(qd_status st, str what) except -1:
     if st == QD_OK:
         return 0
-    if st == QD_ERR_NO_MEMORY:
-        raise CudaOutOfMemoryError(f"CUDA out of memory in {what} ({qd_cuda_last_error().decode()})")
+    cdef int device = 0
+    if st == QD_ERR_NO_MEMORY:  # a kernel's own scratch: the cached blocks go back, so that a retry may fit
+        text = qd_cuda_last_error().decode()
+        if cudaGetDevice(&device) == cudaSuccess:
+            _release_cache(device)
+        raise CudaOutOfMemoryError(f"CUDA out of memory in {what} ({text}); qdispatch's cached blocks were "
+                                   f"given back, so the call may fit if repeated")
     if st == QD_ERR_CUDA:
         raise KernelError(f"CUDA error in {what}: {qd_cuda_last_error().decode()}")
+    if st == QD_ERR_CUDA_UNAVAILABLE:
+        raise BackendUnavailableError(f"{what} can't run: {qd_cuda_last_error().decode()}")
     raise KernelError(f"{what} rejected its arguments (qd_status {st})")
 
 
