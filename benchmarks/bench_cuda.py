@@ -47,21 +47,43 @@ _records = {}
 _BACKEND = get_backend("cuda")
 
 
+def gpu_ms_each(contenders, reps=5, calls=20):
+    """{name: median ms per call} of contenders {name: (fn, sets)}, each calling
+    fn(*set) through its `sets` in turn (the turn goes on across repetitions, so
+    every set is read).  The contenders take turns repetition by repetition, the
+    first of each round moving on, so that a drift of clocks during the run
+    reaches them all alike."""
+    names = list(contenders)
+    for fn, sets in contenders.values():
+        for s in sets[:2]:
+            fn(*s)
+    torch.cuda.synchronize()
+    times, turn = {name: [] for name in names}, dict.fromkeys(names, 0)
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, sets = contenders[name]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(turn[name], turn[name] + calls):
+                fn(*sets[i % len(sets)])
+            end.record()
+            end.synchronize()
+            turn[name] += calls
+            times[name].append(start.elapsed_time(end) / calls)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def gpu_ms(fn, sets, reps=5, calls=20):
     """Median ms per call of fn(*set), cycling through `sets`."""
-    for s in sets[:2]:
+    return gpu_ms_each({"": (fn, sets)}, reps, calls)[""]
+
+
+def every_set(fn, sets):
+    """What pytest-benchmark times: one call per set, so that its figures too come
+    from memory rather than from the L2 (per round: len(sets) calls)."""
+    for s in sets:
         fn(*s)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return float(np.median(times))
 
 
 def n_sets(bytes_per_set):
@@ -84,14 +106,30 @@ def record(benchmark, kind, shape, figures, extra=None, results=RESULTS):
     benchmark.extra_info.update(entry)
 
 
+def results_path(path, gpu_name):
+    """The results file of this GPU: the committed cuda_h200*.json on an H200, a file
+    named after any other GPU, so that a run elsewhere does not replace them."""
+    if "H200" in gpu_name:
+        return path
+    slug = "".join(c if c.isalnum() else "_" for c in gpu_name.lower()).strip("_")
+    return path.replace("cuda_h200", f"cuda_{slug}")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def write_results():
     yield
+    gpu = gpu_info()
     for path, records in _records.items():
+        path = results_path(path, gpu[0].get("name", ""))
+        kept = {}
+        if os.path.exists(path):  # a run of some benchmarks updates theirs and keeps the rest
+            with open(path) as f:
+                kept = {(r["kind"], tuple(r["shape"])): r for r in json.load(f)["results"]}
+        kept.update(records)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"gpu": gpu_info(), "torch": torch.__version__, "qdispatch": qd.__version__,
-                       "build": qd.info()["build"].get("cuda"), "results": list(records.values())}, f, indent=1)
+            json.dump({"gpu": gpu, "torch": torch.__version__, "qdispatch": qd.__version__,
+                       "build": qd.info()["build"].get("cuda"), "results": list(kept.values())}, f, indent=1)
 
 
 def _qq_sets(M, K, N, count):
@@ -111,25 +149,25 @@ def _qq_sets(M, K, N, count):
 def test_qq_int8_per_row_per_col(benchmark, M, K, N):
     """Scaled int8 GEMM: out[M, N] float32 = (a @ w.T) * sa[:, None] * sw[None, :]."""
     sets = _qq_sets(M, K, N, n_sets(M * K + N * K))
-    ours = gpu_ms(lambda a, w, sa, sw, aq, wq: qd.q_matmul(aq, wq.T), sets)
-    kernel = gpu_ms(lambda a, w, sa, sw, aq, wq: _BACKEND.qq_matmul(aq, wq.T), sets)
-    raw = gpu_ms(lambda a, w, sa, sw, aq, wq: torch._int_mm(a, w.t()), sets)
-    deq = gpu_ms(lambda a, w, sa, sw, aq, wq: torch._int_mm(a, w.t()).float() * sa[:, None] * sw[None, :], sets)
     bf = [(a.to(torch.bfloat16), w.to(torch.bfloat16)) for a, w, *_ in sets]
-    bf16 = gpu_ms(lambda a, w: torch.matmul(a, w.t()), bf)
+    contenders = {
+        "qdispatch": (lambda a, w, sa, sw, aq, wq: qd.q_matmul(aq, wq.T), sets),
+        "qdispatch_kernel": (lambda a, w, sa, sw, aq, wq: _BACKEND.qq_matmul(aq, wq.T), sets),
+        "torch_int_mm": (lambda a, w, sa, sw, aq, wq: torch._int_mm(a, w.t()), sets),
+        "torch_int_mm_dequant": (lambda a, w, sa, sw, aq, wq:
+                                 torch._int_mm(a, w.t()).float() * sa[:, None] * sw[None, :], sets),
+        "torch_bf16_matmul": (lambda a, w: torch.matmul(a, w.t()), bf)}
+    ms = gpu_ms_each(contenders)
+    ours, raw, deq = ms["qdispatch"], ms["torch_int_mm"], ms["torch_int_mm_dequant"]
     # agreement with torch on the last set
     a, w, sa, sw, aq, wq = sets[-1]
     expect = (torch._int_mm(a, w.t()).float() * sa[:, None] * sw[None, :]).cpu().numpy()
     err = float(np.abs(qd.q_matmul(aq, wq.T).numpy() - expect).max() / np.abs(expect).max())
-    tops = lambda ms: 2 * M * N * K / ms / 1e9
-    figures = {"qdispatch": ours, "qdispatch_kernel": kernel, "torch_int_mm": raw,
-               "torch_int_mm_dequant": deq, "torch_bf16_matmul": bf16}
-    record(benchmark, "qq_int8_rowcol_f32out", (M, K, N), figures, {
-        "tops": {k: tops(v) for k, v in figures.items()},
+    record(benchmark, "qq_int8_rowcol_f32out", (M, K, N), ms, {
+        "tops": {k: 2 * M * N * K / v / 1e9 for k, v in ms.items()},
         "speedup_vs_int_mm_dequant": deq / ours, "ratio_vs_raw_int_mm": raw / ours,
         "max_rel_diff_vs_torch": err})
-    benchmark.pedantic(lambda: (qd.q_matmul(sets[0][4], sets[0][5].T), torch.cuda.synchronize()),
-                       rounds=3, iterations=1)
+    benchmark.pedantic(every_set, contenders["qdispatch"], rounds=3, iterations=1)
 
 
 QQ_BLOCKINGS = [  # (name, scheme of x [M, K], scheme of w [N, K])
@@ -173,8 +211,7 @@ def test_qq_int8_blocks_along_k(benchmark, M, K, N, blocking, x_scheme, w_scheme
         "tops": {k: tops(v) for k, v in figures.items()},
         "ratio_vs_raw_int_mm": raw / ours, "rel_diff_vs_torch_per_block": rel_diff},
         results=QQ_BLOCK_RESULTS)
-    benchmark.pedantic(lambda: (qd.q_matmul(sets[0][0], sets[0][1].T), torch.cuda.synchronize()),
-                       rounds=3, iterations=1)
+    benchmark.pedantic(every_set, (lambda xq, wq: qd.q_matmul(xq, wq.T), sets), rounds=3, iterations=1)
 
 
 def _weights(N, K, scheme, count):
@@ -209,12 +246,16 @@ def _decode_sets(M, K, N, scheme):
     return sets
 
 
-def _torch_bf16(M, K, N, extra_bytes=0, calls=20):
-    """(ms per bf16 torch.matmul, its function and sets)."""
+def _torch_bf16_sets(M, K, N, extra_bytes=0):
+    """bf16 torch.matmul, the contender: its function and sets."""
     tb = [(torch.randn(M, K, device="cuda").to(torch.bfloat16),
            torch.randn(N, K, device="cuda").to(torch.bfloat16)) for _ in range(n_sets(N * K * 2 + extra_bytes))]
-    torch_fn = lambda x, w: torch.matmul(x, w.t())
-    return gpu_ms(torch_fn, tb, calls=calls), torch_fn, tb
+    return (lambda x, w: torch.matmul(x, w.t())), tb
+
+
+def _torch_bf16(M, K, N, extra_bytes=0, calls=20):
+    """ms per bf16 torch.matmul."""
+    return gpu_ms(*_torch_bf16_sets(M, K, N, extra_bytes), calls=calls)
 
 
 def _rel_err(x, w, out):
@@ -230,8 +271,10 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
     sets = _decode_sets(M, K, N, scheme)
     ours_fn = _fq
     kernel_fn = lambda x, w: _BACKEND.fq_matmul(x.payload, w.T, "bfloat16")
-    ours, kernel = gpu_ms(ours_fn, sets, calls=50), gpu_ms(kernel_fn, sets, calls=50)
-    bf16, torch_fn, tb = _torch_bf16(M, K, N, calls=50)
+    torch_fn, tb = _torch_bf16_sets(M, K, N)
+    ms = gpu_ms_each({"qdispatch": (ours_fn, sets), "qdispatch_kernel": (kernel_fn, sets),
+                      "torch_bf16_matmul": (torch_fn, tb)}, calls=50)
+    ours, kernel, bf16 = ms["qdispatch"], ms["qdispatch_kernel"], ms["torch_bf16_matmul"]
     x, w = sets[0]
     err = _rel_err(x, w, _fq(x, w))
     wbytes = w.nbytes
@@ -243,7 +286,7 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
         "host_us_per_call": {"qdispatch": host_us(ours_fn, sets), "qdispatch_kernel": host_us(kernel_fn, sets),
                              "torch_bf16_matmul": host_us(torch_fn, tb)},
         "speedup_vs_bf16": bf16 / ours, "kernel_speedup_vs_bf16": bf16 / kernel, "rel_err": err})
-    benchmark.pedantic(lambda: (ours_fn(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)
+    benchmark.pedantic(every_set, (ours_fn, sets), rounds=3, iterations=1)
 
 
 @pytest.mark.parametrize("M,K,N", BATCHED_SHAPES)
@@ -259,13 +302,13 @@ def test_fq_batched_decode_bf16_activations(benchmark, M, K, N, wname, scheme):
         sixteen = gpu_ms(_fq, sets, calls=50)
     finally:
         qd.set_batch_invariant(False)
-    bf16 = _torch_bf16(M, K, N, calls=50)[0]
+    bf16 = _torch_bf16(M, K, N, calls=50)
     x, w = sets[0]
     figures = {"qdispatch": ours, "qdispatch_launches_of_16_rows": sixteen, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_batched_bf16_x_{wname}", (M, K, N), figures, {
         "weight_bytes": w.nbytes, "speedup_vs_bf16": bf16 / ours, "speedup_vs_launches_of_16_rows": sixteen / ours,
         "rel_err": _rel_err(x, w, _fq(x, w))}, results=BATCHED_RESULTS)
-    benchmark.pedantic(lambda: (_fq(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)
+    benchmark.pedantic(every_set, (_fq, sets), rounds=3, iterations=1)
 
 
 @pytest.mark.parametrize("M,K,N", PREFILL_SHAPES)
@@ -293,7 +336,7 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
     for x, w in decode_sets:
         ours_fn(x, w)
     decode = gpu_ms(ours_fn, decode_sets, reps=3, calls=5)
-    bf16 = _torch_bf16(M, K, N, extra_bytes=M * K * 2)[0]
+    bf16 = _torch_bf16(M, K, N, extra_bytes=M * K * 2)
     x, w = sets[0]
     err = _rel_err(x, w, ours_fn(x, w))
     fewer_rows = "one launch" if _cuda.fq_wide_supported() else "decode launches"
@@ -303,7 +346,7 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
         "tflops": {k: 2 * M * N * K / v / 1e9 for k, v in figures.items()},
         "ratio_vs_bf16": bf16 / ours, "speedup_vs_without_gemm": decode / ours, "rel_err": err},
         results=PREFILL_RESULTS)
-    benchmark.pedantic(lambda: (ours_fn(x, w), torch.cuda.synchronize()), rounds=3, iterations=1)
+    benchmark.pedantic(every_set, (ours_fn, sets), rounds=3, iterations=1)
 
 
 def graph_ms(layers, x, reps=5):
@@ -342,7 +385,7 @@ def test_fq_decode_layers_in_a_cuda_graph(benchmark, M, K, N, wname, scheme):
     ours, outs = graph_ms([lambda x, w=w: q_matmul(x, w.T) for w in ws], x)
     tw = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(n_sets(N * K * 2))]
     bf16_graph, _ = graph_ms([lambda x, w=w: torch.matmul(x, w.t()) for w in tw], x)
-    bf16 = _torch_bf16(M, K, N, calls=50)[0]
+    bf16 = _torch_bf16(M, K, N, calls=50)
     expect = x.float() @ torch.from_dlpack(ws[-1].dequantize()).t()
     err = float(((outs[-1].float() - expect).norm() / expect.norm()).item())
     figures = {"qdispatch_in_graph": ours, "torch_bf16_matmul_in_graph": bf16_graph, "torch_bf16_matmul": bf16}
