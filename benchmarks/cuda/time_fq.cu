@@ -129,7 +129,9 @@ int main(int argc, char **argv) {
     std::printf("%-10s %-18s %10s %10s %10s %10s\n", "weights", "M,K,N", "us", "us early", "GB/s early",
                 "host us");
     for (const Case &c : cases) {
-        const int64_t wbytes = qd_cuda_fq_tiles_bytes(c.N, c.K, c.bits);
+        // the weight's bytes a call reads: its values' tiles and its scales' (as the README counts them)
+        const int64_t wbytes = qd_cuda_fq_tiles_bytes(c.N, c.K, c.bits) +
+                               qd_cuda_fq_scale_tiles_bytes(c.N, c.K, c.block_k);
         const int count = (int)std::max<int64_t>(3, (200LL << 20) / wbytes + 1);
         std::vector<Weight> ws = make_weights(count, c.N, c.K, c.bits, c.block_k);
         std::vector<uint16_t> hx(c.M * c.K, dtype == QD_CUDA_F16 ? 0x3C00 : 0x3F80);  // 1.0
