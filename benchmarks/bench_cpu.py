@@ -1,5 +1,7 @@
 """The cpu backend beside numpy float32, FBGEMM and onnxruntime, one group per
-shape and path, plus the machine's two ceilings, all in the same run.
+shape and path (each contender doing that path's job), plus the machine's two
+reference ceilings, all in the same run: a streaming read with numpy on the
+case's threads, and the qq int8 kernel's best over cache-resident shapes.
 
 Figures in extra_info use the best round (pytest-benchmark's `min`)."""
 import pytest
@@ -21,17 +23,18 @@ def _record(benchmark, case, b):
     ref = _NUMPY_GOPS.get((case.group, case.threads))
     benchmark.extra_info.update(
         gops=row["gops"], weight_gbs=row["weight_gbs"], weight_bytes=b.weight_bytes,
-        weight_copies=b.copies, ratio_numpy_f32=row["gops"] / ref if ref else None,
+        weight_copies=b.copies, rotated_bytes=b.rotated_bytes,
+        rotation_exceeds_4x_llc=b.defeats_cache, ratio_numpy_f32=row["gops"] / ref if ref else None,
         impl=case.impl, backend=row["backend"], isa=bench.machine()["isa"], threads=case.threads)
 
 
-def test_matmul(benchmark, cpu_case):
+def test_matmul(benchmark, cpu_case, rotation_budget_bytes):
     reason = cpu_case.skip_reason()
     if reason:
         pytest.skip(reason)
     benchmark.group = cpu_case.group
     with bench.thread_limit(cpu_case.threads):
-        b = bench.build(cpu_case)
+        b = bench.build(cpu_case, budget_bytes=rotation_budget_bytes)
         for _ in range(b.copies):  # warm-up: first-use costs stay out of the rounds
             b.fn()
         benchmark(b.fn)
@@ -40,12 +43,12 @@ def test_matmul(benchmark, cpu_case):
 
 def test_read_bandwidth(benchmark, threads, bandwidth_bytes):
     benchmark.group = "ceilings"
-    with bench.thread_limit(threads):
-        fn, nbytes = bench.read_bandwidth_fn(bandwidth_bytes)
+    with bench.streaming_read(bandwidth_bytes, threads) as (fn, nbytes):
         benchmark(fn)
     if benchmark.stats is not None:
-        benchmark.extra_info.update(read_gbs=nbytes / benchmark.stats.stats.min / 1e9,
-                                    buffer_bytes=nbytes, threads=threads)
+        benchmark.extra_info.update(
+            read_gbs=nbytes / benchmark.stats.stats.min / 1e9, buffer_bytes=nbytes, threads=threads,
+            buffer_exceeds_4x_llc=bench.exceeds_cache(nbytes))
 
 
 @pytest.mark.parametrize("shape", bench.PEAK_SHAPES, ids=str)

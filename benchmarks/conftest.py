@@ -11,8 +11,10 @@ def pytest_addoption(parser):
     group.addoption("--bench-shapes", default=bench.DEFAULT_SHAPES, help="MxKxN list")
     group.addoption("--bench-threads", default=",".join(map(str, bench.default_threads())),
                     help="thread counts (default: 1 and the machine's core count)")
-    group.addoption("--bench-bandwidth-mb", type=int, default=1024,
-                    help="buffer size of the read-bandwidth ceiling")
+    group.addoption("--bench-bandwidth-mb", type=int,
+                    help="buffer of the streaming-read ceiling (default: 8x the last-level cache, at least 1024)")
+    group.addoption("--bench-rotation-mb", type=int,
+                    help="memory for rotated weight copies (default: 4096, or half the available memory)")
 
 
 def pytest_collect_file(file_path, parent):
@@ -34,9 +36,19 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("threads", threads, ids=[f"t{n}" for n in threads])
 
 
+def _megabytes(config, option):
+    mb = config.getoption(option)
+    return mb << 20 if mb else None  # None: bench's default
+
+
 @pytest.fixture
 def bandwidth_bytes(request):
-    return request.config.getoption("bench_bandwidth_mb") << 20
+    return _megabytes(request.config, "bench_bandwidth_mb") or bench.default_bandwidth_bytes()
+
+
+@pytest.fixture
+def rotation_budget_bytes(request):
+    return _megabytes(request.config, "bench_rotation_mb")
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

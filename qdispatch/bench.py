@@ -3,12 +3,21 @@
 One definition of the shapes, the paths and the contenders: a `Case` names
 what to measure (shape, path, implementation, threads) and `build(case)` turns
 it into a callable that computes a fresh result on every call.  Contenders
-(numpy float32, FBGEMM through torch, onnxruntime's MatMulInteger) are optional
-imports; a case whose library is missing reports why instead of running.
+(numpy float32, FBGEMM through torch, onnxruntime) are optional imports; a case
+whose library is missing reports why instead of running.  Each path's
+contenders do that path's job: the same inputs, quantized or not, and the same
+output type.
 
 Weights rotate through enough copies to exceed 4x the last-level cache, as
 in a model whose layers do not fit in cache: otherwise an M = 1 product reads
-its weights from cache and the figure says nothing about memory.
+its weights from cache and the figure says nothing about memory.  The copies
+stay within a memory budget (4 GiB, or half the available memory where that is
+less); each result records the bytes rotated and whether they reach 4x the
+cache, and a case that falls short warns.
+
+The cases time host backends only (perf_counter around a call that returns a
+finished result); CUDA is timed by benchmarks/bench_cuda.py, with events and
+weights rotated past the GPU's L2.
 """
 import argparse
 import dataclasses
@@ -41,22 +50,36 @@ PATH_HELP = {
 }
 
 CONTENDERS = {
-    "numpy_f32": "numpy float32 (BLAS) doing the same job in float32",
-    "fbgemm": "torch quantize_dynamic, engine fbgemm (activations in 7 bits: not exact)",
-    "ort_u8u8": "onnxruntime MatMulInteger u8 x u8, int32 out (exact)",
-    "ort_s8s8": "onnxruntime MatMulInteger s8 x s8, int32 out",
+    "numpy_f32": "numpy float32 x @ w.T through BLAS, float32 in and out (the reference of every "
+                 "product path); for quantize, the same per-channel formula in numpy",
+    "fbgemm": "torch quantize_dynamic, engine fbgemm: float32 in and out, activations quantized "
+              "per tensor to 7 bits inside every call (not exact), int8 weights per channel packed once",
+    "ort_qq_u8u8": "onnxruntime MatMulInteger on pre-quantized activations x a constant weight, both "
+                   "u8 with zero point 128 (exact), then Cast and Mul by row and channel scales: float32 out",
+    "ort_qq_s8s8": "onnxruntime MatMulInteger on pre-quantized s8 activations x a constant s8 weight, "
+                   "then Cast and Mul by row and channel scales: float32 out",
+    "ort_w8a8": "onnxruntime DynamicQuantizeMatMul (com.microsoft): float32 in and out, activations "
+                "quantized per tensor to u8 inside every call, constant s8 weights with per-channel scales",
+    "ort_int_u8u8": "onnxruntime MatMulInteger, both operands graph inputs (nothing packed ahead), "
+                    "u8 with zero point 128 (exact): int32 out",
+    "ort_int_s8s8": "onnxruntime MatMulInteger, both operands graph inputs (nothing packed ahead), "
+                    "s8: int32 out",
 }
 # The contenders that do each path's job (numpy float32 first: every ratio is to it).
+# fq_int8 and int4 are weight-only: no contender here keeps float activations.
 PATH_CONTENDERS = {
-    "qq_int8": ("numpy_f32", "fbgemm", "ort_u8u8", "ort_s8s8"),
-    "fq_int8": ("numpy_f32", "fbgemm"),
-    "w8a8": ("numpy_f32", "fbgemm", "ort_u8u8", "ort_s8s8"),
+    "qq_int8": ("numpy_f32", "ort_qq_u8u8", "ort_qq_s8s8"),
+    "fq_int8": ("numpy_f32",),
+    "w8a8": ("numpy_f32", "fbgemm", "ort_w8a8"),
     "int4": ("numpy_f32",),
-    "int_matmul": ("numpy_f32", "ort_u8u8", "ort_s8s8"),
+    "int_matmul": ("numpy_f32", "ort_int_u8u8", "ort_int_s8s8"),
     "quantize": ("numpy_f32",),
 }
-_REQUIRES = {"fbgemm": ("torch",), "ort_u8u8": ("onnxruntime", "onnx"),
-             "ort_s8s8": ("onnxruntime", "onnx")}
+_REQUIRES = {"fbgemm": ("torch",),
+             **{name: ("onnxruntime", "onnx") for name in CONTENDERS if name.startswith("ort_")}}
+# Each onnxruntime copy is a session with its own thread pool: past this many,
+# the rotation falls short of 4x the cache (and says so) rather than pile up threads.
+MAX_ORT_SESSIONS = 256
 
 W8 = qd.QuantScheme("q8s", axis=0)  # [N, K] weight: one scale per output channel
 A8 = qd.QuantScheme("q8s", axis=0)  # [M, K] activation: one scale per row (token)
@@ -124,7 +147,21 @@ class Case:
                 return f"{self.impl} needs `pip install {module}`"
         if not self.is_contender and self.impl not in qd.available_backends():
             return f"backend {self.impl!r} is not available here"
+        if not self.is_contender and is_device_backend(self.impl):
+            return f"backend {self.impl!r} is a device: {CUDA_ELSEWHERE}"
         return None
+
+
+CUDA_ELSEWHERE = ("these benchmarks time host backends only; time CUDA with "
+                  "`pytest benchmarks/bench_cuda.py` (CUDA events, weights rotated past the GPU's L2)")
+
+
+def is_device_backend(name):
+    """'cuda' (or 'cuda:N'): a backend whose results live off the host."""
+    try:
+        return not qd.Device.parse(name).is_host
+    except (TypeError, ValueError):
+        return False
 
 
 def _importable(module):
@@ -159,11 +196,28 @@ def job(path):
 
 # ---- building cases --------------------------------------------------------------
 
+# Rotated weights must exceed this many times the last-level cache.
+CACHE_MULTIPLE = 4
+
+
 @dataclasses.dataclass
 class Bench:
     fn: object  # zero-argument callable; a fresh result each call
     weight_bytes: int  # weight bytes one call reads
     copies: int  # weight sets the calls rotate through
+
+    @property
+    def rotated_bytes(self):
+        return self.weight_bytes * self.copies
+
+    @property
+    def defeats_cache(self):
+        return exceeds_cache(self.rotated_bytes)
+
+
+def exceeds_cache(nbytes):
+    """Whether `nbytes` read in turn come from memory: CACHE_MULTIPLE x the last-level cache."""
+    return nbytes >= CACHE_MULTIPLE * last_level_cache_bytes()
 
 
 @lru_cache(maxsize=2)
@@ -190,22 +244,53 @@ def last_level_cache_bytes():
     return best or 32 << 20
 
 
-def weight_copies(weight_bytes, max_copies=16):
-    """How many weight sets keep the calls reading memory, not cache."""
-    return max(1, min(max_copies, math.ceil(4 * last_level_cache_bytes() / max(weight_bytes, 1))))
+def available_memory_bytes():
+    """MemAvailable from /proc/meminfo (Linux); None where it can't be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
-def build(case, copies=None):
-    """A Bench for `case`; `copies=None` picks enough weight sets to defeat the cache."""
+def default_rotation_budget():
+    """Bytes the weight copies may take: 4 GiB, or half the available memory where that is less."""
+    available = available_memory_bytes()
+    return min(4 << 30, available // 2) if available else 4 << 30
+
+
+def weight_copies(weight_bytes, budget_bytes=None, max_copies=None):
+    """How many weight sets keep the calls reading memory, not cache: enough to
+    exceed CACHE_MULTIPLE x the last-level cache, as many as the budget holds."""
+    weight_bytes = max(weight_bytes, 1)
+    wanted = math.ceil(CACHE_MULTIPLE * last_level_cache_bytes() / weight_bytes)
+    affordable = (budget_bytes or default_rotation_budget()) // weight_bytes
+    return max(1, min(wanted, affordable, max_copies or wanted))
+
+
+def build(case, copies=None, budget_bytes=None):
+    """A Bench for `case`; `copies=None` picks enough weight sets to defeat the
+    cache within `budget_bytes` (None: `default_rotation_budget()`), and warns
+    when they fall short."""
     reason = case.skip_reason()
     if reason:
         raise RuntimeError(reason)
     x, w = operands(case.shape)
     maker = _CONTENDER_BUILDERS[case.impl] if case.is_contender else _PATH_BUILDERS[case.path]
     first, nbytes = maker(case, x, w)
-    copies = copies or weight_copies(nbytes)
+    limit = MAX_ORT_SESSIONS if case.impl.startswith("ort_") else None
+    copies = copies or weight_copies(nbytes, budget_bytes, limit)
     fns = [first] + [maker(case, x, np.roll(w, i, axis=0))[0] for i in range(1, copies)]
-    return Bench(_rotate(fns), nbytes, copies)
+    bench = Bench(_rotate(fns), nbytes, copies)
+    if not bench.defeats_cache:
+        warnings.warn(f"{case.id}: its weights rotate through {bench.rotated_bytes / 2**20:.1f} MiB "
+                      f"({copies} copies), less than {CACHE_MULTIPLE}x the last-level cache "
+                      f"({last_level_cache_bytes() / 2**20:.0f} MiB): calls may read them from cache",
+                      stacklevel=2)
+    return bench
 
 
 def _rotate(fns):
@@ -215,39 +300,34 @@ def _rotate(fns):
     return lambda: next(it)()
 
 
-def _done(t):
-    """A qdispatch result, complete: host tensors are; a device one is copied back."""
-    return t if t.device.is_host else t.numpy()
-
-
 def _qd_qq_int8(case, x, w):
     wq = qd.quantize(w, W8, device=case.impl)
     xq = qd.quantize(x, A8, device=case.impl)
-    return (lambda: _done(qd.linear(xq, wq))), wq.nbytes
+    return (lambda: qd.linear(xq, wq)), wq.nbytes
 
 
 def _qd_fq_int8(case, x, w):
     wq = qd.quantize(w, W8, device=case.impl)
     xt = qd.tensor(x, device=case.impl)
-    return (lambda: _done(qd.linear(xt, wq))), wq.nbytes
+    return (lambda: qd.linear(xt, wq)), wq.nbytes
 
 
 def _qd_w8a8(case, x, w):
     wq = qd.quantize(w, W8, device=case.impl)
     xt = qd.tensor(x, device=case.impl)
-    return (lambda: _done(qd.linear(xt, wq, activation_scheme="q8s"))), wq.nbytes
+    return (lambda: qd.linear(xt, wq, activation_scheme="q8s")), wq.nbytes
 
 
 def _qd_int4(case, x, w):
     wq = qd.quantize(w, W4, device=case.impl)
     xt = qd.tensor(x, device=case.impl)
-    return (lambda: _done(qd.linear(xt, wq))), wq.nbytes
+    return (lambda: qd.linear(xt, wq)), wq.nbytes
 
 
 def _qd_int_matmul(case, x, w):
     a = qd.tensor(np_quantize_rows(x)[0], device=case.impl)
     b = qd.tensor(np.ascontiguousarray(np_quantize_rows(w)[0].T), device=case.impl)
-    return (lambda: _done(qd.int_matmul(a, b))), w.size
+    return (lambda: qd.int_matmul(a, b)), w.size
 
 
 def _qd_quantize(case, x, w):
@@ -293,35 +373,95 @@ def _fbgemm(case, x, w):
     return fn, w.size
 
 
-def _ort(signed):
+# onnxruntime graphs: IR version 8 with opset 13 (and com.microsoft 1) is readable by
+# every onnxruntime since 1.10, whatever newer IR version onnx would stamp by default.
+def _ort_session(case, nodes, inputs, initializers, output_type):
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+    graph = helper.make_graph(
+        nodes, case.impl,
+        [helper.make_tensor_value_info(name, _onnx_type(a), list(a.shape)) for name, a in inputs.items()],
+        [helper.make_tensor_value_info("Y", output_type, None)],
+        [numpy_helper.from_array(a, name) for name, a in initializers.items()])
+    model = helper.make_model(graph, ir_version=8, opset_imports=[
+        helper.make_opsetid("", 13), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = case.threads
+    options.inter_op_num_threads = 1
+    # idle sessions of the other weight copies must not spin on the cores
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    return lambda: session.run(None, inputs)[0]
+
+
+def _onnx_type(array):
+    from onnx import helper
+    return helper.np_dtype_to_tensor_dtype(array.dtype)
+
+
+def _as_u8(q):
+    """int8 values as u8 with zero point 128: the same values, exactly."""
+    return (q.astype(np.int16) + 128).astype(np.uint8)
+
+
+def _int8_operands(x, w, signed):
+    """Activations [M, K] and the transposed weight [K, N] quantized per row /
+    channel as qdispatch does, their scales, and MatMulInteger's zero points."""
+    (a, a_scale), (b, b_scale) = np_quantize_rows(x), np_quantize_rows(w)
+    b = np.ascontiguousarray(b.T)
+    zero_points = {}
+    if not signed:
+        a, b = _as_u8(a), _as_u8(b)
+        zero_points = {"za": np.array(128, np.uint8), "zb": np.array(128, np.uint8)}
+    return a, a_scale, b, b_scale.ravel(), zero_points
+
+
+def _matmul_integer(zero_points, out="Yi"):
+    from onnx import helper
+    return helper.make_node("MatMulInteger", ["A", "B"] + list(zero_points), [out])
+
+
+def _ort_qq(signed):
+    """Pre-quantized activations x a constant weight, scaled to float32 after."""
     def make(case, x, w):
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
-        a, b = np_quantize_rows(x)[0], np.ascontiguousarray(np_quantize_rows(w)[0].T)
-        inits = []
-        if not signed:  # u8 with zero point 128 holds the same int8 values exactly
-            a, b = (a.astype(np.int16) + 128).astype(np.uint8), (b.astype(np.int16) + 128).astype(np.uint8)
-            inits = [numpy_helper.from_array(np.array(128, np.uint8), n) for n in ("za", "zb")]
-        inits.append(numpy_helper.from_array(b, "B"))
-        elem = TensorProto.INT8 if signed else TensorProto.UINT8
-        node = helper.make_node("MatMulInteger", ["A", "B"] + ([] if signed else ["za", "zb"]), ["Y"])
-        graph = helper.make_graph([node], "matmul_integer",
-                                  [helper.make_tensor_value_info("A", elem, list(a.shape))],
-                                  [helper.make_tensor_value_info("Y", TensorProto.INT32, None)], inits)
-        # IR version 8 with opset 13: readable by every onnxruntime since 1.10, whatever
-        # newer IR version the installed onnx package would stamp by default
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = case.threads
-        options.inter_op_num_threads = 1
-        session = ort.InferenceSession(model.SerializeToString(), options,
-                                       providers=["CPUExecutionProvider"])
-        return (lambda: session.run(None, {"A": a})[0]), b.size
+        from onnx import TensorProto, helper
+        a, a_scale, b, b_scale, zero_points = _int8_operands(x, w, signed)
+        nodes = [_matmul_integer(zero_points),
+                 helper.make_node("Cast", ["Yi"], ["Yf"], to=TensorProto.FLOAT),
+                 helper.make_node("Mul", ["Yf", "a_scale"], ["Ya"]),
+                 helper.make_node("Mul", ["Ya", "b_scale"], ["Y"])]
+        fn = _ort_session(case, nodes, {"A": a, "a_scale": a_scale},
+                          {"B": b, "b_scale": b_scale, **zero_points}, TensorProto.FLOAT)
+        return fn, b.size
+    return make
+
+
+def _ort_w8a8(case, x, w):
+    """float32 in and out: onnxruntime quantizes the activations inside the call."""
+    from onnx import TensorProto, helper
+    _, _, b, b_scale, _ = _int8_operands(x, w, signed=True)
+    node = helper.make_node("DynamicQuantizeMatMul", ["X", "B", "b_scale"], ["Y"], domain="com.microsoft")
+    fn = _ort_session(case, [node], {"X": x}, {"B": b, "b_scale": b_scale}, TensorProto.FLOAT)
+    return fn, b.size
+
+
+def _ort_int(signed):
+    """int8 x int8 -> int32 with both operands graph inputs: like qdispatch's
+    int_matmul, nothing is packed ahead of the call."""
+    def make(case, x, w):
+        from onnx import TensorProto
+        a, _, b, _, zero_points = _int8_operands(x, w, signed)
+        fn = _ort_session(case, [_matmul_integer(zero_points, out="Y")], {"A": a, "B": b},
+                          zero_points, TensorProto.INT32)
+        return fn, b.size
     return make
 
 
 _CONTENDER_BUILDERS = {"numpy_f32": _numpy_f32, "fbgemm": _fbgemm,
-                       "ort_u8u8": _ort(signed=False), "ort_s8s8": _ort(signed=True)}
+                       "ort_qq_u8u8": _ort_qq(signed=False), "ort_qq_s8s8": _ort_qq(signed=True),
+                       "ort_w8a8": _ort_w8a8,
+                       "ort_int_u8u8": _ort_int(signed=False), "ort_int_s8s8": _ort_int(signed=True)}
 
 
 # ---- threads and timing ----------------------------------------------------------
@@ -377,6 +517,7 @@ def metrics(case, bench, seconds, samples=None):
         "ms": seconds * 1e3, "gops": case.ops / seconds / 1e9,
         "weight_gbs": bench.weight_bytes / seconds / 1e9,
         "weight_bytes": bench.weight_bytes, "weight_copies": bench.copies,
+        "rotated_bytes": bench.rotated_bytes, "rotation_exceeds_4x_llc": bench.defeats_cache,
         "samples": samples, "ratio_numpy_f32": None,
     }
 
@@ -392,37 +533,57 @@ def add_ratios(rows):
 
 
 # ---- the machine's ceilings ------------------------------------------------------
+#
+# Two reference figures measured beside the cases, not limits from a datasheet:
+# a kernel with better prefetching can beat the read, and a shape that blocks
+# better can beat the peak (by a little; by much means noise or a wrong figure).
 
-# Shapes whose operands stay in L1 / L2: the kernel's compute peak, not memory.
-PEAK_SHAPES = (Shape(64, 256, 64), Shape(256, 1024, 256))
+# qq int8 shapes whose operands (int8 x and w, float32 out: 2.3, 8 and 14 MiB)
+# stay in L2 / L3, each call long enough (0.5-9 GOP) that its overhead is small.
+PEAK_SHAPES = (Shape(256, 1024, 1024), Shape(512, 4096, 1024), Shape(1024, 2048, 2048))
 
 
-def read_bandwidth_fn(nbytes):
-    """(callable, bytes): a float32 matrix-vector product streaming a large buffer
-    once.  BLAS's gemv reads faster than numpy's reductions (which run out of
-    arithmetic first); its threads follow `thread_limit`."""
-    rows = max(1, nbytes // (4 * 4096))
-    matrix = np.ones((rows, 4096), np.float32)  # np.ones: pages touched now
-    vector = np.ones(4096, np.float32)
-    return (lambda: matrix @ vector), matrix.nbytes
+def default_bandwidth_bytes():
+    """The streaming read's buffer: 8x the last-level cache, at least 1 GiB."""
+    return max(1 << 30, 2 * CACHE_MULTIPLE * last_level_cache_bytes())
+
+
+@contextmanager
+def streaming_read(nbytes, threads):
+    """(callable, bytes): `threads` threads each reduce (max) their slice of a
+    u8 buffer, read once.  numpy releases the GIL in the reduction, and its SIMD
+    max keeps up with memory where a float sum or BLAS gemv runs out of
+    arithmetic first."""
+    from concurrent.futures import ThreadPoolExecutor
+    buffer = np.ones(nbytes, np.uint8)  # np.ones: pages touched now, not in the first read
+    if not exceeds_cache(buffer.nbytes):
+        warnings.warn(f"the streaming read's buffer ({buffer.nbytes / 2**20:.0f} MiB) is less than "
+                      f"{CACHE_MULTIPLE}x the last-level cache: it measures the cache, not memory",
+                      stacklevel=3)
+    slices = np.array_split(buffer, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        yield (lambda: list(pool.map(np.max, slices))), buffer.nbytes
 
 
 def int8_peak_fn(shape, backend="cpu"):
-    """A qq int8 product on cache-resident operands: the exact-int8 compute ceiling
-    of the kernel's instruction mix (a lower bound: scale epilogue and call included)."""
+    """qdispatch's qq int8 product on cache-resident operands (scale epilogue and call included)."""
     x, w = operands(shape)
     xq, wq = qd.quantize(x, A8, device=backend), qd.quantize(w, W8, device=backend)
-    return lambda: _done(qd.linear(xq, wq))
+    return lambda: qd.linear(xq, wq)
 
 
-def ceilings(threads, repeat, bandwidth_bytes, backend="cpu"):
-    with thread_limit(threads):
-        fn, nbytes = read_bandwidth_fn(bandwidth_bytes)
+def ceilings(threads, repeat, bandwidth_bytes=None, backend="cpu"):
+    """The streaming read (GB/s) on `threads` threads and the best qq int8 GOP/s over PEAK_SHAPES."""
+    with streaming_read(bandwidth_bytes or default_bandwidth_bytes(), threads) as (fn, nbytes):
         bandwidth = nbytes / measure(fn, repeat)[0] / 1e9
-        peak = max(2 * s.m * s.k * s.n / measure(int8_peak_fn(s, backend), repeat)[0] / 1e9
-                   for s in PEAK_SHAPES)
-    return {"threads": threads, "read_gbs": bandwidth, "int8_peak_gops": peak,
-            "read_buffer_bytes": nbytes, "peak_shapes": [str(s) for s in PEAK_SHAPES]}
+    with thread_limit(threads):
+        peaks = {str(s): 2 * s.m * s.k * s.n / measure(int8_peak_fn(s, backend), repeat)[0] / 1e9
+                 for s in PEAK_SHAPES}
+    return {"threads": threads, "read_gbs": bandwidth, "int8_peak_gops": max(peaks.values()),
+            "read_buffer_bytes": nbytes, "read_buffer_exceeds_4x_llc": exceeds_cache(nbytes),
+            "read_method": "numpy max over a u8 buffer, split across the threads",
+            "peak_shapes": list(peaks), "peak_gops_per_shape": peaks,
+            "peak_method": "qdispatch qq int8 on cache-resident operands, best shape"}
 
 
 # ---- the machine -----------------------------------------------------------------
@@ -494,10 +655,10 @@ def default_threads():
 
 
 def add_arguments(parser):
-    backends = [b for b in qd.available_backends() if b != "reference"]
+    backends = [b for b in qd.available_backends() if b != "reference" and not is_device_backend(b)]
     parser.add_argument("--backend", type=_csv(str), default=backends,
-                        help=f"qdispatch backends, comma-separated (default: {','.join(backends)}; "
-                             f"'reference' only when named)")
+                        help=f"qdispatch host backends, comma-separated (default: {','.join(backends)}; "
+                             f"'reference' only when named; for cuda see benchmarks/bench_cuda.py)")
     parser.add_argument("--shapes", type=_csv(Shape.parse), default=_csv(Shape.parse)(DEFAULT_SHAPES),
                         help=f"MxKxN list (default: {DEFAULT_SHAPES})")
     parser.add_argument("--threads", type=_csv(count), default=default_threads(),
@@ -507,8 +668,12 @@ def add_arguments(parser):
     parser.add_argument("--contenders", type=_csv(str), default=["numpy_f32"],
                         help=f"contenders, or 'all' (default: numpy_f32); one of {', '.join(CONTENDERS)}")
     parser.add_argument("--repeat", type=count, default=5, help="samples per case; the best is kept")
-    parser.add_argument("--bandwidth-mb", type=count, default=1024,
-                        help="buffer size of the read-bandwidth ceiling (default: 1024)")
+    parser.add_argument("--bandwidth-mb", type=count,
+                        help="buffer of the streaming-read ceiling (default: 8x the last-level cache, "
+                             "at least 1024)")
+    parser.add_argument("--rotation-mb", type=count,
+                        help="memory for rotated weight copies (default: 4096, or half the available "
+                             "memory where that is less)")
     parser.add_argument("--plot", metavar="OUT.png", help="draw GOP/s per shape and backend (needs matplotlib)")
     parser.add_argument("--json", metavar="OUT.json", help="write the results and the machine description")
 
@@ -520,6 +685,9 @@ def _check_arguments(args):
         unknown = [v for v in given if v not in known]
         if unknown:
             raise SystemExit(f"unknown {name} {', '.join(unknown)}: choose from {', '.join(known)}")
+    devices = [b for b in args.backend if is_device_backend(b)]
+    if devices:
+        raise SystemExit(f"qdispatch bench can't time {', '.join(devices)}: {CUDA_ELSEWHERE}")
     missing = [b for b in args.backend if b not in qd.available_backends()]
     if missing:
         raise SystemExit(f"backend {', '.join(missing)} not available here "
@@ -554,7 +722,11 @@ def _progress(done, total, label, stream=sys.stderr):
     stream.flush()
 
 
-def _run_cases(cases, repeat):
+def _megabytes(mb):
+    return mb << 20 if mb else None
+
+
+def _run_cases(cases, repeat, budget_bytes=None):
     rows, skipped = [], []
     for i, case in enumerate(cases):
         _progress(i, len(cases), case.id)
@@ -563,7 +735,7 @@ def _run_cases(cases, repeat):
             skipped.append({"case": case.id, "reason": reason})
             continue
         with thread_limit(case.threads):
-            bench = build(case)
+            bench = build(case, budget_bytes=budget_bytes)
             rows.append(metrics(case, bench, *measure(bench.fn, repeat, calls=bench.copies)))
     _progress(len(cases), len(cases), "done")
     return add_ratios(rows), skipped
@@ -589,8 +761,8 @@ def run(args):
         require_matplotlib()  # fail before minutes of measuring, not after
     cases = list(plan(args.shapes, args.paths, args.backend, args.threads, contenders,
                       share_contenders=True))
-    rows, skipped = _run_cases(cases, args.repeat)
-    ceiling = [ceilings(n, args.repeat, args.bandwidth_mb << 20) for n in args.threads] \
+    rows, skipped = _run_cases(cases, args.repeat, _megabytes(args.rotation_mb))
+    ceiling = [ceilings(n, args.repeat, _megabytes(args.bandwidth_mb)) for n in args.threads] \
         if "cpu" in qd.available_backends() else []
     desc = machine()
     print(f"qdispatch {desc['qdispatch']} on {desc['cpu_model']} ({desc['cores']} cores, ISA {desc['isa']})")
@@ -600,9 +772,12 @@ def run(args):
         print("note: this qdispatch was built without OpenMP (see `qdispatch info`), "
               "so its cpu kernels ran on one thread in every case")
     for c in ceiling:
-        print(f"ceilings at {c['threads']} threads: read bandwidth {c['read_gbs']:.1f} GB/s, "
-              f"exact int8 peak {c['int8_peak_gops']:.1f} GOP/s")
+        print(f"ceilings at {c['threads']} threads: streaming read {c['read_gbs']:.1f} GB/s "
+              f"(numpy, {c['read_buffer_bytes'] >> 20} MiB), qq int8 peak {c['int8_peak_gops']:.1f} GOP/s "
+              f"(best of {', '.join(c['peak_shapes'])}, in cache)")
     print(format_table(rows))
+    for line in beyond_ceilings(rows, ceiling):
+        print(line)
     for s in skipped:
         print(f"skipped {s['case']}: {s['reason']}")
     result = {"machine": desc, "ceilings": ceiling, "results": rows, "skipped": skipped,
@@ -615,6 +790,26 @@ def run(args):
         plot(rows, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+# Paths on qdispatch's exact int8 kernel, whose speed the int8 peak bounds.
+INT8_PATHS = ("qq_int8", "w8a8", "int_matmul")
+
+
+def beyond_ceilings(rows, ceiling):
+    """Notes on figures above the same run's ceilings: a ceiling measured too low,
+    or a case that read its weights from cache."""
+    by_threads = {c["threads"]: c for c in ceiling}
+    for r in rows:
+        c = by_threads.get(r["threads"])
+        if not c or r["impl"] in CONTENDERS or r["path"] == "quantize":
+            continue
+        if r["weight_gbs"] > c["read_gbs"]:
+            yield (f"note: {r['shape']} {r['path']} {r['impl']} t{r['threads']} read weights at "
+                   f"{r['weight_gbs']:.1f} GB/s, above the streaming read's {c['read_gbs']:.1f}")
+        if r["path"] in INT8_PATHS and r["gops"] > c["int8_peak_gops"]:
+            yield (f"note: {r['shape']} {r['path']} {r['impl']} t{r['threads']} ran at "
+                   f"{r['gops']:.1f} GOP/s, above the qq int8 peak's {c['int8_peak_gops']:.1f}")
 
 
 # ---- the plot --------------------------------------------------------------------

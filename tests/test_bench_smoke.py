@@ -27,35 +27,83 @@ def _run(args, cwd):
 
 @pytest.mark.parametrize("case", list(bench.plan([TINY], bench.PATHS, ["cpu"], [1])), ids=lambda c: c.id)
 def test_every_case_runs_once(case):
+    """Each case computes its path's product: float x @ w.T within quantization
+    error, or for int_matmul the exact int32 product of the int8 operands."""
     reason = case.skip_reason()
     if reason:
         pytest.skip(reason)
-    with bench.thread_limit(1):
+    with bench.thread_limit(1), pytest.warns(UserWarning, match="less than 4x the last-level cache"):
         b = bench.build(case, copies=2)
         out, again = b.fn(), b.fn()  # both weight copies, each a fresh result
     if case.path == "quantize":
         return
-    for result in (out, again):
+    x, w = bench.operands(TINY)
+    for result, weight in ((out, w), (again, np.roll(w, 1, axis=0))):
         result = np.asarray(result.numpy() if hasattr(result, "numpy") else result)
         assert result.shape == (TINY.m, TINY.n)
-        assert np.isfinite(result).all()
+        if case.path == "int_matmul" and case.impl != "numpy_f32":
+            a, b8 = bench.np_quantize_rows(x)[0], bench.np_quantize_rows(weight)[0]
+            assert result.dtype == np.int32
+            np.testing.assert_array_equal(result, a.astype(np.int32) @ b8.astype(np.int32).T)
+        else:
+            assert result.dtype == np.float32
+            expected = x @ weight.T
+            assert np.abs(result - expected).max() < 0.1 * np.abs(expected).max()
+
+
+def test_each_contender_does_its_paths_job():
+    """FBGEMM quantizes activations inside the call: W8A8 only, not the
+    pre-quantized qq path nor the weight-only fq path."""
+    assert [p for p, names in bench.PATH_CONTENDERS.items() if "fbgemm" in names] == ["w8a8"]
+    assert all(names[0] == "numpy_f32" for names in bench.PATH_CONTENDERS.values())
+    listed = {name for names in bench.PATH_CONTENDERS.values() for name in names}
+    assert listed == set(bench.CONTENDERS)
 
 
 def test_rotated_copies_hold_different_weights():
-    b = bench.build(bench.Case(TINY, "fq_int8", "cpu", 1), copies=2)
+    with pytest.warns(UserWarning, match="less than 4x the last-level cache"):
+        b = bench.build(bench.Case(TINY, "fq_int8", "cpu", 1), copies=2)
     assert b.copies == 2
     assert not np.array_equal(b.fn().numpy(), b.fn().numpy())
 
 
+def test_weight_copies_exceed_4x_the_cache_within_the_budget(monkeypatch):
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 260 << 20)
+    int4_4096 = 4096 * 4096 // 2
+    copies = bench.weight_copies(int4_4096, budget_bytes=4 << 30)
+    assert copies * int4_4096 >= 4 * (260 << 20) > (copies - 1) * int4_4096
+    assert bench.weight_copies(int4_4096, budget_bytes=100 << 20) == 12
+    assert bench.weight_copies(int4_4096, budget_bytes=4 << 30, max_copies=16) == 16
+
+
+def test_a_rotation_short_of_the_cache_says_so(monkeypatch):
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 1 << 30)
+    with pytest.warns(UserWarning, match=r"fq_int8-cpu-t1: its weights rotate through .* MiB \(1 copies\)"):
+        b = bench.build(bench.Case(TINY, "fq_int8", "cpu", 1), budget_bytes=TINY.n * TINY.k)
+    assert not b.defeats_cache and b.rotated_bytes == b.weight_bytes
+
+
 def test_ceilings_run():
-    c = bench.ceilings(threads=1, repeat=1, bandwidth_bytes=1 << 20)
+    with pytest.warns(UserWarning, match="it measures the cache, not memory"):
+        c = bench.ceilings(threads=1, repeat=1, bandwidth_bytes=1 << 20)
     assert c["read_gbs"] > 0 and c["int8_peak_gops"] > 0
+    assert c["read_buffer_bytes"] == 1 << 20 and not c["read_buffer_exceeds_4x_llc"]
+    assert c["int8_peak_gops"] == max(c["peak_gops_per_shape"].values())
+
+
+def test_bandwidth_buffer_exceeds_the_cache_by_default():
+    assert bench.exceeds_cache(bench.default_bandwidth_bytes())
+
+
+def test_streaming_read_reads_on_every_thread():
+    with pytest.warns(UserWarning), bench.streaming_read(3 << 10, threads=3) as (fn, nbytes):
+        assert fn() == [1, 1, 1] and nbytes == 3 << 10
 
 
 def test_bench_command_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = _run(["-m", "qdispatch", "bench", "--shapes", "2x64x64", "--threads", "1", "--repeat", "1",
-                 "--bandwidth-mb", "1", "--json", str(out)], cwd=tmp_path)
+                 "--bandwidth-mb", "1", "--rotation-mb", "1", "--json", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "GOP/s" in proc.stdout and "done" in proc.stderr
     data = json.loads(out.read_text())
@@ -67,7 +115,20 @@ def test_bench_command_writes_json(tmp_path):
     assert {(p, "cpu") for p in bench.PATHS} <= paths
     assert ("qq_int8", "numpy_f32") in paths
     assert all(r["ratio_numpy_f32"] for r in data["results"])
+    assert all(r["rotated_bytes"] == r["weight_bytes"] * r["weight_copies"] for r in data["results"])
+    assert all(r["rotation_exceeds_4x_llc"] is False for r in data["results"])  # a 1 MiB budget
+    assert "less than 4x the last-level cache" in proc.stderr
     assert data["ceilings"][0]["threads"] == 1
+    assert "streaming read" in proc.stdout and "qq int8 peak" in proc.stdout
+
+
+def test_bench_leaves_cuda_to_its_own_benchmarks(monkeypatch):
+    """Its timing (perf_counter, CPU-cache-sized rotation) is wrong for a GPU."""
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(qdispatch, "available_backends", lambda: ["reference", "cpu", "cuda"])
+    with pytest.raises(SystemExit, match=r"can't time cuda: .*benchmarks/bench_cuda\.py"):
+        main(["bench", "--backend", "cpu,cuda", "--shapes", "2x64x64", "--threads", "1"])
+    assert "bench_cuda.py" in bench.Case(TINY, "qq_int8", "cuda", 1).skip_reason()
 
 
 def test_pytest_benchmarks_run_once(tmp_path):
@@ -75,7 +136,7 @@ def test_pytest_benchmarks_run_once(tmp_path):
     # fbgemm's cases are left to test_every_case_runs_once: importing torch again takes seconds.
     proc = _run(["-m", "pytest", BENCHMARKS, "-q", "-p", "no:cacheprovider", "--benchmark-disable",
                  "--bench-shapes", "2x64x64", "--bench-threads", "1", "--bench-bandwidth-mb", "1",
-                 "-k", "not fbgemm", f"--basetemp={tmp_path / 'basetemp'}"], cwd=tmp_path)
+                 "--bench-rotation-mb", "1", "-k", "not fbgemm", f"--basetemp={tmp_path / 'basetemp'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
 
