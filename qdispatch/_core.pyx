@@ -87,11 +87,13 @@ cdef class Device:
         """Accept a Device, 'cpu', 'reference', 'cuda', 'cuda:N' or a BackendKind."""
         if isinstance(spec, Device):
             return spec
-        if isinstance(spec, int) and not isinstance(spec, bool):  # True is no backend kind
-            if not 0 <= spec < QD_BACKEND_COUNT:  # checked here: past C's int it would overflow
-                raise ValueError(
-                    f"Unknown backend kind {spec}: expected a qdispatch.BackendKind or a name like 'cpu'")
+        if isinstance(spec, BackendKind):
             return Device(int(spec), 0)
+        if isinstance(spec, int) and not isinstance(spec, bool):  # True is no device either
+            # a bare number would name a backend kind (0: reference), where torch's means a GPU
+            raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got the number {spec}: "
+                            f"a GPU is 'cuda:{spec}' here" if spec >= 0 else
+                            f"Expected a device like 'cpu' or 'cuda:0', got the number {spec}")
         if not isinstance(spec, str):
             raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got {spec!r}")
         name, _, idx = spec.strip().lower().partition(":")

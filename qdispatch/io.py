@@ -83,6 +83,8 @@ def atomic_path(path):
     # a bytes path too: the temporary name is str.  A symbolic link stays one: its
     # target is what is written, as open(path, "wb") would.
     path = os.path.realpath(os.fsdecode(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a folder: save and export write a file, so give a file's path")
     folder = os.path.dirname(path)
     tmp = _new_file(folder, ".qdispatch.", ".tmp")  # short: the target's name may be as long as names get
     try:
@@ -509,6 +511,8 @@ def _name_list(names):
 def reading(path):
     """A file written by `save`, open for reading one tensor at a time (a
     `StoredFile`), so that a loader holds one tensor's bytes at a time."""
+    if not isinstance(path, (str, bytes, os.PathLike)):  # open() would take a number for a descriptor, and close it
+        raise TypeError(f"Expected a file path (str, bytes or os.PathLike), got {type(path).__name__} {path!r}")
     with open(path, "rb") as f:
         yield StoredFile(path, f)
 

@@ -2,6 +2,7 @@
 clear errors for files that can't be trusted."""
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -215,6 +216,21 @@ def test_saving_through_a_symbolic_link_writes_its_target(tmp_path):
     qd.save(link, {"b": np.ones(2)})
     assert link.is_symlink() and list(qd.load(target)) == ["b"]
     assert sorted(os.listdir(tmp_path)) == ["link.st", "real.st"]
+
+
+def test_a_number_is_no_path_to_load():
+    """open() takes a number for a file descriptor: qd.load(1) read stdout's and closed it."""
+    for bad in (1, True, 3.5):
+        with pytest.raises(TypeError, match="Expected a file path"):
+            qd.load(bad)
+    os.fstat(1)  # still open
+
+
+def test_saving_to_a_folder_names_the_folder(tmp_path):
+    """The error named the hidden temporary file renamed over it."""
+    with pytest.raises(IsADirectoryError, match=f"{re.escape(str(tmp_path))} is a folder"):
+        qd.save(tmp_path, {"a": np.zeros(2)})
+    assert os.listdir(tmp_path) == []
 
 
 def test_overwrite_replaces_file(tmp_path):

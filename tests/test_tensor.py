@@ -71,15 +71,18 @@ def test_device_parsing_and_repr(rng):
 
 @pytest.mark.parametrize("spec,error,match", [
     ("cpu:99999999999999999999", ValueError, "Bad device index in 'cpu:99999999999999999999'"),
-    (2**40, ValueError, "Unknown backend kind 1099511627776"),
-    (-1, ValueError, "Unknown backend kind -1"),
+    (2**40, TypeError, "got the number 1099511627776: a GPU is 'cuda:1099511627776' here"),
+    (-1, TypeError, "Expected a device like 'cpu' or 'cuda:0', got the number -1"),
+    (0, TypeError, "got the number 0: a GPU is 'cuda:0' here"),  # it meant the reference backend
     (True, TypeError, "Expected a device like 'cpu' or 'cuda:0', got True"),
     ("cuda:\u00b2", ValueError, "Bad device index in 'cuda:\u00b2'"),        # a digit to isdigit, not to int
     ("cuda:\u0661", ValueError, "Bad device index in 'cuda:\u0661'"),        # an Arabic-Indic 1 read as cuda:1
 ])
 def test_device_specs_out_of_range_say_what_is_wrong(spec, error, match):
-    """Past C's int they overflowed (a bare OverflowError); True named the cpu backend;
-    a superscript digit failed int() with a bare ValueError."""
+    """Past C's int they overflowed (a bare OverflowError); True named the cpu backend,
+    and a bare number a backend kind (0: reference, where torch's 0 is a GPU); a
+    superscript digit failed int() with a bare ValueError.  A BackendKind names one."""
+    assert qd.Device.parse(qd.BackendKind.CPU) == "cpu"
     t = qd.tensor(np.ones(3, np.float32), device="reference")
     for call in (lambda: qd.Device.parse(spec), lambda: t.to(spec), lambda: qd.quantize(t, "q8s").to(spec)):
         with pytest.raises(error, match=re.escape(match)):
