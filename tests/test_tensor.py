@@ -352,6 +352,11 @@ def test_qtensor_parts_of_no_values_are_a_shape_error(device):
             qtensor_zeros(shape, "q8s", device=device)
 
 
+def test_synchronize_without_a_device_runs_on_any_build():
+    """It meant 'cuda', and raised BackendUnavailableError where CUDA can't run."""
+    assert qd.synchronize() is None and qd.synchronize("cpu") is None
+
+
 def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
     with pytest.raises(TypeError, match=r"len\(\) of a 0-d tensor"):
         len(qd.tensor(3.0, device="reference"))
