@@ -329,6 +329,9 @@ def _float_host_data(x, op="quantize"):
     """x, checked to be float data when it is host data: `tensor` would make int8
     of integers, and the error would then name int8 for, say, int64 data."""
     if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+        floating = getattr(x, "is_floating_point", None)  # torch's: its integers would cross as int8
+        if callable(floating) and not floating():
+            raise _not_float_error(str(x.dtype).replace("torch.", ""), op)
         return x  # keeps its own dtype through from_dlpack
     try:
         arr = np.asarray(x)

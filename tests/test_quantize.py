@@ -252,6 +252,19 @@ def test_non_float_data_is_named_by_its_own_dtype():
         qd.quantize(qd.tensor(np.ones((2, 2), np.int8), device="reference"))
 
 
+def test_torch_integer_data_is_named_by_its_own_dtype():
+    """torch's integers crossed as int8 first, so the error named int8 for int64 data,
+    or told a quantize call to quantize floats instead."""
+    torch = pytest.importorskip("torch")
+    w = qd.quantize(np.ones((4, 2), np.float32), device="reference")
+    for data, name in ((torch.tensor([[1, 2]]), "int64"), (torch.tensor([[1000, 2]]), "int64"),
+                       (torch.tensor([[True, False]]), "bool")):
+        with pytest.raises(TypeError, match=f"quantize expects float data, got {name}: convert it to float32"):
+            qd.quantize(data, device="reference")
+        with pytest.raises(TypeError, match=f"q_matmul expects float data, got {name}"):
+            qd.q_matmul(data, w.T)
+
+
 def test_3d_blocks_follow_burn_semantics(device, rng):
     x = rng.standard_normal((2, 4, 64)).astype(np.float32)
     q = qd.quantize(x, qd.QuantScheme("q8s", block=(1, 32)), device=device)
