@@ -5,11 +5,15 @@ The backend kind is the C enum `qd_backend` of qdispatch.h (defined there and
 nowhere else).  Every tensor stores it in a C field, and the dispatcher checks
 that two operands share a device with two C integer compares before it looks
 the backend up in a C-indexed table."""
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
+
 import operator
 from enum import IntEnum
 
 from .errors import (BackendMismatchError, BackendUnavailableError,
                      DeviceMismatchError, QDispatchError)
+
+from .dlpack cimport DLManagedTensor, DLManagedTensorVersioned, DLTensor, kDLBfloat, kDLUInt
 
 cdef extern from "qdispatch.h":
     cpdef enum qd_backend:
@@ -201,6 +205,19 @@ cdef class Tensor(TensorBase):
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")  # as numpy says for a 0-d array
         return self.shape[0]
+
+    def __bool__(self):
+        # numpy's rule, not a container's (which __len__ would give): `if t:` on [0.0] is False
+        size = 1
+        for d in self.shape:
+            size *= d
+        if size == 0:
+            raise ValueError("The truth value of an empty Tensor is ambiguous: "
+                             "test its size (math.prod(t.shape) > 0) instead")
+        if size > 1:
+            raise ValueError("The truth value of a Tensor of more than one value is ambiguous: "
+                             "use t.numpy().any() or t.numpy().all()")
+        return bool(self.numpy().reshape(-1)[0])
 
     def __getitem__(self, key):
         """t[i], t[a:b], t[i, a:b]: integers on leading axes, then at most one slice of
@@ -415,3 +432,20 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     if bias is None:
         return out
     return ops_module().add_bias(out, bias, out_dtype, transfer)
+
+
+def dlpack_as_bfloat16(capsule):
+    """numpy's DLPack capsule of a host bfloat16 tensor's uint16 bits, its elements
+    retyped as bfloat16 (numpy has no such type, DLPack has): the consumer then sees
+    the values without a copy.  Only an unconsumed capsule of 16-bit unsigned data."""
+    cdef DLTensor *t
+    if PyCapsule_IsValid(capsule, b"dltensor_versioned"):
+        t = &(<DLManagedTensorVersioned *>PyCapsule_GetPointer(capsule, b"dltensor_versioned")).dl_tensor
+    elif PyCapsule_IsValid(capsule, b"dltensor"):
+        t = &(<DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
+    else:
+        raise TypeError("dlpack_as_bfloat16 expects an unconsumed DLPack capsule")
+    if t.dtype.code != kDLUInt or t.dtype.bits != 16 or t.dtype.lanes != 1:
+        raise TypeError("dlpack_as_bfloat16 expects the uint16 bits of bfloat16 values")
+    t.dtype.code = kDLBfloat
+    return capsule

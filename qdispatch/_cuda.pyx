@@ -12,6 +12,9 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
+from .dlpack cimport (DLManagedTensor, DLTensor, kDLBfloat, kDLCUDA, kDLFloat, kDLInt,
+                     kDLUInt)
+
 import os
 import sys
 
@@ -1068,36 +1071,6 @@ cdef int _fq_launch(void *px, int xd, int64_t m, int64_t ldx, DeviceArray tiles,
 
 
 # ---- DLPack --------------------------------------------------------------------
-
-cdef struct DLDevice:
-    int32_t device_type
-    int32_t device_id
-
-cdef struct DLDataType:
-    uint8_t code
-    uint8_t bits
-    uint16_t lanes
-
-cdef struct DLTensor:
-    void *data
-    DLDevice device
-    int32_t ndim
-    DLDataType dtype
-    int64_t *shape
-    int64_t *strides
-    uint64_t byte_offset
-
-cdef struct DLManagedTensor:
-    DLTensor dl_tensor
-    void *manager_ctx
-    void (*deleter)(DLManagedTensor *) noexcept nogil
-
-cdef enum:
-    kDLCUDA = 2
-    kDLInt = 0
-    kDLUInt = 1
-    kDLFloat = 2
-    kDLBfloat = 4
 
 _DL_CODES = {"float32": (kDLFloat, 32), "float16": (kDLFloat, 16), "bfloat16": (kDLBfloat, 16),
              "int8": (kDLInt, 8), "int32": (kDLInt, 32), "uint32": (kDLUInt, 32)}

@@ -194,8 +194,11 @@ def test_errors_name_the_block_and_the_value_as_every_backend_does(device, schem
     backend."""
     x = np.ones((2, 4, 16), np.float32)
     x[1, 3, 5] = big
-    with pytest.raises(qd.ScaleOverflowError, match=re.escape(f"The scale of block {block}")):
+    with pytest.raises(qd.ScaleOverflowError, match=re.escape(f"The scale of block {block} (")) as info:
         qd.quantize(x, scheme, device=device)
+    with pytest.raises(qd.ScaleOverflowError) as reference:
+        qd.quantize(x, scheme, device="reference")
+    assert str(info.value) == str(reference.value)  # the float32 scale's value too
     x[1, 3, 5] = -np.inf
     with pytest.raises(qd.NonFiniteError, match=re.escape("holding -inf at position (1, 3, 5): remove NaN/Inf")):
         qd.quantize(x, scheme, device=device)

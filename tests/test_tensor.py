@@ -1,4 +1,5 @@
 """Float tensors: numpy memory sharing, DLPack, devices and reprs."""
+import ctypes
 import re
 
 import numpy as np
@@ -363,6 +364,21 @@ def test_len_of_a_0d_tensor_is_a_type_error_as_in_numpy():
     assert len(qd.tensor(np.zeros((3, 2), np.float32), device="reference")) == 3
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_truth_value_follows_numpy(device, dtype):
+    """It came from __len__: `if t:` was True for [[0.0]] and for any row count."""
+    for value in (0, 1):
+        for shape in ((), (1,), (1, 1)):
+            t = qd.tensor(np.full(shape, value, np.float32).astype(np.int8 if dtype == "int8" else np.float32),
+                          dtype=dtype, device=device)
+            assert bool(t) is bool(value)
+    with pytest.raises(ValueError, match="The truth value of a Tensor of more than one value is ambiguous: "
+                                         r"use t.numpy\(\).any\(\)"):
+        bool(qd.tensor(np.ones((2, 1), np.float32), dtype=dtype, device=device))
+    with pytest.raises(ValueError, match="The truth value of an empty Tensor is ambiguous"):
+        bool(qd.tensor(np.ones((0, 3), np.float32), dtype=dtype, device=device))
+
+
 def test_indexing_a_qtensor_names_the_ways_to_its_rows():
     """It was Python's bare "object is not subscriptable", and iterating "not iterable"."""
     q = qd.quantize(np.ones((4, 32), np.float32), "q8s", device="reference")
@@ -396,10 +412,36 @@ def test_qtensor_says_it_has_no_gradient():
         q.grad
 
 
-def test_host_bfloat16_refuses_a_dlpack_export_it_cannot_type():
-    t = qd.tensor(np.ones((2, 2), np.float32), dtype="bfloat16", device="reference")
-    with pytest.raises(TypeError, match="bfloat16"):
+def _dlpack_dtype(capsule):
+    """(code, bits, lanes) of a DLPack capsule's tensor, read through ctypes."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    versioned = ctypes.pythonapi.PyCapsule_IsValid(ctypes.py_object(capsule), b"dltensor_versioned")
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    # DLTensor's dtype sits after data (8), device (8) and ndim (4); a versioned
+    # capsule's DLTensor after version (8), manager_ctx, deleter and flags (8 each)
+    offset = (32 if versioned else 0) + 20
+    raw = ctypes.string_at(get(capsule, name) + offset, 4)
+    return raw[0], raw[1], int.from_bytes(raw[2:], "little")
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_host_bfloat16_leaves_by_dlpack_as_bfloat16(device, max_version):
+    """numpy exported its bits as uint16, so the export was refused; now the capsule
+    says bfloat16 (DLPack type code 4) over the same memory."""
+    if device == "cuda":
+        pytest.skip("host tensors only")
+    t = qd.tensor(np.array([[1.5, -2.0], [3.0, 0.25]], np.float32), dtype="bfloat16", device=device)
+    asked = {} if max_version is None else {"max_version": max_version}
+    assert _dlpack_dtype(t.__dlpack__(**asked)) == (4, 16, 1)
+    assert _dlpack_dtype(qd.tensor(np.ones(2, np.float16), device=device).__dlpack__(**asked)) == (2, 16, 1)
+    with pytest.raises(RuntimeError, match="Unsupported dtype"):  # numpy has no bfloat16
         np.from_dlpack(t)
+    torch = pytest.importorskip("torch")
+    view = torch.from_dlpack(t)
+    assert view.dtype == torch.bfloat16 and view.tolist() == [[1.5, -2.0], [3.0, 0.25]]
+    view[0, 0] = 8.0  # the same memory
+    assert t.numpy()[0, 0] == 8.0
 
 
 INDEX_KEYS = [1, -1, slice(1, 3), slice(None, 2), slice(-2, None), slice(3, 1), (2, slice(1, 4)), (0, 3),

@@ -3,7 +3,7 @@ quantized storage in the scheme's own store (int8, or packed uint32)."""
 import numpy as np
 
 from .. import quantmath
-from .._core import QTensor
+from .._core import QTensor, dlpack_as_bfloat16
 from .base import Backend
 
 
@@ -125,10 +125,10 @@ class HostBackend(Backend):
         return payload + bias
 
     def dlpack(self, t, *args, **kwargs):
-        if t.dtype == "bfloat16":  # numpy would export the raw bits as uint16: a silent wrong dtype
-            raise TypeError("A host bfloat16 Tensor can't be exported through numpy's DLPack: "
-                            "convert it first, e.g. qdispatch.tensor(t.numpy()) for float32")
-        return np.asarray(t.payload).__dlpack__(*args, **kwargs)
+        capsule = np.asarray(t.payload).__dlpack__(*args, **kwargs)
+        if t.dtype == "bfloat16":  # numpy exports the payload's bits as uint16
+            return dlpack_as_bfloat16(capsule)
+        return capsule
 
     def dlpack_device(self, t):
         return (1, 0)  # kDLCPU
