@@ -435,7 +435,7 @@ def test_host_bfloat16_leaves_by_dlpack_as_bfloat16(device, max_version):
     asked = {} if max_version is None else {"max_version": max_version}
     assert _dlpack_dtype(t.__dlpack__(**asked)) == (4, 16, 1)
     assert _dlpack_dtype(qd.tensor(np.ones(2, np.float16), device=device).__dlpack__(**asked)) == (2, 16, 1)
-    with pytest.raises(RuntimeError, match="Unsupported dtype"):  # numpy has no bfloat16
+    with pytest.raises((RuntimeError, BufferError), match="Unsupported dtype"):  # numpy has no bfloat16
         np.from_dlpack(t)
     torch = pytest.importorskip("torch")
     view = torch.from_dlpack(t)
