@@ -183,6 +183,20 @@ def test_results_do_not_depend_on_thread_count(rng, threads):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 1000, 16 * 150 + 5), (70, 1000, 16 * 150 + 5), (3, 20000, 16 * 70 + 9),
+                                   (2, 70000, 41), (5, 64, 16 * 1100)])
+def test_int_matmul_packs_strips_of_any_width_exactly(rng, threads, M, K, N):
+    """int_matmul packs b in strips of up to 4 MB (wide where K is short, one unit
+    of panels where a panel alone is past that) shared among the threads, the last
+    one narrower: every cut gives the exact product."""
+    a = rng.integers(-128, 128, (M, K), dtype=np.int8)
+    b = rng.integers(-128, 128, (K, N), dtype=np.int8)
+    want = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.int64)
+    for n in (1, 2, 3):
+        qd.set_num_threads(n)
+        np.testing.assert_array_equal(qd.int_matmul(a, qd.tensor(b, device="cpu")).numpy(), want)
+
+
 def test_thread_counts_that_are_no_count_are_refused(threads):
     """A thread count is a whole number: a float would be cut silently, a string or a
     count past a C int would fail with no word of what set_num_threads takes."""
