@@ -159,11 +159,10 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
         raise non_finite_error(x.flat[bad], tuple(int(i) for i in np.unravel_index(bad, shape or x.shape)))
     if st == QD_ERR_SCALE_OVERFLOW:
         from qdispatch.quantmath import block_scale_overflow_error
-        from qdispatch.scheme import QuantScheme
+        from qdispatch.scheme import VALUE_RANGES
         r, c = divmod(bad, scales.shape[1])
-        raise block_scale_overflow_error(x[r * br:(r + 1) * br, c * bc:(c + 1) * bc],
-                                         QuantScheme(value, scale_dtype=scale_dtype),
-                                         tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)))
+        raise block_scale_overflow_error(x[r * br:(r + 1) * br, c * bc:(c + 1) * bc], VALUE_RANGES[value][:2],
+                                         scale_dtype, tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)))
     _check(st, "quantize")
     return q, scales
 

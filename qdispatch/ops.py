@@ -103,6 +103,9 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
         payload = backend.reshape(payload, out_shape)
     out = Tensor(payload, kernel_dtype, out_shape, lhs.kind, lhs.index)
     if requantize is not None:
+        if 0 in out_shape:  # quantize would name itself, not this call
+            raise ShapeError(f"q_matmul's product has shape {tuple(out_shape)}, with no values for requantize= to "
+                             f"quantize (a QTensor holds at least one): drop requantize for an empty Tensor")
         return quantize(out, requantize)
     if out_dtype != kernel_dtype:
         out = Tensor(backend.cast(out.payload, kernel_dtype, out_dtype), out_dtype, out.shape,

@@ -124,12 +124,13 @@ def check_finite(x: np.ndarray):
 def compute_scales(x: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:
     blocked = _blocked(np.abs(x), block)
     amax = blocked.max(axis=tuple(range(1, blocked.ndim, 2))).astype(np.float32)
-    return round_up_to_dtype(float32_scales(amax, scheme), scheme.scale_dtype)
+    return round_up_to_dtype(float32_scales(amax, scheme.qrange), scheme.scale_dtype)
 
 
-def float32_scales(amax: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """Each block's float32 scale from its largest magnitude, before `scale_dtype`."""
-    lo, hi = scheme.qrange
+def float32_scales(amax: np.ndarray, qrange) -> np.ndarray:
+    """Each block's float32 scale from its largest magnitude, for values in
+    `qrange` (lo, hi), before `scale_dtype`."""
+    lo, hi = qrange
     amax = np.asarray(amax, dtype=np.float32)
     # Halving hi-lo is exact, so this is the float32 that (2*amax)/(hi-lo) gives,
     # yet finite where 2*amax would overflow float32.
@@ -139,11 +140,11 @@ def float32_scales(amax: np.ndarray, scheme: QuantScheme) -> np.ndarray:
     return np.where(amax == 0, np.float32(1.0), scale).astype(np.float32)
 
 
-def block_scale_overflow_error(values, scheme: QuantScheme, block):
+def block_scale_overflow_error(values, qrange, scale_dtype, block):
     """The error for the scale of `block` (its position in the scale grid), from
     the block's own `values`: a kernel reports where, this says how large."""
     amax = np.abs(np.asarray(values, dtype=np.float32)).max()
-    return scale_overflow_error(block, scheme.scale_dtype, float(float32_scales(amax, scheme)))
+    return scale_overflow_error(block, scale_dtype, float(float32_scales(amax, qrange)))
 
 
 def quantize_values(x: np.ndarray, scales: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:

@@ -214,6 +214,10 @@ def test_activation_scheme_on_an_empty_product(device, rng):
     for shape in ((0, 16), (0, 3, 16)):
         out = qd.q_matmul(np.zeros(shape, np.float32), wq.T, activation_scheme="q8s")
         assert out.shape == shape[:-1] + (8,) and out.device == device
+        # a QTensor holds at least one value: requantize says so, as q_matmul (it was quantize's error)
+        with pytest.raises(qd.ShapeError, match=re.escape(f"q_matmul's product has shape {shape[:-1] + (8,)}, "
+                                                          "with no values for requantize= to quantize")):
+            qd.q_matmul(np.zeros(shape, np.float32), wq.T, activation_scheme="q8s", requantize="q8s")
 
 
 def test_linear_with_bias(device, rng):

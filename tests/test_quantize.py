@@ -204,6 +204,21 @@ def test_errors_name_the_block_and_the_value_as_every_backend_does(device, schem
         qd.quantize(x, scheme, device=device)
 
 
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q4s", store="packed_u32", scale_dtype="f16"),
+                                    qd.QuantScheme("q2s", axis=0, store="packed_u32", scale_dtype="bf16"),
+                                    qd.QuantScheme("q8f", block=32, scale_dtype="f16")])
+def test_a_kernels_scale_overflow_is_the_references_error(device, scheme):
+    """The C and CUDA kernels' 2-D path: a sub-byte scheme's overflow came out as a
+    QuantSchemeError about native stores, from the message's own scheme."""
+    x = np.ones((2, 64), np.float32)
+    x[1, 40] = 3.4e38 if scheme.scale_dtype == "bf16" else 1e7  # q2s's scale is amax: past bf16's 3.39e38
+    with pytest.raises(qd.ScaleOverflowError) as info:
+        qd.quantize(x, scheme, device=device)
+    with pytest.raises(qd.ScaleOverflowError) as reference:
+        qd.quantize(x, scheme, device="reference")
+    assert str(info.value) == str(reference.value)
+
+
 def exact_scale(amax, lo, hi):
     """The float32 rounding of 2*amax/(hi-lo), where 2*amax itself would overflow
     float32 for the largest amax: large ones are scaled down by 4 and back up

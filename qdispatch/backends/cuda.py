@@ -247,7 +247,8 @@ class CudaBackend(Backend):
             block = tuple(int(i) for i in np.unravel_index(exc.index, layout.grid))
             r, c = divmod(exc.index, cols // bc)
             band = _cuda.to_host(x)[r * br:(r + 1) * br, c * bc:(c + 1) * bc]  # an error path: copy all
-            raise quantmath.block_scale_overflow_error(band, layout.scheme, block) from None
+            raise quantmath.block_scale_overflow_error(band, layout.scheme.qrange, layout.scheme.scale_dtype,
+                                                       block) from None
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
     def dequantize_rows(self, q, rows, dtype):
