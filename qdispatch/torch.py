@@ -154,7 +154,8 @@ def _cuda_backend(index):
 
 
 def to_torch(t):
-    """A torch tensor sharing the memory of qdispatch Tensor t."""
+    """A torch tensor sharing the memory of qdispatch Tensor t (a copy where that
+    memory is read-only: torch has no read-only tensors)."""
     if not isinstance(t, Tensor):
         hint = ": dequantize it first (t.dequantize())" if isinstance(t, QTensor) else ""
         raise TypeError(f"to_torch expects a qdispatch Tensor, got {type(t).__name__}{hint}")
@@ -163,12 +164,13 @@ def to_torch(t):
     if min(t.payload.strides, default=0) < 0:  # torch's DLPack import aborts the process on one
         raise ValueError(f"to_torch can't share a Tensor with negative strides {t.payload.strides}: torch "
                          f"tensors have none. Copy it first: to_torch(qdispatch.tensor(t.numpy().copy()))")
+    payload = t.payload
+    if not payload.flags.writeable:  # bytes, a read-only mmap: torch's alias would write there, or fault
+        payload = payload.copy()
     if t.dtype == "bfloat16":
         # numpy has no bfloat16: the host payload holds its 16-bit patterns
-        return torch.from_numpy(t.payload).view(torch.bfloat16)
-    if isinstance(t.payload, np.ndarray) and t.payload.flags.writeable:
-        return torch.from_numpy(t.payload)  # numpy's memory as it is, without DLPack's round
-    return torch.from_dlpack(t)
+        return torch.from_numpy(payload).view(torch.bfloat16)
+    return torch.from_numpy(payload)  # numpy's memory as it is, without DLPack's round
 
 
 def _to_torch_cuda(t, stream):
@@ -360,8 +362,7 @@ def q_matmul(x, w):
     Returns a torch tensor [..., N] of x's dtype (float32, float16, bfloat16, or
     float64 on the exact float64 path).  Differentiable in x only; the
     gradient for w is None (QTensors are constants to autograd)."""
-    if _is_exporting() or _is_tracing():
-        raise BackendUnavailableError(_NOT_RECORDED)
+    _refuse_recording(x)
     if _is_compiling():  # what torch.compile traces: qdispatch's part runs as it is
         return _q_matmul_between_graph_breaks(x, w)
     return _q_matmul(x, w)
@@ -428,8 +429,19 @@ def _autocast(x):
 # torch.compile can't trace into qdispatch's kernels (Cython, C): it runs this as it
 # is, with a graph break on each side, and compiles the rest.  Only while tracing:
 # the wrapper costs a few microseconds a call, as much as a decode kernel.
-_q_matmul_between_graph_breaks = (torch.compiler.disable(_q_matmul) if hasattr(torch, "compiler")
-                                  else _q_matmul)
+def _between_graph_breaks(fn):
+    """fn as torch.compile runs it: outside the graph, saying why where fullgraph=True
+    refuses it (torch.compiler.disable's `reason`, where torch takes one)."""
+    if not hasattr(torch, "compiler"):
+        return fn
+    try:
+        return torch.compiler.disable(fn, reason="qdispatch's kernels run outside torch, between graph "
+                                                 "breaks: compile the model without fullgraph=True")
+    except TypeError:
+        return torch.compiler.disable(fn)
+
+
+_q_matmul_between_graph_breaks = _between_graph_breaks(_q_matmul)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 _NOT_RECORDED = ("torch.export, torch.jit.trace and torch.fx can't record qdispatch's q_matmul (QLinear) or "
                  "lookups (QEmbedding): their kernels run outside torch, so a recorded graph would hold this "
@@ -437,6 +449,15 @@ _NOT_RECORDED = ("torch.export, torch.jit.trace and torch.fx can't record qdispa
                  "qdispatch call between graph breaks")
 _is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
 _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its Python wrapper
+
+
+def _refuse_recording(x):
+    """BackendUnavailableError where torch records a graph to replay without qdispatch's
+    call (export, jit.trace, fx).  Dynamo can't trace _is_tracing (with fullgraph=True
+    that failed the compile, with a message that named no qdispatch call), so it is
+    asked only outside torch.compile."""
+    if _is_exporting() or (not _is_compiling() and (_is_tracing() or isinstance(x, torch.fx.Proxy))):
+        raise BackendUnavailableError(_NOT_RECORDED)
 
 
 # ---- nn.Module ---------------------------------------------------------------------------
@@ -714,6 +735,7 @@ class _QuantizedModule(torch.nn.Module):
         if weight is None:
             weight = _quantized(layer.weight.detach(), scheme, device)
         module = cls._around(layer, weight)
+        _carry_hooks(layer, module)
         module._source = (weakref.ref(layer.weight), layer.weight._version)
         if layer.weight.is_meta:
             module._unloaded = module.weight
@@ -781,10 +803,22 @@ class _QuantizedModule(torch.nn.Module):
         meta tensors loads."""
         self.weight, self._unloaded, self._source = zeros, zeros, None
 
+    def _takes_no_values(self, assign):
+        """Whether a checkpoint of meta tensors may load here: into a layer that has no
+        values either, or by assign=True, which replaces what it holds as torch would."""
+        return assign or self.weight is self._unloaded
+
+    def _no_values_message(self, key):
+        # torch's load of a meta tensor into a parameter with values fails the same way
+        return (f"Cannot load {key}: it holds meta tensors, with no values to copy into this "
+                f"{type(self).__name__}'s weight (load_state_dict(..., assign=True) would replace the weight "
+                f"with one that has none)")
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         load, before, outer = _load_of(error_msgs), self.weight, getattr(_LOADS, "active", None)
-        _LOADS.active = (self, load, prefix + "_extra_state")  # for set_extra_state, which torch calls from here
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        _LOADS.active = (self, load, prefix + "_extra_state", assign)  # for set_extra_state, which torch calls
         try:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)
@@ -835,6 +869,8 @@ class _QuantizedModule(torch.nn.Module):
                               f"but this {type(self).__name__}'s is {self.weight.shape}")
             return
         if weight.is_meta:  # no values: the layer holds none either
+            if not self._takes_no_values(local_metadata.get("assign_to_params_buffers", False)):
+                return error_msgs.append(self._no_values_message(weight_key))
             self._placeholder(tensor_api.qtensor_zeros(self.weight.shape, self.weight.scheme,
                                                        device=self.weight.device))
         else:
@@ -852,7 +888,7 @@ class _QuantizedModule(torch.nn.Module):
         # lands on the device of the weight it replaces.
         active = getattr(_LOADS, "active", None)
         # a hook's call on a layer outside the load is that layer's own call
-        load, own_key = active[1:] if active is not None and active[0] is self else (None, None)
+        load, own_key, assign = active[1:] if active is not None and active[0] is self else (None, None, True)
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
             if weight is not self.weight and _holders(weight):  # an alias of another layer's, not tied here
@@ -862,6 +898,8 @@ class _QuantizedModule(torch.nn.Module):
             if state["qvalues"].is_meta or state["qscales"].is_meta:  # a layer's that had no values
                 weight = _weight_from_state(state, type(self).__name__, self.weight.device, read=False)
                 if weight.shape == self.weight.shape:
+                    if not self._takes_no_values(assign):  # reported with the rest, as torch reports it
+                        return load.error_msgs.append(self._no_values_message(own_key))
                     return self._placeholder(weight)
             else:
                 parts = (state["qvalues"], state["qscales"])
@@ -994,8 +1032,7 @@ class QEmbedding(_QuantizedModule):
             self.dtype = probe.dtype
 
     def forward(self, ids):
-        if _is_exporting() or _is_tracing() or isinstance(ids, torch.fx.Proxy):
-            raise BackendUnavailableError(_NOT_RECORDED)
+        _refuse_recording(ids)
         self._refuse_unloaded()
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
@@ -1045,8 +1082,7 @@ class QEmbedding(_QuantizedModule):
 # between graph breaks.  Always, not only while tracing as q_matmul: after a graph
 # break torch may compile the lookup's frame on its own, and its guards on the ids
 # then failed under inference_mode.  The wrapper costs about 4 us a lookup.
-_lookup_outside_dynamo = (torch.compiler.disable(QEmbedding._lookup) if hasattr(torch, "compiler")
-                          else QEmbedding._lookup)
+_lookup_outside_dynamo = _between_graph_breaks(QEmbedding._lookup)
 
 
 class _Lookup(torch.autograd.Function):
@@ -1134,6 +1170,21 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     for _, parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
     return model
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+          "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _carry_hooks(layer, module):
+    """`layer`'s forward and backward hooks onto `module`, which takes its place (as
+    torch.ao's swap_module carries them): what they add to the layer's call goes on.
+    Its state_dict hooks stay behind: they were written for the float layer's keys."""
+    for name in _HOOKS:
+        if hasattr(layer, name):
+            getattr(module, name).update(getattr(layer, name))
+    if getattr(layer, "_is_full_backward_hook", None) is not None:
+        module._is_full_backward_hook = layer._is_full_backward_hook
 
 
 def _refuse_own_forward(named_layers, kind, quantized_class):

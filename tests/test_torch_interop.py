@@ -710,6 +710,65 @@ def test_a_float_checkpoint_loads_into_qlinears_quantizing_as_it_goes():
         quantize_linears(_model(), scheme).load_state_dict(wrong)
 
 
+@pytest.mark.parametrize("quantized", [True, False])
+def test_a_meta_state_into_a_layer_with_values_is_an_error_as_torch_gives(quantized):
+    """A state of meta tensors (a quantized model not yet loaded, or a float one built on
+    the meta device) has no values: loaded into a model with values, its QLinears took
+    them as zeros that refuse to run, where torch's parameters raise. Now they raise too,
+    keep their weights, and take it under assign=True."""
+    scheme = QuantScheme("q8s", axis=0)
+    with torch.device("meta"):
+        empty = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False))
+    state = (quantize_linears(empty, scheme) if quantized else empty).state_dict()
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)), scheme)
+    x, before = torch.randn(2, 8), model[0].weight
+    with torch.no_grad():
+        want = model(x)
+    key = "0._extra_state" if quantized else "0.weight"
+    with pytest.raises(RuntimeError, match=re.escape(f"Cannot load {key}: it holds meta tensors, with no values "
+                                                     f"to copy into this QLinear's weight")):
+        model.load_state_dict(state)
+    assert model[0].weight is before
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    model.load_state_dict(state, assign=True)  # replaces it, as torch's assign does
+    with pytest.raises(qd.BackendUnavailableError, match="holds no values until a checkpoint loads"):
+        model(x)
+
+
+def test_quantize_linears_carries_the_layers_hooks():
+    """Forward and backward hooks on a Linear went with it when its QLinear took its
+    place: the quantized model lost what they did."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    calls = []
+    layer.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    layer.register_forward_hook(lambda module, args, out: out + 100)
+    layer.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(type(module).__name__))
+    scheme = QuantScheme("q8s", axis=0)
+    model = quantize_linears(torch.nn.Sequential(layer), scheme)
+    assert isinstance(model[0], QLinear)
+    x = torch.randn(3, 8, requires_grad=True)
+    w = dequantized(model[0].weight)
+    torch.testing.assert_close(model(x), (2 * x) @ w.T + layer.bias + 100, rtol=1e-5, atol=1e-4)
+    model(x).sum().backward()
+    assert calls == ["QLinear"]
+
+
+def test_to_torch_copies_read_only_memory():
+    """torch has no read-only tensors: its alias of an immutable bytes object was
+    written through (and of a read-only mmap, the write killed the process)."""
+    data = np.arange(4, dtype=np.float32).tobytes()
+    for dtype in ("float32", "bfloat16"):
+        t = qd.tensor(np.frombuffer(data, np.float32), dtype=dtype) if dtype == "float32" else \
+            qd.tensor(np.frombuffer(data, np.uint16), dtype="bfloat16")
+        view = to_torch(t)
+        view.zero_()
+        assert data == np.arange(4, dtype=np.float32).tobytes()
+    writable = qd.tensor(np.arange(4, dtype=np.float32))
+    assert to_torch(writable).data_ptr() == np.asarray(writable).ctypes.data  # shared where it may be
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_save_model_and_load_model_through_safetensors(tmp_path, dtype):
     """A quantized model as one safetensors file (no pickle), loaded into the same
@@ -1037,6 +1096,19 @@ def test_torch_compile_runs_around_qdispatch():
     got.sum().backward()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, want_grad, rtol=0, atol=0)
+
+
+def test_torch_compile_fullgraph_says_why_it_cannot():
+    """Dynamo stopped at torch._C._is_tracing, inside q_matmul's checks, with a message
+    that named nothing of qdispatch's."""
+    import inspect
+    if "reason" not in inspect.signature(torch.compiler.disable).parameters:
+        pytest.skip("this torch's torch.compiler.disable takes no reason")
+    layer = QLinear.from_linear(torch.nn.Linear(8, 4), QuantScheme("q8s", axis=0), device=DEVICES[-1])
+    with pytest.raises(Exception, match="qdispatch's kernels run outside torch, between graph breaks: "
+                                        "compile the model without fullgraph=True") as info:
+        torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(2, 8))
+    assert "_is_tracing" not in str(info.value)
 
 
 def test_torch_compile_runs_a_qembedding_lookup_between_graph_breaks():
