@@ -443,10 +443,10 @@ def _between_graph_breaks(fn):
 
 _q_matmul_between_graph_breaks = _between_graph_breaks(_q_matmul)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-_NOT_RECORDED = ("torch.export, torch.jit.trace and torch.fx can't record qdispatch's q_matmul (QLinear) or "
-                 "lookups (QEmbedding): their kernels run outside torch, so a recorded graph would hold this "
-                 "call's output as a constant. Run the model eagerly, or with torch.compile, which runs each "
-                 "qdispatch call between graph breaks")
+_NOT_RECORDED = ("torch.export, torch.jit.trace, torch.jit.script and torch.fx can't record qdispatch's "
+                 "q_matmul (QLinear) or lookups (QEmbedding): their kernels run outside torch, where a graph "
+                 "can't follow them (a trace would hold this call's output as a constant). Run the model "
+                 "eagerly, or with torch.compile, which runs each qdispatch call between graph breaks")
 _is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
 _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its Python wrapper
 
@@ -740,6 +740,11 @@ class _QuantizedModule(torch.nn.Module):
         if layer.weight.is_meta:
             module._unloaded = module.weight
         return module
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script asks this of every module before it compiles one; it said only
+        # that it could not convert a QTensor
+        raise BackendUnavailableError(_NOT_RECORDED)
 
     def _refuse_unloaded(self):
         if self.weight is self._unloaded:

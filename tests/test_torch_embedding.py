@@ -84,6 +84,8 @@ def test_tracers_refuse_a_lookup_they_cannot_record():
         torch.export.export(model, (ids,), strict=False)
     with pytest.raises(qd.BackendUnavailableError, match=says):
         torch.fx.symbolic_trace(model)
+    with pytest.raises(qd.BackendUnavailableError, match=says):
+        torch.jit.script(model)
 
 
 def test_lookups_under_torch_func():

@@ -205,6 +205,8 @@ def test_export_and_tracers_refuse_what_they_cannot_record():
         torch.export.export(model, (x,), strict=True)
     with pytest.raises(qd.BackendUnavailableError, match=says):
         torch.fx.symbolic_trace(model)
+    with pytest.raises(qd.BackendUnavailableError, match=says):  # it said only that a QTensor did not convert
+        torch.jit.script(model)
     np.testing.assert_array_equal(model(x).detach().numpy(), qd.q_matmul(x.numpy(), model[0].weight.T).numpy()
                                   + model[0].bias.detach().numpy())
 
