@@ -3,6 +3,7 @@
 Runs after the dispatcher has checked that the operands share a device: here
 shapes, dtypes and schemes are validated (before any kernel runs), batch dims
 are broadcast, and each 2-D product goes to the backend's kernel."""
+import functools
 import itertools
 
 import numpy as np
@@ -43,10 +44,15 @@ def activation_scheme_for(spec, x_shape, tokens_are_columns=False):
     if isinstance(spec, str):
         # A block of one whole row, not axis=-2: that would give row m of every
         # batch one shared scale, and a large batch would crush the others' rows.
-        store = "native" if as_scheme(spec).bits == 8 else "packed_u32"
-        block = (x_shape[-2], 1) if tokens_are_columns else (1, x_shape[-1])
-        return QuantScheme(spec, block=block, store=store)
+        return _token_scheme(spec, (x_shape[-2], 1) if tokens_are_columns else (1, x_shape[-1]))
     return as_scheme(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _token_scheme(value, block):
+    # once per value and K: checking a scheme costs as much as a decode step's own Python
+    store = "native" if as_scheme(value).bits == 8 else "packed_u32"
+    return QuantScheme(value, block=block, store=store)
 
 
 def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
