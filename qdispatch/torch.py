@@ -892,7 +892,8 @@ class _QuantizedModule(torch.nn.Module):
         # As load_state_dict copies into parameters where they are, the weight
         # lands on the device of the weight it replaces.
         active = getattr(_LOADS, "active", None)
-        # a hook's call on a layer outside the load is that layer's own call
+        # a hook's call on a layer outside the load is that layer's own call, which takes
+        # what it is given, as assign=True does
         load, own_key, assign = active[1:] if active is not None and active[0] is self else (None, None, True)
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
