@@ -7,6 +7,7 @@ that two operands share a device with two C integer compares before it looks
 the backend up in a C-indexed table."""
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 
+import math
 import operator
 from enum import IntEnum
 
@@ -95,9 +96,8 @@ cdef class Device:
             return Device(int(spec), 0)
         if isinstance(spec, int) and not isinstance(spec, bool):  # True is no device either
             # a bare number would name a backend kind (0: reference), where torch's means a GPU
-            raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got the number {spec}: "
-                            f"a GPU is 'cuda:{spec}' here" if spec >= 0 else
-                            f"Expected a device like 'cpu' or 'cuda:0', got the number {spec}")
+            hint = f": a GPU is 'cuda:{spec}' here" if spec >= 0 else ""
+            raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got the number {spec}{hint}")
         if not isinstance(spec, str):
             raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got {spec!r}")
         name, _, idx = spec.strip().lower().partition(":")
@@ -208,9 +208,7 @@ cdef class Tensor(TensorBase):
 
     def __bool__(self):
         # numpy's rule, not a container's (which __len__ would give): `if t:` on [0.0] is False
-        size = 1
-        for d in self.shape:
-            size *= d
+        size = math.prod(self.shape)
         if size == 0:
             raise ValueError("The truth value of an empty Tensor is ambiguous: "
                              "test its size (math.prod(t.shape) > 0) instead")

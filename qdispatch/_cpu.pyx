@@ -160,9 +160,8 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
     if st == QD_ERR_SCALE_OVERFLOW:
         from qdispatch.quantmath import block_scale_overflow_error
         from qdispatch.scheme import VALUE_RANGES
-        r, c = divmod(bad, scales.shape[1])
-        raise block_scale_overflow_error(x[r * br:(r + 1) * br, c * bc:(c + 1) * bc], VALUE_RANGES[value][:2],
-                                         scale_dtype, tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)))
+        raise block_scale_overflow_error(x, bad, (br, bc), VALUE_RANGES[value][:2], scale_dtype,
+                                         tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)))
     _check(st, "quantize")
     return q, scales
 

@@ -140,10 +140,14 @@ def float32_scales(amax: np.ndarray, qrange) -> np.ndarray:
     return np.where(amax == 0, np.float32(1.0), scale).astype(np.float32)
 
 
-def block_scale_overflow_error(values, qrange, scale_dtype, block):
-    """The error for the scale of `block` (its position in the scale grid), from
-    the block's own `values`: a kernel reports where, this says how large."""
-    amax = np.abs(np.asarray(values, dtype=np.float32)).max()
+def block_scale_overflow_error(x, flat, block_shape, qrange, scale_dtype, block):
+    """The error for the scale that overflowed in a kernel's 2-D view: `x` [R, C] in
+    blocks of `block_shape`, the block at `flat` in its scale grid, `block` that
+    block's position in the tensor's own grid.  The kernel reports where; this says
+    how large, from the block's values."""
+    br, bc = block_shape
+    r, c = divmod(flat, x.shape[1] // bc)
+    amax = np.abs(np.asarray(x[r * br:(r + 1) * br, c * bc:(c + 1) * bc], dtype=np.float32)).max()
     return scale_overflow_error(block, scale_dtype, float(float32_scales(amax, qrange)))
 
 

@@ -245,9 +245,8 @@ class CudaBackend(Backend):
             raise quantmath.non_finite_error(_cuda.element(x, exc.index), position) from None
         except ScaleOverflowError as exc:
             block = tuple(int(i) for i in np.unravel_index(exc.index, layout.grid))
-            r, c = divmod(exc.index, cols // bc)
-            band = _cuda.to_host(x)[r * br:(r + 1) * br, c * bc:(c + 1) * bc]  # an error path: copy all
-            raise quantmath.block_scale_overflow_error(band, layout.scheme.qrange, layout.scheme.scale_dtype,
+            raise quantmath.block_scale_overflow_error(_cuda.to_host(x), exc.index, (br, bc),  # an error path
+                                                       layout.scheme.qrange, layout.scheme.scale_dtype,
                                                        block) from None
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))
 
