@@ -36,10 +36,10 @@ def round_up_to_dtype(scale: np.ndarray, scale_dtype: str) -> np.ndarray:
     if scale_dtype == "f32":
         stored = scale
     elif scale_dtype == "f16":
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore"):  # a scale past float16's range is refused below
             half = scale.astype(np.float16)
-        low = half.astype(np.float32) < scale
-        half = np.where(low, np.nextafter(half, np.float16(np.inf)), half)
+            low = half.astype(np.float32) < scale
+            half = np.where(low, np.nextafter(half, np.float16(np.inf)), half)
         stored = half.astype(np.float32)
     elif scale_dtype == "bf16":
         bits = scale.view(np.uint32)

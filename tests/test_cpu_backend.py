@@ -283,11 +283,12 @@ def test_environment_variables_pick_isa_and_threads():
     assert bad.returncode != 0 and "QDISPATCH_ISA=avx9000: Can't use ISA 'avx9000'" in bad.stderr
 
 
-def test_a_thread_count_that_is_no_number_names_its_variable():
-    bad = run_python("-c", "import qdispatch", QDISPATCH_NUM_THREADS="abc")
+@pytest.mark.parametrize("setting", ["abc", "99999999999"])
+def test_a_thread_count_that_is_no_number_names_its_variable(setting):
+    bad = run_python("-c", "import qdispatch", QDISPATCH_NUM_THREADS=setting)
     assert bad.returncode != 0
-    assert ("ValueError: QDISPATCH_NUM_THREADS='abc' is not a whole number: set it to a thread count"
-            in bad.stderr)
+    assert (f"ValueError: QDISPATCH_NUM_THREADS='{setting}' is not a whole number up to 2147483647: "
+            f"set it to a thread count" in bad.stderr)
 
 
 FORKED_WORKER = """

@@ -139,6 +139,15 @@ def test_float16_results_past_its_range_are_inf_without_warnings(device):
     np.testing.assert_array_equal(linear.numpy(), np.full((1, 2), np.inf, np.float16))
     np.testing.assert_array_equal(deq.numpy(), np.full((2, 4), np.inf, np.float16))
 
+
+def test_a_bias_past_float32s_range_is_inf_without_warnings(device):
+    top = np.finfo(np.float32).max
+    wq = qd.quantize(np.ones((2, 64), np.float32), "q8s", device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = qd.linear(np.full((1, 64), 1e34, np.float32), wq, np.full(2, top, np.float32))
+    np.testing.assert_array_equal(out.numpy(), np.full((1, 2), np.inf, np.float32))
+
 def test_half_inputs(device, rng):
     x = rng.standard_normal((4, 64)).astype(np.float16)
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)

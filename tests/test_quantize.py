@@ -178,10 +178,14 @@ def test_scales_are_rounded_up_into_their_dtype(device, rng, scale_dtype):
     assert np.abs(q.values).max() <= 127
 
 
-def test_scale_overflowing_f16_is_an_error(device):
-    with pytest.raises(qd.ScaleOverflowError, match="overflows scale_dtype='f16': use scale_dtype='f32' or rescale"):
-        qd.quantize(np.full((2, 4), 1e7, np.float32), qd.QuantScheme("q8s", scale_dtype="f16"),
-                    device=device)
+@pytest.mark.parametrize("big", [1e7, 65504 * 127 * 1.0001])  # the second rounds to 65504, then up to inf
+def test_scale_overflowing_f16_is_an_error(device, big):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the error, not a warning on the way to it
+        with pytest.raises(qd.ScaleOverflowError,
+                           match="overflows scale_dtype='f16': use scale_dtype='f32' or rescale"):
+            qd.quantize(np.full((2, 4), big, np.float32), qd.QuantScheme("q8s", scale_dtype="f16"),
+                        device=device)
 
 
 @pytest.mark.parametrize("scheme,big,block", [

@@ -41,16 +41,21 @@ def _as_2d_block(shape, block):
     return int(np.prod(lead)), shape[-1], block_rows, block[-1]
 
 
+_MOST_THREADS = 2**31 - 1  # the C library's thread count is an int
+
+
 def _thread_count_setting(text):
     """QDISPATCH_NUM_THREADS as an int, or ValueError naming the variable."""
     try:
-        return int(text)
+        count = int(text)
     except ValueError:
-        raise ValueError(f"QDISPATCH_NUM_THREADS={text!r} is not a whole number: set it to a thread "
-                         f"count such as 4 (0 or less means one per processor), or unset it") from None
+        count = None
+    if count is None or count > _MOST_THREADS:
+        raise ValueError(f"QDISPATCH_NUM_THREADS={text!r} is not a whole number up to {_MOST_THREADS}: set it "
+                         f"to a thread count such as 4 (0 or less means one per processor), or unset it")
+    return count
 
 
-_MOST_THREADS = 2**31 - 1  # the C library's thread count is an int
 FORKED_ONE_THREAD = ("this process was forked after qdispatch was loaded, and OpenMP's threads do not "
                      "survive fork, so its cpu kernels run on one thread here; start worker processes "
                      "with multiprocessing's 'spawn' or 'forkserver' method to run them on several")
