@@ -317,6 +317,65 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
 
 
 @pytest.mark.skipif(not built_with_cuda(), reason="the library was built without CUDA kernels")
+def test_cuda_entry_points_give_the_headers_status_for_each_fault(c_compiler, shell_env, tmp_path):
+    """Faults of one kind get one status on every CUDA entry point, as on the CPU:
+    sizes no array could have QD_ERR_ARGUMENT (an int64 past the kernels' int limits
+    was QD_ERR_SHAPE), a bit width other than 8, 4 or 2 QD_ERR_SCHEME (the decode
+    tiles' functions said QD_ERR_ARGUMENT), a row stride under the row QD_ERR_ARGUMENT
+    (some said QD_ERR_SHAPE); past a kernel's own limit (M, N, K < 2^31) QD_ERR_SHAPE."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        char *const d = (char *)(uintptr_t)0x7f0000000000;  /* device addresses, never read */
+        char *const e = d + (1 << 20), *const f = d + (2 << 20), *const g = d + (3 << 20);
+        const int64_t most = INT64_MAX, past_int = (int64_t)1 << 31;
+        const int bf = QD_CUDA_BF16;
+        qd_status argument[] = {
+            qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)e, most, 4, 16, 16, (int32_t *)f, NULL),
+            qd_cuda_qq_matmul((int8_t *)d, (int8_t *)e, 2, most, 16, 16, (float *)g, 1, 16, (float *)f, 1, 16,
+                              g + 4, QD_CUDA_F32, NULL),
+            qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, most, 64, 64, g, bf, NULL),
+            qd_cuda_fq_tile_weights((int8_t *)d, 16, 64, 32, 4, e, NULL),
+            qd_cuda_fq_expand_weights(d, 16, 64, 4, bf, e, 32, NULL),
+            qd_cuda_split_bf16((float *)d, 2, 8, 4, e, 8, NULL),
+            qd_cuda_pad_s8((int8_t *)d, 4, 16, (int8_t *)e, 8, NULL),
+        };
+        qd_status scheme[] = {
+            qd_cuda_fq_tile_weights((int8_t *)d, 16, 64, 64, 3, e, NULL),
+            qd_cuda_fq_untile_weights(d, 16, 64, 3, (int8_t *)e, 64, NULL),
+            qd_cuda_fq_expand_weights(d, 16, 64, 3, bf, e, 64, NULL),
+            qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 3, 16, 64, 64, g, bf, NULL),
+            qd_cuda_pack_u32((int8_t *)d, 4, 8, 3, (uint32_t *)e, NULL),
+        };
+        qd_status shape[] = {
+            qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)e, past_int, 4, 16, 16, (int32_t *)f, NULL),
+            qd_cuda_fq_matmul(d, bf, 1, 64, e, f, 4, past_int, 64, 64, g, bf, NULL),
+        };
+        for (size_t i = 0; i < sizeof argument / sizeof argument[0]; i++)
+            printf("%d ", argument[i]);
+        printf("| ");
+        for (size_t i = 0; i < sizeof scheme / sizeof scheme[0]; i++)
+            printf("%d ", scheme[i]);
+        printf("| ");
+        for (size_t i = 0; i < sizeof shape / sizeof shape[0]; i++)
+            printf("%d ", shape[i]);
+    """)
+    assert out == ["3"] * 7 + ["|"] + ["4"] * 5 + ["|"] + ["2"] * 2
+
+
+def test_converting_nothing_takes_no_arrays(c_compiler, shell_env, tmp_path):
+    """The header: n = 0 converts nothing and returns QD_OK, NULL pointers included."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        float one = 1.0f;
+        uint16_t half;
+        printf("%d %d %d %d %d ", qd_convert_f16_to_f32(NULL, 0, NULL), qd_convert_bf16_to_f32(NULL, 0, NULL),
+               qd_convert_f32_to_f16(NULL, 0, NULL), qd_convert_f32_to_bf16(NULL, 0, NULL),
+               qd_convert_f32_to_f16(&one, 1, NULL));
+        const qd_status converted = qd_convert_f32_to_bf16(&one, 1, &half);
+        printf("%d %x", converted, half);
+    """)
+    assert out == ["0", "0", "0", "0", "1", "0", "3f80"]
+
+
+@pytest.mark.skipif(not built_with_cuda(), reason="the library was built without CUDA kernels")
 def test_cuda_module_of_a_cuda_build_imports_gpu_or_not():
     """The CUDA module links the shipped library for its kernels and a CUDA runtime
     for its own calls; it imports wherever the package does, so that without a GPU

@@ -6,6 +6,8 @@
 /* The checks of a conversion of n values of src_size bytes to dst_size bytes. */
 static qd_status check_convert(const void *src, int64_t n, size_t src_size, const void *dst, size_t dst_size)
 {
+    if (n == 0)
+        return QD_OK; /* nothing to convert: the pointers may be NULL, as for memcpy's callers */
     if (!src || !dst)
         return QD_ERR_NULL;
     if (n < 0)

@@ -340,7 +340,8 @@ extern "C" qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int
 extern "C" qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
                                         int64_t ld, void *stream) {
     if (!x || !parts) return QD_ERR_NULL;
-    if (rows < 0 || cols < 0 || ldx < cols || ld < cols) return QD_ERR_SHAPE;
+    if (rows < 0 || cols < 0) return QD_ERR_SHAPE;
+    if (ldx < cols || ld < cols) return QD_ERR_ARGUMENT;
     if (!qd_dims_fit(rows, ldx, sizeof(float)) || !qd_dims_fit(rows, ld, 3 * sizeof(__nv_bfloat16)) ||
         overlaps_any({parts, (size_t)(rows * ld) * 3 * sizeof(__nv_bfloat16)}, {{x, span_bytes(rows, cols, ldx, 4)}}))
         return QD_ERR_ARGUMENT;
@@ -425,7 +426,8 @@ extern "C" qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t r
 extern "C" qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
                                     int64_t dst_ld, void *stream) {
     if (!src || !dst) return QD_ERR_NULL;
-    if (rows <= 0 || cols <= 0 || dst_ld < cols) return QD_ERR_SHAPE;
+    if (rows <= 0 || cols <= 0) return QD_ERR_SHAPE;
+    if (dst_ld < cols) return QD_ERR_ARGUMENT;
     if (!qd_dims_fit(rows, dst_ld, 1) || overlaps_any({dst, (size_t)(rows * dst_ld)}, {{src, (size_t)(rows * cols)}}))
         return QD_ERR_ARGUMENT;
     pad_kernel<<<grid_for(rows * dst_ld, kThreads), kThreads, 0, as_stream(stream)>>>(

@@ -132,8 +132,9 @@ template <bool TO_TILES>
 qd_status tile_weights(const int8_t *values, int64_t N, int64_t K, int64_t ld, int bits, const void *tile_words,
                        cudaStream_t s) {
     if (!values || !tile_words) return QD_ERR_NULL;
-    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
-    if ((bits != 8 && bits != 4 && bits != 2) || !qd_dims_fit(N, ld, 1)) return QD_ERR_ARGUMENT;
+    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_SCHEME;
+    if (N <= 0 || K <= 0) return QD_ERR_SHAPE;
+    if (ld < K || !qd_dims_fit(N, ld, 1)) return QD_ERR_ARGUMENT;
     if (qd::overlaps_any({values, qd::span_bytes(N, K, ld, 1)}, {{tile_words, (size_t)qd_cuda_fq_tiles_bytes(N, K, bits)}}))
         return QD_ERR_ARGUMENT;
     // one kernel for both directions: the side it writes is the side it was given to write
@@ -1010,8 +1011,9 @@ extern "C" qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int
 extern "C" qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
                                                void *w16, int64_t ld, void *stream) {
     if (!tiles || !w16) return QD_ERR_NULL;
-    if (N <= 0 || K <= 0 || ld < K) return QD_ERR_SHAPE;
-    if ((bits != 8 && bits != 4 && bits != 2) || !qd_dims_fit(N, ld, 2)) return QD_ERR_ARGUMENT;
+    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_SCHEME;
+    if (N <= 0 || K <= 0) return QD_ERR_SHAPE;
+    if (ld < K || !qd_dims_fit(N, ld, 2)) return QD_ERR_ARGUMENT;
     // The zeros past K come from the tiles, which hold them up to a whole tile of K.
     if (ld % 8 || ld > ceil_div(K, tile_k(bits)) * tile_k(bits)) return QD_ERR_ARGUMENT;
     if (qd::overlaps_any({w16, (size_t)(N * ld) * 2}, {{tiles, (size_t)qd_cuda_fq_tiles_bytes(N, K, bits)}}))
@@ -1042,14 +1044,15 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
                                        const void *tiles, const void *scale_tiles, int bits, int64_t N,
                                        int64_t K, int64_t block_k, void *out, int out_dtype, void *stream) {
     if (!x || !tiles || !scale_tiles || !out) return QD_ERR_NULL;
+    if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_SCHEME;
     if (M <= 0 || N <= 0 || K <= 0 || block_k <= 0 || K % block_k) return QD_ERR_SHAPE;
-    if (K > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
     const int x_size = (int)qd::dtype_bytes(x_dtype), out_size = (int)qd::dtype_bytes(out_dtype);
     // x is copied in 16-byte pieces: rows start on 16-byte boundaries
     if (!qd_dims_fit(M, ldx, x_size) || !qd_dims_fit(M, N, out_size) || !qd::float_dtype(x_dtype) ||
         !qd::float_dtype(out_dtype) || ldx < K || ldx * x_size % 16 || reinterpret_cast<uintptr_t>(x) % 16 ||
         !qd_cuda_fq_supported(bits, K, block_k))
         return QD_ERR_ARGUMENT;
+    if (K > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;  // the kernels' limit, past sizes no array has
     if (qd::overlaps_any({out, (size_t)(M * N) * out_size},
                          {{x, qd::span_bytes(M, K, ldx, x_size)},
                           {tiles, (size_t)qd_cuda_fq_tiles_bytes(N, K, bits)},

@@ -269,10 +269,11 @@ int64_t gcd(int64_t x, int64_t y) {
 qd_status check_operands(const void *a, const void *bt, const void *out, int out_dtype, int64_t M, int64_t N,
                          int64_t K, int64_t ld, size_t elem = 1) {
     if (!a || !bt || !out) return QD_ERR_NULL;
-    if (M <= 0 || N <= 0 || K <= 0 || M > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;
+    if (M <= 0 || N <= 0 || K <= 0) return QD_ERR_SHAPE;
     if (!qd_dims_fit(M, ld, elem) || !qd_dims_fit(N, ld, elem) || !qd_dims_fit(M, N, sizeof(float)) ||
         ld * elem % 16 || ld < K)
         return QD_ERR_ARGUMENT;
+    if (M > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;  // the grid's limit, past sizes no array has
     const int64_t row = (K * elem + 15) / 16 * 16;  // bytes read a row
     if (qd::overlaps_any({out, (size_t)(M * N) * qd::dtype_bytes(out_dtype)},
                          {{a, qd::span_bytes(M, row, ld * elem, 1)}, {bt, qd::span_bytes(N, row, ld * elem, 1)}}))

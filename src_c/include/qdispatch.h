@@ -35,7 +35,8 @@ typedef enum qd_backend { QD_BACKEND_REFERENCE = 0, QD_BACKEND_CPU = 1, QD_BACKE
 typedef enum qd_status {
     QD_OK = 0,
     QD_ERR_NULL = 1,              /* a required pointer is NULL */
-    QD_ERR_SHAPE = 2,             /* a dimension is <= 0, or a block does not divide its dim */
+    QD_ERR_SHAPE = 2,             /* a dimension is <= 0, or a block does not divide its dim, or (CUDA)
+                                     one past a kernel's limit: M, N, K < 2^31, a transpose's batch <= 65535 */
     QD_ERR_ARGUMENT = 3,          /* an enum or size argument is out of range */
     QD_ERR_SCHEME = 4,            /* unknown value kind / scale dtype / bit width */
     QD_ERR_ISA_NOT_BUILT = 5,     /* the ISA's kernels are not compiled into this library */
