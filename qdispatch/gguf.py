@@ -42,7 +42,7 @@ import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
 from .errors import SerializationError
-from .io import atomic_path, check_tensor_dict, encode_scales
+from .io import atomic_path, check_tensor_dict, encode_scales, selected_names
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_parts, qtensor_host, tensor
 
@@ -112,9 +112,11 @@ _FLOAT_TYPE_OF = {v: k for k, v in _FLOAT_TYPES.items()}
 
 # ---- load ------------------------------------------------------------------------
 
-def load(path, device=None):
+def load(path, device=None, names=None):
     """{name: QTensor | Tensor} for the Q8_0, Q4_0, F32, F16 and BF16 tensors of
-    the GGUF file at `path`, on `device` (default: the default backend)."""
+    the GGUF file at `path`, on `device` (default: the default backend); with
+    `names`, only those tensors (a file that also holds types qdispatch does not
+    read, K-quants say, loads the rest this way)."""
     gguf = _gguf()
     if device is not None:
         backend_for(device)  # an unavailable device fails before any reading
@@ -125,7 +127,9 @@ def load(path, device=None):
                                  f"{type(exc).__name__}: {exc}") from None
     _check_offsets(path, reader)
     swapped = reader.byte_order == "S"  # a big-endian file (as gguf_convert_endian writes) on a little-endian host
-    return {t.name: _load_tensor(path, t, device, swapped) for t in reader.tensors}
+    by_name = {t.name: t for t in reader.tensors}
+    return {name: _load_tensor(path, by_name[name], device, swapped)
+            for name in selected_names(path, names, by_name)}
 
 
 @functools.cache
@@ -173,7 +177,8 @@ def _load_tensor(path, t, device, swapped):
     if kind not in _QUANT_TYPES:
         raise SerializationError(
             f"Tensor {t.name!r} in {path} is {kind}, which qdispatch does not read: supported "
-            f"types are Q8_0, Q4_0, F32, F16 and BF16 (requantize the model to one of them)")
+            f"types are Q8_0, Q4_0, F32, F16 and BF16 (requantize the model to one of them, or load the "
+            f"others with names=[...])")
     if 0 in shape:  # a GGUF tensor may be empty, a QTensor can't
         raise SerializationError(
             f"Tensor {t.name!r} in {path} is a {kind} tensor of shape {shape}, with no values: qdispatch's "
@@ -233,8 +238,8 @@ def _plan(name, obj):
         dtype = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(native)
         fetch = lambda: obj.astype(native, copy=False)
     else:
-        raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected a QTensor, "
-                        f"a Tensor or a numpy array")
+        raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected a qdispatch QTensor or "
+                        f"Tensor, a numpy array, or a tensor of a library that speaks DLPack (torch, CuPy)")
     if dtype not in _FLOAT_TYPE_OF:
         raise SerializationError(f"Can't export tensor {name!r} of dtype {dtype or obj.dtype}: GGUF "
                                  f"export takes float32, float16 or bfloat16 data")

@@ -86,6 +86,8 @@ def atomic_path(path):
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a folder: save and export write a file, so give a file's path")
     folder = os.path.dirname(path)
+    if not os.path.isdir(folder):  # else the error would name the temporary file
+        raise FileNotFoundError(f"Can't write {path}: its folder {folder} does not exist; create it first")
     tmp = _new_file(folder, ".qdispatch.", ".tmp")  # short: the target's name may be as long as names get
     try:
         yield tmp
@@ -217,8 +219,8 @@ def _plan(name, obj):
             raise TypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
         return ({"kind": "array", "dtype": code, "shape": list(obj.shape)}, [(name, code, obj.shape)],
                 lambda: [_little_endian(obj)])
-    raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: "
-                    f"expected a QTensor, a Tensor or a numpy array")
+    raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: expected a qdispatch QTensor or "
+                    f"Tensor, a numpy array, or a tensor of a library that speaks DLPack (torch, CuPy)")
 
 
 def _entry_keys(name, record):
@@ -241,7 +243,19 @@ def check_tensor_dict(tensors, caller):
         except UnicodeEncodeError:
             raise SerializationError(f"Can't {caller} tensor {name!r}: its name is no UTF-8 text (it holds a lone "
                                      f"surrogate, as bytes decoded with errors='surrogateescape' do); rename it") from None
-    return {_plain(name): tensor for name, tensor in tensors.items()}
+    return {_plain(name): _ours(tensor) for name, tensor in tensors.items()}
+
+
+def _ours(obj):
+    """A tensor of another library that speaks DLPack (torch, CuPy, JAX) as a numpy
+    array, or as a qdispatch Tensor where numpy has no such dtype (bfloat16) or the
+    data is on a GPU; anything else as it is (the writers name what they refuse)."""
+    if isinstance(obj, (QTensor, Tensor, np.ndarray)) or not hasattr(obj, "__dlpack__"):
+        return obj
+    try:
+        return np.from_dlpack(obj)
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return tensor(obj)  # its own error where it can't be read (a torch tensor that requires grad)
 
 
 def _plain(name):
@@ -481,30 +495,30 @@ def load(path, device=None, names=None):
     memory (and needs no package beyond numpy)."""
     dev, _ = backend_for(device) if device is not None else (None, None)
     with reading(path) as stored:
-        if names is None:
-            names = stored.records
-        elif isinstance(names, str):
-            raise TypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
-                            f"write names=[{names!r}]")
-        else:
-            names = _name_list(names)  # read twice below: a generator would be spent by the first pass
-            missing = [name for name in names if name not in stored.records]
-            if missing:
-                held = list(stored.records)
-                some = ", ".join(map(repr, held[:8])) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
-                raise KeyError(f"{path} holds no tensor named {', '.join(map(repr, missing))}; it holds {some}")
-        return {name: stored.decode(name, dev) for name in names}
+        return {name: stored.decode(name, dev) for name in selected_names(path, names, stored.records)}
 
 
-def _name_list(names):
-    """load's names= as a list of str, or a TypeError saying what it takes."""
+def selected_names(path, names, held):
+    """A loader's names= as a list of the names of `held` (the file's tensors) to
+    read: all of them for None, else those given, or an error naming what is wrong."""
+    if names is None:
+        return list(held)
+    if isinstance(names, str):
+        raise TypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
+                        f"write names=[{names!r}]")
     try:
         listed = list(names)
     except TypeError:
         listed = [None]
     if not all(isinstance(name, str) for name in listed):
         raise TypeError(f"load's names= takes a list of tensor names (str), got {brief(names)}")
-    return [_plain(name) for name in listed]
+    listed = [_plain(name) for name in listed]
+    missing = [name for name in listed if name not in held]
+    if missing:
+        held = list(held)
+        some = ", ".join(map(repr, held[:8])) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
+        raise KeyError(f"{path} holds no tensor named {', '.join(map(repr, missing))}; it holds {some}")
+    return listed
 
 
 @contextlib.contextmanager

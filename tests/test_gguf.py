@@ -100,8 +100,21 @@ def test_q8_0_full_int8_range(tmp_path):
 
 def test_unsupported_type_names_the_tensor(tmp_path):
     quantized_file(tmp_path / "m.gguf", [T.Q4_1], (2, 32))
-    with pytest.raises(SerializationError, match="'Q4_1'.*Q4_1.*Q8_0, Q4_0"):
+    with pytest.raises(SerializationError, match="'Q4_1'.*Q4_1.*Q8_0, Q4_0.*names="):
         qgguf.load(tmp_path / "m.gguf")
+
+
+def test_names_load_the_tensors_asked_for_and_pass_over_the_rest(tmp_path):
+    """A file mixing in a type qdispatch does not read (K-quants, Q4_1) loads the rest."""
+    values = quantized_file(tmp_path / "m.gguf", [T.Q8_0, T.Q4_1, T.F32], (2, 64))
+    loaded = qgguf.load(tmp_path / "m.gguf", names=["F32", "Q8_0"])
+    assert list(loaded) == ["F32", "Q8_0"]
+    assert_bits_equal(as_float32(loaded["Q8_0"]), values["Q8_0"])
+    assert_bits_equal(as_float32(loaded["F32"]), values["F32"])
+    with pytest.raises(KeyError, match="holds no tensor named 'Q4_0'; it holds 'Q8_0', 'Q4_1', 'F32'"):
+        qgguf.load(tmp_path / "m.gguf", names=["Q4_0"])
+    with pytest.raises(TypeError, match=r"names=\['F32'\]"):
+        qgguf.load(tmp_path / "m.gguf", names="F32")
 
 
 def test_big_endian_file_loads_the_same_values(tmp_path, monkeypatch):

@@ -233,6 +233,13 @@ def test_saving_to_a_folder_names_the_folder(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_saving_into_a_missing_folder_names_it(tmp_path):
+    """The error named the temporary file beside the target."""
+    target = tmp_path / "nowhere" / "x.safetensors"
+    with pytest.raises(FileNotFoundError, match=f"its folder {re.escape(str(tmp_path / 'nowhere'))} does not exist"):
+        qd.save(target, {"a": np.zeros(2)})
+
+
 def test_overwrite_replaces_file(tmp_path):
     path = tmp_path / "w.st"
     qd.save(path, {"a": np.zeros(2, dtype=np.float32)})
