@@ -8,6 +8,7 @@ the backend up in a C-indexed table."""
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 
 import math
+import sys
 import operator
 from enum import IntEnum
 
@@ -79,6 +80,10 @@ cdef class Device:
     """A (backend kind, index) pair: 'cpu', 'reference', 'cuda', 'cuda:1'."""
 
     def __cinit__(self, kind, index=0):
+        cdef Device named
+        if isinstance(kind, str) and index == 0:  # Device('cuda:1'), as its repr writes it
+            named = Device.parse(kind)
+            kind, index = named.kind, named.index
         kind, index = operator.index(kind), operator.index(index)  # whole numbers: no 1.5, no "1"
         if not 0 <= kind < QD_BACKEND_COUNT:
             raise ValueError(f"Unknown backend kind {kind}")
@@ -89,9 +94,12 @@ cdef class Device:
 
     @staticmethod
     def parse(spec):
-        """Accept a Device, 'cpu', 'reference', 'cuda', 'cuda:N' or a BackendKind."""
+        """Accept a Device, 'cpu', 'reference', 'cuda', 'cuda:N', a BackendKind, or
+        a torch.device ('cpu' or 'cuda:N', read as its name)."""
         if isinstance(spec, Device):
             return spec
+        if _is_torch_device(spec):
+            spec = str(spec)
         if isinstance(spec, BackendKind):
             return Device(int(spec), 0)
         if isinstance(spec, int) and not isinstance(spec, bool):  # True is no device either
@@ -156,10 +164,32 @@ cdef class TensorBase:
         return len(self.shape)
 
     def __matmul__(self, other):
+        if _is_torch_tensor(other):
+            return _torch_operator().matmul_operator(self, other)
         return q_matmul(self, other)
 
     def __rmatmul__(self, other):
+        if _is_torch_tensor(other):
+            return _torch_operator().matmul_operator(other, self)
         return q_matmul(other, self)
+
+
+cdef bint _is_torch_device(object obj):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.device)
+
+
+cdef bint _is_torch_tensor(object obj):
+    # only where torch is loaded already: a torch tensor can't exist otherwise
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _torch_operator():
+    # `x @ w` with a torch tensor goes to qdispatch.torch, which returns a torch tensor
+    # and keeps autograd (loaded on first use: qdispatch itself never imports torch)
+    from . import torch as qd_torch
+    return qd_torch
 
 
 cdef class Tensor(TensorBase):
@@ -281,6 +311,7 @@ cdef class QTensor(TensorBase):
         return tensor_api.qtensor_nbytes(self)
 
     def dequantize(self, dtype="float32"):
+        """The float values (values * scales) as a Tensor of `dtype` on this device."""
         from . import tensor_api
         return tensor_api.dequantize(self, dtype)
 
@@ -366,8 +397,21 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
              activation_scheme=None):
     """`lhs @ rhs` where at least one side is a QTensor; both must be on one device.
 
-    Mixed devices raise BackendMismatchError / DeviceMismatchError unless a
-    transfer policy (argument or `transfer_policy()` context) says what to move."""
+    A float side (a Tensor or numpy array of float32/float16/bfloat16) times a
+    QTensor is `float @ dequantize(q)` in float32; two QTensors multiply their
+    integers exactly and scale the sums.  Batch dims broadcast as numpy's matmul.
+
+    out_dtype: the result's dtype, "float32" (default), "float16" or "bfloat16".
+    activation_scheme: quantize the float side on the fly (W8A8 with an int8
+        weight).  A value name such as "q8s" means one scale per token (per row of a
+        float lhs, per column of a float rhs); a QuantScheme is taken as given, so
+        QuantScheme("q8s") is one scale for the whole tensor.
+    requantize: a QuantScheme (or name) for the result: a QTensor is returned,
+        quantized from the float32 sums (out_dtype must then stay "float32").
+    transfer: what to do when the operands are on different devices: "error"
+        (default: BackendMismatchError / DeviceMismatchError naming both sides),
+        or a policy that moves one ("auto", "to_lhs", "to_rhs"); the
+        `transfer_policy()` context sets it for a region."""
     cdef TensorBase l, r
     if transfer is not None:
         _check_transfer(transfer)
@@ -421,7 +465,11 @@ def int_matmul(a, b, *, transfer=None):
 
 
 def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_scheme=None):
-    """`x @ w.T + bias` for a weight stored [out_features, in_features]."""
+    """`x @ w.T + bias` for a QTensor weight w stored [out_features, in_features].
+
+    bias: [out_features] floats (a Tensor or array), added to the float32 product
+    before the cast to out_dtype.  out_dtype, activation_scheme and transfer as
+    for q_matmul (activation_scheme="q8s": one scale per row of x, W8A8)."""
     if not isinstance(w, QTensor):
         raise TypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
     # Without a bias the product is the result: the kernel writes out_dtype itself.

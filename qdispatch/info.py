@@ -54,6 +54,7 @@ def set_num_threads(n):
 
 
 def get_num_threads():
+    """Threads the cpu backend's kernels use (set_num_threads, QDISPATCH_NUM_THREADS)."""
     return _cpu().get_num_threads()
 
 

@@ -58,7 +58,7 @@ def _token_scheme(value, block):
 def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     out_dtype = check_dtype(out_dtype)
     if requantize is not None and out_dtype != "float32":
-        raise ValueError(f"q_matmul got out_dtype={out_dtype!r} and requantize=: the product is then a QTensor "
+        raise ValueError(f"q_matmul got out_dtype={out_dtype!r} and requantize={requantize!r}: the product is then a QTensor "
                          f"of the requantize scheme, made from float32 sums; leave out_dtype out, or drop "
                          f"requantize for a {out_dtype} result")
     lq, rq = isinstance(lhs, QTensor), isinstance(rhs, QTensor)

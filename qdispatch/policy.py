@@ -45,6 +45,8 @@ def set_default_backend(device):
 
 
 def default_device():
+    """Where quantize and tensor put host data when no device is given: the one
+    set_default_backend named, else QDISPATCH_BACKEND, else 'cpu' ('reference' in a build without it)."""
     global _default_device
     if _default_device is None:
         env = os.environ.get("QDISPATCH_BACKEND")

@@ -362,6 +362,8 @@ def _not_float_error(dtype, op="quantize"):
 
 
 def dequantize(q, dtype="float32"):
+    """The float values of QTensor q (values * scales) as a Tensor of `dtype`
+    ("float32", "float16" or "bfloat16") on q's device."""
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
     dtype = check_dtype(dtype)

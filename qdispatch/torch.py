@@ -55,6 +55,7 @@ from .io import brief, decode_qtensor, encode_qtensor, reading as read_stored, s
 from .layout import QLayout, swap_last2
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
                      KernelError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
+from .ops import activation_scheme_for
 from .scheme import QuantScheme, as_scheme
 
 __all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "QEmbedding", "quantize_embeddings",
@@ -216,12 +217,13 @@ def _dequantize_f64(w, device):
     return torch.from_numpy(values.astype(np.float64) * full).to(device)
 
 
-def _matmul(x, w):
-    """x @ w as a torch tensor of x's dtype (no autograd)."""
+def _matmul(x, w, act=None):
+    """x @ w as a torch tensor of x's dtype (no autograd); `act`: x's activation scheme (W8A8)."""
     if x.dtype == torch.float64:
         return x @ _dequantize_f64(w, x.device)
     if not x.is_cuda:
-        return to_torch(_qd_matmul(_operand(x, w, None), w, out_dtype=_KERNEL_DTYPES[x.dtype]))
+        return to_torch(_qd_matmul(_operand(x, w, None), w, out_dtype=_KERNEL_DTYPES[x.dtype],
+                                   activation_scheme=act))
     index = x.get_device()
     stream = _current_raw_stream(index)  # looked up once a call: each lookup costs host time
     on_x_gpu = not w.device.is_host and w.device.index == index
@@ -229,8 +231,12 @@ def _matmul(x, w):
         if not on_x_gpu:  # an eager call would move x or refuse; a graph can't hold the move
             raise _mismatch(x, w, f"torch is capturing a CUDA graph on {x.device}, which can't hold "
                                   f"a move between devices: place the weight on x's GPU before capturing.")
+        if act is not None:
+            raise KernelError(f"torch is capturing a CUDA graph on {x.device}, and a product with an "
+                              f"activation_scheme (W8A8) quantizes x into memory of qdispatch's own, which a "
+                              f"graph can't hold: capture layers without one (the weight-only product is)")
         return _matmul_captured(x, w, stream)
-    y = _qd_matmul(_operand(x, w, stream), w, out_dtype=_KERNEL_DTYPES[x.dtype])
+    y = _qd_matmul(_operand(x, w, stream), w, out_dtype=_KERNEL_DTYPES[x.dtype], activation_scheme=act)
     return _to_torch_cuda(y, stream) if on_x_gpu else to_torch(y)  # else a transfer policy placed y
 
 
@@ -320,18 +326,21 @@ def _move_weight(w, target, owner):
 
 class QMatmul(torch.autograd.Function):
     """`x @ w` with dX = dY @ dequantize(w).T; w (a QTensor) gets no gradient.
+    With an activation scheme (W8A8) x is quantized in the forward pass, and the
+    derivatives pass through that rounding as if it were the identity (the
+    straight-through estimator, as quantization-aware training uses).
 
     Written for torch.func as well as autograd: the context is set apart from
     forward, the forward-mode derivative is x's tangent @ w (the product is linear
     in x), and a vmapped dim of x moves to the front, where batch dims go."""
 
     @staticmethod
-    def forward(x, w):
-        return _matmul(x, w)
+    def forward(x, w, act=None):
+        return _matmul(x, w, act)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w = inputs
+        x, w = inputs[:2]
         ctx.w = w  # a QTensor is opaque to autograd: keep it on ctx, not save_for_backward
         ctx.x_device = x.device
 
@@ -342,44 +351,68 @@ class QMatmul(torch.autograd.Function):
             dx = _product(dy, ctx.w.T)  # the free transpose: same quantized weight
             if dx.device != ctx.x_device:  # a transfer policy may have moved the product
                 dx = dx.to(ctx.x_device)
-        return dx, None
+        return dx, None, None
 
     @staticmethod
-    def jvp(ctx, dx, _dw):
+    def jvp(ctx, dx, _dw, _dact=None):
         return _product(dx, ctx.w)
 
     @staticmethod
-    def vmap(info, in_dims, x, w):
+    def vmap(info, in_dims, x, w, act=None):
         x_dim = in_dims[0]
         if x_dim is None:
-            return _product(x, w), None
-        return _product(x.movedim(x_dim, 0), w), 0
+            return _product(x, w, act), None
+        return _product(x.movedim(x_dim, 0), w, act), 0
 
 
-def q_matmul(x, w):
+def q_matmul(x, w, activation_scheme=None):
     """`x @ w` for a torch float tensor x [..., K] and a 2-D QTensor w [K, N].
 
     Returns a torch tensor [..., N] of x's dtype (float32, float16, bfloat16, or
     float64 on the exact float64 path).  Differentiable in x only; the
-    gradient for w is None (QTensors are constants to autograd)."""
+    gradient for w is None (QTensors are constants to autograd).
+
+    `activation_scheme` quantizes x on the fly, as `qdispatch.q_matmul`'s does (W8A8
+    with an int8 weight): a value name such as "q8s" means one scale per token (row
+    of x), a QuantScheme is used as given.  Gradients pass through x's rounding
+    unchanged (straight-through).  float64 x takes no activation scheme."""
     _refuse_recording(x)
     if _is_compiling():  # what torch.compile traces: qdispatch's part runs as it is
-        return _q_matmul_between_graph_breaks(x, w)
-    return _q_matmul(x, w)
+        return _q_matmul_between_graph_breaks(x, w, activation_scheme)
+    return _q_matmul(x, w, activation_scheme)
 
 
-def _q_matmul(x, w):
+def matmul_operator(a, b):
+    """`a @ b` where one side is a torch tensor and the other a qdispatch tensor
+    (the operator's route): `x @ w` is q_matmul(x, w); `w @ x` is its transpose,
+    (x.mT @ w.T).mT, for x of 2 dims or more.  Results are torch tensors."""
+    if isinstance(b, QTensor) and isinstance(a, torch.Tensor):
+        return q_matmul(a, b)
+    if isinstance(a, QTensor) and isinstance(b, torch.Tensor) and b.dim() >= 2:
+        return q_matmul(b.mT, a.T).mT
+    quantized = b if isinstance(b, QTensor) else a
+    raise TypeError(f"`@` of a torch tensor and a qdispatch {type(quantized).__name__} multiplies a torch float "
+                    f"tensor by a 2-D QTensor (x @ w, or w @ x with x of 2 dims or more), giving a torch tensor: "
+                    f"quantize the weight with qdispatch.quantize, or convert the tensor with "
+                    f"qdispatch.torch.from_torch / to_torch")
+
+
+def _q_matmul(x, w, act=None):
     if not isinstance(x, torch.Tensor):
         if isinstance(x, torch.fx.Proxy):
             raise BackendUnavailableError(_NOT_RECORDED)
-        raise TypeError(f"q_matmul expects a torch tensor x, got {type(x).__name__}: "
-                        f"for numpy data use qdispatch.q_matmul")
+        raise TypeError(f"qdispatch.torch.q_matmul expects a torch tensor x, got {type(x).__name__}: for "
+                        f"numpy data or qdispatch Tensors use qdispatch.q_matmul, which returns a qdispatch Tensor")
     if not isinstance(w, QTensor):
         raise TypeError(f"q_matmul expects a QTensor weight, got {type(w).__name__}: quantize it "
                         f"with qdispatch.quantize (quantized weights get no gradient; to train a "
                         f"weight keep it in float)")
     if x.dtype not in _KERNEL_DTYPES and x.dtype != torch.float64:
         raise TypeError(f"q_matmul expects a float32/float16/bfloat16/float64 input, got {x.dtype}")
+    if act is not None and x.dtype == torch.float64:
+        raise TypeError("q_matmul got float64 x and an activation_scheme: float64 takes the exact weight-only "
+                        "path (for gradcheck); pass float32, float16 or bfloat16 x to quantize it, or leave "
+                        "activation_scheme out")
     _check_strided(x, "q_matmul")
     if len(w.shape) != 2:
         raise ShapeError(f"q_matmul expects a 2-D weight [K, N], got shape {w.shape}")
@@ -388,15 +421,15 @@ def _q_matmul(x, w):
                          f"dim of K={w.shape[0]}")
     if _any_autocast():  # one C call a product; the region's dtype only inside one
         x = _autocast(x)
-    return _product(x, w)
+    return _product(x, w, act)
 
 
-def _product(x, w):
+def _product(x, w, act=None):
     """x @ w through autograd when something differentiates it, else straight to
     the kernels (autograd's bookkeeping costs microseconds a call)."""
     if (x.requires_grad and torch.is_grad_enabled()) or _transformed():
-        return QMatmul.apply(x, w)
-    return _matmul(x, w)
+        return QMatmul.apply(x, w, act)
+    return _matmul(x, w, act)
 
 
 # torch.func's transforms (grad, vmap, jvp) and forward-mode AD wrap x in tensors
@@ -720,6 +753,7 @@ class _QuantizedModule(torch.nn.Module):
         self.weight = weight
 
     _float_kind = _made_by = None  # the float layer this class replaces, and the classmethod that does
+    _dims = ()  # the attributes that hold the weight's shape
 
     @classmethod
     def _check_layer(cls, layer):
@@ -728,13 +762,14 @@ class _QuantizedModule(torch.nn.Module):
                             f"{type(layer).__name__}")
 
     @classmethod
-    def _quantize(cls, layer, scheme, device, weight=None):
+    def _quantize(cls, layer, scheme, device, weight=None, options=None):
         """A module of this class in place of float `layer`, its weight quantized with
-        `scheme` on `device`, or `weight` (a QTensor quantized so already: a tied one)."""
+        `scheme` on `device`, or `weight` (a QTensor quantized so already: a tied one);
+        `options`: the class's own keyword arguments."""
         cls._check_layer(layer)
         if weight is None:
             weight = _quantized(layer.weight.detach(), scheme, device)
-        module = cls._around(layer, weight)
+        module = cls._around(layer, weight, **(options or {}))
         _carry_hooks(layer, module)
         module._source = (weakref.ref(layer.weight), layer.weight._version)
         if layer.weight.is_meta:
@@ -754,6 +789,11 @@ class _QuantizedModule(torch.nn.Module):
                 f"qdispatch.torch.load_model(model, path) before running it")
 
     def __setattr__(self, name, value):
+        if name == "weight" and isinstance(value, QTensor):
+            dims = tuple(self.__dict__.get(dim) for dim in self._dims)
+            if None not in dims and tuple(value.shape) != dims:  # a layer's sizes are fixed once made
+                raise ShapeError(f"{type(self).__name__}.weight must have shape {dims} "
+                                 f"({', '.join(self._dims)}), got {value.shape}: make a new layer for another shape")
         super().__setattr__(name, value)
         if name == "weight" and isinstance(value, QTensor):
             _hold(self, value)
@@ -933,11 +973,20 @@ class QLinear(_QuantizedModule):
     so torch.save / load_state_dict restore it bit for bit; deepcopy and pickle work."""
 
     _float_kind, _made_by = torch.nn.Linear, "from_linear"
+    _dims = ("out_features", "in_features")
+    activation_scheme = None  # x's scheme (W8A8), or None: weight-only
 
-    def __init__(self, weight, bias=None):
+    def __init__(self, weight, bias=None, activation_scheme=None):
+        """`activation_scheme`: quantize x on the fly in each forward (W8A8 with an
+        int8 weight), as `qdispatch.linear`'s does: a value name such as "q8s" means
+        one scale per token, a QuantScheme is used as given.  It is the layer's
+        setting, like in_features, not part of its state_dict."""
         super().__init__(weight, "out_features, in_features",
                          "QLinear.from_linear(linear, scheme) to quantize an nn.Linear")
         self.out_features, self.in_features = weight.shape
+        if activation_scheme is not None:
+            activation_scheme_for(activation_scheme, (1, self.in_features))  # a bad one fails here, not in forward
+            self.activation_scheme = activation_scheme
         if bias is None:
             self.register_parameter("bias", None)
         else:
@@ -949,35 +998,37 @@ class QLinear(_QuantizedModule):
             self.bias = torch.nn.Parameter(bias)
 
     @classmethod
-    def from_linear(cls, linear, scheme, device=None):
+    def from_linear(cls, linear, scheme, device=None, activation_scheme=None):
         """Quantize `linear.weight` with `scheme` (on `device`, default: where the
         weight lives, host weights on the default backend); the bias is copied.
+        `activation_scheme` as for QLinear().
         A Linear on torch's meta device (a model built empty, to be loaded) gets a
         weight of zeros in the scheme's layout, on `device` or the default backend,
         for `load_state_dict(..., assign=True)` to replace; it refuses to run until then."""
-        return cls._quantize(linear, scheme, device)
+        return cls._quantize(linear, scheme, device, options={"activation_scheme": activation_scheme})
 
     @staticmethod
     def _describe(linear):
         return f"{linear.in_features} -> {linear.out_features} features"
 
     @classmethod
-    def _around(cls, linear, qweight):
-        layer = cls(qweight, None if linear.bias is None else linear.bias.detach().clone())
+    def _around(cls, linear, qweight, activation_scheme=None):
+        layer = cls(qweight, None if linear.bias is None else linear.bias.detach().clone(), activation_scheme)
         if linear.bias is not None:
             layer.bias.requires_grad_(linear.bias.requires_grad)  # a frozen bias stays frozen
         return layer
 
     def forward(self, x):
         self._refuse_unloaded()
-        y, bias = q_matmul(x, self.weight.T), self.bias
+        y, bias = q_matmul(x, self.weight.T, self.activation_scheme), self.bias
         if bias is None:
             return y
         return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # .to costs a microsecond
 
     def extra_repr(self):
+        act = "" if self.activation_scheme is None else f", activation_scheme={self.activation_scheme!r}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, scheme={self.weight.scheme!r}, "
+                f"bias={self.bias is not None}, scheme={self.weight.scheme!r}{act}, "
                 f"device='{self.weight.device}'")
 
 
@@ -996,6 +1047,7 @@ class QEmbedding(_QuantizedModule):
     QTensor: `QEmbedding(lm_head.weight)`."""
 
     _float_kind, _made_by = torch.nn.Embedding, "from_embedding"
+    _dims = ("num_embeddings", "embedding_dim")
     check_ids = True  # what a module pickled before the setting existed reads
 
     def __init__(self, weight, padding_idx=None, dtype=torch.float32, check_ids=True):
@@ -1114,10 +1166,10 @@ class _Lookup(torch.autograd.Function):
         return _Lookup.apply(ids, layer), in_dims[0]
 
 
-def quantize_linears(model, scheme, skip=(), device=None):
+def quantize_linears(model, scheme, skip=(), device=None, activation_scheme=None):
     """Replace every `nn.Linear` in `model` by a `QLinear` holding its weight
     quantized with `scheme`, in place, and return the model (a QLinear when
-    `model` itself is an nn.Linear).
+    `model` itself is an nn.Linear).  `activation_scheme` (W8A8) as for QLinear().
 
     `skip` keeps layers in float: names as `model.named_modules()` gives them
     (e.g. ["lm_head"]; None for none), or a function `(name, linear) -> bool`.
@@ -1128,7 +1180,8 @@ def quantize_linears(model, scheme, skip=(), device=None):
     subclass of nn.Linear with a forward of its own is such an error.  The
     Linears that torch's fused layers read as tensors stay in float:
     MultiheadAttention's out_proj and TransformerEncoderLayer's linear1/linear2."""
-    return _quantize_layers(model, scheme, skip, device, torch.nn.Linear, _replaceable, QLinear)
+    return _quantize_layers(model, scheme, skip, device, torch.nn.Linear, _replaceable, QLinear,
+                            {"activation_scheme": activation_scheme})
 
 
 def quantize_embeddings(model, scheme, skip=(), device=None):
@@ -1140,17 +1193,20 @@ def quantize_embeddings(model, scheme, skip=(), device=None):
                             lambda parent, module: isinstance(module, torch.nn.Embedding), QEmbedding)
 
 
-def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_class):
+def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_class, options=None):
     """quantize_linears and quantize_embeddings: every `kind` layer of `model` that is
-    `replaceable(parent, layer)` and not skipped, replaced by a `quantized_class`."""
+    `replaceable(parent, layer)` and not skipped, replaced by a `quantized_class`
+    made with keyword arguments `options`."""
     scheme = as_scheme(scheme)  # a bad scheme is no layer's fault
+    if options and options.get("activation_scheme") is not None:
+        activation_scheme_for(options["activation_scheme"], (1, 1))  # nor a bad activation scheme
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: name in names)
     if isinstance(model, kind):
         if keep("", model):
             return model
         _refuse_own_forward([("", model)], kind, quantized_class)
-        return _quantized_layer("", model, quantized_class, scheme, device, {})
+        return _quantized_layer("", model, quantized_class, scheme, device, {}, options)
     ties = _tied_weights(_module(model, f"quantize_{kind.__name__.lower()}s"))
     found, kept = [], set()  # (name, parent, attribute, layer) of the replaceable layers; ids kept
     layer_names = set()
@@ -1172,7 +1228,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     quantized = {}  # id(layer) -> its quantized layer
     for name, _, _, child in places:
         if id(child) not in quantized:
-            quantized[id(child)] = _quantized_layer(name, child, quantized_class, scheme, device, ties)
+            quantized[id(child)] = _quantized_layer(name, child, quantized_class, scheme, device, ties, options)
     for _, parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
     return model
@@ -1235,7 +1291,7 @@ def _tied_weights(model):
     return ties
 
 
-def _quantized_layer(name, layer, cls, scheme, device, ties):
+def _quantized_layer(name, layer, cls, scheme, device, ties, options=None):
     """A `cls` in place of float `layer`, its errors naming it.  A layer whose float
     weight is one quantized before (`ties`) shares that QTensor, where its scheme and
     device are the ones asked for now, so tied weights stay tied and take their
@@ -1248,7 +1304,7 @@ def _quantized_layer(name, layer, cls, scheme, device, ties):
         if (Device.parse(device) == here if device is not None
                 else weight.is_meta or _torch_device(here) == weight.device):
             shared = earlier[1]
-    module = _named_layer_errors(name, cls._describe(layer), lambda: cls._quantize(layer, scheme, device, shared))
+    module = _named_layer_errors(name, cls._describe(layer), lambda: cls._quantize(layer, scheme, device, shared, options))
     ties[id(weight)] = (weight, module.weight)
     return module
 

@@ -354,6 +354,109 @@ def test_qlinear_from_linear(device):
     torch.testing.assert_close(x.grad, torch.ones(3, 12) @ dequantized(layer.weight), rtol=1e-5, atol=1e-5)
 
 
+W8A8_DEVICES = DEVICES + ["cuda"]
+
+
+def _w8a8_device(device):
+    if device == "cuda":
+        _needs_cuda()
+    return torch.device("cuda" if device == "cuda" else "cpu")
+
+
+@pytest.mark.parametrize("device", [pytest.param(d, marks=pytest.mark.cuda) if d == "cuda" else d
+                                    for d in W8A8_DEVICES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["q8s", QuantScheme("q8s", block=(1, 32))], ids=repr)
+def test_w8a8_products_are_qdispatchs(device, dtype, act):
+    """activation_scheme= quantizes x as qdispatch.q_matmul does: the same bits,
+    through q_matmul, QLinear and quantize_linears alike; gradients go straight
+    through x's rounding (dX = dY @ dequantize(W))."""
+    where = _w8a8_device(device)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 24).to(where)
+    layer = QLinear.from_linear(linear, QuantScheme("q8s", axis=0), activation_scheme=act)
+    assert f"activation_scheme={act!r}" in repr(layer)
+    x = torch.randn(5, 64, device=where).to(dtype)
+    product = q_matmul(x, layer.weight.T, activation_scheme=act)
+    assert torch.equal(product, to_torch(qd.q_matmul(from_torch(x), layer.weight.T, out_dtype=DTYPE_NAMES[dtype],
+                                                     activation_scheme=act)))
+    y = layer(x)  # the product in x's dtype, then the bias added, as nn.Linear's is
+    assert y.dtype == dtype and y.device == x.device
+    assert torch.equal(y, product + linear.bias.detach().to(dtype))
+    assert not torch.equal(y, QLinear.from_linear(linear, layer.weight.scheme)(x))  # x was quantized
+    model = quantize_linears(torch.nn.Sequential(linear), QuantScheme("q8s", axis=0), activation_scheme=act)
+    assert model[0].activation_scheme == act and torch.equal(model(x), y)
+    x.requires_grad_(True)
+    dy = torch.randn(5, 24, device=where).to(dtype)
+    layer(x).backward(dy)
+    assert torch.equal(x.grad, q_matmul(dy, layer.weight))
+
+
+def test_w8a8_refuses_float64_and_bad_schemes():
+    w = weight((16, 8), SCHEMES[0], "reference")
+    with pytest.raises(TypeError, match="float64 x and an activation_scheme"):
+        q_matmul(torch.randn(2, 16, dtype=torch.float64), w, activation_scheme="q8s")
+    with pytest.raises(qd.QuantSchemeError):
+        QLinear(w.T, activation_scheme="q9s")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    with pytest.raises(qd.QuantSchemeError):
+        quantize_linears(model, SCHEMES[0], activation_scheme="int8")
+    assert isinstance(model[0], torch.nn.Linear)  # left as it was
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_matmul_operator_between_torch_and_a_qtensor_stays_in_torch(device):
+    w = weight((16, 24), SCHEMES[0], device)
+    x = torch.randn(3, 16, requires_grad=True)
+    y = x @ w
+    assert isinstance(y, torch.Tensor) and torch.equal(y, q_matmul(x, w))
+    y.sum().backward()
+    assert torch.equal(x.grad, q_matmul(torch.ones(3, 24), w.T))
+    xt = torch.randn(24, 5, dtype=torch.bfloat16)
+    left = w @ xt  # [16, 24] @ [24, 5]
+    assert left.dtype == torch.bfloat16 and torch.equal(left, q_matmul(xt.mT, w.T).mT)
+    with pytest.raises(TypeError, match="2-D QTensor"):
+        w @ torch.randn(24)
+    with pytest.raises(TypeError, match="2-D QTensor"):
+        x @ qd.tensor(np.ones((16, 2), np.float32))
+
+
+def test_a_qlinear_keeps_its_shape():
+    layer = QLinear(weight((6, 10), SCHEMES[0], "reference"))
+    layer.weight = weight((6, 10), SCHEMES[0], "reference", seed=1)  # another of its shape: fine
+    with pytest.raises(ShapeError, match=r"QLinear.weight must have shape \(6, 10\)"):
+        layer.weight = weight((6, 12), SCHEMES[0], "reference")
+    assert layer.weight.shape == (6, 10) and layer.in_features == 10
+
+
+def test_torch_tensors_save_and_export_as_they_are(tmp_path):
+    """qdispatch.save and gguf.export read a torch tensor's values (by DLPack), as the
+    safetensors library would save them."""
+    plain, halves = torch.arange(6, dtype=torch.int64).reshape(2, 3), torch.randn(2, 32, dtype=torch.bfloat16)
+    qd.save(tmp_path / "t.safetensors", {"ids": plain, "h": halves})
+    loaded = qd.load(tmp_path / "t.safetensors")
+    np.testing.assert_array_equal(loaded["ids"], plain.numpy())
+    assert loaded["h"].dtype == "bfloat16" and torch.equal(to_torch(loaded["h"]), halves)
+    parameter = torch.nn.Linear(3, 2).weight  # requires grad: its values are saved
+    qd.save(tmp_path / "p.safetensors", {"p": parameter})
+    np.testing.assert_array_equal(qd.load(tmp_path / "p.safetensors")["p"], parameter.detach().numpy())
+    pytest.importorskip("gguf")
+    from qdispatch import gguf as qgguf
+    qgguf.export(tmp_path / "t.gguf", {"h": halves})
+    assert torch.equal(to_torch(qgguf.load(tmp_path / "t.gguf")["h"]), halves)
+
+
+def test_torch_devices_name_qdispatch_devices():
+    assert qd.Device("cuda:1") == qd.Device.parse("cuda:1") and qd.Device("reference") == "reference"
+    assert qd.Device.parse(torch.device("cuda", 1)) == "cuda:1"
+    if "cpu" not in qd.available_backends():
+        pytest.skip("needs the cpu backend")
+    w = qd.quantize(np.ones((4, 8), np.float32), "q8s", device=torch.device("cpu"))
+    assert w.device == "cpu"
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 4)), SCHEMES[0], device=torch.device("cpu"))
+    assert model[0].weight.device == "cpu"
+
+
 def test_qlinear_gradcheck_and_no_bias():
     layer = QLinear(weight((8, 16), SCHEMES[2], "reference"))
     assert layer.bias is None and "bias=False" in repr(layer)
