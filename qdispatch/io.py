@@ -383,9 +383,12 @@ def _metadata(path, header):
         raise SerializationError(
             f"{path} has a corrupted safetensors header: its __metadata__ is {brief(meta)}, not a JSON object")
     version = meta.get(_VERSION_KEY)
+    if version is None and _TENSORS_KEY not in meta:
+        return _plain_records(path, header)
     if version is None or _TENSORS_KEY not in meta:
         raise SerializationError(
-            f"{path} was not written by qdispatch.save (no {_VERSION_KEY!r} in its metadata)")
+            f"{path} has corrupted qdispatch metadata: it holds {_VERSION_KEY!r} or {_TENSORS_KEY!r} "
+            f"without the other")
     if version not in [str(v) for v in range(1, FORMAT_VERSION + 1)]:
         raise SerializationError(
             f"{path} has qdispatch format version {version!r}; this qdispatch reads versions 1 to "
@@ -406,6 +409,24 @@ def _metadata(path, header):
                 problem = f"it is the transpose of {brief(record['of'])}, which is no QTensor"
         if problem:
             raise SerializationError(f"Tensor {name!r} in {path} has a corrupted record: {problem}")
+    return records
+
+
+def _plain_records(path, header):
+    """The records of a safetensors file that another writer made (torch's, numpy's):
+    each entry a Tensor where its dtype is one (F32, F16, BF16, I8, I32), else a numpy
+    array, as the header gives it; no CRC-32 to check (None)."""
+    records = {}
+    for key, entry in header.items():
+        if key == _METADATA:
+            continue
+        code = entry.get("dtype") if isinstance(entry, dict) else None
+        if code not in _NUMPY_OF:
+            raise SerializationError(f"Tensor {key!r} in {path} has dtype {brief(code)}, which qdispatch does not "
+                                     f"read (expected one of {', '.join(_NUMPY_OF)})")
+        tensor_dtype = next((dtype for dtype, c in _TENSOR_CODES.items() if c == code), None)
+        records[key] = ({"kind": "tensor", "dtype": tensor_dtype, "crc32": [None]} if tensor_dtype
+                        else {"kind": "array", "dtype": code, "crc32": [None]})
     return records
 
 
@@ -490,7 +511,9 @@ def _check_complete(path, header, data_size, records):
 def load(path, device=None, names=None):
     """Read a file written by `save`: {name: QTensor | Tensor | ndarray}, the
     tensors on `device` (default: the default backend); with `names`, only those
-    tensors (the rest of the file is not read).  Each entry is read from the file
+    tensors (the rest of the file is not read).  A safetensors file of another
+    writer (torch's, numpy's) loads too: float32/float16/bfloat16/int8/int32 entries
+    as Tensors, others as numpy arrays.  Each entry is read from the file
     straight into its own array, so loading holds no second copy of the file in
     memory (and needs no package beyond numpy)."""
     dev, _ = backend_for(device) if device is not None else (None, None)
@@ -628,7 +651,7 @@ class _Entries:
         self.f.seek(self.data_start + begin)
         if self.f.readinto(raw) != nbytes:
             raise SerializationError(f"Tensor {name!r}: the file ended inside entry {key!r}; write it again")
-        if _crc(raw) != crc:
+        if crc is not None and _crc(raw) != crc:  # None: a file of another writer, which has none
             raise SerializationError(f"Tensor {name!r}: the bytes of {key!r} are corrupted (CRC-32 mismatch)")
         return arr
 

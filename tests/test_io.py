@@ -336,11 +336,34 @@ def test_unknown_version(saved):
         qd.load(saved)
 
 
-def test_not_a_qdispatch_file(tmp_path):
-    save_file = pytest.importorskip("safetensors.numpy").save_file
-    save_file({"x": np.zeros(3, dtype=np.float32)}, str(tmp_path / "plain.st"))
-    with pytest.raises(SerializationError, match="not written by qdispatch.save"):
+def test_a_file_of_another_writer_loads_as_its_header_says(tmp_path):
+    """A safetensors file without qdispatch's metadata (torch's or numpy's writer made
+    it): Tensors where the dtype is one, numpy arrays otherwise."""
+    x, ids = np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(4, dtype=np.int64)
+    qd.save(tmp_path / "plain.st", {"x": x, "ids": ids, "h": qd.tensor(np.ones(1, np.float32), dtype="bfloat16")})
+    rewrite_metadata(tmp_path / "plain.st", lambda h: h.pop("__metadata__"))
+    loaded = qd.load(tmp_path / "plain.st", device="reference")
+    assert isinstance(loaded["x"], qd.Tensor) and loaded["x"].dtype == "float32"
+    np.testing.assert_array_equal(loaded["x"].numpy(), x)
+    assert isinstance(loaded["ids"], np.ndarray) and loaded["ids"].dtype == np.int64
+    np.testing.assert_array_equal(loaded["ids"], ids)
+    assert loaded["h"].dtype == "bfloat16" and loaded["h"].numpy().tolist() == [1.0]
+    assert list(qd.load(tmp_path / "plain.st", names=["ids"])) == ["ids"]
+    rewrite_metadata(tmp_path / "plain.st", lambda h: h["x"].update({"dtype": "F8_E4M3"}))
+    with pytest.raises(SerializationError, match="'x'.*'F8_E4M3', which qdispatch does not read"):
         qd.load(tmp_path / "plain.st")
+
+
+def test_a_file_of_the_safetensors_library_loads(tmp_path):
+    save_file = pytest.importorskip("safetensors.numpy").save_file
+    save_file({"x": np.arange(3, dtype=np.float16)}, str(tmp_path / "plain.st"))
+    np.testing.assert_array_equal(qd.load(tmp_path / "plain.st")["x"].numpy(), np.arange(3, dtype=np.float16))
+
+
+def test_half_of_qdispatchs_metadata_is_corrupted(saved):
+    rewrite_metadata(saved, lambda h: h["__metadata__"].pop("qdispatch.tensors"))
+    with pytest.raises(SerializationError, match="without the other"):
+        qd.load(saved)
 
 
 def test_scheme_that_does_not_match_the_bytes(saved):
