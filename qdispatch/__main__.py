@@ -8,6 +8,7 @@ from . import cli
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="qdispatch",
                                      description="qdispatch: quantized tensors that know their backend")
+    parser.add_argument("--version", action="version", version=f"qdispatch {cli.qd.__version__}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="quantize a 4096 x 4096 layer and multiply on every backend (default)")
     sub.add_parser("info", help="print the version, build and backends")

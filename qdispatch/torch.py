@@ -776,6 +776,11 @@ class _QuantizedModule(torch.nn.Module):
             module._unloaded = module.weight
         return module
 
+    @property
+    def scheme(self):
+        """The weight's QuantScheme (the one the repr shows)."""
+        return self.weight.scheme
+
     def __prepare_scriptable__(self):
         # torch.jit.script asks this of every module before it compiles one; it said only
         # that it could not convert a QTensor

@@ -23,6 +23,10 @@ def test_info_prints_version_build_and_backends():
     assert "flags[baseline]" in out
 
 
+def test_version():
+    assert run_module("--version") == f"qdispatch {qd.__version__}\n"
+
+
 def test_demo_runs_every_backend_and_shows_the_mismatch():
     out = run_module()
     for backend in qd.available_backends():

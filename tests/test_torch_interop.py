@@ -343,6 +343,7 @@ def test_qlinear_from_linear(device):
     linear = torch.nn.Linear(32, 12)
     layer = QLinear.from_linear(linear, QuantScheme("q8s", axis=0), device=device)
     assert layer.weight.shape == (12, 32) and layer.weight.device == device
+    assert layer.scheme == QuantScheme("q8s", axis=0) == layer.weight.scheme
     assert [name for name, _ in layer.named_parameters()] == ["bias"]
     assert layer.bias.data_ptr() != linear.bias.data_ptr()
     x = torch.randn(3, 32, requires_grad=True)
