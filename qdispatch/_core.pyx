@@ -81,9 +81,11 @@ cdef class Device:
 
     def __cinit__(self, kind, index=0):
         cdef Device named
-        if isinstance(kind, str) and index == 0:  # Device('cuda:1'), as its repr writes it
+        if isinstance(kind, str) or _is_torch_device(kind):  # Device('cuda:1'), as its repr writes it
             named = Device.parse(kind)
-            kind, index = named.kind, named.index
+            if index and named.index:
+                raise ValueError(f"Device({kind!r}, {index!r}) gives the index twice: write Device('cuda:N')")
+            kind, index = named.kind, index or named.index
         kind, index = operator.index(kind), operator.index(index)  # whole numbers: no 1.5, no "1"
         if not 0 <= kind < QD_BACKEND_COUNT:
             raise ValueError(f"Unknown backend kind {kind}")

@@ -243,19 +243,27 @@ def check_tensor_dict(tensors, caller):
         except UnicodeEncodeError:
             raise SerializationError(f"Can't {caller} tensor {name!r}: its name is no UTF-8 text (it holds a lone "
                                      f"surrogate, as bytes decoded with errors='surrogateescape' do); rename it") from None
-    return {_plain(name): _ours(tensor) for name, tensor in tensors.items()}
+    return {_plain(name): _ours(_plain(name), tensor, caller) for name, tensor in tensors.items()}
 
 
-def _ours(obj):
+def _ours(name, obj, caller):
     """A tensor of another library that speaks DLPack (torch, CuPy, JAX) as a numpy
     array, or as a qdispatch Tensor where numpy has no such dtype (bfloat16) or the
     data is on a GPU; anything else as it is (the writers name what they refuse)."""
     if isinstance(obj, (QTensor, Tensor, np.ndarray)) or not hasattr(obj, "__dlpack__"):
         return obj
+    resolve_neg = getattr(obj, "resolve_neg", None)
+    if resolve_neg is not None:  # torch's lazy negation (x.conj().imag), which DLPack does not carry
+        obj = resolve_neg()
     try:
         return np.from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError):
-        return tensor(obj)  # its own error where it can't be read (a torch tensor that requires grad)
+        pass
+    try:
+        return tensor(obj)
+    except (TypeError, ValueError, RuntimeError, BufferError) as exc:
+        raise TypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {getattr(obj, 'dtype', '?')}: "
+                        f"{exc}") from None
 
 
 def _plain(name):

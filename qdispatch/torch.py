@@ -362,6 +362,10 @@ class QMatmul(torch.autograd.Function):
         x_dim = in_dims[0]
         if x_dim is None:
             return _product(x, w, act), None
+        if act is not None and not isinstance(act, str):
+            # a scheme's groups may span rows (one scale for all of x): each sample is quantized alone,
+            # as it would be without vmap; a value name's groups are single rows, which the batch keeps
+            return torch.stack([_product(each, w, act) for each in x.unbind(x_dim)]), 0
         return _product(x.movedim(x_dim, 0), w, act), 0
 
 
@@ -384,17 +388,16 @@ def q_matmul(x, w, activation_scheme=None):
 
 def matmul_operator(a, b):
     """`a @ b` where one side is a torch tensor and the other a qdispatch tensor
-    (the operator's route): `x @ w` is q_matmul(x, w); `w @ x` is its transpose,
-    (x.mT @ w.T).mT, for x of 2 dims or more.  Results are torch tensors."""
-    if isinstance(b, QTensor) and isinstance(a, torch.Tensor):
+    (the operator's route).  With a 2-D QTensor the result is a torch tensor, through
+    autograd: `x @ w` is q_matmul(x, w), `w @ x` its transpose, (x.mT @ w.T).mT (a
+    vector x a column).  Anything else is qdispatch.q_matmul's, a qdispatch Tensor."""
+    if isinstance(b, QTensor) and len(b.shape) == 2 and isinstance(a, torch.Tensor) and a.dim() >= 1:
         return q_matmul(a, b)
-    if isinstance(a, QTensor) and isinstance(b, torch.Tensor) and b.dim() >= 2:
+    if isinstance(a, QTensor) and len(a.shape) == 2 and isinstance(b, torch.Tensor) and b.dim() >= 1:
+        if b.dim() == 1:
+            return q_matmul(b, a.T)
         return q_matmul(b.mT, a.T).mT
-    quantized = b if isinstance(b, QTensor) else a
-    raise TypeError(f"`@` of a torch tensor and a qdispatch {type(quantized).__name__} multiplies a torch float "
-                    f"tensor by a 2-D QTensor (x @ w, or w @ x with x of 2 dims or more), giving a torch tensor: "
-                    f"quantize the weight with qdispatch.quantize, or convert the tensor with "
-                    f"qdispatch.torch.from_torch / to_torch")
+    return _qd_matmul(a, b)
 
 
 def _q_matmul(x, w, act=None):
@@ -794,8 +797,11 @@ class _QuantizedModule(torch.nn.Module):
                 f"qdispatch.torch.load_model(model, path) before running it")
 
     def __setattr__(self, name, value):
+        dims = tuple(self.__dict__.get(dim) for dim in self._dims)
+        if name == "weight" and None not in dims and not isinstance(value, QTensor):  # made: it stays quantized
+            raise TypeError(f"{type(self).__name__}.weight must be a QTensor, got {type(value).__name__}: quantize "
+                            f"it with qdispatch.quantize (or keep the float layer)")
         if name == "weight" and isinstance(value, QTensor):
-            dims = tuple(self.__dict__.get(dim) for dim in self._dims)
             if None not in dims and tuple(value.shape) != dims:  # a layer's sizes are fixed once made
                 raise ShapeError(f"{type(self).__name__}.weight must have shape {dims} "
                                  f"({', '.join(self._dims)}), got {value.shape}: make a new layer for another shape")
@@ -990,7 +996,7 @@ class QLinear(_QuantizedModule):
                          "QLinear.from_linear(linear, scheme) to quantize an nn.Linear")
         self.out_features, self.in_features = weight.shape
         if activation_scheme is not None:
-            activation_scheme_for(activation_scheme, (1, self.in_features))  # a bad one fails here, not in forward
+            _check_activation_scheme(activation_scheme, self.in_features)  # a bad one fails here, not in forward
             self.activation_scheme = activation_scheme
         if bias is None:
             self.register_parameter("bias", None)
@@ -1035,6 +1041,21 @@ class QLinear(_QuantizedModule):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.weight.scheme!r}{act}, "
                 f"device='{self.weight.device}'")
+
+
+def _check_activation_scheme(spec, in_features):
+    """An error now for an activation scheme that no x of in_features values fits:
+    a name's or scheme's values, a block along K that does not divide it, an axis
+    or block of more dims than x can have (x's rows get a block's sizes here)."""
+    scheme = activation_scheme_for(spec, (1, in_features))
+    if isinstance(spec, str):
+        return
+    lead = [1]
+    if scheme.granularity == "block":
+        lead = list(scheme.block[:-1]) or [1]
+    elif scheme.granularity == "axis" and scheme.axis >= 0:
+        lead = [1] * max(1, scheme.axis)
+    QLayout.for_shape(scheme, (*lead, in_features))
 
 
 class QEmbedding(_QuantizedModule):

@@ -399,10 +399,23 @@ def test_w8a8_refuses_float64_and_bad_schemes():
         q_matmul(torch.randn(2, 16, dtype=torch.float64), w, activation_scheme="q8s")
     with pytest.raises(qd.QuantSchemeError):
         QLinear(w.T, activation_scheme="q9s")
-    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 40))
     with pytest.raises(qd.QuantSchemeError):
         quantize_linears(model, SCHEMES[0], activation_scheme="int8")
-    assert isinstance(model[0], torch.nn.Linear)  # left as it was
+    with pytest.raises(qd.QuantSchemeError, match="'1'"):  # no x of 8 values has blocks of 16 along K
+        quantize_linears(model, SCHEMES[0], activation_scheme=QuantScheme("q8s", block=16))
+    assert all(isinstance(layer, torch.nn.Linear) for layer in model)  # left as they were
+    QLinear(w.T, activation_scheme=QuantScheme("q8s", block=(2, 8)))  # rows of x in pairs: fine for even batches
+
+
+def test_w8a8_under_vmap_quantizes_each_sample_alone():
+    """One scale for all of x (a scheme per tensor) means one per sample under vmap,
+    as each sample would get called on its own; per-token names batch as they are."""
+    w = weight((16, 8), SCHEMES[0], "reference")
+    xs = torch.randn(3, 4, 16) * torch.tensor([1.0, 100.0, 0.01]).view(3, 1, 1)
+    for act in (QuantScheme("q8s"), "q8s"):
+        mapped = torch.func.vmap(lambda x: q_matmul(x, w, activation_scheme=act))(xs)
+        assert torch.equal(mapped, torch.stack([q_matmul(x, w, activation_scheme=act) for x in xs]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -416,9 +429,13 @@ def test_the_matmul_operator_between_torch_and_a_qtensor_stays_in_torch(device):
     xt = torch.randn(24, 5, dtype=torch.bfloat16)
     left = w @ xt  # [16, 24] @ [24, 5]
     assert left.dtype == torch.bfloat16 and torch.equal(left, q_matmul(xt.mT, w.T).mT)
-    with pytest.raises(TypeError, match="2-D QTensor"):
-        w @ torch.randn(24)
-    with pytest.raises(TypeError, match="2-D QTensor"):
+    column = torch.randn(24)
+    assert torch.equal(w @ column, q_matmul(column, w.T))  # a vector on the right is a column
+    batched = qd.quantize(np.ones((2, 16, 24), np.float32), "q8s", device=device)
+    out = x.detach() @ batched  # a batch of weights: qdispatch's product, as before
+    assert isinstance(out, qd.Tensor) and out.shape == (2, 3, 24)
+    np.testing.assert_array_equal(out.numpy(), qd.q_matmul(x.detach().numpy(), batched).numpy())
+    with pytest.raises(TypeError, match="at least one QTensor"):
         x @ qd.tensor(np.ones((16, 2), np.float32))
 
 
@@ -427,6 +444,9 @@ def test_a_qlinear_keeps_its_shape():
     layer.weight = weight((6, 10), SCHEMES[0], "reference", seed=1)  # another of its shape: fine
     with pytest.raises(ShapeError, match=r"QLinear.weight must have shape \(6, 10\)"):
         layer.weight = weight((6, 12), SCHEMES[0], "reference")
+    for other in (torch.nn.Parameter(torch.randn(6, 10)), None):
+        with pytest.raises(TypeError, match="QLinear.weight must be a QTensor"):
+            layer.weight = other
     assert layer.weight.shape == (6, 10) and layer.in_features == 10
 
 
@@ -438,18 +458,27 @@ def test_torch_tensors_save_and_export_as_they_are(tmp_path):
     loaded = qd.load(tmp_path / "t.safetensors")
     np.testing.assert_array_equal(loaded["ids"], plain.numpy())
     assert loaded["h"].dtype == "bfloat16" and torch.equal(to_torch(loaded["h"]), halves)
+    negated = torch.complex(torch.zeros(2, 32), torch.arange(64.0).view(2, 32)).conj().imag  # torch's lazy -x
+    qd.save(tmp_path / "n.safetensors", {"n": negated})
+    assert negated.is_neg() and torch.equal(torch.from_numpy(qd.load(tmp_path / "n.safetensors")["n"]), negated)
+    if hasattr(torch, "float8_e4m3fn"):
+        with pytest.raises(TypeError, match="Can't save 'f8', a Tensor of dtype torch.float8_e4m3fn"):
+            qd.save(tmp_path / "f.safetensors", {"f8": torch.zeros(2, dtype=torch.float8_e4m3fn)})
     parameter = torch.nn.Linear(3, 2).weight  # requires grad: its values are saved
     qd.save(tmp_path / "p.safetensors", {"p": parameter})
     np.testing.assert_array_equal(qd.load(tmp_path / "p.safetensors")["p"], parameter.detach().numpy())
     pytest.importorskip("gguf")
     from qdispatch import gguf as qgguf
-    qgguf.export(tmp_path / "t.gguf", {"h": halves})
+    qgguf.export(tmp_path / "t.gguf", {"h": halves, "n": negated})
     assert torch.equal(to_torch(qgguf.load(tmp_path / "t.gguf")["h"]), halves)
+    assert torch.equal(to_torch(qgguf.load(tmp_path / "t.gguf")["n"]), negated)
 
 
 def test_torch_devices_name_qdispatch_devices():
-    assert qd.Device("cuda:1") == qd.Device.parse("cuda:1") and qd.Device("reference") == "reference"
-    assert qd.Device.parse(torch.device("cuda", 1)) == "cuda:1"
+    assert qd.Device("cuda:1") == qd.Device.parse("cuda:1") == qd.Device("cuda", 1) and qd.Device("reference") == "reference"
+    assert qd.Device.parse(torch.device("cuda", 1)) == "cuda:1" == qd.Device(torch.device("cuda", 1))
+    with pytest.raises(ValueError, match="the index twice"):
+        qd.Device("cuda:1", 2)
     if "cpu" not in qd.available_backends():
         pytest.skip("needs the cpu backend")
     w = qd.quantize(np.ones((4, 8), np.float32), "q8s", device=torch.device("cpu"))
