@@ -16,6 +16,7 @@ cdef class TensorBase:
 cdef class Tensor(TensorBase):
     cdef readonly object payload  # the backend's buffer (a numpy array on host backends)
     cdef readonly str dtype
+    cdef object __weakref__       # weak caches may key on a Tensor, as on a QTensor
 
 
 cdef class QTensor(TensorBase):

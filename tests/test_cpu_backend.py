@@ -335,6 +335,33 @@ def test_a_worker_forked_after_threaded_kernels_runs_them_on_one_thread(tmp_path
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+FORKED_WHILE_PACKING = """
+import os, signal
+import numpy as np, qdispatch as qd
+from qdispatch.backends import cpu as cpu_backend
+
+with cpu_backend._PACKING:  # as when another thread packs a weight at the moment of the fork
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # a child waiting for the lock would wait for ever
+        w = qd.quantize(np.ones((32, 64), np.float32), "q8s", device="cpu")
+        qd.q_matmul(np.ones((2, 64), np.float32), w.T)
+        os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_weight_is_packed_packs_its_own(tmp_path):
+    """The packing lock another thread held at the fork stayed held in the child,
+    whose first packing then waited for ever."""
+    script = tmp_path / "forked_while_packing.py"
+    script.write_text(FORKED_WHILE_PACKING)
+    out = run_python(str(script))
+    assert out.returncode == 0 and out.stdout.strip() == "child 0", (out.stdout, out.stderr)
+
+
 def test_threads_meeting_a_fresh_weight_pack_it_once(rng, monkeypatch):
     """The panels of a weight used in its lazily packed orientation (x @ w, w not
     transposed) are built by one thread while the others wait: every thread packing

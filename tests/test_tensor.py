@@ -555,3 +555,16 @@ def test_float64_past_float32s_range_is_refused_where_it_would_become_inf(device
         qd.q_matmul(data, w)
     np.testing.assert_array_equal(qd.tensor(data, device=device, dtype="float32").numpy()[0], [1.0, -np.inf])
     np.testing.assert_array_equal(qd.tensor(data[1:], device=device).numpy(), [[2.0, 3.0]])  # in range: as ever
+
+
+def test_tensors_take_weak_references(device):
+    """Weak caches may key on any qdispatch tensor, dense ones as QTensors."""
+    import gc
+    import weakref
+    q = qd.quantize(np.ones((2, 32), np.float32), "q8s", device=device)
+    t = q.dequantize()
+    refs = [weakref.ref(t), weakref.ref(q)]
+    assert refs[0]() is t and refs[1]() is q
+    del t, q
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]

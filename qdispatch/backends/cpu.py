@@ -17,6 +17,17 @@ from .host import HostBackend
 
 _PACKING = threading.Lock()
 
+
+def _fresh_packing_lock():
+    # A lock that another thread held when the process forked stays held in the
+    # child, where no thread will ever release it: the child starts with its own.
+    global _PACKING
+    _PACKING = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_packing_lock)
+
 try:
     from .. import _cpu
     _IMPORT_ERROR = None
