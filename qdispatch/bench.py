@@ -636,9 +636,12 @@ def machine():
 def _csv(kind):
     def parse(text):
         try:
-            return [kind(v) for v in text.split(",") if v.strip()]
+            values = [kind(v) for v in text.split(",") if v.strip()]
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r} names nothing: give a comma-separated list")
+        return values
     return parse
 
 
@@ -680,7 +683,7 @@ def add_arguments(parser):
 
 def _check_arguments(args):
     """Every mistake in the arguments, found before anything is measured; the contenders to run."""
-    contenders = list(CONTENDERS) if args.contenders == ["all"] else args.contenders
+    contenders = list(CONTENDERS) if "all" in args.contenders else args.contenders
     for name, given, known in (("path", args.paths, PATHS), ("contender", contenders, CONTENDERS)):
         unknown = [v for v in given if v not in known]
         if unknown:
@@ -699,7 +702,21 @@ def _check_arguments(args):
     for option, out in (("--json", args.json), ("--plot", args.plot)):
         if out:
             _check_writable(option, out)
+    if args.plot:
+        _check_plot_format(args.plot)
     return contenders
+
+
+def _check_plot_format(path):
+    """A file type matplotlib can write, before minutes of measuring (it says so only at the end)."""
+    kind = os.path.splitext(path)[1][1:].lower() or "png"  # matplotlib's default for no extension
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # run() says what to install
+    if kind not in FigureCanvasBase.get_supported_filetypes():
+        raise SystemExit(f"--plot {path}: matplotlib can't write .{kind} files; use one of "
+                         f"{', '.join(sorted(FigureCanvasBase.get_supported_filetypes()))}")
 
 
 def _check_writable(option, path):

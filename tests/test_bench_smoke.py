@@ -1,5 +1,6 @@
 """Every benchmark runs once on a tiny shape; the bench command writes its JSON
 and explains a missing matplotlib.  No timing is asserted anywhere."""
+import argparse
 import builtins
 import json
 import os
@@ -180,6 +181,9 @@ def test_bad_arguments_are_clear():
     ("--repeat", "0", "argument --repeat: 0 is no count"),
     ("--bandwidth-mb", "-1", "argument --bandwidth-mb: -1 is no count"),
     ("--repeat", "x", "argument --repeat: invalid count value: 'x'"),
+    ("--shapes", ",", "argument --shapes: ',' names nothing: give a comma-separated list"),
+    ("--threads", "", "argument --threads: '' names nothing"),
+    ("--paths", ",", "argument --paths: ',' names nothing"),
 ])
 def test_counts_below_one_are_refused(capsys, option, value, message):
     """--repeat 0, --threads 0 or --bandwidth-mb -1 ran, labelled rows "0" and
@@ -212,3 +216,17 @@ def test_an_output_that_cant_be_written_is_refused_before_anything_runs(monkeypa
         main(["bench", "--shapes", "2x64x64", "--threads", "1", "--json", str(missing)])
     with pytest.raises(SystemExit, match=r"^--plot .*: can't write there; choose another path$"):
         main(["bench", "--shapes", "2x64x64", "--threads", "1", "--plot", str(tmp_path)])
+
+
+def test_a_plot_format_matplotlib_cant_write_is_refused_before_anything_runs(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(bench, "_run_cases", refuse_to_run)
+    with pytest.raises(SystemExit, match=r"^--plot .*bench\.foo: matplotlib can't write \.foo files; use one of .*png"):
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--plot", str(tmp_path / "bench.foo")])
+
+
+def test_all_contenders_may_come_with_others():
+    args = argparse.Namespace(contenders=["all", "fbgemm"], paths=["qq_int8"], backend=[], shapes=[], json=None,
+                              plot=None)
+    assert bench._check_arguments(args) == list(bench.CONTENDERS)
