@@ -119,10 +119,12 @@ cdef class Device:
 
     @property
     def backend(self):
+        """The backend's name: 'reference', 'cpu' or 'cuda'."""
         return KIND_NAMES[self.kind]
 
     @property
     def is_host(self):
+        """Whether the memory is the host's (reference, cpu), so numpy can view it."""
         return self.kind != QD_BACKEND_CUDA
 
     def __str__(self):
@@ -155,14 +157,17 @@ cdef class TensorBase:
 
     @property
     def device(self):
+        """Where the tensor lives: a Device ('cpu', 'reference', 'cuda:N')."""
         return Device(self.kind, self.index)
 
     @property
     def backend(self):
+        """The device's backend name: 'reference', 'cpu' or 'cuda'."""
         return KIND_NAMES[self.kind]
 
     @property
     def ndim(self):
+        """len(shape)."""
         return len(self.shape)
 
     def __matmul__(self, other):
@@ -230,6 +235,7 @@ cdef class Tensor(TensorBase):
 
     @property
     def T(self):
+        """The last two dims swapped (a view on host backends, as numpy's .T of a 2-D array)."""
         from . import tensor_api
         return tensor_api.tensor_transpose(self)
 
@@ -295,20 +301,25 @@ cdef class QTensor(TensorBase):
 
     @property
     def scheme(self):
+        """The QuantScheme as this tensor is seen (a transpose's blocks and axis swapped)."""
         return self.layout.logical_scheme(self.transposed)
 
     @property
     def values(self):
+        """The integer values as an int8 numpy array of the tensor's shape (a copy, unpacked)."""
         from . import tensor_api
         return tensor_api.qtensor_values(self)
 
     @property
     def scales(self):
+        """The scales as a float32 numpy array (a copy): 0-d per tensor, one per index of
+        the axis, or the grid of blocks."""
         from . import tensor_api
         return tensor_api.qtensor_scales(self)
 
     @property
     def nbytes(self):
+        """Bytes the stored values and scales take (packed 4- and 2-bit values as stored)."""
         from . import tensor_api
         return tensor_api.qtensor_nbytes(self)
 
@@ -323,6 +334,7 @@ cdef class QTensor(TensorBase):
 
     @property
     def requires_grad(self):
+        """Always False: a QTensor is a constant to autograd (see qdispatch.torch)."""
         return False
 
     @property

@@ -84,15 +84,18 @@ class QuantScheme:
 
     @property
     def bits(self) -> int:
+        """Bits per value: 8, 4 or 2."""
         return VALUE_RANGES[self.value][2]
 
     @property
     def qrange(self) -> Tuple[int, int]:
+        """The values' (lo, hi): (-127, 127) for q8s, (-8, 7) for q4f, ..."""
         lo, hi, _ = VALUE_RANGES[self.value]
         return lo, hi
 
     @property
     def granularity(self) -> str:
+        """'tensor' (one scale), 'axis' (one per index of `axis`) or 'block'."""
         if self.block is not None:
             return "block"
         return "tensor" if self.axis is None else "axis"
@@ -122,6 +125,7 @@ class QuantScheme:
         return full
 
     def with_(self, **changes) -> "QuantScheme":
+        """This scheme with the given fields changed: s.with_(scale_dtype="f16")."""
         fields = self.to_record()
         fields.update(changes)
         return QuantScheme(**fields)
