@@ -69,6 +69,11 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     if not rq:
         _check_float(rhs, "rhs")
     lhs, rhs, row, col = _vectors_as_matrices(backend, lhs, rhs)
+    for side, t in (("lhs", lhs), ("rhs", rhs)):
+        if isinstance(t, QTensor) and len(t.shape) < 2:  # its blocks are laid out for its own shape
+            raise ShapeError(f"q_matmul's {side} is a QTensor of shape {tuple(t.shape)}: a QTensor operand needs at "
+                             f"least 2 dims (quantize a vector as [1, K] for a row or [K, 1] for a column; float "
+                             f"vectors are taken as either)")
     ls, rs, batch = _shapes(lhs, rhs, "q_matmul")
     fused = None
     # An empty product runs no kernel, so there is nothing to quantize on the fly

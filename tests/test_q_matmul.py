@@ -361,3 +361,10 @@ def test_matmul_operator_with_a_numpy_lhs(device, rng):
     np.testing.assert_array_equal(out.numpy(), qd.q_matmul(x, wq.T).numpy())
     with pytest.raises(TypeError):
         np.add(x[:, :16], wq)  # numpy never treats a QTensor as an array
+
+
+def test_a_quantized_vector_is_refused_with_what_to_do(device):
+    v = qd.quantize(np.ones(8, np.float32), "q8s", device=device)
+    with pytest.raises(qd.ShapeError, match=r"q_matmul's rhs is a QTensor of shape \(8,\): a QTensor operand needs at "
+                                         r"least 2 dims \(quantize a vector as \[1, K\]"):
+        qd.q_matmul(np.ones((2, 8), np.float32), v)
