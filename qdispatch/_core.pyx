@@ -181,15 +181,18 @@ cdef class TensorBase:
         return q_matmul(other, self)
 
 
-cdef bint _is_torch_device(object obj):
+cdef bint _is_torch(object obj, str kind):
+    # only where torch is loaded already: none of its objects can exist otherwise
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.device)
+    return torch is not None and isinstance(obj, getattr(torch, kind))
 
 
-cdef bint _is_torch_tensor(object obj):
-    # only where torch is loaded already: a torch tensor can't exist otherwise
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+cdef inline bint _is_torch_device(object obj):
+    return _is_torch(obj, "device")
+
+
+cdef inline bint _is_torch_tensor(object obj):
+    return _is_torch(obj, "Tensor")
 
 
 def _torch_operator():

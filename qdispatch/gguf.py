@@ -42,7 +42,7 @@ import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
 from .errors import SerializationError
-from .io import atomic_path, check_tensor_dict, encode_scales, selected_names
+from .io import SAVABLE, atomic_path, check_tensor_dict, encode_scales, selected_names
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_parts, qtensor_host, tensor
 
@@ -238,8 +238,7 @@ def _plan(name, obj):
         dtype = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(native)
         fetch = lambda: obj.astype(native, copy=False)
     else:
-        raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected a qdispatch QTensor or "
-                        f"Tensor, a numpy array, or a tensor of a library that speaks DLPack (torch, CuPy)")
+        raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
     if dtype not in _FLOAT_TYPE_OF:
         raise SerializationError(f"Can't export tensor {name!r} of dtype {dtype or obj.dtype}: GGUF "
                                  f"export takes float32, float16 or bfloat16 data")

@@ -219,8 +219,7 @@ def _plan(name, obj):
             raise TypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
         return ({"kind": "array", "dtype": code, "shape": list(obj.shape)}, [(name, code, obj.shape)],
                 lambda: [_little_endian(obj)])
-    raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: expected a qdispatch QTensor or "
-                    f"Tensor, a numpy array, or a tensor of a library that speaks DLPack (torch, CuPy)")
+    raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
 
 
 def _entry_keys(name, record):
@@ -244,6 +243,10 @@ def check_tensor_dict(tensors, caller):
             raise SerializationError(f"Can't {caller} tensor {name!r}: its name is no UTF-8 text (it holds a lone "
                                      f"surrogate, as bytes decoded with errors='surrogateescape' do); rename it") from None
     return {_plain(name): _ours(_plain(name), tensor, caller) for name, tensor in tensors.items()}
+
+
+# what save and export take, as their errors say
+SAVABLE = "a qdispatch QTensor or Tensor, a numpy array, or a tensor of a library that speaks DLPack (torch, CuPy)"
 
 
 def _ours(name, obj, caller):

@@ -797,17 +797,23 @@ class _QuantizedModule(torch.nn.Module):
                 f"qdispatch.torch.load_model(model, path) before running it")
 
     def __setattr__(self, name, value):
-        dims = tuple(self.__dict__.get(dim) for dim in self._dims)
-        if name == "weight" and None not in dims and not isinstance(value, QTensor):  # made: it stays quantized
-            raise TypeError(f"{type(self).__name__}.weight must be a QTensor, got {type(value).__name__}: quantize "
-                            f"it with qdispatch.quantize (or keep the float layer)")
-        if name == "weight" and isinstance(value, QTensor):
-            if None not in dims and tuple(value.shape) != dims:  # a layer's sizes are fixed once made
-                raise ShapeError(f"{type(self).__name__}.weight must have shape {dims} "
-                                 f"({', '.join(self._dims)}), got {value.shape}: make a new layer for another shape")
+        if name == "weight":
+            self._check_weight(value)
         super().__setattr__(name, value)
         if name == "weight" and isinstance(value, QTensor):
             _hold(self, value)
+
+    def _check_weight(self, value):
+        """Once the layer is made (its sizes set), its weight stays a QTensor of its shape."""
+        dims = tuple(self.__dict__.get(dim) for dim in self._dims)
+        if None in dims:  # __init__, before the sizes
+            return
+        if not isinstance(value, QTensor):
+            raise TypeError(f"{type(self).__name__}.weight must be a QTensor, got {type(value).__name__}: quantize "
+                            f"it with qdispatch.quantize (or keep the float layer)")
+        if tuple(value.shape) != dims:
+            raise ShapeError(f"{type(self).__name__}.weight must have shape {dims} "
+                             f"({', '.join(self._dims)}), got {value.shape}: make a new layer for another shape")
 
     def __getstate__(self):
         state = dict(self.__dict__)  # a weak reference can't be pickled: a copy starts untied
@@ -1206,6 +1212,8 @@ def quantize_linears(model, scheme, skip=(), device=None, activation_scheme=None
     subclass of nn.Linear with a forward of its own is such an error.  The
     Linears that torch's fused layers read as tensors stay in float:
     MultiheadAttention's out_proj and TransformerEncoderLayer's linear1/linear2."""
+    if activation_scheme is not None:
+        activation_scheme_for(activation_scheme, (1, 1))  # a bad one is no layer's fault
     return _quantize_layers(model, scheme, skip, device, torch.nn.Linear, _replaceable, QLinear,
                             {"activation_scheme": activation_scheme})
 
@@ -1224,8 +1232,6 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     `replaceable(parent, layer)` and not skipped, replaced by a `quantized_class`
     made with keyword arguments `options`."""
     scheme = as_scheme(scheme)  # a bad scheme is no layer's fault
-    if options and options.get("activation_scheme") is not None:
-        activation_scheme_for(options["activation_scheme"], (1, 1))  # nor a bad activation scheme
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: name in names)
     if isinstance(model, kind):
