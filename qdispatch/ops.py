@@ -162,7 +162,7 @@ def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype="float32"):
     if not batch:
         return kernel(lhs, rhs)
     if not isinstance(lhs, QTensor) and len(rhs.shape) == 2:
-        M, K = lhs.shape[-2], lhs.shape[-1]
+        K = lhs.shape[-1]
         rows = int(np.prod(lhs.shape[:-1]))
         flat = Tensor(backend.reshape(lhs.payload, (rows, K)), lhs.dtype, (rows, K), lhs.kind, lhs.index)
         return backend.reshape(kernel(flat, rhs), out_shape)

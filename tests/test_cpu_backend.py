@@ -261,6 +261,25 @@ def test_weights_are_packed_once_when_created(rng):
     assert moved.storage.cache
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["w", "w.T"])
+def test_a_batched_weights_items_are_packed_once(rng, monkeypatch, transposed):
+    """Each item of a 3-D weight was sliced into a fresh storage on every call, so
+    its panels were packed again for every product."""
+    from qdispatch.backends import cpu as cpu_backend
+    real, packs = cpu_backend._cpu.PackedWeights, []
+    monkeypatch.setattr(cpu_backend._cpu, "PackedWeights", lambda *args: packs.append(args[0].shape) or real(*args))
+    w = qd.quantize(rng.standard_normal((3, 64, 32)).astype(np.float32),
+                    qd.QuantScheme("q4s", block=(1, 1, 32), store="packed_u32"), device="cpu")
+    w = w.T if transposed else w
+    x = rng.standard_normal((3, 2, w.shape[-2])).astype(np.float32)
+    first = qd.q_matmul(x, w).numpy()
+    assert len(packs) == 3
+    again = qd.q_matmul(x, w).numpy()
+    assert len(packs) == 3, "the items were packed again"
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_allclose(first, qd.q_matmul(x, w.to("reference")).numpy(), rtol=1e-5, atol=1e-4)
+
+
 def test_unknown_or_unsupported_isa_is_a_clear_error():
     with pytest.raises(qd.BackendUnavailableError, match="^Can't use ISA 'sse9': no ISA has that name") as bad:
         qd.set_isa("sse9")
@@ -340,12 +359,12 @@ import os, signal
 import numpy as np, qdispatch as qd
 from qdispatch.backends import cpu as cpu_backend
 
-with cpu_backend._PACKING:  # as when another thread packs a weight at the moment of the fork
+w = qd.quantize(np.ones((32, 64), np.float32), "q8s", device="cpu")
+with cpu_backend._packing_lock(w.storage):  # as when another thread packs w at the moment of the fork
     pid = os.fork()
     if pid == 0:
         signal.alarm(60)  # a child waiting for the lock would wait for ever
-        w = qd.quantize(np.ones((32, 64), np.float32), "q8s", device="cpu")
-        qd.q_matmul(np.ones((2, 64), np.float32), w.T)
+        qd.q_matmul(np.ones((2, 32), np.float32), w)  # x @ w: the orientation packed on first use
         os._exit(0)
 _, status = os.waitpid(pid, 0)
 print("child", os.waitstatus_to_exitcode(status))
@@ -391,6 +410,26 @@ def test_threads_meeting_a_fresh_weight_pack_it_once(rng, monkeypatch):
     want = qd.q_matmul(x, w.to("reference")).numpy()
     for got in results:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_thread_packing_one_weight_does_not_hold_up_another(rng):
+    """One lock for every weight made a thread meeting a fresh weight wait until
+    another thread had packed an unrelated one (a model's layers quantized in
+    parallel took as long as one after the other)."""
+    from qdispatch.backends import cpu as cpu_backend
+    scheme = qd.QuantScheme("q8s", axis=1)
+    busy, fresh = (qd.quantize(rng.standard_normal((64, 32)).astype(np.float32), scheme, device="cpu")
+                   for _ in range(2))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    results = []
+    with cpu_backend._packing_lock(busy.storage):  # another thread is packing `busy`
+        worker = threading.Thread(target=lambda: results.append(qd.q_matmul(x, fresh).numpy()), daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        finished = not worker.is_alive()
+    worker.join()
+    assert finished, "packing one weight waited for another weight's packing"
+    np.testing.assert_allclose(results[0], qd.q_matmul(x, fresh.to("reference")).numpy(), rtol=1e-5, atol=1e-4)
 
 
 def test_gil_is_released_during_kernels(rng, threads):

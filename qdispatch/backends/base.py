@@ -35,6 +35,28 @@ class Backend:
     def quantize(self, payload, layout, index):
         raise NotImplementedError
 
+    def qtensor_batch(self, q, index):
+        """The 2-D QTensor at batch `index` (a tuple over q's leading dims).  Its
+        storage is kept in q's, so what a backend derives from it (weight panels,
+        decode tiles) is made once, as for a 2-D weight, not on every call."""
+        from .._core import QTensor
+        from ..layout import QLayout
+        block = q.layout.block
+        # A slice's granularity is a 2-D block, whatever the parent's was.
+        layout = QLayout(q.layout.scheme.with_(block=block[len(index):], axis=None),
+                         q.layout.shape[len(index):], block[len(index):])
+        key = ("batch item", index)
+        storage = q.storage.cache.get(key)
+        if storage is None:
+            scale_index = tuple(i // b for i, b in zip(index, block))
+            storage = q.storage.cache.setdefault(key, self.qstorage_item(q.storage, index, scale_index))
+        return QTensor(storage, layout, q.transposed, q.kind, q.index)
+
+    def qstorage_item(self, storage, index, scale_index):
+        """Storage of the item at leading `index` of `storage` (its scales at
+        `scale_index` of the scale grid), sharing its memory."""
+        raise NotImplementedError
+
     def dequantize(self, q, dtype="float32"):
         """Payload of the QTensor's logical values times scales: their float32
         products, in float `dtype` (rounded once to a 16-bit dtype)."""

@@ -15,18 +15,17 @@ from .._core import BackendKind, register_backend
 from ..errors import BackendUnavailableError
 from .host import HostBackend
 
-_PACKING = threading.Lock()
+def _packing_lock(storage):
+    """The lock under which one thread packs this weight while the others wait.
+    One per weight, so threads meeting different fresh weights pack them at once;
+    and one per process: a lock another thread held when the process forked stays
+    held in the child, where no thread would ever release it."""
+    key = ("packing lock", os.getpid())
+    lock = storage.cache.get(key)
+    if lock is None:
+        lock = storage.cache.setdefault(key, threading.Lock())  # one dict step under the GIL: one winner
+    return lock
 
-
-def _fresh_packing_lock():
-    # A lock that another thread held when the process forked stays held in the
-    # child, where no thread will ever release it: the child starts with its own.
-    global _PACKING
-    _PACKING = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_packing_lock)
 
 try:
     from .. import _cpu
@@ -163,7 +162,7 @@ class CpuBackend(HostBackend):
         panels = storage.cache.get(key)
         if panels is not None:
             return panels
-        with _PACKING:  # threads meeting a fresh weight pack it once (packing runs without the GIL)
+        with _packing_lock(storage):  # packing runs without the GIL: threads meeting the weight wait
             panels = storage.cache.get(key)
             if panels is not None:
                 return panels

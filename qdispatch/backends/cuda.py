@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from .. import quantmath
-from .._core import BackendKind, QTensor, Tensor, register_backend
+from .._core import BackendKind, Tensor, register_backend
 from ..errors import KernelError, NonFiniteError, ScaleOverflowError
 from .base import Backend
 from .cpu import _as_2d_block
@@ -334,16 +334,8 @@ class CudaBackend(Backend):
                                    q.storage.scales, br, bc, dtype).view(layout.shape)
         return self.transpose2(out) if q.transposed else out
 
-    def qtensor_batch(self, q, index):
-        """The 2-D QTensor at batch `index` (views into q's device memory)."""
-        from ..layout import QLayout
-        block = q.layout.block
-        scale_index = tuple(i // b for i, b in zip(index, block))
-        layout = QLayout(q.layout.scheme.with_(block=block[len(index):], axis=None),
-                         q.layout.shape[len(index):], block[len(index):])
-        storage = CudaQStorage(self.index(q.storage.values, index),
-                               self.index(q.storage.scales, scale_index), owns=False)
-        return QTensor(storage, layout, q.transposed, q.kind, q.index)
+    def qstorage_item(self, storage, index, scale_index):
+        return CudaQStorage(self.index(storage.values, index), self.index(storage.scales, scale_index), owns=False)
 
     # ---- operand forms for the kernels ----
     def _k_rows(self, q, k_last):

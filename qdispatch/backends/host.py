@@ -3,7 +3,7 @@ quantized storage in the scheme's own store (int8, or packed uint32)."""
 import numpy as np
 
 from .. import quantmath
-from .._core import QTensor, dlpack_as_bfloat16
+from .._core import dlpack_as_bfloat16
 from .base import Backend
 
 
@@ -84,17 +84,9 @@ class HostBackend(Backend):
             out *= scales[rows // br][:, :, None]
         return self.cast(out.reshape(n, D), "float32", dtype)
 
-    def qtensor_batch(self, q, index):
-        """The 2-D QTensor at batch `index` (a tuple over q's leading dims)."""
-        values, scales = self.qstorage_to_host(q.storage, q.layout)
-        block = q.layout.block
-        scale_index = tuple(i // b for i, b in zip(index, block))
-        from ..layout import QLayout
-        # A slice's granularity is a 2-D block, whatever the parent's was.
-        layout = QLayout(q.layout.scheme.with_(block=block[len(index):], axis=None),
-                         q.layout.shape[len(index):], block[len(index):])
-        storage = self.qstorage_from_host(values[index], scales[scale_index], layout, 0)
-        return QTensor(storage, layout, q.transposed, q.kind, q.index)
+    def qstorage_item(self, storage, index, scale_index):
+        # values packed along the last dim index by their leading dims as they are
+        return HostQStorage(storage.values[index], np.ascontiguousarray(storage.scales[scale_index]))
 
     # ---- dense helpers the dispatcher uses ----
     def cast(self, payload, src, dst):

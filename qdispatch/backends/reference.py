@@ -5,7 +5,6 @@ long as K * 128 * 128 < 2**53 (numpy's own integer matmul does not use BLAS and
 is far slower)."""
 import numpy as np
 
-from .. import quantmath
 from .._core import BackendKind, register_backend
 from .host import HostBackend
 
