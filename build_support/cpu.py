@@ -22,7 +22,8 @@ from setuptools.errors import CompileError, LinkError
 # -Wno-unknown-pragmas: a build without OpenMP leaves the `#pragma omp` lines in place.
 # -ffp-contract=off: no multiply and add fused where the source rounds each (clang
 # fuses within an expression by default), so every ISA rounds as the reference.
-COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-ffp-contract=off", "-fPIC", "-Wall",
+# -fvisibility=hidden: the shipped library exports only what qdispatch.h declares.
+COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", "-Wall",
                 "-Wno-unknown-pragmas"]
 OPENMP_FLAGS = ["-fopenmp"]
 # Linked, not only compiled: a clang without libomp takes -fopenmp for code that

@@ -29,7 +29,7 @@ DEFAULT_ARCHS = [
 # PTX for the newest listed arch, so GPUs newer than the list still run (JIT at load).
 PTX_ARCH = "90"
 
-NVCC_FLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-DQD_WITH_CUDA",
+NVCC_FLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-DQD_WITH_CUDA",
               "--expt-relaxed-constexpr", "-lineinfo"]  # never --use_fast_math: quantize is bit-exact
 SOURCES = os.path.join("src_c", "cuda", "*.cu")
 INCLUDE = os.path.join("src_c", "include")

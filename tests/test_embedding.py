@@ -113,6 +113,21 @@ def test_every_declared_function_links(c_compiler, shell_env, tmp_path, link):
               tmp_path, shell_env)
 
 
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
+def test_the_shared_library_exports_the_headers_functions_and_no_other_of_ours():
+    """Internal functions (qd_aligned_alloc, qd_kernels_avx2, ...) were exported too,
+    where an embedder's function of the same name would meet them."""
+    nm = subprocess.run(["nm", "-D", "--defined-only", os.path.join(qd.get_library_dir(), "libqdispatch.so")],
+                        capture_output=True, text=True)
+    assert nm.returncode == 0, nm.stderr
+    exported = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
+    declared = set(header_functions())
+    assert declared <= exported, sorted(declared - exported)
+    # the CUDA runtime linked in keeps its own names; any of ours (C names, or C++ ones in namespace qd) is leaked
+    leaked = {name for name in exported - declared if "qd" in name}
+    assert not leaked, sorted(leaked)
+
+
 def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_env, tmp_path):
     """The tile size helpers are inline in the header: a bit width, block_k or size
     that the tiling calls refuse gives 0, not a division by zero or an overflow in the

@@ -118,18 +118,20 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
     int not_finite = 0;
 
     if (nblocks >= 4 * threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(|: not_finite)
+        /* the first overflowing block, as a min reduction (a named critical section
+         * would be a symbol that the library exports) */
+        int64_t first_overflow = INT64_MAX;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(|: not_finite) reduction(min: first_overflow)
         for (int64_t b = 0; b < nblocks; b++) {
             int overflow = 0;
             not_finite |= quantize_block(kern, x, cols, (b / grid_cols) * block_rows,
                                          (b % grid_cols) * block_cols, block_rows, block_cols,
                                          lo, hi, scale_dtype, &scales[b], &overflow, q);
-            if (overflow) {
-#pragma omp critical(qd_quantize_overflow)
-                if (overflow_at < 0 || b < overflow_at)
-                    overflow_at = b;
-            }
+            if (overflow && b < first_overflow)
+                first_overflow = b;
         }
+        if (first_overflow != INT64_MAX)
+            overflow_at = first_overflow;
     } else {
         /* Few large blocks (per tensor, say): absmax of every row segment in
          * parallel, the scales from those, then the quantize pass in parallel. */

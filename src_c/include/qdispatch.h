@@ -17,6 +17,12 @@
 extern "C" {
 #endif
 
+/* The library's own files are compiled with hidden visibility: what this header
+ * declares is all that libqdispatch exports. */
+#if defined(__GNUC__) && !defined(_WIN32)
+#pragma GCC visibility push(default)
+#endif
+
 /* ---- version ----
  * QD_ABI_VERSION goes up whenever an entry point's arguments or meaning change.  A program
  * should check qd_abi_version() == QD_ABI_VERSION before its first call: that catches a
@@ -332,6 +338,10 @@ int qd_cuda_fq_wide_supported(void);
 void qd_cuda_set_batch_invariant(int on);
 int qd_cuda_batch_invariant(void);
 /* ---- end CUDA ---- */
+
+#if defined(__GNUC__) && !defined(_WIN32)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }
