@@ -67,17 +67,15 @@ def _host_array(data, dtype=None):
         return arr, _NUMPY_NAMES[arr.dtype]
     if arr.dtype.kind == "f" and arr.dtype.itemsize > 4:  # narrowed unasked: no finite value may become inf
         return within_float32(arr, op="take", reason=f"{arr.dtype} data becomes float32 here"), "float32"
-    if arr.dtype.kind in "fiub":
-        if arr.dtype.kind != "f" and arr.size and (arr.min() < -128 or arr.max() > 127):
-            raise TypeError(f"Integer data of dtype {arr.dtype} is outside int8: quantize floats instead")
-        return arr.astype(np.float32 if arr.dtype.kind == "f" else np.int8), (
-            "float32" if arr.dtype.kind == "f" else "int8")
+    if arr.dtype.kind in "iub":  # integers of a dtype we don't hold: int8, which int_matmul takes
+        return _as_integers(arr, "int8", hint="pass dtype='int32' for an int32 tensor, or "), "int8"
     raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16 or int8 data")
 
 
-def _as_integers(arr, dtype):
+def _as_integers(arr, dtype, hint=""):
     """arr cast to integer `dtype`, refusing the values the cast would change
-    (numpy's cast wraps out-of-range integers and truncates floats)."""
+    (numpy's cast wraps out-of-range integers and truncates floats); `hint` leads
+    the message's advice."""
     target = DTYPES[dtype]
     if arr.dtype == target or arr.dtype.kind not in "iuf" or not arr.size:
         return arr.astype(target, copy=False)
@@ -94,8 +92,8 @@ def _as_integers(arr, dtype):
         value = flat[first].item()
         position = tuple(int(i) for i in np.unravel_index(first, arr.shape))
         raise TypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: the value {value!r} at position "
-                        f"{position} {_misfit(value, dtype, lo, hi)}; quantize float data instead, or round "
-                        f"and clip it (np.rint, np.clip) to {dtype} first")
+                        f"{position} {_misfit(value, dtype, lo, hi)}; {hint}quantize float data instead, or "
+                        f"round and clip it (np.rint, np.clip) to {dtype} first")
     return arr.astype(target)
 
 

@@ -249,6 +249,23 @@ def test_integer_dtype_refuses_data_the_cast_would_change(data, dtype, match):
     assert "quantize float data instead, or round and clip it" in str(info.value)
 
 
+@pytest.mark.parametrize("data", [[1, 2, 300], np.array([[0, 255]], np.uint8), np.array([-129], np.int16)],
+                         ids=["list", "uint8", "int16"])
+def test_integers_of_another_dtype_become_int8_or_name_the_value_and_int32(data):
+    """Integer data of a dtype qdispatch does not hold becomes int8 when every value
+    fits; otherwise the error named no value and no way to keep the integers."""
+    with pytest.raises(TypeError, match=r"Can't make an int8 tensor of \w+ data: the value -?\d+ at position") as info:
+        qd.tensor(data, device="reference")
+    assert "pass dtype='int32' for an int32 tensor" in str(info.value)
+    wide = qd.tensor(data, dtype="int32", device="reference")
+    assert wide.dtype == "int32"
+    np.testing.assert_array_equal(wide.numpy(), np.asarray(data))
+    small = np.asarray(data).astype(np.int64) % 100
+    fits = qd.tensor(small.astype(np.asarray(data).dtype), device="reference")
+    assert fits.dtype == "int8"
+    np.testing.assert_array_equal(fits.numpy(), small)
+
+
 def test_integer_dtype_keeps_data_that_fits(device):
     t = qd.tensor(np.array([[-128.0, 5.0, 127.0]]), dtype="int8", device=device)
     assert t.dtype == "int8" and t.numpy().dtype == np.int8
