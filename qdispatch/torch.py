@@ -901,6 +901,13 @@ class _QuantizedModule(torch.nn.Module):
             return
         if self.weight is not before:
             self._pass_on(before, load, missing_keys)
+        if not assign and self.weight is not self._unloaded and \
+                any(p.is_meta for p in self.parameters(recurse=False)):
+            # torch copies nothing into a meta Parameter (it warns): the layer would run with values
+            # in its weight and none in its bias
+            error_msgs.append(f"Cannot load {prefix}bias: this {type(self).__name__} was made on torch's meta "
+                              f"device, and a load without assign=True copies nothing into its meta bias: "
+                              f"load with load_state_dict(..., assign=True) or qdispatch.torch.load_model")
 
     def _pass_on(self, old, load, missing_keys):
         """This layer's new weight to the layers that shared `old`, as torch's copy into
@@ -1037,7 +1044,12 @@ class QLinear(_QuantizedModule):
 
     def forward(self, x):
         self._refuse_unloaded()
-        y, bias = q_matmul(x, self.weight.T, self.activation_scheme), self.bias
+        try:
+            y = q_matmul(x, self.weight.T, self.activation_scheme)
+        except (ShapeError, TypeError) as exc:  # a model has many layers: say which kind of x this one takes
+            raise type(exc)(f"QLinear(in_features={self.in_features}, out_features={self.out_features}) got x of "
+                            f"shape {tuple(x.shape)} and dtype {x.dtype}: {exc}") from exc
+        bias = self.bias
         if bias is None:
             return y
         return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # .to costs a microsecond

@@ -822,6 +822,42 @@ def test_quantize_linears_of_an_empty_model_then_load_state_dict(tmp_path):
     np.testing.assert_array_equal(model[3].weight.values, source[3].weight.values)
 
 
+def test_a_quantized_checkpoint_brings_its_weights_scheme():
+    """A layer takes the checkpoint's quantized weight as it is, scheme and all (a model
+    of mixed schemes loads into layers made with any one), as the README says."""
+    state = quantize_linears(_model(), QuantScheme("q8s", axis=0)).state_dict()
+    model = quantize_linears(_model(), QuantScheme("q4f", block=(1, 32), store="packed_u32"))
+    model.load_state_dict(state)
+    assert model[3].scheme == QuantScheme("q8s", axis=0)
+
+
+def test_a_meta_built_model_loaded_without_assign_names_its_meta_bias():
+    """Without assign=True torch copies nothing into the meta bias (it only warns), while
+    the quantized weight took its values: the layer then failed in forward with torch's
+    'Tensor on device meta' error, naming neither the layer nor the fix."""
+    scheme = QuantScheme("q8s", axis=0)
+    state = quantize_linears(_model(), scheme).state_dict()
+    with torch.device("meta"):
+        model = _model()
+    quantize_linears(model, scheme)
+    with pytest.warns(UserWarning), \
+            pytest.raises(RuntimeError, match=r"Cannot load 0\.up\.bias: this QLinear was made on torch's meta device, "
+                                              r"and a load without assign=True copies nothing into its meta bias"):
+        model.load_state_dict(state)
+    model.load_state_dict(state, assign=True)
+    assert not model[3].bias.is_meta
+
+
+def test_a_qlinears_input_errors_name_what_the_layer_takes():
+    layer = quantize_linears(torch.nn.Sequential(torch.nn.Linear(64, 24)), QuantScheme("q8s", axis=0))[0]
+    with pytest.raises(ShapeError, match=r"^QLinear\(in_features=64, out_features=24\) got x of shape \(5, 32\) "
+                                         r"and dtype torch\.float32: "):
+        layer(torch.randn(5, 32))
+    with pytest.raises(TypeError, match=r"^QLinear\(in_features=64, out_features=24\) got x of shape \(5, 64\) "
+                                        r"and dtype torch\.int64: "):
+        layer(torch.ones(5, 64, dtype=torch.long))
+
+
 def test_a_float_checkpoint_loads_into_qlinears_quantizing_as_it_goes():
     """A model built empty and made quantized takes an nn.Linear checkpoint: each
     layer quantizes its float weight as it loads (the float model never exists whole)."""
