@@ -35,14 +35,14 @@ Tensors or arrays (F32, F16, BF16), of 1 to 4 dims, atomically.  Anything else r
 Only tensors cross; GGUF key-value metadata other than the architecture is not
 read or written.
 """
-import functools
 import math
 
 import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
 from .errors import SerializationError
-from .io import SAVABLE, atomic_path, check_tensor_dict, encode_scales, selected_names
+from . import gguf_reader
+from .io import SAVABLE, atomic_path, check_tensor_dict, encode_scales, opened_regular_file, selected_names
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_parts, qtensor_host, tensor
 
@@ -116,58 +116,51 @@ def load(path, device=None, names=None):
     """{name: QTensor | Tensor} for the Q8_0, Q4_0, F32, F16 and BF16 tensors of
     the GGUF file at `path`, on `device` (default: the default backend); with
     `names`, only those tensors (a file that also holds types qdispatch does not
-    read, K-quants say, loads the rest this way)."""
+    read, K-quants say, loads the rest this way).  The key-value metadata (the
+    tokenizer, say) is stepped over, not read."""
     gguf = _gguf()
     if device is not None:
         backend_for(device)  # an unavailable device fails before any reading
-    try:
-        reader = _reader_class(gguf)(path)
-    except (ValueError, IndexError, KeyError, OverflowError, RecursionError) as exc:  # RecursionError: nested arrays
-        raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): "
-                                 f"{type(exc).__name__}: {exc}") from None
-    _check_offsets(path, reader)
-    swapped = reader.byte_order == "S"  # a big-endian file (as gguf_convert_endian writes) on a little-endian host
-    by_name = {t.name: t for t in reader.tensors}
-    return {name: _load_tensor(path, by_name[name], device, swapped)
-            for name in selected_names(path, names, by_name)}
+    with opened_regular_file(path) as f:
+        file = gguf_reader.read(path, f, gguf.GGML_QUANT_SIZES)
+        try:
+            _check_offsets(path, file)
+            by_name = {t.name: t for t in file.tensors}
+            return {name: _load_tensor(path, gguf, file, by_name[name], device)
+                    for name in selected_names(path, names, by_name)}
+        finally:
+            file.data.close()
 
 
-@functools.cache
-def _reader_class(gguf):
-    class Reader(gguf.GGUFReader):
-        # The reader takes bytes past the file's end as empty arrays, so an array
-        # that claims more items than the file holds (2**40, say) loops for ever,
-        # its list growing: stop at the end.
-        def _get(self, offset, dtype, count=1, *args, **kwargs):
-            end = int(offset) + np.dtype(dtype).itemsize * int(count)
-            if end > len(self.data):
-                raise ValueError(f"the file ends at byte {len(self.data)}, before the {np.dtype(dtype)} "
-                                 f"data it describes at bytes {int(offset)}-{end}")
-            return super()._get(offset, dtype, count, *args, **kwargs)
-    return Reader
-
-
-def _check_offsets(path, reader):
+def _check_offsets(path, file):
     """Each tensor's data starts where the one before it ends, rounded up to the
-    file's alignment, as ggml requires (the gguf reader does not check): tensors that
-    overlap would load one file's bytes many times over, or as another's garbage."""
-    expected, alignment = int(reader.data_offset), int(reader.alignment)  # numpy's uint32 with general.alignment
-    for t in reader.tensors:
-        if int(t.data_offset) != expected:
+    file's alignment, as ggml requires, and the last ends with the file: tensors that
+    overlap would load one file's bytes many times over, or as another's garbage, and
+    a wrong tensor count would read a header as data."""
+    expected, end = file.data_start, file.data_start
+    for t in file.tensors:
+        if t.offset != expected:
             raise SerializationError(
-                f"Tensor {t.name!r} in {path} starts at byte {int(t.data_offset)} of the file, where the "
-                f"tensors before it end at {expected} (aligned to {alignment} bytes): the file is corrupted")
-        expected += -(-int(t.n_bytes) // alignment) * alignment
+                f"Tensor {t.name!r} in {path} starts at byte {t.offset} of the file, where the "
+                f"tensors before it end at {expected} (aligned to {file.alignment} bytes): the file is corrupted")
+        end = t.offset + t.nbytes
+        if end > len(file.data):
+            raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): tensor "
+                                     f"{t.name!r} ends at byte {end}, past the file's end at byte {len(file.data)}")
+        expected += -(-t.nbytes // file.alignment) * file.alignment
+    if file.tensors and not end <= len(file.data) <= expected:  # the last tensor's padding is optional
+        raise SerializationError(f"{path} holds {len(file.data) - expected} bytes past its last tensor's data "
+                                 f"(byte {expected}): the file is corrupted (its tensor count, say)")
 
 
-def _load_tensor(path, t, device, swapped):
-    kind = t.tensor_type.name
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+def _load_tensor(path, gguf, file, t, device):
+    kind = gguf.GGMLQuantizationType(t.ggml_type).name
+    shape = tuple(reversed(t.dims))
+    raw = np.frombuffer(file.data, np.uint8, t.nbytes, t.offset).copy()  # not a view: the map closes
     if kind in _FLOAT_TYPES:
         dtype = _FLOAT_TYPES[kind]
-        data = np.array(t.data)  # a copy: the reader's memory map must not outlive it
-        if dtype == "bfloat16":  # the reader gives its bytes, in the file's order (F32 and F16 come as numbers)
-            data = data.view(np.uint16).byteswap() if swapped else data.view(np.uint16)
+        held = np.dtype({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind])  # bfloat16 as its bits
+        data = raw.view(held.newbyteorder("S") if file.swapped else held).astype(held)  # in the host's order
         try:
             data = data.reshape(shape)
         except ValueError as exc:  # an empty tensor with a dim numpy can't hold, say
@@ -184,7 +177,7 @@ def _load_tensor(path, t, device, swapped):
             f"Tensor {t.name!r} in {path} is a {kind} tensor of shape {shape}, with no values: qdispatch's "
             f"QTensors hold at least one value; remove it from the file or store it as F32")
     scheme, block_bytes, decode, _ = _QUANT_TYPES[kind]
-    scales, payload = _split_blocks(t.data, block_bytes, swapped)
+    scales, payload = _split_blocks(raw, block_bytes, file.swapped)
     if not np.all(np.isfinite(scales)):
         raise SerializationError(f"Tensor {t.name!r} in {path} has NaN or Inf scales: the file is corrupted")
     grid = shape[:-1] + (shape[-1] // BLOCK,)
@@ -250,12 +243,22 @@ def _plan(name, obj):
     return tuple(obj.shape), np.dtype(dtype), _FLOAT_TYPE_OF[dtype], lambda: np.ascontiguousarray(fetch())
 
 
+def _is_utf8(text):
+    try:
+        text.encode("utf-8")  # a lone surrogate (from a bytes name decoded with surrogateescape) has none
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def export(path, tensors, arch="qdispatch"):
     """Write `{name: QTensor | Tensor | ndarray}` (str names) to a GGUF file, atomically.
     `arch` is written as general.architecture.  Every tensor is checked first;
     then they are fetched and written one at a time, so the host holds one
     tensor's bytes at a time (a model on the GPU is never on the host whole)."""
     gguf = _gguf()
+    if not isinstance(arch, str) or "\0" in arch or not _is_utf8(arch):
+        raise SerializationError(f"export's arch= is written as UTF-8 text without NULs, got {arch!r}")
     tensors = check_tensor_dict(tensors, "export")
     plans = [(name, *_plan(name, obj)) for name, obj in tensors.items()]  # all checks first
     with atomic_path(path) as tmp:

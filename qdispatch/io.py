@@ -33,6 +33,7 @@ Writes are atomic: the file is written next to its destination, synced, then
 renamed over it, so a crash mid-write leaves the old file intact.
 """
 import contextlib
+import errno
 import json
 import math
 import os
@@ -82,13 +83,21 @@ def atomic_path(path):
     over `path`, on failure remove it.  Either way `path` is never half-written."""
     # a bytes path too: the temporary name is str.  A symbolic link stays one: its
     # target is what is written, as open(path, "wb") would.
-    path = os.path.realpath(os.fsdecode(path))
+    given = os.fsdecode(path)
+    if not given:  # realpath would make it the working folder
+        raise FileNotFoundError(errno.ENOENT, "save and export write a file, so give a file's path, not ''", given)
+    path = os.path.realpath(given)
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a folder: save and export write a file, so give a file's path")
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):  # else the error would name the temporary file
-        raise FileNotFoundError(f"Can't write {path}: its folder {folder} does not exist; create it first")
-    tmp = _new_file(folder, ".qdispatch.", ".tmp")  # short: the target's name may be as long as names get
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist; create it first"
+        raise FileNotFoundError(f"Can't write {path}: its folder {folder} {what}")
+    try:
+        tmp = _new_file(folder, ".qdispatch.", ".tmp")  # short: the target's name may be as long as names get
+    except PermissionError:  # the temporary file's name would mean nothing to the caller
+        raise PermissionError(errno.EACCES, f"Can't write {path}: no permission to create files in {folder}",
+                              path) from None
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -368,7 +377,8 @@ def _read_header(path, f):
             f"{path} is truncated or not a safetensors file: its header claims {size} bytes "
             f"but the file holds {file_size}")
     try:
-        header = json.loads(f.read(size), object_pairs_hook=_without_repeats)
+        # UTF-8 as safetensors requires (json would guess UTF-16 or take a byte-order mark)
+        header = json.loads(f.read(size).decode("utf-8"), object_pairs_hook=_without_repeats)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (ValueError, RecursionError) as exc:
@@ -389,8 +399,8 @@ def _without_repeats(pairs):
 
 def _metadata(path, header):
     """The records of a file's tensors, each checked to have the fields its kind needs."""
-    meta = header.get(_METADATA) or {}
-    if not isinstance(meta, dict):
+    meta = header.get(_METADATA, {})
+    if not isinstance(meta, dict):  # null, 0 or "" too: safetensors refuses them, and they hid qdispatch's records
         raise SerializationError(
             f"{path} has a corrupted safetensors header: its __metadata__ is {brief(meta)}, not a JSON object")
     version = meta.get(_VERSION_KEY)
@@ -401,9 +411,10 @@ def _metadata(path, header):
             f"{path} has corrupted qdispatch metadata: it holds {_VERSION_KEY!r} or {_TENSORS_KEY!r} "
             f"without the other")
     if version not in [str(v) for v in range(1, FORMAT_VERSION + 1)]:
+        newer = isinstance(version, str) and version.isdecimal() and version.isascii() and int(version) > FORMAT_VERSION
         raise SerializationError(
             f"{path} has qdispatch format version {version!r}; this qdispatch reads versions 1 to "
-            f"{FORMAT_VERSION}: upgrade qdispatch to read it")
+            f"{FORMAT_VERSION}: " + ("upgrade qdispatch to read it" if newer else "the file is corrupted"))
     try:
         records = json.loads(meta[_TENSORS_KEY], object_pairs_hook=_without_repeats)
         if not isinstance(records, dict):
@@ -426,18 +437,17 @@ def _metadata(path, header):
 def _plain_records(path, header):
     """The records of a safetensors file that another writer made (torch's, numpy's):
     each entry a Tensor where its dtype is one (F32, F16, BF16, I8, I32), else a numpy
-    array, as the header gives it; no CRC-32 to check (None)."""
+    array, as the header gives it; no CRC-32 to check (None).  An entry of a dtype
+    numpy lacks (FP8, say) is refused only when it is read, so names= loads the rest."""
     records = {}
     for key, entry in header.items():
         if key == _METADATA:
             continue
         code = entry.get("dtype") if isinstance(entry, dict) else None
-        if code not in _NUMPY_OF:
-            raise SerializationError(f"Tensor {key!r} in {path} has dtype {brief(code)}, which qdispatch does not "
-                                     f"read (expected one of {', '.join(_NUMPY_OF)})")
         tensor_dtype = next((dtype for dtype, c in _TENSOR_CODES.items() if c == code), None)
         records[key] = ({"kind": "tensor", "dtype": tensor_dtype, "crc32": [None]} if tensor_dtype
-                        else {"kind": "array", "dtype": code, "crc32": [None]})
+                        else {"kind": "array", "dtype": code, "crc32": [None]} if code in _NUMPY_OF
+                        else {"kind": "unread", "dtype": code})
     return records
 
 
@@ -559,10 +569,24 @@ def selected_names(path, names, held):
 def reading(path):
     """A file written by `save`, open for reading one tensor at a time (a
     `StoredFile`), so that a loader holds one tensor's bytes at a time."""
+    with opened_regular_file(path) as f:
+        yield StoredFile(path, f)
+
+
+@contextlib.contextmanager
+def opened_regular_file(path):
+    """`path` open for binary reading, refused unless it names a regular file: a pipe
+    would block the open until a writer came, and a device has no size to check."""
     if not isinstance(path, (str, bytes, os.PathLike)):  # open() would take a number for a descriptor, and close it
         raise TypeError(f"Expected a file path (str, bytes or os.PathLike), got {type(path).__name__} {path!r}")
+    mode = os.stat(path).st_mode  # FileNotFoundError and PermissionError name the path
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", os.fsdecode(path))
+    if not stat.S_ISREG(mode):
+        raise SerializationError(f"{os.fsdecode(path)} is not a regular file (a pipe or a device?): load reads "
+                                 f"files written to disk")
     with open(path, "rb") as f:
-        yield StoredFile(path, f)
+        yield f
 
 
 class StoredFile:
@@ -601,8 +625,8 @@ class StoredFile:
     def _decode(self, name, dev):
         try:
             return _decode(name, self.records[name], self._entries, dev)
-        except SerializationError:
-            raise
+        except SerializationError as exc:  # the entries' checks know the tensor, not the file
+            raise SerializationError(f"{self.path}: {exc}") from None
         except (QDispatchError, ValueError, TypeError, LookupError) as exc:  # a record that lies
             raise SerializationError(f"Can't load tensor {name!r} from {self.path}: {exc}") from exc
 
@@ -669,7 +693,11 @@ class _Entries:
 
 def _decode(name, record, entries, dev):
     """One tensor from its record, which `_metadata` checked."""
-    kind, crcs = record["kind"], record["crc32"]
+    kind = record["kind"]
+    if kind == "unread":
+        raise SerializationError(f"Tensor {name!r} has dtype {brief(record['dtype'])}, which qdispatch does not "
+                                 f"read (it reads {', '.join(_NUMPY_OF)}): load the others with names=[...]")
+    crcs = record["crc32"]
     if kind == "qtensor":
         return _decode_qtensor(name, record, entries, dev, crcs)
     code, shape = entries.format(name, name)

@@ -204,7 +204,8 @@ def test_an_array_longer_than_the_file_is_refused_at_once(tmp_path):
     path = tmp_path / "m.gguf"
     raw_gguf(path, [], kvs=struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 0, 2**40),
              kv_count=1)
-    with pytest.raises(SerializationError, match="not a readable GGUF file .*the file ends at byte"):
+    with pytest.raises(SerializationError, match=r"not a readable GGUF file .*: an array of 1099511627776 values "
+                                                 r"\(1099511627776 bytes\) at byte \d+ runs past the file's end"):
         qgguf.load(path)
 
 
@@ -212,11 +213,62 @@ def test_a_file_the_reader_chokes_on_is_a_serialization_error(tmp_path):
     path = tmp_path / "m.gguf"
     deep = struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2000
     raw_gguf(path, [], kvs=deep + struct.pack("<IQ", 4, 0), kv_count=1)  # arrays of arrays, 2000 deep
-    with pytest.raises(SerializationError, match="not a readable GGUF file .*RecursionError"):
+    with pytest.raises(SerializationError, match="not a readable GGUF file .*: arrays nested more than 64 deep"):
         qgguf.load(path)
     raw_gguf(path, [(b"bf", [0, 2**62], int(T.BF16), 0)])  # no values, a dim numpy can't hold
     with pytest.raises(SerializationError, match=r"'bf' in .*has shape \(4611686018427387904, 0\), which its 0 values"):
         qgguf.load(path)
+
+
+def tokenizer_like_file(path, strings, numbers):
+    """A GGUF file whose metadata holds `strings` short strings and an array of
+    `numbers` int32s (a tokenizer's vocabulary, merges and token types), and one tensor."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"t{i}".encode() for i in range(strings)])
+    writer.add_token_types([1] * numbers)
+    writer.add_tensor("w", np.arange(64, dtype=np.float32).reshape(2, 32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+
+
+def test_metadata_is_stepped_over_not_read(tmp_path):
+    """The gguf package's reader made a numpy object of every metadata item: a model's
+    tokenizer (400k strings) cost 10 s and 670 MB before the first tensor loaded."""
+    import tracemalloc
+    tokenizer_like_file(tmp_path / "m.gguf", strings=200_000, numbers=1_000_000)
+    tracemalloc.start()
+    try:
+        loaded = qgguf.load(tmp_path / "m.gguf", device="reference")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(loaded["w"].numpy(), np.arange(64, dtype=np.float32).reshape(2, 32))
+    assert peak < 8 << 20, f"loading one 256-byte tensor allocated {peak >> 20} MB"
+
+
+def test_a_lowered_tensor_count_is_refused(tmp_path):
+    """With its tensor count lowered, a file's second tensor entry was read as the
+    first tensor's data: garbage values, loaded without a word."""
+    path = tmp_path / "m.gguf"
+    quantized_file(path, [T.Q8_0, T.F32], (2, 64))
+    raw = bytearray(path.read_bytes())
+    assert struct.unpack_from("<Q", raw, 8)[0] == 2
+    struct.pack_into("<Q", raw, 8, 1)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SerializationError, match=r"holds \d+ bytes past its last tensor's data .*corrupted"):
+        qgguf.load(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_loaders_refuse_what_is_no_regular_file(tmp_path):
+    """A named pipe blocked the open for ever (waiting for a writer); a device gave
+    a bare OSError."""
+    os.mkfifo(tmp_path / "pipe")
+    for load in (qgguf.load, qd.load):
+        for path in (tmp_path / "pipe", "/dev/null"):
+            with pytest.raises(SerializationError, match="is not a regular file"):
+                load(path)
 
 
 # ---- export ---------------------------------------------------------------------------
@@ -252,6 +304,14 @@ def test_load_then_export_reproduces_the_bytes(tmp_path):
     assert original.keys() == again.keys()
     for name in original:
         np.testing.assert_array_equal(original[name].view(np.uint8), again[name].view(np.uint8))
+
+
+@pytest.mark.parametrize("arch", ["\udcff", "a\0b", 7])
+def test_export_refuses_an_arch_it_cannot_write(tmp_path, arch):
+    """A lone surrogate leaked the writer's UnicodeEncodeError, after the file was begun."""
+    with pytest.raises(SerializationError, match="export's arch= is written as UTF-8 text without NULs"):
+        qgguf.export(tmp_path / "o.gguf", {"x": np.ones(4, np.float32)}, arch=arch)
+    assert not os.listdir(tmp_path)
 
 
 def test_export_rejects_schemes_without_a_gguf_type(tmp_path):

@@ -233,6 +233,30 @@ def test_saving_to_a_folder_names_the_folder(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_saving_to_no_path_or_under_a_file_says_so(tmp_path):
+    """'' was taken as the working folder ("... is a folder"), and a file used as a
+    folder was called a folder that does not exist."""
+    with pytest.raises(FileNotFoundError, match="give a file's path, not ''"):
+        qd.save("", {"a": np.zeros(2)})
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=f"its folder {re.escape(str(tmp_path / 'file'))} is a file, not a"):
+        qd.save(tmp_path / "file" / "x.safetensors", {"a": np.zeros(2)})
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write in any folder")
+def test_saving_into_a_read_only_folder_names_the_target(tmp_path):
+    """The PermissionError named the hidden temporary file, not what was being saved."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        with pytest.raises(PermissionError, match=f"Can't write {re.escape(str(folder / 'x.st'))}: no permission "
+                                                  f"to create files in"):
+            qd.save(folder / "x.st", {"a": np.zeros(2)})
+    finally:
+        folder.chmod(0o755)
+
+
 def test_saving_into_a_missing_folder_names_it(tmp_path):
     """The error named the temporary file beside the target."""
     target = tmp_path / "nowhere" / "x.safetensors"
@@ -332,7 +356,10 @@ def test_corrupted_bytes_name_the_tensor(saved):
 
 def test_unknown_version(saved):
     rewrite_metadata(saved, lambda h: h["__metadata__"].update({"qdispatch.format_version": "9"}))
-    with pytest.raises(SerializationError, match="version '9'"):
+    with pytest.raises(SerializationError, match="version '9'.*upgrade qdispatch"):
+        qd.load(saved)
+    rewrite_metadata(saved, lambda h: h["__metadata__"].update({"qdispatch.format_version": "<"}))
+    with pytest.raises(SerializationError, match="version '<'.*: the file is corrupted"):  # no upgrade reads it
         qd.load(saved)
 
 
@@ -350,8 +377,34 @@ def test_a_file_of_another_writer_loads_as_its_header_says(tmp_path):
     assert loaded["h"].dtype == "bfloat16" and loaded["h"].numpy().tolist() == [1.0]
     assert list(qd.load(tmp_path / "plain.st", names=["ids"])) == ["ids"]
     rewrite_metadata(tmp_path / "plain.st", lambda h: h["x"].update({"dtype": "F8_E4M3"}))
-    with pytest.raises(SerializationError, match="'x'.*'F8_E4M3', which qdispatch does not read"):
+    with pytest.raises(SerializationError, match=r"plain\.st: Tensor 'x' has dtype 'F8_E4M3', which qdispatch does "
+                                                 r"not read .*: load the others with names=\[\.\.\.\]"):
         qd.load(tmp_path / "plain.st")
+    # an entry numpy can't hold (FP8 in many checkpoints) kept the others from loading at all
+    assert sorted(qd.load(tmp_path / "plain.st", names=["ids", "h"])) == ["h", "ids"]
+
+
+@pytest.mark.parametrize("metadata", [None, 0, "", False])
+def test_a_metadata_that_is_no_json_object_is_refused(tmp_path, metadata):
+    """A damaged __metadata__ (null, 0, "") read as none: qdispatch's own file then
+    loaded its QTensors' parts as plain entries, with no error."""
+    qd.save(tmp_path / "w.st", {"w": qd.quantize(np.ones((4, 32), np.float32), "q8s")})
+    rewrite_metadata(tmp_path / "w.st", lambda h: h.update({"__metadata__": metadata}))
+    with pytest.raises(SerializationError, match="its __metadata__ is .*, not a JSON object"):
+        qd.load(tmp_path / "w.st")
+
+
+def test_a_header_in_another_encoding_than_utf8_is_refused(tmp_path):
+    """json guessed the encoding: a UTF-16 header, or one after a byte-order mark,
+    loaded, where safetensors readers refuse it."""
+    qd.save(tmp_path / "x.st", {"x": np.ones(3, np.float32)})
+    raw = (tmp_path / "x.st").read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + size].decode("utf-8")
+    for encoded in (header.encode("utf-16-le"), b"\xef\xbb\xbf" + header.encode("utf-8")):
+        (tmp_path / "y.st").write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + size:])
+        with pytest.raises(SerializationError, match="corrupted safetensors header"):
+            qd.load(tmp_path / "y.st")
 
 
 def test_a_file_of_the_safetensors_library_loads(tmp_path):
