@@ -298,16 +298,42 @@ def test_environment_variables_pick_isa_and_threads():
     out = run_python("-c", code, QDISPATCH_ISA="scalar", QDISPATCH_NUM_THREADS="1")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["scalar", "1"]
-    bad = run_python("-c", code, QDISPATCH_ISA="avx9000")
-    assert bad.returncode != 0 and "QDISPATCH_ISA=avx9000: Can't use ISA 'avx9000'" in bad.stderr
 
 
-@pytest.mark.parametrize("setting", ["abc", "99999999999"])
-def test_a_thread_count_that_is_no_number_names_its_variable(setting):
-    bad = run_python("-c", "import qdispatch", QDISPATCH_NUM_THREADS=setting)
-    assert bad.returncode != 0
-    assert (f"ValueError: QDISPATCH_NUM_THREADS='{setting}' is not a whole number up to 2147483647: "
-            f"set it to a thread count" in bad.stderr)
+
+BAD_SETTING = """
+import numpy as np, qdispatch as qd
+cpu = qd.info()["backends"]["cpu"]
+print(cpu["available"], "|", cpu["reason"])
+try:
+    qd.q_matmul(np.ones((1, 32), np.float32), qd.quantize(np.ones((4, 32), np.float32), "q8s").T)
+except qd.BackendUnavailableError as exc:
+    print(exc)
+print(qd.quantize(np.ones(4, np.float32), "q8s", device="reference").device)
+{fix}
+print(qd.tensor(np.ones(2, np.float32)).device)
+"""
+
+
+@pytest.mark.parametrize("variable,setting,fix,message", [
+    ("QDISPATCH_ISA", "avx9000", "qd.set_isa('auto')", "QDISPATCH_ISA=avx9000: Can't use ISA 'avx9000'"),
+    ("QDISPATCH_NUM_THREADS", "abc", "qd.set_num_threads(2)",
+     "QDISPATCH_NUM_THREADS='abc' is not a whole number up to 2147483647: set it to a thread count"),
+    ("QDISPATCH_NUM_THREADS", "99999999999", "qd.set_num_threads(0)", "QDISPATCH_NUM_THREADS='99999999999'"),
+    ("QDISPATCH_NUM_THREADS", "2_0", "qd.set_num_threads(1)", "QDISPATCH_NUM_THREADS='2_0' is not a whole number"),
+    ("QDISPATCH_NUM_THREADS", "\u0662", "qd.set_num_threads(1)", "is not a whole number"),  # an Arabic-Indic 2
+])
+def test_a_bad_setting_makes_the_cpu_backend_unavailable_saying_why(variable, setting, fix, message):
+    """A bad setting failed `import qdispatch`, so `qdispatch info` could not say what
+    was wrong and the reference backend could not run; int() read "2_0" as 20."""
+    out = run_python("-c", BAD_SETTING.format(fix=fix), **{variable: setting})
+    assert out.returncode == 0, out.stderr
+    status, refused, reference, fixed = out.stdout.strip().splitlines()
+    assert status.startswith("False | ") and message in status
+    assert message in refused  # the default backend stays cpu, and says why it can't run
+    assert (reference, fixed) == ("reference", "cpu")
+    info = run_python("-m", "qdispatch", "info", **{variable: setting})
+    assert info.returncode == 0 and message in info.stdout, (info.stdout, info.stderr)
 
 
 FORKED_WORKER = """

@@ -5,6 +5,7 @@ created on or moved to cpu; a weight used in the other orientation is packed
 on first use and kept."""
 import operator
 import os
+import re
 import threading
 import warnings
 
@@ -55,11 +56,9 @@ _MOST_THREADS = 2**31 - 1  # the C library's thread count is an int
 
 
 def _thread_count_setting(text):
-    """QDISPATCH_NUM_THREADS as an int, or ValueError naming the variable."""
-    try:
-        count = int(text)
-    except ValueError:
-        count = None
+    """QDISPATCH_NUM_THREADS as an int, or ValueError naming the variable.  Plain
+    ASCII digits only: int() also reads "2_0" as 20 and other scripts' digits."""
+    count = int(text) if re.fullmatch(r"\s*[+-]?[0-9]+\s*", text) else None
     if count is None or count > _MOST_THREADS:
         raise ValueError(f"QDISPATCH_NUM_THREADS={text!r} is not a whole number up to {_MOST_THREADS}: set it "
                          f"to a thread count such as 4 (0 or less means one per processor), or unset it")
@@ -76,6 +75,9 @@ class CpuBackend(HostBackend):
     name = "cpu"
 
     def __init__(self):
+        # A bad setting makes the backend unavailable, saying why, rather than failing
+        # the import: `qdispatch info` and the reference backend still work.
+        self._bad_settings = {}
         if _cpu is None:
             return
         isa = os.environ.get("QDISPATCH_ISA")
@@ -83,15 +85,25 @@ class CpuBackend(HostBackend):
             try:
                 self.set_isa(isa)
             except BackendUnavailableError as exc:
-                raise BackendUnavailableError(f"QDISPATCH_ISA={isa}: {exc}") from None
+                self._bad_settings["isa"] = f"QDISPATCH_ISA={isa}: {exc}"
         threads = os.environ.get("QDISPATCH_NUM_THREADS")
         if threads:
-            self.set_num_threads(_thread_count_setting(threads))
+            try:
+                self.set_num_threads(_thread_count_setting(threads))
+            except ValueError as exc:
+                self._bad_settings["threads"] = str(exc)
+
+    @property
+    def built(self):
+        """Whether this copy of qdispatch has the compiled kernels."""
+        return _cpu is not None
 
     def unavailable_reason(self, index=0):
         if _cpu is None:
             return (f"The cpu backend's compiled kernels failed to import ({_IMPORT_ERROR}): "
                     f"reinstall qdispatch with `pip install .`")
+        if self._bad_settings:
+            return next(iter(self._bad_settings.values()))
         return super().unavailable_reason(index)
 
     # ---- ISA and threads ----
@@ -103,6 +115,7 @@ class CpuBackend(HostBackend):
                 f"{exc}. Built and supported here: "
                 f"{', '.join(sorted(set(_cpu.isa_info()['built']) & set(_cpu.isa_info()['supported'])))}"
                 f" (or 'auto')") from None
+        self._bad_settings.pop("isa", None)  # a good choice in code replaces the variable's
 
     def set_num_threads(self, n):
         try:
@@ -114,6 +127,7 @@ class CpuBackend(HostBackend):
             raise ValueError(f"set_num_threads({count}): at most {_MOST_THREADS} threads; "
                              f"0 or less means one per processor")
         _cpu.set_num_threads(max(count, 0))
+        self._bad_settings.pop("threads", None)
         if count != 1 and _cpu.forked_child():
             warnings.warn(f"set_num_threads({count}) has no effect: {FORKED_ONE_THREAD}", RuntimeWarning,
                           stacklevel=3)
