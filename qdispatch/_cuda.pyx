@@ -77,67 +77,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
     const char *cudaGetErrorName(cudaError_t err)
 
 
-cdef extern from "qdispatch.h" nogil:
-    ctypedef int qd_status
-    cdef int QD_OK, QD_ERR_NO_MEMORY, QD_ERR_NOT_FINITE, QD_ERR_SCALE_OVERFLOW, QD_ERR_CUDA
-    cdef int QD_ERR_CUDA_UNAVAILABLE
-    cdef int QD_ERR_SHAPE, QD_ERR_ARGUMENT, QD_ERR_K_TOO_LARGE
-    cdef int QD_CUDA_F32, QD_CUDA_F16, QD_CUDA_BF16, QD_CUDA_S8, QD_CUDA_S32
-    cdef int QD_CUDA_QUANTIZE_SCRATCH
-    int qd_cuda_available()
-    const char *qd_cuda_last_error()
-    qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n, void *stream)
-    qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols, const float *bias,
-                                   float *out, void *stream)
-    qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t rows, int64_t cols,
-                                int elem_size, void *dst, void *stream)
-    qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
-                             int64_t dst_ld, void *stream)
-    qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits,
-                               uint32_t *words, void *stream)
-    qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits,
-                                 int8_t *q, void *stream)
-    qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
-                                   int64_t block_rows, int64_t block_cols, int scale_dtype,
-                                   float *scales, int8_t *q, void *scratch, int64_t *bad_index,
-                                   void *stream)
-    qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
-                                      const float *scales, int64_t block_rows, int64_t block_cols,
-                                      const int64_t *ids, int64_t n, void *out, int out_dtype,
-                                      void *stream)
-    qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
-                                    int64_t K, int64_t ld, int32_t *c, void *stream)
-    qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
-                                int64_t ld, const float *a_scales, int64_t a_block_m,
-                                int64_t a_block_k, const float *b_scales, int64_t b_block_n,
-                                int64_t b_block_k, void *out, int out_dtype, void *stream)
-    int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits)
-    qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
-                                      void *tiles, void *stream)
-    qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
-                                        int64_t ld, void *stream)
-    qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
-                                         const float *scales, int64_t block_rows, int64_t block_cols,
-                                         const int64_t *ids, int64_t n, void *out, int out_dtype,
-                                         void *stream)
-    int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k)
-    qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
-                                     int64_t block_k, void *scale_tiles, void *stream)
-    qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
-                                const void *tiles, const void *scale_tiles, int bits, int64_t N,
-                                int64_t K, int64_t block_k, void *out, int out_dtype, void *stream)
-    qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
-                                 int64_t ld, void *stream)
-    qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream)
-    qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
-                                        void *w16, int64_t ld, void *stream)
-    qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
-                              int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
-                              int out_dtype, void *stream)
-    int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k)
-    int qd_cuda_fq_wide_supported()
-    void qd_cuda_set_batch_invariant(int on)
-    int qd_cuda_batch_invariant()
+from qdispatch.qdispatch_c cimport *
 
 
 DTYPES = {"float32": QD_CUDA_F32, "float16": QD_CUDA_F16, "bfloat16": QD_CUDA_BF16,

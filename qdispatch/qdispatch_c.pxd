@@ -1,5 +1,5 @@
 # Declarations of the public C header qdispatch.h, for Cython code to cimport.
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t
 
 cdef extern from "qdispatch.h" nogil:
     cpdef enum qd_backend:
@@ -95,3 +95,73 @@ cdef extern from "qdispatch.h" nogil:
     qd_status qd_convert_bf16_to_f32(const uint16_t *src, int64_t n, float *dst) noexcept
     qd_status qd_convert_f32_to_f16(const float *src, int64_t n, uint16_t *dst) noexcept
     qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst) noexcept
+
+    # ---- CUDA (device pointers; `stream` a cudaStream_t, NULL the legacy default stream).
+    # A library built without CUDA has them all, returning QD_ERR_CUDA_UNAVAILABLE. ----
+    ctypedef enum qd_cuda_dtype:
+        QD_CUDA_F32
+        QD_CUDA_F16
+        QD_CUDA_BF16
+        QD_CUDA_S8
+        QD_CUDA_S32
+    int QD_CUDA_QUANTIZE_SCRATCH
+
+    int qd_cuda_available() noexcept
+    const char *qd_cuda_last_error() noexcept
+    qd_status qd_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n,
+                           void *stream) noexcept
+    qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
+                                 int64_t ld, void *stream) noexcept
+    qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream) noexcept
+    qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols, const float *bias,
+                                   float *out, void *stream) noexcept
+    qd_status qd_cuda_transpose(const void *src, int64_t batch, int64_t rows, int64_t cols,
+                                int elem_size, void *dst, void *stream) noexcept
+    qd_status qd_cuda_pad_s8(const int8_t *src, int64_t rows, int64_t cols, int8_t *dst,
+                             int64_t dst_ld, void *stream) noexcept
+    qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits,
+                               uint32_t *words, void *stream) noexcept
+    qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits,
+                                 int8_t *q, void *stream) noexcept
+    qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                                   int64_t block_rows, int64_t block_cols, int scale_dtype,
+                                   float *scales, int8_t *q, void *scratch, int64_t *bad_index,
+                                   void *stream) noexcept
+    qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
+                                 const float *scales, int64_t block_rows, int64_t block_cols,
+                                 float *out, void *stream) noexcept
+    qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
+                                      const float *scales, int64_t block_rows, int64_t block_cols,
+                                      const int64_t *ids, int64_t n, void *out, int out_dtype,
+                                      void *stream) noexcept
+    qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
+                                    int64_t K, int64_t ld, int32_t *c, void *stream) noexcept
+    qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
+                                int64_t ld, const float *a_scales, int64_t a_block_m,
+                                int64_t a_block_k, const float *b_scales, int64_t b_block_n,
+                                int64_t b_block_k, void *out, int out_dtype, void *stream) noexcept
+    int64_t qd_cuda_tiles_size(int64_t row_groups, int64_t k_tiles, int64_t tile_bytes) noexcept
+    int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits) noexcept
+    int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k) noexcept
+    qd_status qd_cuda_fq_tile_weights(const int8_t *q, int64_t N, int64_t K, int64_t ld, int bits,
+                                      void *tiles, void *stream) noexcept
+    qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int64_t K, int64_t block_n,
+                                     int64_t block_k, void *scale_tiles, void *stream) noexcept
+    qd_status qd_cuda_fq_untile_weights(const void *tiles, int64_t N, int64_t K, int bits, int8_t *q,
+                                        int64_t ld, void *stream) noexcept
+    qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int64_t K,
+                                         const float *scales, int64_t block_rows, int64_t block_cols,
+                                         const int64_t *ids, int64_t n, void *out, int out_dtype,
+                                         void *stream) noexcept
+    qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
+                                const void *tiles, const void *scale_tiles, int bits, int64_t N,
+                                int64_t K, int64_t block_k, void *out, int out_dtype, void *stream) noexcept
+    qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
+                                        void *w16, int64_t ld, void *stream) noexcept
+    qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
+                              int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
+                              int out_dtype, void *stream) noexcept
+    int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) noexcept
+    int qd_cuda_fq_wide_supported() noexcept
+    void qd_cuda_set_batch_invariant(int on) noexcept
+    int qd_cuda_batch_invariant() noexcept

@@ -113,6 +113,16 @@ def test_every_declared_function_links(c_compiler, shell_env, tmp_path, link):
               tmp_path, shell_env)
 
 
+def test_the_cython_declarations_cover_the_header():
+    """`cimport qdispatch` declared only the CPU functions: the CUDA half of the header,
+    which a library built without CUDA holds as stubs, was missing."""
+    import re
+    with open(os.path.join(os.path.dirname(qd.__file__), "qdispatch_c.pxd")) as f:
+        pxd = f.read()
+    missing = [name for name in header_functions() if not re.search(rf"\b{name}\(", pxd)]
+    assert not missing
+
+
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")
 def test_the_shared_library_exports_the_headers_functions_and_no_other_of_ours():
     """Internal functions (qd_aligned_alloc, qd_kernels_avx2, ...) were exported too,
@@ -450,6 +460,9 @@ CYTHON_EXT = textwrap.dedent("""\
                                             b.shape[1], &c[0, 0])
         if st != qdispatch.QD_OK:
             raise RuntimeError(qdispatch.qd_status_string(st).decode())
+
+    def cuda_available():
+        return qdispatch.qd_cuda_available()  # 0 in a build without CUDA, or without a GPU
 """)
 
 CYTHON_SETUP = textwrap.dedent("""\
@@ -490,3 +503,4 @@ def test_cython_extension_cimports_qdispatch(cython_ext):
     w = np.ones((4, 4), np.float32)
     for device, kind in (("cpu", qd.BackendKind.CPU), ("reference", qd.BackendKind.REFERENCE)):
         assert cython_ext.kind_of(qd.quantize(w, qd.QuantScheme("q8s"), device=device)) == kind
+    assert cython_ext.cuda_available() == ("cuda" in qd.available_backends())
