@@ -46,13 +46,16 @@ PY
 status=0
 python -m pytest "${args[@]}" --benchmark-compare --benchmark-compare-fail=min:25% --benchmark-json="$run" "$@" \
     || status=$?
-# a comparison that matched no case of the baseline checks nothing
+[ "$status" -eq 0 ] || [ -s "$run" ] || exit "$status"  # pytest stopped before measuring: its message says why
+# a comparison that left out the baseline's products checks little: the ceiling cases
+# (read bandwidth, int8 peak) match whatever the shapes
 python - "$run" <<'PY' || status=1
 import glob, json, sys
 base = {b["name"] for b in json.load(open(sorted(glob.glob("baseline/*/*_baseline.json"))[-1]))["benchmarks"]}
 ran = {b["name"] for b in json.load(open(sys.argv[1]))["benchmarks"]} if open(sys.argv[1]).read(1) else set()
-if not base & ran:
-    sys.exit("compare.sh: no case of this run is in the baseline, so nothing was compared (other shapes, "
-             "threads or names?): save a baseline with the same options")
+products = {name for name in base if name.startswith("test_matmul")}
+if not products <= ran:
+    sys.exit(f"compare.sh: {len(products - ran)} of the baseline's {len(products)} products were not run, so "
+             f"they were not compared (other shapes, threads or names?): save a baseline with the same options")
 PY
 exit $status

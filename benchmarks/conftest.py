@@ -8,12 +8,15 @@ from qdispatch import bench
 
 def pytest_addoption(parser):
     group = parser.getgroup("qdispatch benchmarks")
-    group.addoption("--bench-shapes", default=bench.DEFAULT_SHAPES, help="MxKxN list")
-    group.addoption("--bench-threads", default=",".join(map(str, bench.default_threads())),
+    # checked by `qdispatch bench`'s own parsers, so both refuse the same values alike
+    group.addoption("--bench-shapes", type=bench._csv(bench.Shape.parse), default=bench.DEFAULT_SHAPES,
+                    help="MxKxN list")
+    group.addoption("--bench-threads", type=bench._csv(bench.thread_count),
+                    default=",".join(map(str, bench.default_threads())),
                     help="thread counts (default: 1 and the machine's core count)")
-    group.addoption("--bench-bandwidth-mb", type=int,
+    group.addoption("--bench-bandwidth-mb", type=bench.count,
                     help="buffer of the streaming-read ceiling (default: 8x the last-level cache, at least 1024)")
-    group.addoption("--bench-rotation-mb", type=int,
+    group.addoption("--bench-rotation-mb", type=bench.count,
                     help="memory for rotated weight copies (default: 4096, or half the available memory)")
 
 
@@ -27,8 +30,7 @@ def pytest_collect_file(file_path, parent):
 
 def pytest_generate_tests(metafunc):
     config = metafunc.config
-    shapes = [bench.Shape.parse(s) for s in config.getoption("bench_shapes").split(",")]
-    threads = [int(n) for n in config.getoption("bench_threads").split(",")]
+    shapes, threads = config.getoption("bench_shapes"), config.getoption("bench_threads")
     if "cpu_case" in metafunc.fixturenames:
         cases = list(bench.plan(shapes, bench.PATHS, ["cpu"], threads))
         metafunc.parametrize("cpu_case", cases, ids=[c.id for c in cases])

@@ -10,16 +10,25 @@ def main(argv=None):
                                      description="qdispatch: quantized tensors that know their backend")
     parser.add_argument("--version", action="version", version=f"qdispatch {cli.qd.__version__}")
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("demo", help="quantize a 4096 x 4096 layer and multiply on every backend (default)")
-    sub.add_parser("info", help="print the version, build and backends")
-    config = sub.add_parser("config", help="compiler flags for C programs that embed the kernels")
-    config.add_argument("--cflags", action="store_true")
-    config.add_argument("--libs", action="store_true")
-    config.add_argument("--static", action="store_true", help="link libqdispatch.a instead of the .so")
-    bench = sub.add_parser("bench", help="benchmark the kernels against numpy float32")
-    cli.add_bench_arguments(bench)
-    args = parser.parse_args(argv)
+    commands = {
+        "demo": sub.add_parser("demo", help="quantize a 4096 x 4096 layer and multiply on every backend (default)"),
+        "info": sub.add_parser("info", help="print the version, build and backends"),
+        "config": sub.add_parser("config", help="compiler flags for C programs that embed the kernels "
+                                                "(both kinds when neither --cflags nor --libs is given)"),
+        "bench": sub.add_parser("bench", help="benchmark the kernels against numpy float32"),
+    }
+    commands["config"].add_argument("--cflags", action="store_true", help="the flags that find qdispatch.h")
+    commands["config"].add_argument("--libs", action="store_true", help="the flags that link libqdispatch")
+    commands["config"].add_argument("--static", action="store_true",
+                                    help="with --libs (or alone): link libqdispatch.a instead of the .so")
+    cli.add_bench_arguments(commands["bench"])
+    # an unknown option is the subcommand's to refuse, with its own usage
+    args, unknown = parser.parse_known_args(argv)
     command = args.command or "demo"
+    if unknown:
+        (commands[command] if args.command else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if command == "config" and args.static and args.cflags and not args.libs:
+        commands["config"].error("--static picks the libraries: give it with --libs, or alone")
     return getattr(cli, command)(args) or 0
 
 

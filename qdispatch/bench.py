@@ -142,6 +142,9 @@ class Case:
         return s.n * s.k if self.path == "quantize" else 2 * s.m * s.k * s.n
 
     def skip_reason(self):
+        problem = self.shape.problem(self.path)
+        if problem:
+            return problem
         for module in _REQUIRES.get(self.impl, ()):
             if not _importable(module):
                 return f"{self.impl} needs `pip install {module}`"
@@ -634,22 +637,40 @@ def machine():
 # ---- the command line ------------------------------------------------------------
 
 def _csv(kind):
+    """A comma-separated list of `kind`, spaces around items allowed, each item once."""
     def parse(text):
         try:
-            values = [kind(v) for v in text.split(",") if v.strip()]
+            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if not values:
             raise argparse.ArgumentTypeError(f"{text!r} names nothing: give a comma-separated list")
-        return values
+        return list(dict.fromkeys(values))  # a case named twice would run and print twice
     return parse
 
 
 def count(text):
     """A whole number of at least 1 (argparse's int takes 0 and -3)."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no count: give a whole number of at least 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is no count: give a whole number of at least 1")
+    return value
+
+
+# The kernels' own cap (qd.set_num_threads): more threads would be figures labelled
+# with a count that never ran.
+MOST_THREADS_PER_CORE = 4
+
+
+def thread_count(text):
+    value = count(text)
+    most = MOST_THREADS_PER_CORE * (os.cpu_count() or 1)
+    if value > most:
+        raise argparse.ArgumentTypeError(f"{value} threads: the kernels run at most {most} here "
+                                         f"({MOST_THREADS_PER_CORE} per core)")
     return value
 
 
@@ -664,7 +685,7 @@ def add_arguments(parser):
                              f"'reference' only when named; for cuda see benchmarks/bench_cuda.py)")
     parser.add_argument("--shapes", type=_csv(Shape.parse), default=_csv(Shape.parse)(DEFAULT_SHAPES),
                         help=f"MxKxN list (default: {DEFAULT_SHAPES})")
-    parser.add_argument("--threads", type=_csv(count), default=default_threads(),
+    parser.add_argument("--threads", type=_csv(thread_count), default=default_threads(),
                         help="thread counts (default: 1 and the machine's core count)")
     parser.add_argument("--paths", type=_csv(str), default=list(PATHS),
                         help="; ".join(f"{p}: {h}" for p, h in PATH_HELP.items()))
@@ -684,7 +705,8 @@ def add_arguments(parser):
 def _check_arguments(args):
     """Every mistake in the arguments, found before anything is measured; the contenders to run."""
     contenders = list(CONTENDERS) if "all" in args.contenders else args.contenders
-    for name, given, known in (("path", args.paths, PATHS), ("contender", contenders, CONTENDERS)):
+    named = [c for c in args.contenders if c != "all"]
+    for name, given, known in (("path", args.paths, PATHS), ("contender", named, CONTENDERS)):
         unknown = [v for v in given if v not in known]
         if unknown:
             raise SystemExit(f"unknown {name} {', '.join(unknown)}: choose from {', '.join(known)}")
@@ -720,12 +742,20 @@ def _check_plot_format(path):
 
 
 def _check_writable(option, path):
-    """Refuse an output file that can't be written before minutes of measuring, not after."""
+    """Refuse an output file that can't be written before minutes of measuring, not
+    after: by opening it (os.access says yes to root, and on /proc or a read-only
+    mount), leaving no file behind that was not there."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise SystemExit(f"{option} {path}: folder {folder} does not exist; create it or choose another path")
-    if os.path.isdir(path) or not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise SystemExit(f"{option} {path}: can't write there; choose another path")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise SystemExit(f"{option} {path}: can't write there ({exc.strerror}); choose another path") from None
+    if not existed:
+        os.unlink(path)
 
 
 def _progress(done, total, label, stream=sys.stderr):
@@ -805,7 +835,8 @@ def run(args):
             json.dump(result, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
-        print(f"plot written to {args.plot}")
+        written = args.plot if os.path.splitext(args.plot)[1] else args.plot + ".png"  # as matplotlib names it
+        print(f"plot written to {written}")
     return 0
 
 

@@ -180,7 +180,9 @@ def test_bad_arguments_are_clear():
     ("--threads", "-1", "argument --threads: -1 is no count"),
     ("--repeat", "0", "argument --repeat: 0 is no count"),
     ("--bandwidth-mb", "-1", "argument --bandwidth-mb: -1 is no count"),
-    ("--repeat", "x", "argument --repeat: invalid count value: 'x'"),
+    ("--repeat", "x", "argument --repeat: 'x' is no count: give a whole number of at least 1"),
+    ("--threads", "abc", "argument --threads: 'abc' is no count"),
+    ("--threads", "100000", "argument --threads: 100000 threads: the kernels run at most"),
     ("--shapes", ",", "argument --shapes: ',' names nothing: give a comma-separated list"),
     ("--threads", "", "argument --threads: '' names nothing"),
     ("--paths", ",", "argument --paths: ',' names nothing"),
@@ -214,8 +216,16 @@ def test_an_output_that_cant_be_written_is_refused_before_anything_runs(monkeypa
     missing = tmp_path / "no such folder" / "bench.json"
     with pytest.raises(SystemExit, match=r"^--json .*bench\.json: folder .*no such folder does not exist; create it"):
         main(["bench", "--shapes", "2x64x64", "--threads", "1", "--json", str(missing)])
-    with pytest.raises(SystemExit, match=r"^--plot .*: can't write there; choose another path$"):
+    with pytest.raises(SystemExit, match=r"^--plot .*: can't write there \(Is a directory\); choose another path$"):
         main(["bench", "--shapes", "2x64x64", "--threads", "1", "--plot", str(tmp_path)])
+    if os.path.isdir("/proc/self"):  # os.access says yes there (and to root anywhere): the run failed at its end
+        with pytest.raises(SystemExit, match=r"^--json /proc/bench\.json: can't write there \("):
+            main(["bench", "--shapes", "2x64x64", "--threads", "1", "--json", "/proc/bench.json"])
+    kept = tmp_path / "kept.json"
+    main_args = ["bench", "--shapes", "2x64x64", "--threads", "1", "--json", str(kept)]
+    with pytest.raises(AssertionError, match="a case ran"):  # the check leaves no file behind
+        main(main_args)
+    assert not kept.exists()
 
 
 def test_a_plot_format_matplotlib_cant_write_is_refused_before_anything_runs(monkeypatch, tmp_path):
@@ -230,3 +240,35 @@ def test_all_contenders_may_come_with_others():
     args = argparse.Namespace(contenders=["all", "fbgemm"], paths=["qq_int8"], backend=[], shapes=[], json=None,
                               plot=None)
     assert bench._check_arguments(args) == list(bench.CONTENDERS)
+
+
+def test_comma_lists_take_spaces_and_name_each_item_once():
+    """'cpu, reference' was refused as backend ' reference'; a case named twice ran twice."""
+    assert bench._csv(str)("cpu, reference,cpu") == ["cpu", "reference"]
+    assert bench._csv(bench.count)(" 1, 2 ,1") == [1, 2]
+
+
+def test_an_unknown_contender_beside_all_is_refused():
+    args = argparse.Namespace(contenders=["all", "foo"], paths=["qq_int8"], backend=[], shapes=[], json=None,
+                              plot=None)
+    with pytest.raises(SystemExit, match="unknown contender foo"):
+        bench._check_arguments(args)
+
+
+def test_a_case_whose_shape_its_path_cant_run_skips_under_pytest():
+    """The pytest benchmarks ran int4 at K = 40 and failed, where the command refuses it."""
+    assert "K=40 must be a multiple of 32" in bench.Case(bench.Shape(1, 40, 64), "int4", "cpu", 1).skip_reason()
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--bench-threads", "0", "0 is no count"),
+    ("--bench-bandwidth-mb", "0", "0 is no count"),
+    ("--bench-shapes", "1x2", "shape '1x2' is not MxKxN"),
+])
+def test_pytest_options_are_checked_as_the_commands_are(tmp_path, option, value, message):
+    """--bench-threads 0 ran cases labelled t0; --bench-bandwidth-mb 0 meant the default."""
+    pytest.importorskip("pytest_benchmark")
+    proc = _run(["-m", "pytest", BENCHMARKS, "--collect-only", "-q", "-p", "no:cacheprovider", option, value],
+                cwd=tmp_path)
+    assert proc.returncode == 4 and message in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+

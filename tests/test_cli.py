@@ -70,3 +70,16 @@ def test_the_installed_command_runs_the_installed_package_from_the_source_tree()
     out = subprocess.run([command, "info"], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"qdispatch {qd.__version__}\n")
+
+
+def test_a_subcommands_unknown_option_gets_its_own_usage(capsys):
+    """`qdispatch bench --frob` printed the top-level usage, which lists no bench options."""
+    from qdispatch.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--frob"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "usage: qdispatch bench" in err and "unrecognized arguments: --frob" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "--cflags", "--static"])  # --static was ignored
+    assert exc.value.code == 2 and "--static picks the libraries" in capsys.readouterr().err
+
