@@ -782,7 +782,11 @@ def _run_cases(cases, repeat, budget_bytes=None):
             skipped.append({"case": case.id, "reason": reason})
             continue
         with thread_limit(case.threads):
-            bench = build(case, budget_bytes=budget_bytes)
+            try:
+                bench = build(case, budget_bytes=budget_bytes)
+            except MemoryError:  # the shape's operands alone: the other cases still run
+                skipped.append({"case": case.id, "reason": "its operands need more memory than is free here"})
+                continue
             rows.append(metrics(case, bench, *measure(bench.fn, repeat, calls=bench.copies)))
     _progress(len(cases), len(cases), "done")
     return add_ratios(rows), skipped

@@ -272,3 +272,20 @@ def test_pytest_options_are_checked_as_the_commands_are(tmp_path, option, value,
                 cwd=tmp_path)
     assert proc.returncode == 4 and message in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
 
+
+
+def test_a_shape_too_large_for_memory_is_skipped_with_the_others_run(monkeypatch, capsys):
+    """Operands past the free memory ended the whole run in a MemoryError traceback."""
+    from qdispatch.__main__ import main
+    real = bench.operands
+
+    def operands(shape):
+        if shape.m == 3:
+            raise MemoryError("Unable to allocate 37.3 GiB")
+        return real(shape)
+    monkeypatch.setattr(bench, "operands", operands)
+    assert main(["bench", "--shapes", "2x64x64,3x64x64", "--threads", "1", "--paths", "qq_int8",
+                 "--repeat", "1", "--bandwidth-mb", "1", "--rotation-mb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 3x64x64-qq_int8-cpu-t1: its operands need more memory than is free here" in out
+    assert "2x64x64" in out
