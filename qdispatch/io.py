@@ -56,6 +56,10 @@ _FIRST_WITH_ALIASES = 2
 _FIRST_WITH_TRANSPOSED_ALIASES = 3
 _VERSION_KEY = "qdispatch.format_version"
 _TENSORS_KEY = "qdispatch.tensors"
+# CRC-32 of the records' text: the entries' CRCs cover their bytes only, so a damaged
+# record (a scheme, an alias's target) would load as other values.  Optional, so that
+# files without it (older writers') load, and older readers read files with it.
+_RECORDS_CRC_KEY = "qdispatch.tensors_crc32"
 _SUFFIXES = (".qvalues", ".qscales")
 _METADATA = "__metadata__"  # the header's own key: no entry may take it
 _MAX_HEADER = 100_000_000  # bytes, as the safetensors library reads: a larger claim is a damaged file
@@ -142,6 +146,12 @@ def _little_endian(a):
     a = np.asarray(a, order="C")  # ascontiguousarray would make a 0-d array 1-d
     little = a.dtype.newbyteorder("<")
     return a if a.dtype == little else a.astype(little)
+
+
+def _crc_text(text):
+    """A text's CRC-32 as 8 hex digits: one width whatever the value, as the header's
+    room is reserved before the entries' CRCs are known."""
+    return f"{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}"
 
 
 def _crc(data):
@@ -356,7 +366,8 @@ def _header_json(header, records):
     aliases = [record for record in records.values() if record["kind"] == "alias"]
     version = (_FIRST_WITH_TRANSPOSED_ALIASES if any(alias.get("transposed") for alias in aliases)
                else _FIRST_WITH_ALIASES if aliases else 1)
-    metadata = {_VERSION_KEY: str(version), _TENSORS_KEY: json.dumps(records)}
+    text = json.dumps(records)
+    metadata = {_VERSION_KEY: str(version), _TENSORS_KEY: text, _RECORDS_CRC_KEY: _crc_text(text)}
     return json.dumps({**header, _METADATA: metadata}, separators=(",", ":")).encode()
 
 
@@ -415,8 +426,12 @@ def _metadata(path, header):
         raise SerializationError(
             f"{path} has qdispatch format version {version!r}; this qdispatch reads versions 1 to "
             f"{FORMAT_VERSION}: " + ("upgrade qdispatch to read it" if newer else "the file is corrupted"))
+    said, text = meta.get(_RECORDS_CRC_KEY), meta[_TENSORS_KEY]
+    if said is not None and isinstance(text, str) and said != _crc_text(text):
+        raise SerializationError(f"{path} has corrupted qdispatch metadata: its tensor records do not match "
+                                 f"their CRC-32")
     try:
-        records = json.loads(meta[_TENSORS_KEY], object_pairs_hook=_without_repeats)
+        records = json.loads(text, object_pairs_hook=_without_repeats)
         if not isinstance(records, dict):
             raise ValueError("not a JSON object")
     except (TypeError, ValueError, RecursionError) as exc:  # TypeError: the metadata is not a string

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -308,13 +309,27 @@ def rewrite_metadata(path, change):
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
 
 
-def rewrite_record(path, name, change):
-    """Replace tensor `name`'s record in the metadata by change(record)."""
+def rewrite_record(path, name, change, crc=True):
+    """Replace tensor `name`'s record in the metadata by change(record), and the
+    records' CRC-32 with it (as a writer of a bad record would) when `crc`."""
     def edit(h):
         records = json.loads(h["__metadata__"]["qdispatch.tensors"])
         records[name] = change(records[name])
         h["__metadata__"]["qdispatch.tensors"] = json.dumps(records)
+        if crc:
+            h["__metadata__"]["qdispatch.tensors_crc32"] = f"{zlib.crc32(json.dumps(records).encode()):08x}"
     rewrite_metadata(path, edit)
+
+
+def test_a_record_changed_behind_its_crc_is_refused(saved):
+    """The entries' CRCs cover their bytes only: a flipped scheme (q8s read as q8f), an
+    alias retargeted or a transposed flag flipped loaded as other values."""
+    rewrite_scheme_without_crc = lambda record: {**record, "scheme": {**record["scheme"], "value": "q8f"}}
+    rewrite_record(saved, "weight", rewrite_scheme_without_crc, crc=False)
+    with pytest.raises(SerializationError, match="tensor records do not match their CRC-32"):
+        qd.load(saved)
+    rewrite_metadata(saved, lambda h: h["__metadata__"].pop("qdispatch.tensors_crc32"))  # a file of an older writer
+    assert qd.load(saved)["weight"].scheme == QuantScheme("q8f", axis=0)
 
 
 def rewrite_scheme(path, name, field, value):
@@ -666,6 +681,7 @@ def test_entries_must_tile_the_data_section(tmp_path):
         for key in ("a1", "a2"):  # their CRCs made right: only the overlap is wrong
             meta[key]["crc32"] = meta["a0"]["crc32"]
         h["__metadata__"]["qdispatch.tensors"] = json.dumps(meta)
+        h["__metadata__"]["qdispatch.tensors_crc32"] = f"{zlib.crc32(json.dumps(meta).encode()):08x}"
     for change, message in (
             (all_at_start, r"entry 'a1' begins at byte 0 of the data section, after 'a0' the data reaches byte 1024"),
             (lambda h: h["a0"].update({"data_offsets": [0, 1000], "shape": [1000]}),
@@ -699,8 +715,14 @@ def test_a_header_or_record_edit_that_would_change_what_loads_is_refused(tmp_pat
         assert raw.count(old) == 1, old
         broken = tmp_path / "broken.st"
         broken.write_bytes(raw.replace(old, new))
-        with pytest.raises(SerializationError, match=message):
+        in_records = b'\\"' in old  # an escaped quote: inside the records' JSON text
+        with pytest.raises(SerializationError, match="tensor records do not match their CRC-32" if in_records
+                           else message):
             qd.load(broken)
+        if in_records:  # checked field by field too, as in a file without the CRC (an older writer's)
+            rewrite_metadata(broken, lambda h: h["__metadata__"].pop("qdispatch.tensors_crc32"))
+            with pytest.raises(SerializationError, match=message):
+                qd.load(broken)
 
 
 def test_files_whose_records_lack_the_later_fields_still_load(tmp_path):
