@@ -170,6 +170,11 @@ cdef class TensorBase:
         """len(shape)."""
         return len(self.shape)
 
+    @property
+    def size(self):
+        """The number of values: the product of shape."""
+        return math.prod(self.shape)
+
     def __matmul__(self, other):
         if _is_torch_tensor(other):
             return _torch_operator().matmul_operator(self, other)
@@ -200,6 +205,9 @@ def _torch_operator():
     # and keeps autograd (loaded on first use: qdispatch itself never imports torch)
     from . import torch as qd_torch
     return qd_torch
+
+
+_ITEMSIZE = {"float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 
 cdef class Tensor(TensorBase):
@@ -249,14 +257,30 @@ cdef class Tensor(TensorBase):
 
     def __bool__(self):
         # numpy's rule, not a container's (which __len__ would give): `if t:` on [0.0] is False
-        size = math.prod(self.shape)
-        if size == 0:
+        if self.size == 0:
             raise ValueError("The truth value of an empty Tensor is ambiguous: "
-                             "test its size (math.prod(t.shape) > 0) instead")
-        if size > 1:
+                             "test its size (t.size > 0) instead")
+        if self.size > 1:
             raise ValueError("The truth value of a Tensor of more than one value is ambiguous: "
                              "use t.numpy().any() or t.numpy().all()")
-        return bool(self.numpy().reshape(-1)[0])
+        return bool(self._only_value())
+
+    def __float__(self):
+        return float(self._only_value())
+
+    def __int__(self):
+        return int(self._only_value())
+
+    def _only_value(self):
+        if self.size != 1:
+            raise TypeError(f"Only a Tensor of one value converts to a Python number; this one holds "
+                            f"{self.size}: use t.numpy()")
+        return self.numpy().reshape(-1)[0]
+
+    @property
+    def nbytes(self):
+        """Bytes of its values in memory."""
+        return self.size * _ITEMSIZE[self.dtype]
 
     def __getitem__(self, key):
         """t[i], t[a:b], t[i, a:b]: integers on leading axes, then at most one slice of
@@ -267,6 +291,8 @@ cdef class Tensor(TensorBase):
     def __iter__(self):
         # without it Python would iterate through __getitem__, and a 1-D tensor
         # (whose elements are not Tensors) would look empty
+        if not self.shape:
+            raise TypeError("iteration over a 0-d Tensor")  # as numpy says for a 0-d array
         if len(self.shape) < 2:
             raise TypeError("A 1-D Tensor's elements are not Tensors: iterate over t.numpy()")
         return (self[i] for i in range(self.shape[0]))
@@ -274,10 +300,23 @@ cdef class Tensor(TensorBase):
     def __repr__(self):
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, device='{self.device}')"
 
+    def __richcmp__(self, other, int op):
+        # value by value, as numpy compares (identity, the default, said that two tensors
+        # of equal values differ); a host array of bools
+        from . import tensor_api
+        return tensor_api.tensor_compare(self, other, op)
+
+    def __hash__(self):  # by identity, as before: comparisons don't make tensors equal keys
+        return object.__hash__(self)
+
     def __reduce__(self):
-        # pickle and copy: the values through the host, back on the same device
+        # pickle and deepcopy: the values through the host, back on the same device
         from . import tensor_api
         return tensor_api.tensor, tensor_api.tensor_stored(self)
+
+    def __copy__(self):
+        from . import tensor_api
+        return tensor_api.tensor_copy(self)
 
 
 cdef class QTensor(TensorBase):
@@ -365,6 +404,18 @@ cdef class QTensor(TensorBase):
     def __repr__(self):
         return (f"QTensor(shape={self.shape}, scheme={self.scheme!r}, "
                 f"device='{self.device}', nbytes={self.nbytes})")
+
+    def __bool__(self):
+        # len() would make it True, as a container: numpy-style data has no one truth value
+        raise TypeError("A QTensor has no truth value: test `q is not None`, or q.dequantize().numpy().any()")
+
+    def __richcmp__(self, other, int op):
+        # identity, the default, said that two QTensors of equal values differ
+        raise TypeError("QTensors are not compared value by value: compare q.dequantize().numpy(), or "
+                        "q.values and q.scales, or test identity with `is`")
+
+    def __hash__(self):  # by identity: weak sets and caches key on QTensors
+        return object.__hash__(self)
 
     def __reduce__(self):
         # pickle and copy: the stored values and scales, rebuilt on the same device
@@ -501,14 +552,24 @@ def dlpack_as_bfloat16(capsule):
     """numpy's DLPack capsule of a host bfloat16 tensor's uint16 bits, its elements
     retyped as bfloat16 (numpy has no such type, DLPack has): the consumer then sees
     the values without a copy.  Only an unconsumed capsule of 16-bit unsigned data."""
+    return _retyped(capsule, kDLUInt, kDLBfloat, "dlpack_as_bfloat16", "the uint16 bits of bfloat16 values")
+
+
+def dlpack_bfloat16_bits(capsule):
+    """The inverse: a producer's capsule of bfloat16 values retyped as their uint16
+    bits, which numpy can take (in place)."""
+    return _retyped(capsule, kDLBfloat, kDLUInt, "dlpack_bfloat16_bits", "bfloat16 values")
+
+
+cdef object _retyped(object capsule, int code, int new_code, str name, str expects):
     cdef DLTensor *t
     if PyCapsule_IsValid(capsule, b"dltensor_versioned"):
         t = &(<DLManagedTensorVersioned *>PyCapsule_GetPointer(capsule, b"dltensor_versioned")).dl_tensor
     elif PyCapsule_IsValid(capsule, b"dltensor"):
         t = &(<DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
     else:
-        raise TypeError("dlpack_as_bfloat16 expects an unconsumed DLPack capsule")
-    if t.dtype.code != kDLUInt or t.dtype.bits != 16 or t.dtype.lanes != 1:
-        raise TypeError("dlpack_as_bfloat16 expects the uint16 bits of bfloat16 values")
-    t.dtype.code = kDLBfloat
+        raise TypeError(f"{name} expects an unconsumed DLPack capsule")
+    if t.dtype.code != code or t.dtype.bits != 16 or t.dtype.lanes != 1:
+        raise TypeError(f"{name} expects {expects}")
+    t.dtype.code = new_code
     return capsule

@@ -1,11 +1,12 @@
 """Creating tensors, moving them between devices, and reading them back."""
 import math
+import operator
 import sys
 
 import numpy as np
 
 from . import policy, quantmath
-from ._core import Device, QTensor, Tensor, get_backend
+from ._core import Device, QTensor, Tensor, dlpack_bfloat16_bits, get_backend
 from .errors import (BackendUnavailableError, NonFiniteError, OutOfRangeError, QuantSchemeError, ShapeError,
                      WrongBackendError)
 from .layout import QLayout, swap_last2
@@ -50,7 +51,10 @@ def backend_for(device):
 
 def _host_array(data, dtype=None):
     """A numpy array plus its qdispatch dtype name; float64 becomes float32."""
-    arr = np.asarray(data)
+    try:
+        arr = np.asarray(data)
+    except ValueError as exc:  # a ragged list
+        raise ShapeError(f"tensor takes an array of numbers: {exc}") from None
     if not arr.dtype.isnative:  # big-endian data: the same numbers (or bfloat16 bits) in the host's order
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if dtype is not None:
@@ -65,11 +69,14 @@ def _host_array(data, dtype=None):
             return arr.astype(DTYPES[dtype], copy=False), dtype
     if arr.dtype in _NUMPY_NAMES:
         return arr, _NUMPY_NAMES[arr.dtype]
+    if arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:  # ml_dtypes' (JAX's): its bits, in place
+        return arr.view(np.uint16), "bfloat16"
     if arr.dtype.kind == "f" and arr.dtype.itemsize > 4:  # narrowed unasked: no finite value may become inf
         return within_float32(arr, op="take", reason=f"{arr.dtype} data becomes float32 here"), "float32"
     if arr.dtype.kind in "iub":  # integers of a dtype we don't hold: int8, which int_matmul takes
         return _as_integers(arr, "int8", hint="pass dtype='int32' for an int32 tensor, or "), "int8"
-    raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16 or int8 data")
+    raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16, int8 or int32 "
+                    f"data (bfloat16 as its uint16 bits with dtype='bfloat16')")
 
 
 def _as_integers(arr, dtype, hint=""):
@@ -242,6 +249,8 @@ def from_dlpack(obj, device=None):
     if torch is not None and isinstance(obj, torch.Tensor):
         from .torch import from_torch  # torch's streams and allocator need more than DLPack says
         return from_torch(obj, device)
+    if isinstance(obj, Tensor):  # ours already: itself (a view), as numpy's from_dlpack of an array
+        return obj.to(device) if device is not None else obj
     if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
         raise TypeError(f"from_dlpack needs an object that speaks DLPack (__dlpack__ and __dlpack_device__: "
                         f"a numpy array, torch or CuPy tensor), got {type(obj).__name__}: "
@@ -280,12 +289,36 @@ def _is_bf16(obj):
     return "bfloat16" in str(getattr(obj, "dtype", ""))
 
 
+class _Retyped:
+    """A DLPack producer whose one capsule is given already (numpy asks for it once)."""
+
+    def __init__(self, capsule, device):
+        self.capsule, self.device = capsule, device
+
+    def __dlpack__(self, **kwargs):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return self.device
+
+
 def _bf16_from_dlpack(obj):
-    view = getattr(obj, "view", None)
-    if view is None:
-        raise TypeError("bfloat16 DLPack input needs a .view() to reinterpret its bits")
-    import torch  # only objects with a bf16 dtype reach here; torch is the usual producer
-    return np.from_dlpack(obj.view(torch.int16)).view(np.uint16)
+    """The uint16 bits of a host producer's bfloat16 values, in place: its capsule
+    retyped, since numpy has no bfloat16 to take it as."""
+    capsule = dlpack_bfloat16_bits(obj.__dlpack__())
+    return np.from_dlpack(_Retyped(capsule, obj.__dlpack_device__()))
+
+
+_COMPARISONS = (operator.lt, operator.le, operator.eq, operator.ne, operator.gt, operator.ge)  # Cython's op order
+
+
+def tensor_compare(t, other, op):
+    """t <op> other value by value, as numpy compares host arrays (a CUDA tensor's
+    np.asarray says to move it first)."""
+    if isinstance(other, QTensor):
+        raise TypeError("QTensors are not compared value by value: compare q.dequantize().numpy(), or "
+                        "q.values and q.scales")
+    return _COMPARISONS[op](tensor_array(t), tensor_array(other) if isinstance(other, Tensor) else other)
 
 
 # ---- quantized tensors -----------------------------------------------------
@@ -431,6 +464,13 @@ def qtensor_from_stored(values, scales, scheme, transposed, device=None):
     so a load holds each tensor once."""
     q = _qtensor_keeping(np.asarray(values), np.asarray(scales, dtype=np.float32), scheme, device)
     return q.T if transposed else q
+
+
+def tensor_copy(t):
+    """copy.copy(t): its own memory, as numpy's copy of an array (the pickle path
+    viewed a C-contiguous host payload)."""
+    arr, device, dtype = tensor_stored(t)
+    return tensor(np.array(arr, copy=True), device=device, dtype=dtype)
 
 
 def tensor_stored(t):

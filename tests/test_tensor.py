@@ -1,6 +1,7 @@
 """Float tensors: numpy memory sharing, DLPack, devices and reprs."""
 import ctypes
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -459,6 +460,88 @@ def test_host_bfloat16_leaves_by_dlpack_as_bfloat16(device, max_version):
     assert view.dtype == torch.bfloat16 and view.tolist() == [[1.5, -2.0], [3.0, 0.25]]
     view[0, 0] = 8.0  # the same memory
     assert t.numpy()[0, 0] == 8.0
+
+
+class _BFloat16Producer:
+    """Some library's host bfloat16 tensor, known to qdispatch by DLPack alone."""
+    dtype = "bfloat16"
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, **kwargs):
+        return self.t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def test_host_bfloat16_comes_in_by_dlpack_without_torch(monkeypatch):
+    """A bfloat16 producer other than torch needed torch to come in (ModuleNotFoundError
+    without it), and qd.from_dlpack of qdispatch's own bfloat16 Tensor was refused."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # no torch to lean on
+    t = qd.tensor(np.array([[1.5, -2.0], [3.0, 0.25]], np.float32), dtype="bfloat16", device="cpu")
+    assert qd.from_dlpack(t) is t
+    came = qd.from_dlpack(_BFloat16Producer(t))
+    assert came.dtype == "bfloat16" and came.numpy().tolist() == [[1.5, -2.0], [3.0, 0.25]]
+    t.payload[0, 0] = 0x4100  # bfloat16's bits of 8.0
+    assert came.numpy()[0, 0] == 8.0  # the same memory
+
+
+def test_ml_dtypes_bfloat16_arrays_are_taken_as_bfloat16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a = np.array([1.5, -2.0, 3.0], dtype=ml_dtypes.bfloat16)
+    t = qd.tensor(a, device="reference")
+    assert t.dtype == "bfloat16" and t.numpy().tolist() == [1.5, -2.0, 3.0]
+
+
+def test_tensors_compare_value_by_value_as_numpy(device):
+    """== compared identity: two tensors of equal values were unequal, and
+    int_matmul(v, v) == 14 was False."""
+    if device == "cuda":
+        pytest.skip("host tensors compare on the host")
+    a = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    t, same = qd.tensor(a, device=device), qd.tensor(a.copy(), device=device)
+    np.testing.assert_array_equal(t == same, np.ones((2, 2), bool))
+    np.testing.assert_array_equal(t != 2.0, a != 2.0)
+    np.testing.assert_array_equal(t < same.T, a < a.T)
+    np.testing.assert_array_equal(t >= a, np.ones((2, 2), bool))
+    v = qd.tensor(np.array([1, 2, 3], np.int8), device=device)
+    assert qd.int_matmul(v, v) == 14
+    assert len({t, same}) == 2  # hashed by identity still
+    b = qd.tensor(a, dtype="bfloat16", device=device)
+    np.testing.assert_array_equal(b == t, np.ones((2, 2), bool))
+    q = qd.quantize(a, "q8s", device=device)
+    for compare in (lambda: q == q, lambda: t == q, lambda: a == q, lambda: q < 1):
+        with pytest.raises(TypeError, match="QTensors are not compared value by value"):
+            compare()
+    assert len({q, q.T}) == 2
+
+
+def test_numpy_style_size_bytes_numbers_and_copies(device):
+    """Attributes and conversions a numpy user reaches for: size and nbytes were
+    missing, float(t) of one value raised, copy.copy shared a contiguous tensor's memory."""
+    import copy
+    if device == "cuda":
+        pytest.skip("host memory checks")
+    t = qd.tensor(np.arange(6, dtype=np.float32).reshape(2, 3), device=device)
+    assert (t.size, t.nbytes) == (6, 24)
+    assert qd.tensor(np.ones(5, np.int8), device=device).nbytes == 5
+    assert qd.tensor(np.ones(5, np.float32), dtype="bfloat16", device=device).nbytes == 10
+    one = qd.tensor(np.array(2.5, np.float32), device=device)
+    assert (float(one), int(one)) == (2.5, 2)
+    with pytest.raises(TypeError, match="Only a Tensor of one value converts to a Python number; this one holds 6"):
+        float(t)
+    with pytest.raises(TypeError, match="iteration over a 0-d Tensor"):
+        iter(one)
+    twin = copy.copy(t)
+    twin.numpy()[0, 0] = 7.0
+    assert t.numpy()[0, 0] == 0.0 and twin.device == t.device
+    with pytest.raises(qd.ShapeError, match="tensor takes an array of numbers"):
+        qd.tensor([[1.0, 2.0], [3.0]], device=device)
+    q = qd.quantize(t, "q8s")
+    with pytest.raises(TypeError, match="A QTensor has no truth value: test `q is not None`"):
+        bool(q)
 
 
 INDEX_KEYS = [1, -1, slice(1, 3), slice(None, 2), slice(-2, None), slice(3, 1), (2, slice(1, 4)), (0, 3),
