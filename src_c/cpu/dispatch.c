@@ -218,6 +218,16 @@ int qd_threads_for(int64_t work_items)
     return work_items < n ? (int)work_items : n;
 }
 
+/* Threads for an M x K x N product cut into work_items items: at least
+ * QD_MACS_PER_THREAD multiply-adds each, since a parallel region's start and end
+ * cost more than a small product (a 256 x 256 layer at one row), and far more on a
+ * busy machine, where a thread may wait a scheduler slice to run. */
+int qd_threads_for_product(int64_t work_items, int64_t M, int64_t K, int64_t N)
+{
+    const double worth = (double)M * (double)K * (double)N / QD_MACS_PER_THREAD + 1;  /* no int64 overflow */
+    return qd_threads_for(worth < (double)work_items ? (int64_t)worth : work_items);
+}
+
 /* ---- memory ---- */
 void *qd_aligned_alloc(size_t bytes)
 {

@@ -161,7 +161,7 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
      * keeps its panels in L2 while the row blocks pass. */
     const task_grid grid = make_grid(M, (w->n_panels + pl.np - 1) / pl.np, ROW_BLOCK);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(ntasks))
+#pragma omp parallel for schedule(static) num_threads(qd_threads_for_product(ntasks, M, K, w->n))
     for (int64_t task = 0; task < ntasks; task++) {
         const int64_t p = task / grid.n_row_blocks * pl.np, rb = task % grid.n_row_blocks;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
@@ -251,7 +251,7 @@ qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *
     const int64_t ntasks = (w.n_panels + task_panels - 1) / task_panels;
     int no_memory = 0;
     if (st == QD_OK) {
-#pragma omp parallel num_threads(qd_threads_for(ntasks)) reduction(|: no_memory)
+#pragma omp parallel num_threads(qd_threads_for_product(ntasks, M, K, N)) reduction(|: no_memory)
         {
             uint8_t *buf = qd_aligned_alloc((size_t)(task_panels * w.panel_bytes));
             no_memory = !buf;
@@ -394,7 +394,7 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
     /* Row block outermost: a thread's row block of x stays in L2 while its panels pass. */
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(ntasks))
+#pragma omp parallel for schedule(static) num_threads(qd_threads_for_product(ntasks, M, K, N))
     for (int64_t task = 0; task < ntasks; task++) {
         const int64_t p = task % grid.n_panels, rb = task / grid.n_panels;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;

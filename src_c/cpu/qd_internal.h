@@ -145,6 +145,9 @@ const qd_kernels *qd_kernels_for(qd_isa isa);
 /* Raw CPU feature check, without looking at what was built. */
 int qd_cpu_has(qd_isa isa);
 int qd_threads_for(int64_t work_items);
+/* a parallel product gives each thread at least this many multiply-adds (see dispatch.c) */
+#define QD_MACS_PER_THREAD (1 << 17)
+int qd_threads_for_product(int64_t work_items, int64_t M, int64_t K, int64_t N);
 
 /* Quantizes one row segment of n floats with the given range; returns the stored
  * float32 scale through *scale.  Input must be finite (checked by the caller). */
