@@ -279,6 +279,10 @@ def import_dlpack(obj, device=None):
 def host_view(arr, device=None, dtype=None):
     """A Tensor sharing host array `arr`'s memory, on `device` when that is a host
     device (else on the default backend, then moved to `device`)."""
+    if dtype is None and isinstance(device, Device) and device.is_host and arr.dtype in _NUMPY_NAMES:
+        # a device some tensor is on (so available) and a dtype held as it is: the
+        # torch adapter's case for every x of a decode step, without tensor()'s checks
+        return Tensor(arr, _NUMPY_NAMES[arr.dtype], arr.shape, device.kind, device.index)
     if device is not None and Device.parse(device).is_host:
         return tensor(arr, device=device, dtype=dtype)
     t = tensor(arr, device=policy.default_device(), dtype=dtype)
