@@ -422,7 +422,8 @@ def _metadata(path, header):
             f"{path} has corrupted qdispatch metadata: it holds {_VERSION_KEY!r} or {_TENSORS_KEY!r} "
             f"without the other")
     if version not in [str(v) for v in range(1, FORMAT_VERSION + 1)]:
-        newer = isinstance(version, str) and version.isdecimal() and version.isascii() and int(version) > FORMAT_VERSION
+        newer = (isinstance(version, str) and version.isascii() and version.isdecimal()
+                 and int(version) > FORMAT_VERSION)
         raise SerializationError(
             f"{path} has qdispatch format version {version!r}; this qdispatch reads versions 1 to "
             f"{FORMAT_VERSION}: " + ("upgrade qdispatch to read it" if newer else "the file is corrupted"))

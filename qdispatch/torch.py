@@ -1047,8 +1047,10 @@ class QLinear(_QuantizedModule):
         try:
             y = q_matmul(x, self.weight.T, self.activation_scheme)
         except (ShapeError, TypeError) as exc:  # a model has many layers: say which kind of x this one takes
-            raise type(exc)(f"QLinear(in_features={self.in_features}, out_features={self.out_features}) got x of "
-                            f"shape {tuple(x.shape)} and dtype {x.dtype}: {exc}") from exc
+            got = (f"x of shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor)
+                   else f"a {type(x).__name__}")
+            raise type(exc)(f"QLinear(in_features={self.in_features}, out_features={self.out_features}) got "
+                            f"{got}: {exc}") from exc
         bias = self.bias
         if bias is None:
             return y

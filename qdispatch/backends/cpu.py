@@ -16,6 +16,7 @@ from .._core import BackendKind, register_backend
 from ..errors import BackendUnavailableError
 from .host import HostBackend
 
+
 def _packing_lock(storage):
     """The lock under which one thread packs this weight while the others wait.
     One per weight, so threads meeting different fresh weights pack them at once;
