@@ -9,9 +9,9 @@ from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 
 import math
 import sys
-import operator
 from enum import IntEnum
 
+from .scheme import index_of
 from .errors import (BackendMismatchError, BackendUnavailableError,
                      DeviceMismatchError, QDispatchError)
 
@@ -86,7 +86,7 @@ cdef class Device:
             if index and named.index:
                 raise ValueError(f"Device({kind!r}, {index!r}) gives the index twice: write Device('cuda:N')")
             kind, index = named.kind, index or named.index
-        kind, index = operator.index(kind), operator.index(index)  # whole numbers: no 1.5, no "1"
+        kind, index = index_of(kind), index_of(index)  # whole numbers: no 1.5, no "1", no True
         if not 0 <= kind < QD_BACKEND_COUNT:
             raise ValueError(f"Unknown backend kind {kind}")
         if not 0 <= index < 2**31:  # a C int

@@ -7,6 +7,8 @@ import operator
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple, Union
 
+import numpy as np
+
 from .errors import QuantSchemeError
 
 # value -> (lowest, highest, bits)
@@ -22,13 +24,19 @@ STORES = ("native", "packed_u32")
 SCALE_DTYPES = ("f32", "f16", "bf16")
 
 
+def index_of(v):
+    """operator.index(v): v as a Python int when it is a whole number (an int or a
+    numpy integer, a size read off an array's shape), else TypeError; a bool too
+    (Python's, and numpy's, which numpy before 2.3 still gives an index)."""
+    if isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{v!r} is a truth value, not a whole number")
+    return operator.index(v)
+
+
 def _whole_number(v):
-    """v as a Python int when it is a whole number (an int or a numpy integer: a
-    size read off an array's shape), else None; a bool is no size."""
-    if isinstance(v, bool):
-        return None
+    """index_of(v), or None where v is no whole number."""
     try:
-        return operator.index(v)  # numpy's bool takes no index either
+        return index_of(v)
     except TypeError:
         return None
 

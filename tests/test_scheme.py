@@ -37,6 +37,7 @@ def test_every_combination_is_valid_or_says_why(value, store, scale_dtype, gran)
     (dict(block=(1, np.True_)), "block sizes must be positive"),
     (dict(block=32.0), "block must be None, an int or a tuple"),
     (dict(axis=True), "axis must be an int"),
+    (dict(axis=np.True_), "axis must be an int"),  # numpy before 2.3 gives its bool an index
     (dict(axis=0, block=32), "Choose one granularity"),
     (dict(axis=1.5), "axis must be an int"),
 ])

@@ -91,6 +91,14 @@ def test_device_specs_out_of_range_say_what_is_wrong(spec, error, match):
             call()
 
 
+def test_a_device_or_thread_count_refuses_a_bool():
+    """Device(True) was the cpu backend, and numpy before 2.3 gave np.True_ an index too."""
+    for call in (lambda: qd.Device(True), lambda: qd.Device(np.True_), lambda: qd.Device("cuda", np.True_),
+                 lambda: qd.set_num_threads(np.True_)):
+        with pytest.raises(TypeError, match="is a truth value, not a whole number|takes a whole number"):
+            call()
+
+
 @pytest.mark.parametrize("index,error,match", [
     (2**40, ValueError, "Device index must lie in [0, 2**31), got 1099511627776"),
     (-1, ValueError, "Device index must lie in [0, 2**31), got -1"),

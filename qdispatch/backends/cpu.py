@@ -3,7 +3,6 @@
 Weights are packed into the kernels' panel layout once, when a QTensor is
 created on or moved to cpu; a weight used in the other orientation is packed
 on first use and kept."""
-import operator
 import os
 import re
 import threading
@@ -14,6 +13,7 @@ import numpy as np
 from .. import quantmath
 from .._core import BackendKind, register_backend
 from ..errors import BackendUnavailableError
+from ..scheme import index_of
 from .host import HostBackend
 
 
@@ -120,7 +120,7 @@ class CpuBackend(HostBackend):
 
     def set_num_threads(self, n):
         try:
-            count = operator.index(n)  # a whole number (int, numpy integer); 2.7 or "4" is none
+            count = index_of(n)  # a whole number (int, numpy integer); 2.7, "4" or True is none
         except TypeError:
             raise TypeError(f"set_num_threads takes a whole number of threads, got {n!r} ({type(n).__name__}); "
                             f"0 or less means one per processor") from None
