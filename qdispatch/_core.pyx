@@ -410,9 +410,13 @@ cdef class QTensor(TensorBase):
         raise TypeError("A QTensor has no truth value: test `q is not None`, or q.dequantize().numpy().any()")
 
     def __richcmp__(self, other, int op):
-        # identity, the default, said that two QTensors of equal values differ
-        raise TypeError("QTensors are not compared value by value: compare q.dequantize().numpy(), or "
-                        "q.values and q.scales, or test identity with `is`")
+        # Against data (an array, a Tensor, a number) the default said False, as if values had
+        # been compared; between QTensors it stays identity, a weight's handle, so `w in seen` works.
+        if isinstance(other, (TensorBase, int, float)) or hasattr(other, "__array__"):
+            if not isinstance(other, QTensor):
+                raise TypeError("QTensors are not compared value by value: compare q.dequantize().numpy(), or "
+                                "q.values and q.scales")
+        return NotImplemented
 
     def __hash__(self):  # by identity: weak sets and caches key on QTensors
         return object.__hash__(self)
