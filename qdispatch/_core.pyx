@@ -207,7 +207,8 @@ def _torch_operator():
     return qd_torch
 
 
-_ITEMSIZE = {"float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+# Bytes per value of each dtype a payload may hold (the cuda module's device arrays too).
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4, "int64": 8}
 
 
 cdef class Tensor(TensorBase):
@@ -280,7 +281,7 @@ cdef class Tensor(TensorBase):
     @property
     def nbytes(self):
         """Bytes of its values in memory."""
-        return self.size * _ITEMSIZE[self.dtype]
+        return self.size * ITEMSIZE[self.dtype]
 
     def __getitem__(self, key):
         """t[i], t[a:b], t[i, a:b]: integers on leading axes, then at most one slice of

@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 
+from ._core import ITEMSIZE
 from .errors import NOT_IN_CUDA_GRAPHS, BackendUnavailableError, KernelError, NonFiniteError, ScaleOverflowError
 
 
@@ -82,7 +83,6 @@ from qdispatch.qdispatch_c cimport *
 
 DTYPES = {"float32": QD_CUDA_F32, "float16": QD_CUDA_F16, "bfloat16": QD_CUDA_BF16,
           "int8": QD_CUDA_S8, "int32": QD_CUDA_S32, "uint32": -1, "int64": -1}  # -1: no kernel's data
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4, "int64": 8}
 # numpy form of each dtype on the host (bfloat16 travels as its uint16 bits)
 HOST_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
                "int8": np.int8, "int32": np.int32, "uint32": np.uint32, "int64": np.int64}
