@@ -9,9 +9,9 @@ from qdispatch import bench
 def pytest_addoption(parser):
     group = parser.getgroup("qdispatch benchmarks")
     # checked by `qdispatch bench`'s own parsers, so both refuse the same values alike
-    group.addoption("--bench-shapes", type=bench._csv(bench.Shape.parse), default=bench.DEFAULT_SHAPES,
+    group.addoption("--bench-shapes", type=bench.comma_list(bench.Shape.parse), default=bench.DEFAULT_SHAPES,
                     help="MxKxN list")
-    group.addoption("--bench-threads", type=bench._csv(bench.thread_count),
+    group.addoption("--bench-threads", type=bench.comma_list(bench.thread_count),
                     default=",".join(map(str, bench.default_threads())),
                     help="thread counts (default: 1 and the machine's core count)")
     group.addoption("--bench-bandwidth-mb", type=bench.count,

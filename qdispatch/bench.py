@@ -636,7 +636,7 @@ def machine():
 
 # ---- the command line ------------------------------------------------------------
 
-def _csv(kind):
+def comma_list(kind):
     """A comma-separated list of `kind`, spaces around items allowed, each item once."""
     def parse(text):
         try:
@@ -680,16 +680,16 @@ def default_threads():
 
 def add_arguments(parser):
     backends = [b for b in qd.available_backends() if b != "reference" and not is_device_backend(b)]
-    parser.add_argument("--backend", type=_csv(str), default=backends,
+    parser.add_argument("--backend", type=comma_list(str), default=backends,
                         help=f"qdispatch host backends, comma-separated (default: {','.join(backends)}; "
                              f"'reference' only when named; for cuda see benchmarks/bench_cuda.py)")
-    parser.add_argument("--shapes", type=_csv(Shape.parse), default=_csv(Shape.parse)(DEFAULT_SHAPES),
+    parser.add_argument("--shapes", type=comma_list(Shape.parse), default=comma_list(Shape.parse)(DEFAULT_SHAPES),
                         help=f"MxKxN list (default: {DEFAULT_SHAPES})")
-    parser.add_argument("--threads", type=_csv(thread_count), default=default_threads(),
+    parser.add_argument("--threads", type=comma_list(thread_count), default=default_threads(),
                         help="thread counts (default: 1 and the machine's core count)")
-    parser.add_argument("--paths", type=_csv(str), default=list(PATHS),
+    parser.add_argument("--paths", type=comma_list(str), default=list(PATHS),
                         help="; ".join(f"{p}: {h}" for p, h in PATH_HELP.items()))
-    parser.add_argument("--contenders", type=_csv(str), default=["numpy_f32"],
+    parser.add_argument("--contenders", type=comma_list(str), default=["numpy_f32"],
                         help=f"contenders, or 'all' (default: numpy_f32); one of {', '.join(CONTENDERS)}")
     parser.add_argument("--repeat", type=count, default=5, help="samples per case; the best is kept")
     parser.add_argument("--bandwidth-mb", type=count,

@@ -244,8 +244,8 @@ def test_all_contenders_may_come_with_others():
 
 def test_comma_lists_take_spaces_and_name_each_item_once():
     """'cpu, reference' was refused as backend ' reference'; a case named twice ran twice."""
-    assert bench._csv(str)("cpu, reference,cpu") == ["cpu", "reference"]
-    assert bench._csv(bench.count)(" 1, 2 ,1") == [1, 2]
+    assert bench.comma_list(str)("cpu, reference,cpu") == ["cpu", "reference"]
+    assert bench.comma_list(bench.count)(" 1, 2 ,1") == [1, 2]
 
 
 def test_an_unknown_contender_beside_all_is_refused():
