@@ -151,7 +151,7 @@ def _little_endian(a):
 def _crc_text(text):
     """A text's CRC-32 as 8 hex digits: one width whatever the value, as the header's
     room is reserved before the entries' CRCs are known."""
-    return f"{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}"
+    return f"{_crc(text.encode('utf-8', 'surrogatepass')):08x}"
 
 
 def _crc(data):

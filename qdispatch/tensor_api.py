@@ -320,8 +320,7 @@ def tensor_compare(t, other, op):
     """t <op> other value by value, as numpy compares host arrays (a CUDA tensor's
     np.asarray says to move it first)."""
     if isinstance(other, QTensor):
-        raise TypeError("QTensors are not compared value by value: compare q.dequantize().numpy(), or "
-                        "q.values and q.scales")
+        return NotImplemented  # the QTensor's own comparison says why not
     return _COMPARISONS[op](tensor_array(t), tensor_array(other) if isinstance(other, Tensor) else other)
 
 
