@@ -153,11 +153,19 @@ static int thread_setting;   /* <= 0: default */
  * process when it cannot start a thread. */
 #define THREADS_PER_PROC_MAX 4
 
+/* Counted once: omp_get_num_procs asks the kernel for the affinity mask, a system
+ * call as long as a small product, and every product asks for its thread count. */
 static int processors(void)
 {
 #ifdef _OPENMP
-    const int procs = omp_get_num_procs();
-    return procs > 0 ? procs : 1;
+    static int counted;
+    int procs = __atomic_load_n(&counted, __ATOMIC_RELAXED);
+    if (procs == 0) {
+        procs = omp_get_num_procs();
+        procs = procs > 0 ? procs : 1;
+        __atomic_store_n(&counted, procs, __ATOMIC_RELAXED);
+    }
+    return procs;
 #else
     return 1;
 #endif
@@ -165,7 +173,7 @@ static int processors(void)
 
 void qd_set_num_threads(int n)
 {
-    /* Capped here, once: counting the processors takes a system call. */
+    /* capped here, once a setting, not once a product */
     const int cap = THREADS_PER_PROC_MAX * processors();
     __atomic_store_n(&thread_setting, n <= 0 ? 0 : n < cap ? n : cap, __ATOMIC_RELAXED);
 }

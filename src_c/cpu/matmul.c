@@ -161,12 +161,12 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
      * keeps its panels in L2 while the row blocks pass. */
     const task_grid grid = make_grid(M, (w->n_panels + pl.np - 1) / pl.np, ROW_BLOCK);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for_product(ntasks, M, K, w->n))
+    QD_PARALLEL_FOR(qd_threads_for_product(ntasks, M, K, w->n), ,
     for (int64_t task = 0; task < ntasks; task++) {
         const int64_t p = task / grid.n_row_blocks * pl.np, rb = task % grid.n_row_blocks;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
         run_tiles(&pl, w->panels + p * w->panel_bytes, p, rb * grid.row_block, m_end);
-    }
+    });
     free(pl.rowsums);
     return QD_OK;
 }
@@ -342,7 +342,7 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
     /* The finiteness check runs per row inside the parallel loop, while the row is
      * in cache; a row that fails is not quantized. */
     int overflow = 0, not_finite = 0;
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(M * K / 65536 + 1)) reduction(|: overflow, not_finite)
+    QD_PARALLEL_FOR(qd_threads_for(M * K / 65536 + 1), reduction(|: overflow, not_finite),
     for (int64_t m = 0; m < M; m++) {
         if (!row_finite(x + m * K, K)) {
             not_finite = 1;
@@ -356,7 +356,7 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
             qd_quantize_segment(seg, act_block_k, lo, hi, s, ap + m * kp + g * act_block_k);
         }
         memset(ap + m * kp + K, 0, (size_t)(kp - K));
-    }
+    });
     st = not_finite ? QD_ERR_NOT_FINITE : overflow ? QD_ERR_SCALE_OVERFLOW : run_qq(ap, M, K, scales, act_block_k, w, out, NULL);
     qd_aligned_free(ap);
     free(scales);
@@ -394,7 +394,7 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
     /* Row block outermost: a thread's row block of x stays in L2 while its panels pass. */
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for_product(ntasks, M, K, N))
+    QD_PARALLEL_FOR(qd_threads_for_product(ntasks, M, K, N), ,
     for (int64_t task = 0; task < ntasks; task++) {
         const int64_t p = task % grid.n_panels, rb = task / grid.n_panels;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
@@ -416,7 +416,7 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
             t.out = out + m * N + p * QD_NR;
             kern->fq_tile(&t);
         }
-    }
+    });
     qd_aligned_free(xp);
     return QD_OK;
 }

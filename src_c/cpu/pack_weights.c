@@ -123,9 +123,9 @@ qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
     /* Range errors are found while packing (one pass over w), then reported. */
     int outside = 0;
     const int64_t panel_units = pw->panel_bytes / QD_UNIT_BYTES;
-#pragma omp parallel for schedule(static) num_threads(qd_threads_for(N * K / 65536 + 1)) reduction(|: outside)
+    QD_PARALLEL_FOR(qd_threads_for(N * K / 65536 + 1), reduction(|: outside),
     for (int64_t p = 0; p < pw->n_panels; p++)
-        outside |= pack_panel(w, N, K, bits, p, panel_units, pw->panels + p * pw->panel_bytes);
+        outside |= pack_panel(w, N, K, bits, p, panel_units, pw->panels + p * pw->panel_bytes););
     if (bits != 8 && outside) {
         qd_packed_weights_free(pw);
         return QD_ERR_ARGUMENT;

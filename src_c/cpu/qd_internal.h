@@ -149,6 +149,22 @@ int qd_threads_for(int64_t work_items);
 #define QD_MACS_PER_THREAD (1 << 17)
 int qd_threads_for_product(int64_t work_items, int64_t M, int64_t K, int64_t N);
 
+/* `#pragma omp parallel for schedule(static) num_threads(threads) CLAUSES` over the
+ * loop given after CLAUSES, which runs on the calling thread when threads is 1:
+ * libgomp's region of one thread still costs about 0.4 us (it wakes the team at its
+ * end), as much as a small layer's kernel.  CLAUSES (reductions) may be empty. */
+#define QD_PRAGMA(text) _Pragma(#text)
+#define QD_PARALLEL_FOR(threads, CLAUSES, ...)                                            \
+    do {                                                                                 \
+        const int qd_team_ = (threads);                                                  \
+        if (qd_team_ > 1) {                                                              \
+            QD_PRAGMA(omp parallel for schedule(static) num_threads(qd_team_) CLAUSES)   \
+            __VA_ARGS__                                                                  \
+        } else {                                                                         \
+            __VA_ARGS__                                                                  \
+        }                                                                                \
+    } while (0)
+
 /* Quantizes one row segment of n floats with the given range; returns the stored
  * float32 scale through *scale.  Input must be finite (checked by the caller). */
 void qd_quantize_segment(const float *x, int64_t n, int lo, int hi, float scale, int8_t *q);

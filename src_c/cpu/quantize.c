@@ -121,7 +121,7 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         /* the first overflowing block, as a min reduction (a named critical section
          * would be a symbol that the library exports) */
         int64_t first_overflow = INT64_MAX;
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(|: not_finite) reduction(min: first_overflow)
+        QD_PARALLEL_FOR(threads, reduction(|: not_finite) reduction(min: first_overflow),
         for (int64_t b = 0; b < nblocks; b++) {
             int overflow = 0;
             not_finite |= quantize_block(kern, x, cols, (b / grid_cols) * block_rows,
@@ -129,7 +129,7 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
                                          lo, hi, scale_dtype, &scales[b], &overflow, q);
             if (overflow && b < first_overflow)
                 first_overflow = b;
-        }
+        });
         if (first_overflow != INT64_MAX)
             overflow_at = first_overflow;
     } else {
@@ -138,9 +138,9 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         uint32_t *seg_max = malloc((size_t)(rows * grid_cols) * sizeof(uint32_t));
         if (!seg_max)
             return QD_ERR_NO_MEMORY;
-#pragma omp parallel for schedule(static) num_threads(threads)
+        QD_PARALLEL_FOR(threads, ,
         for (int64_t i = 0; i < rows * grid_cols; i++)
-            seg_max[i] = kern->absmax_bits(x + (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols);
+            seg_max[i] = kern->absmax_bits(x + (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols););
         /* Past an overflowing scale the blocks are still looked at: a later NaN wins. */
         for (int64_t b = 0; b < nblocks && !not_finite; b++) {
             const int64_t r0 = (b / grid_cols) * block_rows, gc = b % grid_cols;
@@ -155,13 +155,13 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         }
         free(seg_max);
         if (!not_finite && overflow_at < 0) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+            QD_PARALLEL_FOR(threads, ,
             for (int64_t i = 0; i < rows * grid_cols; i++) {
                 const int64_t r = i / grid_cols, gc = i % grid_cols;
                 const int64_t off = r * cols + gc * block_cols;
                 kern->quantize(x + off, block_cols, (float)lo, (float)hi,
                                scales[(r / block_rows) * grid_cols + gc], q + off);
-            }
+            });
         }
     }
     /* NaN or Inf wins over an overflowing scale, and names its first flat index. */

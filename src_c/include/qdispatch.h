@@ -88,7 +88,8 @@ qd_status qd_isa_set(qd_isa isa);
 void qd_isa_reset(void);
 
 /* ---- threads ---- */
-/* n <= 0 restores the default (the number of processors); n above 4 per processor
+/* n <= 0 restores the default (the number of processors the process may run on,
+ * counted at the first call that needs it); n above 4 per processor
  * counts as 4 per processor.  A library built without OpenMP runs on one thread: it
  * accepts n, and qd_get_num_threads() returns 1. */
 void qd_set_num_threads(int n);
