@@ -1,13 +1,16 @@
 """Host time of one decode-sized call through qdispatch.torch, against torch's own
-bf16 nn.Linear and nn.Embedding in the same run (CUDA GPU, torch and the cuda
-backend needed):
+nn.Linear and nn.Embedding in the same run:
 
-    python benchmarks/torch_host_time.py
+    python benchmarks/torch_host_time.py            # CUDA GPU and the cuda backend: bf16
+    python benchmarks/torch_host_time.py --cpu      # the cpu backend: float32, int8 per channel
 
 M = 1 rows keep every kernel short, so each figure (wall time per call over
 back-to-back calls, best of three runs of 2,000) is the host's cost of a call:
-what a Python decode loop pays per layer when the GPU waits on it.  A lookup of
-one id with checked ids copies the id to the host, which waits for the GPU."""
+what a Python decode loop pays per layer when the GPU waits on it.  On the CPU the
+kernel runs in the call: at 256^2 it is 2-3 us of the figure, at 4096^2 most of it.
+A lookup of one id with checked ids copies the id to the host, which waits for
+the GPU."""
+import sys
 import time
 
 import torch
@@ -16,42 +19,53 @@ import qdispatch as qd
 from qdispatch.torch import QEmbedding, QLinear, from_torch, q_matmul, to_torch
 
 torch.manual_seed(0)
+ON_CPU = "--cpu" in sys.argv[1:]
+DEVICE, DTYPE, DTYPE_NAME = ("cpu", torch.float32, "float32") if ON_CPU else ("cuda", torch.bfloat16, "bfloat16")
+SCHEME = (qd.QuantScheme("q8s", axis=0) if ON_CPU
+          else qd.QuantScheme("q4s", block=128, store="packed_u32", scale_dtype="bf16"))
+
+
+def synchronize():
+    if not ON_CPU:
+        torch.cuda.synchronize()
 
 
 def per_call(fn, n=2000):
     for _ in range(200):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     best = 1e9
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        torch.cuda.synchronize()
+        synchronize()
         best = min(best, (time.perf_counter() - t0) / n * 1e6)
     return best
 
 
 for K, N in ((256, 256), (4096, 4096)):
-    lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")
-    ql = QLinear.from_linear(lin, qd.QuantScheme("q4s", block=128, store="packed_u32", scale_dtype="bf16"))
-    x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
+    lin = torch.nn.Linear(K, N, bias=False, dtype=DTYPE, device=DEVICE)
+    ql = QLinear.from_linear(lin, SCHEME)
+    x = torch.randn(1, K, dtype=DTYPE, device=DEVICE)
     wT = ql.weight.T
     xq = from_torch(x)
     with torch.inference_mode():
         r = {
-            "torch nn.Linear bf16": per_call(lambda: lin(x)),
+            f"torch nn.Linear {DTYPE_NAME}": per_call(lambda: lin(x)),
             "QLinear (inference_mode)": per_call(lambda: ql(x)),
             "qdispatch.torch.q_matmul": per_call(lambda: q_matmul(x, wT)),
             "from_torch(x)": per_call(lambda: from_torch(x)),
             "to_torch(qd tensor)": per_call(lambda: to_torch(xq)),
-            "qd.q_matmul (qd tensors)": per_call(lambda: qd.q_matmul(xq, wT, out_dtype="bfloat16")),
+            "qd.q_matmul (qd tensors)": per_call(lambda: qd.q_matmul(xq, wT, out_dtype=DTYPE_NAME)),
         }
     with torch.no_grad():
         r["QLinear (no_grad)"] = per_call(lambda: ql(x))
     r["QLinear (grad mode)"] = per_call(lambda: ql(x))
     print(f"M=1 K={K} N={N}: " + "; ".join(f"{k} {v:.1f} us" for k, v in r.items()))
 
+if ON_CPU:  # the lookups' host time is a GPU question (the ids' copy)
+    sys.exit()
 emb = torch.nn.Embedding(32000, 4096, dtype=torch.bfloat16, device="cuda")
 checked = QEmbedding.from_embedding(emb, qd.QuantScheme("q4s", block=32, store="packed_u32"))
 unchecked = QEmbedding(checked.weight, dtype=torch.bfloat16, check_ids=False)

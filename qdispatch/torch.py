@@ -49,7 +49,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from . import policy, quantmath, tensor_api
-from ._core import Device, QTensor, Tensor
+from ._core import BackendKind, Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
 from .io import brief, decode_qtensor, encode_qtensor, reading as read_stored, save as save_tensors, stored_shapes
 from .layout import QLayout, swap_last2
@@ -222,6 +222,8 @@ def _matmul(x, w, act=None):
     if x.dtype == torch.float64:
         return x @ _dequantize_f64(w, x.device)
     if not x.is_cuda:
+        if x.is_cpu and act is None and x.dtype == torch.float32 and w.kind == _CPU_KIND and x.numel() and w.shape[1]:
+            return _cpu_fq(x, w)
         return to_torch(_qd_matmul(_operand(x, w, None), w, out_dtype=_KERNEL_DTYPES[x.dtype],
                                    activation_scheme=act))
     index = x.get_device()
@@ -238,6 +240,27 @@ def _matmul(x, w, act=None):
         return _matmul_captured(x, w, stream)
     y = _qd_matmul(_operand(x, w, stream), w, out_dtype=_KERNEL_DTYPES[x.dtype], activation_scheme=act)
     return _to_torch_cuda(y, stream) if on_x_gpu else to_torch(y)  # else a transfer policy placed y
+
+
+def _cpu_fq(x, w):
+    """x @ w for float32 host x and a QTensor w on the cpu backend: its fq kernel
+    between numpy views of torch's memory.  The product `qd.q_matmul` runs, without
+    the two qdispatch Tensors around it, which cost more than a small layer's kernel."""
+    K, N = w.shape
+    x = _dense(x)
+    rows = (x.detach() if x.requires_grad else x).numpy()  # each step costs a microsecond at this size
+    out = (_cpu_backend or _find_cpu_backend()).fq_matmul(rows if rows.ndim == 2 else rows.reshape(-1, K), w)
+    return torch.from_numpy(out if rows.ndim == 2 else out.reshape(*x.shape[:-1], N))
+
+
+def _find_cpu_backend():
+    global _cpu_backend
+    _, _cpu_backend = tensor_api.backend_for("cpu")
+    return _cpu_backend
+
+
+_CPU_KIND = int(BackendKind.CPU)
+_cpu_backend = None  # found on first use: a QTensor is on it only when it is available
 
 
 def _capturing(index, stream):

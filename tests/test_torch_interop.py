@@ -60,6 +60,29 @@ def test_forward_is_qdispatch_kernel(device, scheme):
     torch.testing.assert_close(y, x @ dequantized(w), rtol=1e-5, atol=1e-5)
 
 
+X_FORMS = {
+    "row": lambda x: x[0, 0],
+    "2-D": lambda x: x[0],
+    "3-D": lambda x: x,
+    "strided": lambda x: x.transpose(0, 1),
+    "negative view": lambda x: torch.complex(torch.zeros_like(x), -x).conj().imag,
+    "requires grad": lambda x: x.clone().requires_grad_(),
+    "no rows": lambda x: x[:0],
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", X_FORMS)
+def test_every_form_of_host_x_gives_qdispatchs_product(device, form):
+    w = weight((16, 24), SCHEMES[0], device)
+    x = X_FORMS[form](torch.randn(2, 3, 16))
+    with torch.no_grad():
+        y = q_matmul(x, w)
+    assert y.shape == (*x.shape[:-1], 24) and y.dtype == torch.float32
+    expected = qd.q_matmul(np.ascontiguousarray(x.detach().resolve_neg().numpy()).reshape(-1, 16), w).numpy()
+    np.testing.assert_array_equal(y.numpy().reshape(-1, 24), expected)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_is_dy_times_dequantized_w_transposed(device):
     w = weight((16, 24), SCHEMES[2], device)
