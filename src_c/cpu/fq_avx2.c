@@ -37,7 +37,7 @@ QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
                 for (int p = 0; p < PARTIALS; p++)
                     part[r][h][p] = _mm256_setzero_ps();
         for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            _mm_prefetch((const char *)(wp + QD_FQ_PREFETCH_UNITS * QD_UNIT_BYTES), _MM_HINT_T0);
+            qd_fq_prefetch(wp, bits);
             __m256i v_lo = to_signed_fields(_mm256_load_si256((const __m256i *)wp), bits);
             __m256i v_hi = to_signed_fields(_mm256_load_si256((const __m256i *)(wp + 32)), bits);
             QD_KEEP_IN_REGISTER(v_lo);

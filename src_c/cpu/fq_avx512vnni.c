@@ -54,7 +54,7 @@ QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
             for (int p = 0; p < PARTIALS; p++)
                 part[r][p] = _mm512_setzero_ps();
         for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
-            _mm_prefetch((const char *)(wp + QD_FQ_PREFETCH_UNITS * QD_UNIT_BYTES), _MM_HINT_T0);
+            qd_fq_prefetch(wp, bits);
             __m512i v = _mm512_load_si512((const void *)wp);
             QD_KEEP_IN_REGISTER(v);
             /* Unrolled: shift counts and partial indices must be constants. */

@@ -29,8 +29,18 @@ QD_INLINE int qd_fq_field_bit(int bits, int i)
 void qd_fq_tile_avx512(const qd_fq_tile *t);
 void qd_fq_tile_avx2(const qd_fq_tile *t);
 
-/* Units (cache lines) ahead to prefetch, about 4 KB: the hardware prefetcher alone
- * leaves weights that stream from DRAM well short of the read bandwidth. */
-#define QD_FQ_PREFETCH_UNITS 64
+/* Prefetches the weight unit (cache line) that the stream reaches later: the
+ * hardware prefetcher alone leaves weights that stream from DRAM well short of the
+ * read bandwidth.  8-bit units go to L2, 8 KB ahead; 4- and 2-bit units, with twice
+ * the arithmetic per byte or more, to L1, 4 KB ahead.  On Zen 4, one thread at
+ * 1 and 3 x 4096 x 4096: 8-bit 15-20% faster than L1 4 KB ahead (as it was), 4-bit
+ * 8% slower in L2. */
+QD_INLINE void qd_fq_prefetch(const uint8_t *unit, int bits)
+{
+    if (bits == 8)
+        __builtin_prefetch(unit + 128 * QD_UNIT_BYTES, 0, 2);  /* prefetcht1 */
+    else
+        __builtin_prefetch(unit + 64 * QD_UNIT_BYTES, 0, 3);   /* prefetcht0 */
+}
 
 #endif
