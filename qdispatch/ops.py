@@ -80,7 +80,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     # (and quantize refuses empty data).
     if activation_scheme is not None and not _is_empty(ls, rs, batch):
         if not lq and rq:
-            fused = _fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls, rhs)
+            fused = fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls, rhs)
         if fused is None:
             if not lq:
                 lhs = quantize_activation(lhs, activation_scheme_for(activation_scheme, ls))
@@ -129,7 +129,7 @@ def _is_empty(ls, rs, batch):
     return 0 in batch + (ls[-2], ls[-1], rs[-1])
 
 
-def _fused_w8a8(backend, scheme, x_shape, w):
+def fused_w8a8(backend, scheme, x_shape, w):
     """The backend's one-pass W8A8 kernel when it takes this activation scheme
     (8-bit values, one scale per row or per block of K, float32 scales) and
     weight w's K-groups keep int32 sums exact (longer ones take qq's path)."""

@@ -54,8 +54,8 @@ from ._core import q_matmul as _qd_matmul
 from .io import brief, decode_qtensor, encode_qtensor, reading as read_stored, save as save_tensors, stored_shapes
 from .layout import QLayout, swap_last2
 from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
-                     KernelError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
-from .ops import activation_scheme_for
+                     KernelError, NonFiniteError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
+from .ops import activation_scheme_for, fused_w8a8
 from .scheme import QuantScheme, as_scheme
 
 __all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "QEmbedding", "quantize_embeddings",
@@ -222,8 +222,9 @@ def _matmul(x, w, act=None):
     if x.dtype == torch.float64:
         return x @ _dequantize_f64(w, x.device)
     if not x.is_cuda:
-        if x.is_cpu and act is None and w.kind == _CPU_KIND and x.numel() and w.shape[1]:
-            return _cpu_fq(x, w)
+        y = _cpu_product(x, w, act) if x.is_cpu and w.kind == _CPU_KIND and x.numel() and w.shape[1] else None
+        if y is not None:
+            return y
         return to_torch(_qd_matmul(_operand(x, w, None), w, out_dtype=_KERNEL_DTYPES[x.dtype],
                                    activation_scheme=act))
     index = x.get_device()
@@ -242,19 +243,32 @@ def _matmul(x, w, act=None):
     return _to_torch_cuda(y, stream) if on_x_gpu else to_torch(y)  # else a transfer policy placed y
 
 
-def _cpu_fq(x, w):
+def _cpu_product(x, w, act):
     """x @ w for host x (float32, float16 or bfloat16) and a QTensor w on the cpu
-    backend: its float32 kernel between numpy views of torch's memory.  The product
-    `qd.q_matmul` runs, without the two qdispatch Tensors around it, which cost more
-    than a small layer's kernel (and a bfloat16 x, which numpy can't view, crossed
-    by DLPack: 47.6 against 11-14 us at 1 x 256 x 256).  Half-precision x widens to
-    float32 exactly, and the sums round once to x's dtype, to nearest even, as
-    qdispatch's own casts round them."""
+    backend: its float32 kernel (fq, or with `act` the one-pass W8A8 kernel) between
+    numpy views of torch's memory.  The product `qd.q_matmul` runs, without the two
+    qdispatch Tensors around it, which cost more than a small layer's kernel (and a
+    bfloat16 x, which numpy can't view, crossed by DLPack: 47.6 against 11-14 us at
+    1 x 256 x 256).  Half-precision x widens to float32 exactly, and the sums round
+    once to x's dtype, to nearest even, as qdispatch's own casts round them.  None
+    where `act` needs more than the one-pass kernel (qd.q_matmul's general route)."""
     K, N = w.shape
+    backend = _cpu_backend or _find_cpu_backend()
+    if act is None:
+        kernel = backend.fq_matmul
+    else:  # the scheme as qd.q_matmul reads it for x's shape (a vector's as a row's): its rows fold into one product
+        shape = tuple(x.shape) if x.dim() > 1 else (1, K)
+        kernel = fused_w8a8(backend, activation_scheme_for(act, shape), shape, w)
+        if kernel is None:
+            return None
     x32 = _dense(x if x.dtype == torch.float32 else x.float())
-    rows = (x32.detach() if x32.requires_grad else x32).numpy()  # each step costs a microsecond at this size
-    out = (_cpu_backend or _find_cpu_backend()).fq_matmul(rows if rows.ndim == 2 else rows.reshape(-1, K), w)
-    y = torch.from_numpy(out if rows.ndim == 2 else out.reshape(*x.shape[:-1], N))
+    xs = (x32.detach() if x32.requires_grad else x32).numpy()  # each step costs a microsecond at this size
+    try:
+        out = kernel(xs if xs.ndim == 2 else xs.reshape(-1, K), w)
+    except NonFiniteError:
+        quantmath.check_finite(xs)  # the one-pass kernel only says that x holds NaN or Inf: name where, as qd.q_matmul does
+        raise
+    y = torch.from_numpy(out if xs.ndim == 2 else out.reshape(*x.shape[:-1], N))
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

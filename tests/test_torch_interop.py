@@ -74,18 +74,27 @@ X_FORMS = {
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", X_FORMS)
 @pytest.mark.parametrize("dtype", DTYPE_NAMES, ids=str)
-def test_every_form_of_host_x_gives_qdispatchs_product(device, form, dtype):
+@pytest.mark.parametrize("act", [None, "q8s", QuantScheme("q8s")], ids=str)
+def test_every_form_of_host_x_gives_qdispatchs_product(device, form, dtype, act):
     if form == "negative view" and dtype != torch.float32:
         pytest.skip("torch makes negative views of complex tensors' parts, and has no complex bfloat16")
     w = weight((16, 24), SCHEMES[0], device)
     x = X_FORMS[form](torch.randn(2, 3, 16, dtype=dtype) * 1e4)  # sums past float16's range: inf alike
     with torch.no_grad():
-        y = q_matmul(x, w)
+        y = q_matmul(x, w, act)
     assert y.shape == (*x.shape[:-1], 24) and y.dtype == dtype
-    rows = from_torch(x.detach().resolve_neg().reshape(-1, 16), device=device)
-    expected = to_torch(qd.q_matmul(rows, w, out_dtype=DTYPE_NAMES[dtype]))
+    rows = from_torch(x.detach().resolve_neg().reshape(-1, 16), device=device)  # one scale per row or for all
+    expected = to_torch(qd.q_matmul(rows, w, out_dtype=DTYPE_NAMES[dtype], activation_scheme=act))
     assert y.numel() == expected.numel() and np.array_equal(
         y.reshape(-1).view(torch.uint8).numpy(), expected.reshape(-1).view(torch.uint8).numpy())  # bit for bit
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_w8a8_names_where_x_is_not_finite(device):
+    x = torch.randn(2, 3, 16)
+    x[1, 2, 5] = float("nan")
+    with pytest.raises(qd.NonFiniteError, match=re.escape("nan at position (1, 2, 5)")):
+        q_matmul(x, weight((16, 24), SCHEMES[0], device), "q8s")
 
 
 @pytest.mark.parametrize("device", DEVICES)
