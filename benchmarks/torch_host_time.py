@@ -16,7 +16,7 @@ import time
 import torch
 
 import qdispatch as qd
-from qdispatch.torch import QEmbedding, QLinear, from_torch, q_matmul, to_torch
+from qdispatch.torch import QEmbedding, QLinear, from_torch, q_matmul, quantize_linears, to_torch
 
 torch.manual_seed(0)
 ON_CPU = "--cpu" in sys.argv[1:]
@@ -64,7 +64,20 @@ for K, N in ((256, 256), (4096, 4096)):
     r["QLinear (grad mode)"] = per_call(lambda: ql(x))
     print(f"M=1 K={K} N={N}: " + "; ".join(f"{k} {v:.1f} us" for k, v in r.items()))
 
-if ON_CPU:  # the lookups' host time is a GPU question (the ids' copy)
+if ON_CPU:  # a small model, eager and under torch.compile (QLinears in its graph); the lookups'
+    # host time is a GPU question (the ids' copy)
+    def blocks():
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(),
+                                                         torch.nn.LayerNorm(256)) for _ in range(8)])
+    quantized, floats = quantize_linears(blocks(), SCHEME), blocks()
+    x = torch.randn(1, 256)
+    with torch.inference_mode():
+        r = {}
+        for name, model in (("QLinear", quantized), ("float32 nn.Linear", floats)):
+            compiled = torch.compile(model)
+            r[f"{name} eager"] = per_call(lambda: model(x))
+            r[f"{name} torch.compile"] = per_call(lambda: compiled(x))
+    print("M=1, 8 blocks of (Linear 256^2, GELU, LayerNorm): " + "; ".join(f"{k} {v:.1f} us" for k, v in r.items()))
     sys.exit()
 emb = torch.nn.Embedding(32000, 4096, dtype=torch.bfloat16, device="cuda")
 checked = QEmbedding.from_embedding(emb, qd.QuantScheme("q4s", block=32, store="packed_u32"))

@@ -443,6 +443,14 @@ def matmul_operator(a, b):
 
 
 def _q_matmul(x, w, act=None):
+    _check_operands(x, w, act)
+    if _any_autocast():  # one C call a product; the region's dtype only inside one
+        x = _autocast(x)
+    return _product(x, w, act)
+
+
+def _check_operands(x, w, act):
+    """q_matmul's errors for operands it can't multiply (each a TypeError or ShapeError)."""
     if not isinstance(x, torch.Tensor):
         if isinstance(x, torch.fx.Proxy):
             raise BackendUnavailableError(_NOT_RECORDED)
@@ -464,9 +472,6 @@ def _q_matmul(x, w, act=None):
     if x.dim() == 0 or x.shape[-1] != w.shape[0]:
         raise ShapeError(f"q_matmul shapes {tuple(x.shape)} and {w.shape} don't fit: x needs a last "
                          f"dim of K={w.shape[0]}")
-    if _any_autocast():  # one C call a product; the region's dtype only inside one
-        x = _autocast(x)
-    return _product(x, w, act)
 
 
 def _product(x, w, act=None):
@@ -773,6 +778,74 @@ def _weight_from_state(state, owner, device, read=True):
     return tensor_api.qtensor_from_stored(values, scales, scheme, transposed, device=device)
 
 
+# ---- QLinear inside torch.compile's graphs ----------------------------------------------
+# On the CPU torch.compile keeps a QLinear's product in its graph, as a custom op
+# that names the layer by a number (a graph holds tensors and numbers, not QTensors);
+# the op runs the layer's eager product.  So a model compiles whole (fullgraph=True
+# works) and the code around the layers is compiled with them.  CUDA x still runs
+# between graph breaks: the decode kernels' stream handling has not been taught to
+# inductor's graphs.
+
+_OP_LAYERS = weakref.WeakValueDictionary()  # handle -> QLinear
+_op_handles = itertools.count(1)
+
+
+def _take_op_handle(module):
+    module._op_handle = next(_op_handles)
+    _OP_LAYERS[module._op_handle] = module
+
+
+def _op_layer(handle):
+    layer = _OP_LAYERS.get(handle)
+    if layer is None:
+        raise KernelError("a compiled graph ran a QLinear that no longer exists: compile the model again")
+    return layer
+
+
+def _in_graph(layer, x):
+    """Whether torch.compile keeps `layer`'s product with x in its graph: a CPU x and
+    the custom-op API (torch >= 2.4); not while torch.export records (a program it
+    saves would name a layer of this process)."""
+    return (_qlinear_op is not None and isinstance(x, torch.Tensor) and x.device.type == "cpu"
+            and not _is_exporting() and getattr(layer, "_op_handle", None) is not None)
+
+
+def _define_qlinear_op():
+    if not hasattr(torch.library, "custom_op"):
+        return None
+
+    @torch.library.custom_op("qdispatch::qlinear", mutates_args=())
+    def qlinear(x: torch.Tensor, handle: int) -> torch.Tensor:
+        layer = _op_layer(handle)
+        w, act = layer.weight.T, layer.activation_scheme
+
+        def product():  # the eager call's checks, then its product without autograd (the op's backward is below)
+            _check_operands(x, w, act)
+            return _matmul(x, w, act)
+        return layer._named_errors(x, product)
+
+    @qlinear.register_fake
+    def _(x, handle):  # the product's shape and dtype; x the layer can't take raises when the graph runs,
+        return x.new_empty((*x.shape[:-1], _op_layer(handle).out_features))  # the eager call's error
+
+    @torch.library.custom_op("qdispatch::qlinear_input_grad", mutates_args=())
+    def qlinear_input_grad(dy: torch.Tensor, handle: int) -> torch.Tensor:
+        return _matmul(dy, _op_layer(handle).weight)
+
+    @qlinear_input_grad.register_fake
+    def _(dy, handle):
+        return dy.new_empty((*dy.shape[:-1], _op_layer(handle).in_features))
+
+    def setup_context(ctx, inputs, output):
+        ctx.handle = inputs[1]
+
+    def backward(ctx, dy):  # dX = dY @ dequantize(W), as QMatmul's; the weight takes none
+        return torch.ops.qdispatch.qlinear_input_grad(dy, ctx.handle), None
+
+    qlinear.register_autograd(backward, setup_context=setup_context)
+    return torch.ops.qdispatch.qlinear
+
+
 class _QuantizedModule(torch.nn.Module):
     """What QLinear and QEmbedding share: a 2-D QTensor `weight` that moves with the
     module (`Module.to()`, `.cuda()`, `.cpu()`; a dtype change leaves it as it is),
@@ -796,6 +869,7 @@ class _QuantizedModule(torch.nn.Module):
         if len(weight.shape) != 2:
             raise ShapeError(f"{name} needs a 2-D weight [{dims}], got {weight.shape}")
         self.weight = weight
+        _take_op_handle(self)
 
     _float_kind = _made_by = None  # the float layer this class replaces, and the classmethod that does
     _dims = ()  # the attributes that hold the weight's shape
@@ -860,11 +934,13 @@ class _QuantizedModule(torch.nn.Module):
     def __getstate__(self):
         state = dict(self.__dict__)  # a weak reference can't be pickled: a copy starts untied
         state.pop("_source", None)
+        state.pop("_op_handle", None)  # the original's: a copy takes its own
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         _hold(self, self.weight)  # a copy's layers that share a weight know it, as the original's did
+        _take_op_handle(self)
 
     def _moved(self, probe):
         """Told where Module.to() sends tensors: `probe`, an empty tensor of the
@@ -1086,23 +1162,33 @@ class QLinear(_QuantizedModule):
 
     def forward(self, x):
         self._refuse_unloaded()
+        if _is_compiling() and _in_graph(self, x):
+            y = _qlinear_op(_autocast(x) if _any_autocast() else x, self._op_handle)
+        else:
+            y = self._named_errors(x, lambda: q_matmul(x, self.weight.T, self.activation_scheme))
+        bias = self.bias
+        if bias is None:
+            return y
+        return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # .to costs a microsecond
+
+    def _named_errors(self, x, run):
+        """run(), its errors for x naming this layer."""
         try:
-            y = q_matmul(x, self.weight.T, self.activation_scheme)
+            return run()
         except (ShapeError, TypeError) as exc:  # a model has many layers: say which kind of x this one takes
             got = (f"x of shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor)
                    else f"a {type(x).__name__}")
             raise type(exc)(f"QLinear(in_features={self.in_features}, out_features={self.out_features}) got "
                             f"{got}: {exc}") from exc
-        bias = self.bias
-        if bias is None:
-            return y
-        return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # .to costs a microsecond
 
     def extra_repr(self):
         act = "" if self.activation_scheme is None else f", activation_scheme={self.activation_scheme!r}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.weight.scheme!r}{act}, "
                 f"device='{self.weight.device}'")
+
+
+_qlinear_op = _define_qlinear_op()
 
 
 def _check_activation_scheme(spec, in_features):

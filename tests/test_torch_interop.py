@@ -265,7 +265,7 @@ def test_cuda_autocast_and_torch_func():
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_torch_compile_runs_qlinears_between_graph_breaks(backend):
+def test_torch_compile_runs_qlinears(backend):
     torch.manual_seed(0)
     model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.GELU(),
                                                  torch.nn.Linear(16, 8)), SCHEMES[0], device=DEVICES[-1])
@@ -1310,14 +1310,59 @@ def test_torch_compile_fullgraph_says_why_it_cannot():
     """Dynamo stopped at torch._C._is_tracing, inside q_matmul's checks, with a message
     that named nothing of qdispatch's. Now it meets the call torch.compile must run
     outside its graph: torch 2.13 says so with qdispatch's reason; torch 2.11 traces into
-    it under fullgraph=True and stops inside qdispatch's code, which its message shows."""
-    layer = QLinear.from_linear(torch.nn.Linear(8, 4), QuantScheme("q8s", axis=0), device=DEVICES[-1])
+    it under fullgraph=True and stops inside qdispatch's code, which its message shows.
+    (A QLinear on the CPU stays in the graph: the test after this one.)"""
+    w = weight((8, 4), QuantScheme("q8s", axis=1), DEVICES[-1])
     with pytest.raises(Exception) as info:
-        torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(2, 8))
+        torch.compile(lambda x: q_matmul(x, w), fullgraph=True, backend="eager")(torch.randn(2, 8))
     message = str(info.value)
     assert "_is_tracing" not in message and "qdispatch" in message
     reason = "qdispatch's kernels run outside torch, between graph breaks: compile the model without fullgraph=True"
     assert reason in message or "qdispatch/torch.py" in message
+
+
+needs_custom_ops = pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="needs torch >= 2.4")
+
+
+@needs_custom_ops
+@pytest.mark.parametrize("act", [None, "q8s"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_compile_keeps_cpu_qlinears_in_its_graph(act, dtype):
+    """fullgraph=True compiles a model of QLinears on the CPU whole (the layers are a
+    custom op in the graph), with the eager model's values and gradients bit for bit,
+    over several batch sizes."""
+    torch._dynamo.reset()  # dynamo recompiles a code object for each model: the suite's others count
+    torch.manual_seed(0)
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8)),
+                             QuantScheme("q8s", axis=0), device=DEVICES[-1], activation_scheme=act).to(dtype)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 32, dtype=dtype)
+        x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+        want, got = model(x_eager), compiled(x_compiled)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+@needs_custom_ops
+def test_a_compiled_qlinear_raises_the_eager_error_and_each_copy_is_its_own():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = QLinear.from_linear(torch.nn.Linear(8, 4), QuantScheme("q8s", axis=0), device=DEVICES[-1])
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with pytest.raises(ShapeError, match=re.escape("QLinear(in_features=8, out_features=4) got x of shape (2, 7)")):
+        compiled(torch.randn(2, 7))
+    with pytest.raises(TypeError, match="QLinear.*float32/float16/bfloat16/float64"):
+        compiled(torch.ones(2, 8, dtype=torch.int32))
+    twin = copy.deepcopy(layer)
+    twin.weight = qd.quantize(torch.randn(4, 8), QuantScheme("q8s", axis=0), device=DEVICES[-1])
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(torch.compile(twin, fullgraph=True, backend="aot_eager")(x), twin(x), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)  # the original kept its own weight
 
 
 def test_torch_compile_runs_a_qembedding_lookup_between_graph_breaks():
