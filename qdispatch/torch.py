@@ -778,15 +778,15 @@ def _weight_from_state(state, owner, device, read=True):
     return tensor_api.qtensor_from_stored(values, scales, scheme, transposed, device=device)
 
 
-# ---- QLinear inside torch.compile's graphs ----------------------------------------------
-# On the CPU torch.compile keeps a QLinear's product in its graph, as a custom op
-# that names the layer by a number (a graph holds tensors and numbers, not QTensors);
-# the op runs the layer's eager product.  So a model compiles whole (fullgraph=True
-# works) and the code around the layers is compiled with them.  CUDA x still runs
-# between graph breaks: the decode kernels' stream handling has not been taught to
-# inductor's graphs.
+# ---- QLinear and QEmbedding inside torch.compile's graphs ---------------------------------
+# On the CPU torch.compile keeps a QLinear's product and a QEmbedding's lookup in its
+# graph, as custom ops that name the layer by a number (a graph holds tensors and
+# numbers, not QTensors); an op runs the layer's eager call.  So a model compiles
+# whole (fullgraph=True works) and the code around the layers is compiled with them.
+# CUDA inputs still run between graph breaks: the decode kernels' stream handling has
+# not been taught to inductor's graphs.
 
-_OP_LAYERS = weakref.WeakValueDictionary()  # handle -> QLinear
+_OP_LAYERS = weakref.WeakValueDictionary()  # handle -> QLinear or QEmbedding
 _op_handles = itertools.count(1)
 
 
@@ -803,16 +803,17 @@ def _op_layer(handle):
 
 
 def _in_graph(layer, x):
-    """Whether torch.compile keeps `layer`'s product with x in its graph: a CPU x and
-    the custom-op API (torch >= 2.4); not while torch.export records (a program it
-    saves would name a layer of this process)."""
-    return (_qlinear_op is not None and isinstance(x, torch.Tensor) and x.device.type == "cpu"
+    """Whether torch.compile keeps `layer`'s call on x in its graph: a CPU x and the
+    custom-op API (torch >= 2.4); not while torch.export records (a program it saves
+    would name a layer of this process)."""
+    return (_ops_defined and isinstance(x, torch.Tensor) and x.device.type == "cpu"
             and not _is_exporting() and getattr(layer, "_op_handle", None) is not None)
 
 
-def _define_qlinear_op():
+def _define_ops():
+    """Whether the custom ops are defined (torch >= 2.4)."""
     if not hasattr(torch.library, "custom_op"):
-        return None
+        return False
 
     @torch.library.custom_op("qdispatch::qlinear", mutates_args=())
     def qlinear(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -843,7 +844,16 @@ def _define_qlinear_op():
         return torch.ops.qdispatch.qlinear_input_grad(dy, ctx.handle), None
 
     qlinear.register_autograd(backward, setup_context=setup_context)
-    return torch.ops.qdispatch.qlinear
+
+    @torch.library.custom_op("qdispatch::qembedding", mutates_args=())
+    def qembedding(ids: torch.Tensor, handle: int) -> torch.Tensor:  # rows take no gradient
+        return _op_layer(handle)._lookup(ids)
+
+    @qembedding.register_fake
+    def _(ids, handle):
+        layer = _op_layer(handle)
+        return ids.new_empty((*ids.shape, layer.embedding_dim), dtype=layer.dtype)
+    return True
 
 
 class _QuantizedModule(torch.nn.Module):
@@ -1163,7 +1173,7 @@ class QLinear(_QuantizedModule):
     def forward(self, x):
         self._refuse_unloaded()
         if _is_compiling() and _in_graph(self, x):
-            y = _qlinear_op(_autocast(x) if _any_autocast() else x, self._op_handle)
+            y = torch.ops.qdispatch.qlinear(_autocast(x) if _any_autocast() else x, self._op_handle)
         else:
             y = self._named_errors(x, lambda: q_matmul(x, self.weight.T, self.activation_scheme))
         bias = self.bias
@@ -1186,9 +1196,6 @@ class QLinear(_QuantizedModule):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.weight.scheme!r}{act}, "
                 f"device='{self.weight.device}'")
-
-
-_qlinear_op = _define_qlinear_op()
 
 
 def _check_activation_scheme(spec, in_features):
@@ -1275,6 +1282,8 @@ class QEmbedding(_QuantizedModule):
             raise BackendMismatchError(
                 f"QEmbedding's ids are on torch device {str(ids.device)!r}, its table on qdispatch's "
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
+        if _is_compiling() and _in_graph(self, ids):
+            return torch.ops.qdispatch.qembedding(ids, self._op_handle)
         if _transformed():
             return _Lookup.apply(ids, self)
         return _lookup_outside_dynamo(self, ids)
@@ -1310,11 +1319,13 @@ class QEmbedding(_QuantizedModule):
                 + ("" if self.check_ids else ", check_ids=False"))
 
 
-# torch.compile never traces the lookup's host code (reading ids as numpy): it runs
-# between graph breaks.  Always, not only while tracing as q_matmul: after a graph
-# break torch may compile the lookup's frame on its own, and its guards on the ids
-# then failed under inference_mode.  The wrapper costs about 4 us a lookup.
+# torch.compile never traces the lookup's host code (reading ids as numpy): where the
+# lookup is not an op in its graph (CUDA ids), it runs between graph breaks.  Always,
+# not only while tracing as q_matmul: after a graph break torch may compile the
+# lookup's frame on its own, and its guards on the ids then failed under
+# inference_mode.  The wrapper costs about 4 us a lookup.
 _lookup_outside_dynamo = _between_graph_breaks(QEmbedding._lookup)
+_ops_defined = _define_ops()
 
 
 class _Lookup(torch.autograd.Function):

@@ -1365,19 +1365,26 @@ def test_a_compiled_qlinear_raises_the_eager_error_and_each_copy_is_its_own():
     torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)  # the original kept its own weight
 
 
-def test_torch_compile_runs_a_qembedding_lookup_between_graph_breaks():
+def test_torch_compile_runs_a_qembedding_lookup():
     """A compiled QEmbedding under inference_mode: torch's tracer in the lookup's
-    host code failed a guard before."""
+    host code failed a guard before.  On the CPU the lookup is an op in the graph, so
+    a small language model compiles whole, and an id outside the table raises the
+    eager error."""
     from qdispatch.torch import QEmbedding
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(QEmbedding.from_embedding(torch.nn.Embedding(20, 16), QuantScheme("q8s", axis=0),
-                                                          device=DEVICES[-1]), torch.nn.ReLU())
+                                                          device=DEVICES[-1]), torch.nn.ReLU(),
+                                QLinear.from_linear(torch.nn.Linear(16, 20), QuantScheme("q8s", axis=0),
+                                                    device=DEVICES[-1]))
     ids = torch.tensor([[1, 2, 3], [19, 0, 4]])
     want = model(ids)
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.inference_mode():
         torch.testing.assert_close(compiled(ids), want, rtol=0, atol=0)
     torch.testing.assert_close(compiled(ids), want, rtol=0, atol=0)
+    with pytest.raises(qd.OutOfRangeError, match="embedding id 20 at position"):
+        compiled(torch.tensor([[1, 20, 3], [19, 0, 4]]))
 
 
 def test_a_float_checkpoint_weight_that_is_no_float_tensor_is_named():
