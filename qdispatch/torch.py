@@ -798,7 +798,8 @@ def _take_op_handle(module):
 def _op_layer(handle):
     layer = _OP_LAYERS.get(handle)
     if layer is None:
-        raise KernelError("a compiled graph ran a QLinear that no longer exists: compile the model again")
+        raise KernelError("a compiled graph ran a QLinear or QEmbedding that no longer exists: compile the "
+                          "model again")
     return layer
 
 
