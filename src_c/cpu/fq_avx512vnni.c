@@ -1,8 +1,9 @@
 /* The AVX-512 fq kernel (float32 x int8 / int4 / int2 weights), plan in fq_common.h.
  * A zmm holds one k-step of the 16 columns.  8 bits: the byte is sign-extended with
- * two shifts and converted (at one row, made a float by its mantissa bits instead).  4 and 2 bits: vpermps looks the field up in a 16-entry
- * table of float values (it reads only the low 4 bits of each index, so a shift is
- * the whole unpack).  Up to FQ_MR rows share each dequantized vector. */
+ * two shifts and converted (at one row, made a float by its mantissa bits instead).
+ * 4 and 2 bits: vpermps looks the field up in a 16-entry table of float values (it
+ * reads only the low 4 bits of each index, so a shift is the whole unpack).  Up to
+ * FQ_MR rows share each dequantized vector. */
 #include <immintrin.h>
 #include "fq_common.h"
 
