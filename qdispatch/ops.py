@@ -5,6 +5,7 @@ shapes, dtypes and schemes are validated (before any kernel runs), batch dims
 are broadcast, and each 2-D product goes to the backend's kernel."""
 import functools
 import itertools
+import math
 
 import numpy as np
 
@@ -163,7 +164,7 @@ def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype="float32"):
         return kernel(lhs, rhs)
     if not isinstance(lhs, QTensor) and len(rhs.shape) == 2:
         K = lhs.shape[-1]
-        rows = int(np.prod(lhs.shape[:-1]))
+        rows = math.prod(lhs.shape[:-1])
         flat = Tensor(backend.reshape(lhs.payload, (rows, K)), lhs.dtype, (rows, K), lhs.kind, lhs.index)
         return backend.reshape(kernel(flat, rhs), out_shape)
     results = [kernel(_batch_item(backend, lhs, idx), _batch_item(backend, rhs, idx))

@@ -261,6 +261,23 @@ def test_weights_are_packed_once_when_created(rng):
     assert moved.storage.cache
 
 
+def test_a_few_tokens_quantized_are_not_packed_until_a_product_takes_them_as_weights(rng):
+    """Fewer rows than a panel's 16 are activations far more often than weights: their
+    quantize call packs nothing (packing was half of it at 1 x 4096), and a product
+    that takes one as a weight packs it then."""
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    xq = qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="cpu")
+    assert not xq.storage.cache
+    wq = qd.quantize(rng.standard_normal((40, 128)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
+    ref = qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="reference")
+    np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref, wq.to("reference").T).numpy())
+    assert not xq.storage.cache
+    y = rng.standard_normal((2, 128)).astype(np.float32)
+    as_weight = qd.q_matmul(y, xq.T).numpy()
+    assert xq.storage.cache
+    np.testing.assert_allclose(as_weight, qd.q_matmul(y, ref.T).numpy(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w.T"])
 def test_a_batched_weights_items_are_packed_once(rng, monkeypatch, transposed):
     """Each item of a 3-D weight was sliced into a fresh storage on every call, so

@@ -3,6 +3,7 @@
 Weights are packed into the kernels' panel layout once, when a QTensor is
 created on or moved to cpu; a weight used in the other orientation is packed
 on first use and kept."""
+import math
 import os
 import re
 import threading
@@ -49,11 +50,12 @@ def _as_2d_block(shape, block):
         j += 1
     if any(lead_block[i] != lead[i] for i in range(j + 1, len(lead))):
         return None
-    block_rows = int(np.prod(lead_block[j:])) if j < len(lead) else 1
-    return int(np.prod(lead)), shape[-1], block_rows, block[-1]
+    block_rows = math.prod(lead_block[j:]) if j < len(lead) else 1  # math's: numpy's costs a microsecond
+    return math.prod(lead), shape[-1], block_rows, block[-1]
 
 
 _MOST_THREADS = 2**31 - 1  # the C library's thread count is an int
+_PANEL_ROWS = 16  # output channels a panel holds (QD_NR)
 
 
 def _thread_count_setting(text):
@@ -150,7 +152,11 @@ class CpuBackend(HostBackend):
     # ---- quantized storage ----
     def qstorage_from_host(self, values, scales, layout, index, weight=True):
         storage = super().qstorage_from_host(values, scales, layout, index)
-        if weight and len(layout.shape) == 2:  # a weight: pack its [N, K] panels now, once
+        if weight and len(layout.shape) == 2 and layout.shape[0] >= _PANEL_ROWS:
+            # a weight: pack its [N, K] panels now, once.  Fewer rows than one panel's
+            # are a few tokens' activations far more often (quantized for a qq product,
+            # which reads them as rows): packing a 1 x 4096 one took half of its quantize
+            # call.  Such a weight packs at its first product, one panel.
             self._panels(storage, layout, transposed_pack=False, values=values)
         return storage
 
