@@ -166,6 +166,48 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
     return q, scales
 
 
+# ---- dequantize -------------------------------------------------------------
+
+_OUT_DTYPES = {"float32": (QD_FLOAT32, np.float32), "float16": (QD_FLOAT16, np.float16),
+               "bfloat16": (QD_BFLOAT16, np.uint16)}  # bfloat16 as its uint16 bits
+
+
+def dequantize_rows(values, int bits, int64_t rows, int64_t cols, scales, int64_t block_rows,
+                    int64_t block_cols, ids=None, dtype="float32"):
+    """Rows `ids` (int64 [n], each in [0, rows); None: all rows) of the quantized
+    matrix [rows, cols], dequantized -> [n, cols] of dtype.  values: int8 [rows, cols]
+    when bits is 0, else the packed_u32 words of bits-bit values [rows, words]."""
+    values = _array(values, np.int8 if bits == 0 else np.uint32, 2, "values")
+    scales = _array(scales, np.float32, 2, "scales")
+    if block_rows <= 0 or block_cols <= 0 or rows % block_rows or cols % block_cols:
+        raise _shape_error(f"Block ({block_rows}, {block_cols}) does not divide shape ({rows}, {cols})")
+    words = cols if bits == 0 else -(-cols // (32 // bits)) if bits in (2, 4, 8) else 0
+    if values.shape != (rows, words) or scales.shape != (rows // block_rows, cols // block_cols):
+        raise _shape_error(f"values {values.shape} and scales {scales.shape} are not the store of a "
+                           f"[{rows}, {cols}] matrix of {bits or 8}-bit values in blocks ({block_rows}, {block_cols})")
+    code, np_dtype = _OUT_DTYPES[dtype]
+    cdef int64_t n = rows
+    cdef const int64_t *pid = NULL
+    cdef const int64_t[::1] idv
+    if ids is not None:
+        n = len(ids)
+        if n == 0:
+            return np.empty((0, cols), dtype=np_dtype)
+        ids = _array(ids, np.int64, 1, "ids")
+        idv = ids
+        pid = &idv[0]
+    out = np.empty((n, cols), dtype=np_dtype)
+    cdef const void *pv = <const void *><size_t>values.ctypes.data
+    cdef const float *ps = <const float *><size_t>scales.ctypes.data
+    cdef void *po = <void *><size_t>out.ctypes.data
+    cdef int c_dtype = code
+    cdef qd_status st
+    with nogil:
+        st = qd_dequantize_rows(pv, bits, rows, cols, ps, block_rows, block_cols, pid, n, po, c_dtype)
+    _check(st, "dequantize_rows")
+    return out
+
+
 # ---- packed weights ----------------------------------------------------------
 
 cdef class PackedWeights:

@@ -239,3 +239,95 @@ def test_the_c_entry_point_reads_and_writes_at_any_alignment(rng, out_dtype, nam
         torch.cuda.synchronize()
         assert st == 0
         assert torch.equal(out[out_at:].reshape(4, 64).cpu(), want[ids.cpu()]), (values_at, out_at)
+
+
+HOST_SCHEMES = SCHEMES + [
+    qd.QuantScheme("q8s", block=(1, 8)),                                # blocks narrower than a run of one scale
+    qd.QuantScheme("q4f", block=(3, 1), store="packed_u32"),            # a scale per value along a row
+    qd.QuantScheme("q8f", block=(1, 640), store="packed_u32"),          # 8-bit values packed four a word
+]
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("scheme", HOST_SCHEMES, ids=lambda s: f"{s.value}-{s.block or s.axis}-{s.store}")
+def test_cpu_lookups_and_dequantize_are_the_reference_bit_for_bit(rng, scheme, transposed):
+    """The cpu backend dequantizes in C (qd_dequantize_rows): rows longer than its
+    512-column chunks with a ragged end, every width and blocking, each dtype: the
+    reference backend's bits."""
+    w = table(rng, 96, 1280, scheme, "cpu", transposed)
+    spec = w.to("reference")
+    ids = rng.integers(0, 96, 50)
+    for dtype in ("float32", "float16", "bfloat16"):
+        np.testing.assert_array_equal(w.dequantize(dtype).numpy(), spec.dequantize(dtype).numpy())
+        np.testing.assert_array_equal(qd.embedding(ids, w, dtype=dtype).numpy(),
+                                      qd.embedding(ids, spec, dtype=dtype).numpy())
+
+
+@pytest.mark.parametrize("shape, scheme", [
+    ((2, 6, 40), qd.QuantScheme("q8s", block=(1, 2, 8))),
+    ((3, 4, 64), qd.QuantScheme("q4s", block=(1, 1, 32), store="packed_u32")),
+    ((4, 8), qd.QuantScheme("q8f")),
+    ((70,), qd.QuantScheme("q2s", block=(10,), store="packed_u32")),
+    ((2, 3, 16), qd.QuantScheme("q8s", block=(2, 1, 16))),  # a blocking no 2-D view holds: numpy's path
+], ids=["3-D blocks across rows", "3-D int4", "per tensor", "1-D int2", "N-d blocking"])
+def test_cpu_dequantize_of_any_rank_is_the_reference(rng, shape, scheme):
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    q = qd.quantize(x, scheme, device="cpu")
+    for dtype in ("float32", "bfloat16"):
+        out = q.dequantize(dtype)
+        assert out.shape == shape and out.dtype == dtype
+        np.testing.assert_array_equal(out.numpy(), q.to("reference").dequantize(dtype).numpy())
+
+
+def test_cpu_dequantize_at_the_ends_of_float_ranges(rng):
+    """Products past float32's range are inf, and tiny ones round to float16's
+    subnormals or to zero, as the reference gives them."""
+    values = rng.integers(-128, 128, (4, 64)).astype(np.int8)
+    values[0, :2] = [-128, 127]
+    scales = np.array([[3e38], [1e-45], [3e-8], [6e-5]], np.float32)
+    q = qd.qtensor_from_parts(values, scales, qd.QuantScheme("q8f", axis=0), device="cpu")
+    for dtype in ("float32", "float16", "bfloat16"):
+        got, want = q.dequantize(dtype).numpy(), q.to("reference").dequantize(dtype).numpy()
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # signed zeros too
+    assert np.isinf(q.dequantize().numpy()[0, :2]).all()
+
+
+def _host_entry_point():
+    import ctypes
+    lib = ctypes.CDLL(os.path.join(qd.get_library_dir(), "libqdispatch.so"))
+    f = lib.qd_dequantize_rows
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    return lambda *args: f(*(a.ctypes.data if isinstance(a, np.ndarray) else a for a in args))
+
+
+def test_the_host_c_entry_point_refuses_ids_outside_before_writing():
+    """qd_dequantize_rows from C, ids checked by nobody: QD_ERR_ARGUMENT (3), the
+    output untouched; good ids give the rows."""
+    call = _host_entry_point()
+    values = np.arange(-8, 8, dtype=np.int8).reshape(4, 4)
+    scales = np.array([[0.5], [1.0]], np.float32)  # blocks of 2 rows x 4 columns
+    out = np.full((3, 4), 7.0, np.float32)
+    for bad in (-1, 4, 2**32):
+        ids = np.array([3, bad, 0], np.int64)
+        assert call(values, 0, 4, 4, scales, 2, 4, ids, 3, out, 0) == 3
+        assert (out == 7.0).all()
+    assert call(values, 0, 4, 4, scales, 2, 4, np.array([3, 1, 0], np.int64), 3, out, 0) == 0
+    np.testing.assert_array_equal(out, [[4, 5, 6, 7], [-2, -1.5, -1, -0.5], [-4, -3.5, -3, -2.5]])
+
+
+@pytest.mark.parametrize("args, status", [
+    (dict(values=None), 1), (dict(out=None), 1),               # QD_ERR_NULL
+    (dict(bits=3), 4), (dict(out_dtype=5), 3),                 # QD_ERR_SCHEME, QD_ERR_ARGUMENT
+    (dict(block_cols=3), 2), (dict(rows=0), 2), (dict(n=5), 2),  # QD_ERR_SHAPE: no ids and n != rows
+    (dict(out="values"), 3),                                   # out over the values
+], ids=["no values", "no out", "3 bits", "dtype 5", "block 3", "no rows", "n past rows", "overlap"])
+def test_the_host_c_entry_point_refuses_bad_arguments(args, status):
+    call = _host_entry_point()
+    values = np.ones((4, 4), np.int8)
+    a = dict(values=values, bits=0, rows=4, cols=4, scales=np.ones((2, 1), np.float32), block_rows=2,
+             block_cols=4, ids=None, n=4, out=np.zeros((4, 4), np.float32), out_dtype=0)
+    a.update(args)
+    if isinstance(a["out"], str):
+        a["out"] = values
+    assert call(*a.values()) == status

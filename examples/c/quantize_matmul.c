@@ -1,8 +1,9 @@
 /* quantize_matmul.c: qdispatch's kernels from plain C99, no Python.
  *
  * Quantizes activations and weights, packs the weights once, multiplies them
- * (quantized x quantized, float out) and multiplies raw int8 matrices, then
- * checks both against plain C loops.  Also shows that bad input comes back as
+ * (quantized x quantized, float out), multiplies raw int8 matrices and looks
+ * rows of the weights up as an embedding table, then checks them against plain C
+ * loops.  Also shows that bad input comes back as
  * a status, not a crash.  Exits non-zero on any mismatch.
  *
  * Build (the flags come from the installed package):
@@ -108,6 +109,23 @@ static void check_qq_matmul(const int8_t *a, const float *a_scales, const int8_t
     failures += !(worst <= FLOAT_RTOL);
 }
 
+/* The weights as an embedding table [N, K]: rows ids, dequantized (value times its
+ * block's scale, one float32 multiply: exact against the same multiply here). */
+static void check_lookup(const int8_t *w, const float *w_scales)
+{
+    static const int64_t ids[3] = {N - 1, 0, N - 1};
+    static float rows[3 * K];
+    CHECK_OK(qd_dequantize_rows(w, 0, N, K, w_scales, 1, BLOCK_K, ids, 3, rows, QD_FLOAT32));
+
+    int mismatches = 0;
+    for (int i = 0; i < 3; i++)
+        for (int k = 0; k < K; k++)
+            mismatches += rows[i * K + k] != (float)w[ids[i] * K + k] * w_scales[ids[i] * (K / BLOCK_K) + k / BLOCK_K];
+    printf("qd_dequantize_rows, rows {%d, 0, %d} of [%d x %d]: %d mismatches (exact check)\n",
+           N - 1, N - 1, N, K, mismatches);
+    failures += mismatches != 0;
+}
+
 static void check_bad_input(const int8_t *a, const int8_t *w)
 {
     static float x[4] = {1.0f, 2.0f, 0.0f, 4.0f}, s[1];
@@ -126,6 +144,10 @@ static void check_bad_input(const int8_t *a, const int8_t *w)
     }
     expect_status("qd_int_matmul_s8 with c = NULL", qd_int_matmul_s8(a, M, K, w, N, NULL), QD_ERR_NULL);
     expect_status("qd_int_matmul_s8 with M = 0", qd_int_matmul_s8(a, 0, K, w, N, c), QD_ERR_SHAPE);
+    static const int64_t outside[1] = {N};
+    static float row[K];
+    expect_status("qd_dequantize_rows, an id past the rows",
+                  qd_dequantize_rows(w, 0, N, K, s, N, K, outside, 1, row, QD_FLOAT32), QD_ERR_ARGUMENT);
     expect_status("qd_pack_weights, block_k not dividing K",
                   qd_pack_weights(w, N, K, 8, NULL, 1, 5, &pw), QD_ERR_SHAPE);
     qd_packed_weights_free(pw);
@@ -156,6 +178,7 @@ int main(void)
 
     check_qq_matmul(a, a_scales, w, w_scales, pw);
     check_int_matmul(a, w);
+    check_lookup(w, w_scales);
     check_bad_input(a, w);
     qd_packed_weights_free(pw);
 

@@ -202,6 +202,33 @@ class CpuBackend(HostBackend):
         """Panels of a logical [K, N] QTensor as [N, K] rows (K contiguous)."""
         return self._panels(w.storage, w.layout, transposed_pack=not w.transposed)
 
+    # ---- dequantize ----
+    def _store_as_rows(self, storage, layout):
+        """(values, bits, rows, cols, scales, block_rows, block_cols): the store seen as
+        the 2-D matrix C dequantizes, or None where it can't be (no values, or an N-d
+        blocking that is no 2-D one)."""
+        flat = _as_2d_block(layout.shape, layout.block) if layout.shape and math.prod(layout.shape) else None
+        if flat is None:
+            return None
+        rows, cols, br, bc = flat
+        values = storage.values
+        bits = layout.bits if layout.scheme.store == "packed_u32" else 0
+        return (values.reshape(rows, values.shape[-1]), bits, rows, cols,
+                storage.scales.reshape(rows // br, cols // bc), br, bc)
+
+    def dequantize(self, q, dtype="float32"):
+        store = self._store_as_rows(q.storage, q.layout)
+        if store is None:
+            return super().dequantize(q, dtype)
+        out = _cpu.dequantize_rows(*store, dtype=dtype).reshape(q.layout.shape)
+        return np.swapaxes(out, -1, -2) if q.transposed else out
+
+    def dequantize_rows(self, q, rows, dtype):
+        store = None if q.transposed else self._store_as_rows(q.storage, q.layout)
+        if store is None:  # a transposed table's rows are stored as columns
+            return super().dequantize_rows(q, rows, dtype)
+        return _cpu.dequantize_rows(*store, ids=rows, dtype=dtype)
+
     # ---- kernels ----
     def int_matmul(self, a, b):
         return _cpu.int_matmul(np.ascontiguousarray(a, dtype=np.int8),

@@ -117,6 +117,22 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
                           int64_t block_rows, int64_t block_cols, int scale_dtype,
                           float *scales, int8_t *q, int64_t *bad_index);
 
+/* Float dtypes of host outputs (the numbers of qd_cuda_dtype's float dtypes). */
+typedef enum qd_float_dtype { QD_FLOAT32 = 0, QD_FLOAT16 = 1, QD_BFLOAT16 = 2 } qd_float_dtype;
+
+/* Rows `ids` of a quantized matrix, dequantized (an embedding lookup): out[i, c] =
+ * value(ids[i], c) * scales[ids[i] / block_rows, c / block_cols], the float32 product,
+ * written as out_dtype (16-bit dtypes rounded from it to nearest even), without
+ * dequantizing the other rows.  values: int8 [rows, cols] when bits == 0, else the
+ * packed_u32 store of `bits`-bit values (2, 4 or 8): 32/bits values a uint32, lowest
+ * bits first, each row a whole number of words.  scales: [rows/block_rows,
+ * cols/block_cols] float32.  ids NULL: every row in turn (n must be rows), the whole
+ * matrix.  An id outside [0, rows) is QD_ERR_ARGUMENT, before anything is written.
+ * n = 0 writes nothing (out may be NULL). */
+qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
+                             const float *scales, int64_t block_rows, int64_t block_cols,
+                             const int64_t *ids, int64_t n, void *out, int out_dtype);
+
 /* ---- packed weights ----
  * Made only by qd_pack_weights: the functions that take them return QD_ERR_ARGUMENT
  * for memory that qd_pack_weights did not fill (zeroed memory, say). */
