@@ -22,9 +22,12 @@ from setuptools.errors import CompileError, LinkError
 # -Wno-unknown-pragmas: a build without OpenMP leaves the `#pragma omp` lines in place.
 # -ffp-contract=off: no multiply and add fused where the source rounds each (clang
 # fuses within an expression by default), so every ISA rounds as the reference.
+# -fno-trapping-math: no code reads the floating-point exception flags, so gcc may
+# compute both sides of a select and vectorize it (clang's default; the values are
+# IEEE's either way): the branch-free float16 conversion vectorizes only so.
 # -fvisibility=hidden: the shipped library exports only what qdispatch.h declares.
-COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", "-Wall",
-                "-Wno-unknown-pragmas"]
+COMMON_FLAGS = ["-O3", "-std=c11", "-fno-fast-math", "-fno-trapping-math", "-ffp-contract=off", "-fPIC",
+                "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas"]
 OPENMP_FLAGS = ["-fopenmp"]
 # Linked, not only compiled: a clang without libomp takes -fopenmp for code that
 # does not include omp.h, and then fails to find omp.h or to link -lomp.

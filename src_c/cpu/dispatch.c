@@ -98,6 +98,18 @@ const qd_quant_kernels *qd_quant_kernels_active(void)
     }
 }
 
+const qd_dequant_kernels *qd_dequant_kernels_active(void)
+{
+    switch (qd_isa_active()) {
+#if defined(__x86_64__) || defined(_M_X64)
+    case QD_ISA_AVX2:
+    case QD_ISA_AVXVNNI: return &qd_dequant_kernels_avx2;
+    case QD_ISA_AVX512VNNI: return &qd_dequant_kernels_avx512vnni;
+#endif
+    default: return &qd_dequant_kernels_base;
+    }
+}
+
 qd_pack_kn_fn qd_pack_kn_active(void)
 {
     switch (qd_isa_active()) {

@@ -37,12 +37,19 @@ qd_status qd_convert_bf16_to_f32(const uint16_t *src, int64_t n, float *dst)
     QD_CONVERT_LOOP(src, n, dst, qd_bf16_bits_to_f32);
 }
 
+/* To 16 bits: the active ISA's loops (dequantize_kernels.h), the same bits. */
 qd_status qd_convert_f32_to_f16(const float *src, int64_t n, uint16_t *dst)
 {
-    QD_CONVERT_LOOP(src, n, dst, qd_f32_to_f16_bits);
+    const qd_status st = check_convert(src, n, sizeof *src, dst, sizeof *dst);
+    if (st == QD_OK && n > 0)
+        qd_dequant_kernels_active()->f32_to_f16(src, n, dst);
+    return st;
 }
 
 qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst)
 {
-    QD_CONVERT_LOOP(src, n, dst, qd_f32_to_bf16_bits);
+    const qd_status st = check_convert(src, n, sizeof *src, dst, sizeof *dst);
+    if (st == QD_OK && n > 0)
+        qd_dequant_kernels_active()->f32_to_bf16(src, n, dst);
+    return st;
 }

@@ -19,32 +19,22 @@ static inline float qd_bits_f32(uint32_t u)
     return f;
 }
 
+/* Every case is computed and one is selected, with no branches, so that loops of
+ * conversions vectorize; the same bits as the branching form for all 2^32 inputs. */
 static inline uint16_t qd_f32_to_f16_bits(float f)
 {
-    const uint32_t x = qd_f32_bits(f);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    const uint32_t absx = x & 0x7FFFFFFFu;
-    if (absx >= 0x7F800000u)                       /* Inf or NaN */
-        return sign | (absx > 0x7F800000u ? 0x7E00u : 0x7C00u);
-    if (absx >= 0x477FF000u)                       /* >= 65520 rounds to Inf */
-        return sign | 0x7C00u;
-    if (absx < 0x38800000u) {                      /* below 2^-14: half subnormal */
-        if (absx <= 0x33000000u)                   /* <= 2^-25 rounds to 0 */
-            return sign;
-        const uint32_t m = (absx & 0x7FFFFFu) | 0x800000u;
-        const int shift = 126 - (int)(absx >> 23);
-        uint32_t q = m >> shift;
-        const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (q & 1)))
-            q++;
-        return sign | (uint16_t)q;
-    }
-    const uint32_t rebased = absx - 0x38000000u;   /* exponent bias 127 -> 15 */
-    uint32_t q = rebased >> 13;
-    const uint32_t rem = rebased & 0x1FFFu;
-    if (rem > 0x1000u || (rem == 0x1000u && (q & 1)))
-        q++;                                       /* a carry into the exponent is right */
-    return sign | (uint16_t)q;
+    /* |f|'s bits fit int32: signed compares, which every SIMD ISA has */
+    const uint32_t x = qd_f32_bits(f), sign = (x >> 16) & 0x8000u;
+    const int32_t absx = (int32_t)(x & 0x7FFFFFFFu);
+    /* at or past 65536: Inf, or NaN (below, 65520 and up carry into Inf themselves) */
+    const uint32_t special = absx > 0x7F800000 ? 0x7E00u : 0x7C00u;
+    /* below 2^-14, a half subnormal: adding 0.5 rounds it (to nearest even) into
+     * the mantissa's low bits, as the default rounding mode does every add */
+    const uint32_t tiny = qd_f32_bits(qd_bits_f32((uint32_t)absx) + 0.5f) - 0x3F000000u;
+    /* normal: exponent rebased 127 -> 15, then round to nearest even at bit 13; a
+     * carry into the exponent is right */
+    const uint32_t normal = ((uint32_t)absx + 0xC8000FFFu + (((uint32_t)absx >> 13) & 1u)) >> 13;
+    return (uint16_t)(sign | (absx >= 0x47800000 ? special : absx < 0x38800000 ? tiny : normal));
 }
 
 static inline float qd_f16_bits_to_f32(uint16_t h)
@@ -63,9 +53,8 @@ static inline float qd_f16_bits_to_f32(uint16_t h)
 static inline uint16_t qd_f32_to_bf16_bits(float f)
 {
     const uint32_t x = qd_f32_bits(f);
-    if ((x & 0x7FFFFFFFu) > 0x7F800000u)
-        return 0x7FC0u;
-    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;  /* to nearest even */
+    return (int32_t)(x & 0x7FFFFFFFu) > 0x7F800000 ? 0x7FC0u : (uint16_t)rounded;  /* NaN: the quiet one */
 }
 
 static inline float qd_bf16_bits_to_f32(uint16_t b)

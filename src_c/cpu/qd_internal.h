@@ -129,6 +129,33 @@ extern const qd_quant_kernels qd_quant_kernels_avx512vnni;
 /* The quantize kernels of the active ISA. */
 const qd_quant_kernels *qd_quant_kernels_active(void);
 
+/* One qd_dequantize_rows call, as its row kernel reads it. */
+typedef struct qd_dequantize_job {
+    const void *values;
+    int bits;                   /* 0: one int8 a value; else packed_u32 of this width */
+    int64_t cols, words_per_row;
+    const float *scales;
+    int64_t block_rows, block_cols;
+    void *out;
+    int out_dtype;
+} qd_dequantize_job;
+
+/* Dequantize and conversion kernels of one ISA (dequantize_kernels.h): row(job, r,
+ * i) writes row r of the matrix to row i of the output; the conversions round to
+ * nearest even, NaN to the quiet NaN (with its sign for float16). */
+typedef struct qd_dequant_kernels {
+    void (*row)(const qd_dequantize_job *job, int64_t r, int64_t i);
+    void (*f32_to_f16)(const float *src, int64_t n, uint16_t *dst);
+    void (*f32_to_bf16)(const float *src, int64_t n, uint16_t *dst);
+} qd_dequant_kernels;
+
+extern const qd_dequant_kernels qd_dequant_kernels_base;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const qd_dequant_kernels qd_dequant_kernels_avx2;
+extern const qd_dequant_kernels qd_dequant_kernels_avx512vnni;
+#endif
+const qd_dequant_kernels *qd_dequant_kernels_active(void);
+
 /* Packs units 0 .. units-1 of panels p0 .. p0+np-1 of row-major int8 B [K, N],
  * all inside B, into dst (panel i at dst + i * panel_bytes). */
 typedef void (*qd_pack_kn_fn)(const int8_t *b, int64_t N, int64_t units, int64_t p0, int np,
