@@ -55,6 +55,37 @@ def test_lookups_are_rows_of_the_dequantized_table(device, scheme, dtype):
     assert torch.equal(q(ids.to(torch.int32)), want)
 
 
+@pytest.mark.skipif("cpu" not in HOSTS, reason="needs the cpu backend")
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cpu_lookups_are_the_references_for_ids_of_any_kind(dtype, transposed, monkeypatch):
+    """On the cpu backend a lookup reads torch's ids and writes torch's rows in place
+    (qd_dequantize_rows, no qdispatch Tensors): the reference backend's rows, bit for
+    bit, for ids of any integer dtype, rank and stride; a transposed table takes
+    qd.embedding's route."""
+    torch.manual_seed(0)
+    table = torch.randn(64, 40) if transposed else torch.randn(40, 64)
+    w = qd.quantize(table.numpy(), INT4 if not transposed else QuantScheme("q4s", block=(32, 1), store="packed_u32"),
+                    device="cpu")
+    q = QEmbedding(w.T if transposed else w, dtype=dtype)
+    spec = QEmbedding(q.weight.to("reference"), dtype=dtype)
+    base = torch.tensor([[0, 39, 7, 7], [1, 2, 38, 5]])
+    wanted = {}
+    for ids in (base, base.int(), base.to(torch.uint8), base.t(), base[0], base[0, 1], base[:, :0]):
+        wanted[ids] = spec(ids)
+    embedding = qd.tensor_api.embedding
+    if not transposed:  # the kernel in place: qd.embedding only names a bad id
+        monkeypatch.setattr(qd.tensor_api, "embedding", lambda *a, **k: pytest.fail("qd.embedding's route ran"))
+    for ids, want in wanted.items():
+        out = q(ids)
+        assert out.dtype == dtype and out.shape == (*ids.shape, 64)
+        assert torch.equal(out.view(torch.int8) if dtype != torch.float64 else out,
+                           want.view(torch.int8) if dtype != torch.float64 else want)
+    monkeypatch.setattr(qd.tensor_api, "embedding", embedding)
+    with pytest.raises(qd.OutOfRangeError, match=r"embedding id -3 at position \(1, 1\)"):
+        q(torch.tensor([[0, 1], [2, -3]]))
+
+
 def test_ids_must_be_integers_on_the_tables_device_and_inside_it():
     q = QEmbedding.from_embedding(torch.nn.Embedding(10, 32), PER_ROW, device=HOSTS[-1])
     with pytest.raises(TypeError, match="integer tensor of ids .torch.long or torch.int., got torch.float32"):

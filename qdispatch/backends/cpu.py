@@ -206,15 +206,18 @@ class CpuBackend(HostBackend):
     def _store_as_rows(self, storage, layout):
         """(values, bits, rows, cols, scales, block_rows, block_cols): the store seen as
         the 2-D matrix C dequantizes, or None where it can't be (no values, or an N-d
-        blocking that is no 2-D one)."""
+        blocking that is no 2-D one).  Kept with the store: a lookup of one row costs
+        little more than finding them."""
+        store = storage.cache.get("as rows", False)
+        if store is not False:
+            return store
         flat = _as_2d_block(layout.shape, layout.block) if layout.shape and math.prod(layout.shape) else None
-        if flat is None:
-            return None
-        rows, cols, br, bc = flat
-        values = storage.values
-        bits = layout.bits if layout.scheme.store == "packed_u32" else 0
-        return (values.reshape(rows, values.shape[-1]), bits, rows, cols,
-                storage.scales.reshape(rows // br, cols // bc), br, bc)
+        if flat is not None:
+            rows, cols, br, bc = flat
+            values = storage.values
+            flat = (values.reshape(rows, values.shape[-1]), layout.bits if layout.scheme.store == "packed_u32" else 0,
+                    rows, cols, storage.scales.reshape(rows // br, cols // bc), br, bc)
+        return storage.cache.setdefault("as rows", flat)
 
     def dequantize(self, q, dtype="float32"):
         store = self._store_as_rows(q.storage, q.layout)

@@ -39,19 +39,34 @@ static inline void unpack_words(const uint32_t *words, int bits, int64_t c0, int
 #endif
 }
 
-/* The scale of each of n columns from c0 on, where a scale spans block_cols columns. */
-static void spread_scales(const float *row_scales, int64_t block_cols, int64_t c0, int n, float *s)
+/* The scale of each of n columns from c0 on, where a scale spans block_cols columns,
+ * `step` columns at a time: a constant after inlining that divides block_cols (and
+ * so c0 and n: chunks and rows end on a block's end), so that each step is one
+ * vector store. */
+static inline void spread_in_steps(const float *row_scales, int64_t block_cols, int64_t c0, int n, int step,
+                                   float *s)
 {
     int64_t block = c0 / block_cols, left = block_cols - c0 % block_cols;
-    for (int i = 0; i < n; i++) {
-        s[i] = row_scales[block];
-        if (--left == 0) {
+    for (int i = 0; i < n; i += step) {
+        const float scale = row_scales[block];
+        for (int k = 0; k < step; k++)
+            s[i + k] = scale;
+        if ((left -= step) == 0) {
             block++;
             left = block_cols;
         }
     }
 }
 
+static void spread_scales(const float *row_scales, int64_t block_cols, int64_t c0, int n, float *s)
+{
+    if (block_cols % 16 == 0)
+        spread_in_steps(row_scales, block_cols, c0, n, 16, s);
+    else if (block_cols % 4 == 0)
+        spread_in_steps(row_scales, block_cols, c0, n, 4, s);
+    else
+        spread_in_steps(row_scales, block_cols, c0, n, 1, s);
+}
 
 static void f32_to_f16(const float *src, int64_t n, uint16_t *dst)
 {
@@ -85,21 +100,20 @@ static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
             else
                 unpack_words(words, 8, c0, n, unpacked);
         }
-        float *dst = job->out_dtype == QD_FLOAT32 ? (float *)job->out + i * cols + c0 : product;
-        if (job->block_cols >= 16) {  /* runs of one scale */
-            for (int a = 0; a < n;) {
-                const int64_t block = (c0 + a) / job->block_cols;
-                const int64_t end = (block + 1) * job->block_cols - c0;
-                const int b = end < n ? (int)end : n;
-                const float s = row_scales[block];
-                for (int k = a; k < b; k++)
-                    dst[k] = (float)v[k] * s;
-                a = b;
-            }
-        } else {
-            spread_scales(row_scales, job->block_cols, c0, n, scale);
+        float *restrict dst = job->out_dtype == QD_FLOAT32 ? (float *)job->out + i * cols + c0 : product;
+        const int64_t bc = job->block_cols;
+        if (c0 / bc == (c0 + n - 1) / bc) {  /* one block's scale (a scale per row, say) */
+            const float s = row_scales[c0 / bc];
             for (int k = 0; k < n; k++)
-                dst[k] = (float)v[k] * scale[k];
+                dst[k] = (float)v[k] * s;
+        } else {  /* a scale per column is the scale row itself */
+            const float *restrict s = row_scales + c0;
+            if (bc > 1) {
+                spread_scales(row_scales, bc, c0, n, scale);
+                s = scale;
+            }
+            for (int k = 0; k < n; k++)
+                dst[k] = (float)v[k] * s[k];
         }
         if (job->out_dtype == QD_FLOAT16)
             f32_to_f16(product, n, (uint16_t *)job->out + i * cols + c0);
