@@ -144,7 +144,8 @@ typedef struct qd_packed_weights qd_packed_weights;
 qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
                           const float *scales, int64_t block_n, int64_t block_k,
                           qd_packed_weights **out);
-/* Does nothing for NULL or for anything qd_pack_weights did not make. */
+/* Does nothing for NULL or for anything qd_pack_weights did not make.  Free each once:
+ * as with free(), a second call on the same pointer reads memory already given back. */
 void qd_packed_weights_free(qd_packed_weights *pw);
 /* Bytes held by the packed weights (panels + scales). 0 for NULL and for anything
  * qd_pack_weights did not make. */
