@@ -15,7 +15,7 @@ set -euo pipefail
 # Run from benchmarks/: `python -m` puts the working folder first on sys.path, and at the
 # source root that is the unbuilt package, not the installed one.
 cd "$(dirname "$0")"
-args=(. -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth)"
+args=(. -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup)"
       --bench-shapes 1x1024x1024,16x1024x1024 --bench-threads 1 --bench-bandwidth-mb 256
       --benchmark-max-time=0.25 --benchmark-storage=file://baseline)
 if [[ "${1:-}" == "--save" ]]; then

@@ -34,6 +34,8 @@ def pytest_generate_tests(metafunc):
     if "cpu_case" in metafunc.fixturenames:
         cases = list(bench.plan(shapes, bench.PATHS, ["cpu"], threads))
         metafunc.parametrize("cpu_case", cases, ids=[c.id for c in cases])
+    if "bench_shape" in metafunc.fixturenames:
+        metafunc.parametrize("bench_shape", shapes, ids=[str(s) for s in shapes])
     if "threads" in metafunc.fixturenames:
         metafunc.parametrize("threads", threads, ids=[f"t{n}" for n in threads])
 

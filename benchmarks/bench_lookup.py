@@ -1,0 +1,63 @@
+"""Embedding lookups on the host: `qd.embedding(ids, table)` on the cpu backend (the C
+kernel) and on the reference backend (numpy), beside a float32 lookup of the same
+rows (torch's `nn.Embedding` where torch is installed, else numpy's `take`), all in
+the same run:
+
+    python -m pytest benchmarks/bench_lookup.py -q
+
+Each --bench-shapes entry MxKxN is M ids into a table of N rows of K values (a
+weight [N, K] read as a table).  Every call looks up fresh random ids from a pool,
+so no call repeats the one before.  extra_info's `ratio_float_lookup` is the float
+lookup's time over this case's (above 1: faster than the float table)."""
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from qdispatch import bench
+
+SCHEMES = {"int8 per row": bench.W8, "int4 block 32": bench.W4}
+IMPLS = ("float_lookup", "cpu", "reference")
+ID_SETS = 64  # ids drawn for each call in turn
+
+_FLOAT_SECONDS = {}
+
+
+def _float_lookup(table, id_sets):
+    """The float32 lookup a user would otherwise run: nn.Embedding if torch is here."""
+    try:
+        import torch
+    except ImportError:
+        return (lambda ids: np.take(table, ids, axis=0)), id_sets, "numpy take"
+    emb = torch.nn.Embedding.from_pretrained(torch.from_numpy(table))
+    return emb, [torch.from_numpy(ids) for ids in id_sets], "torch nn.Embedding"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_lookup(benchmark, bench_shape, scheme, impl):
+    shape = bench_shape
+    if shape.k % 32 and scheme == "int4 block 32":
+        pytest.skip(f"int4 block 32 needs K a multiple of 32, got K={shape.k}")
+    benchmark.group = f"lookup {shape.m} ids of [{shape.n}, {shape.k}], {scheme}"
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((shape.n, shape.k), dtype=np.float32)
+    id_sets = [rng.integers(0, shape.n, shape.m) for _ in range(ID_SETS)]
+    if impl == "float_lookup":
+        fn, args, name = _float_lookup(table, id_sets)
+    else:
+        q = qd.quantize(table, SCHEMES[scheme], device=impl)
+        fn, args, name = (lambda ids: qd.embedding(ids, q)), id_sets, f"qd.embedding on {impl}"
+    turn = iter(range(1 << 62))
+
+    def call():
+        return fn(args[next(turn) % ID_SETS])
+    call()
+    benchmark(call)
+    if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
+        return
+    seconds = benchmark.stats.stats.min
+    if impl == "float_lookup":
+        _FLOAT_SECONDS[benchmark.group] = seconds
+    ref = _FLOAT_SECONDS.get(benchmark.group)
+    benchmark.extra_info.update(impl=name, us=seconds * 1e6, ratio_float_lookup=ref / seconds if ref else None,
+                                rows_gbs=shape.m * shape.k * 4 / seconds / 1e9)
