@@ -263,3 +263,17 @@ def unpack_u32(words: np.ndarray, bits: int, n: int) -> np.ndarray:
         field = ((words >> np.uint32(bits * i)) << up).astype(np.uint8).view(np.int8)
         out[..., i] = field >> np.int8(8 - bits)
     return out.reshape(words.shape[:-1] + (-1,))[..., :n]
+
+
+def stored_columns(values: np.ndarray, columns: np.ndarray, bits: int, packed: bool) -> np.ndarray:
+    """Columns `columns` of a 2-D store [R, C] as int8 [R, len(columns)]: for
+    packed_u32 only the word that holds each column is read and its field taken, so
+    a few columns of a large store cost a few columns' work."""
+    if not packed:
+        return values[:, columns]
+    per_word = 32 // bits
+    words = values[:, columns // per_word]
+    shift = ((columns % per_word) * bits).astype(np.uint32)
+    # the field to the top of the word, then an arithmetic shift sign-extends it
+    top = (words >> shift) << np.uint32(32 - bits)
+    return (top.view(np.int32) >> np.int32(32 - bits)).astype(np.int8)

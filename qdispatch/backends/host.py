@@ -69,9 +69,10 @@ class HostBackend(Backend):
 
     def dequantize_rows(self, q, rows, dtype):
         br, bc = q.layout.logical_block(q.transposed)
-        if q.transposed:  # the rows are stored as columns, packed along the other axis
-            values, scales = self.logical(q)
-            values = values[rows]
+        if q.transposed:  # the rows are stored as columns: read those columns only
+            values = quantmath.stored_columns(q.storage.values, rows, q.layout.bits,
+                                              q.layout.scheme.store == "packed_u32").T
+            scales = np.swapaxes(q.storage.scales, -1, -2)
         else:
             values, scales = q.storage.values[rows], q.storage.scales
             if q.layout.scheme.store == "packed_u32":
