@@ -513,3 +513,25 @@ def test_c_library_matches_the_package_and_its_header():
     with open(os.path.join(qd.get_include(), "qdispatch.h")) as f:
         header_abi = int(re.search(r"#define QD_ABI_VERSION (\d+)", f.read()).group(1))
     assert CPU_INFO["library"] == {"version": qd.__version__, "abi": header_abi}
+
+
+@pytest.mark.parametrize("n", [100, 3000], ids=["numpy's size", "C's size"])
+def test_casts_between_float_dtypes_are_the_references(rng, n):
+    """The cpu backend casts with C's conversions from 1024 values on (bfloat16 at any
+    size): the reference's bits for every value, overflow to Inf, subnormal halves and
+    signed zeros among them; NaN stays NaN of its sign."""
+    x = (rng.standard_normal(n) * rng.choice([1e-7, 1e-5, 1.0, 1e3, 7e4], n)).astype(np.float32)
+    x[:8] = [0.0, -0.0, np.inf, -np.inf, 65520.0, -6e-8, 3e-8, np.nan]
+    x[8] = -np.nan
+    for src in ("float32", "float16", "bfloat16"):
+        for dst in ("float32", "float16", "bfloat16"):
+            if src == dst or "float32" not in (src, dst):
+                continue
+            got, want = (qd.tensor(qd.tensor(x, device=dev, dtype=src), dtype=dst) for dev in ("cpu", "reference"))
+            assert got.dtype == want.dtype == dst
+            g = np.asarray(got.to("cpu").payload)
+            w = np.asarray(want.to("reference").payload)
+            nan = np.isnan(got.numpy())
+            np.testing.assert_array_equal(nan, np.isnan(want.numpy()))
+            np.testing.assert_array_equal(g[~nan].view(np.uint8), w[~nan].view(np.uint8))
+            np.testing.assert_array_equal(np.signbit(got.numpy()[nan]), np.signbit(want.numpy()[nan]))

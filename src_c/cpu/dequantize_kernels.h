@@ -1,4 +1,4 @@
-/* The row kernel of qd_dequantize_rows and the float32 -> 16-bit conversion loops,
+/* The row kernel of qd_dequantize_rows and the float32 <-> 16-bit conversion loops,
  * plain C that each ISA's file compiles with its own flags (dequantize_base.c,
  * dequantize_avx2.c, dequantize_avx512vnni.c): the compiler vectorizes them for it,
  * and the conversions are branch-free so that it can.  Same bits on every ISA. */
@@ -80,6 +80,18 @@ static void f32_to_bf16(const float *src, int64_t n, uint16_t *dst)
         dst[i] = qd_f32_to_bf16_bits(src[i]);
 }
 
+static void f16_to_f32(const uint16_t *src, int64_t n, float *dst)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = qd_f16_bits_to_f32(src[i]);
+}
+
+static void bf16_to_f32(const uint16_t *src, int64_t n, float *dst)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = qd_bf16_bits_to_f32(src[i]);
+}
+
 static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
 {
     const int64_t cols = job->cols;
@@ -122,6 +134,7 @@ static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
     }
 }
 
-#define QD_DEQUANT_KERNELS(name) const qd_dequant_kernels name = {dequantize_row, f32_to_f16, f32_to_bf16}
+#define QD_DEQUANT_KERNELS(name) \
+    const qd_dequant_kernels name = {dequantize_row, f32_to_f16, f32_to_bf16, f16_to_f32, bf16_to_f32}
 
 #endif

@@ -1,7 +1,5 @@
-/* Public float16 / bfloat16 conversions (portable; the Python layer uses them to
- * feed and return half-precision arrays). */
+/* Public float16 / bfloat16 conversions (the cpu backend's casts use them). */
 #include "qd_internal.h"
-#include "half_convert.h"
 
 /* The checks of a conversion of n values of src_size bytes to dst_size bytes. */
 static qd_status check_convert(const void *src, int64_t n, size_t src_size, const void *dst, size_t dst_size)
@@ -17,39 +15,31 @@ static qd_status check_convert(const void *src, int64_t n, size_t src_size, cons
     return QD_OK;
 }
 
-#define QD_CONVERT_LOOP(src, n, dst, expr)                                              \
+/* The active ISA's loops (dequantize_kernels.h): the same bits on every ISA. */
+#define QD_CONVERT(src, n, dst, loop)                                                    \
     do {                                                                                \
         const qd_status st_ = check_convert(src, n, sizeof *(src), dst, sizeof *(dst)); \
-        if (st_ != QD_OK)                                                               \
-            return st_;                                                                 \
-        for (int64_t i = 0; i < (n); i++)                                               \
-            (dst)[i] = expr((src)[i]);                                                  \
-        return QD_OK;                                                                   \
+        if (st_ == QD_OK && (n) > 0)                                                    \
+            qd_dequant_kernels_active()->loop(src, n, dst);                             \
+        return st_;                                                                     \
     } while (0)
 
 qd_status qd_convert_f16_to_f32(const uint16_t *src, int64_t n, float *dst)
 {
-    QD_CONVERT_LOOP(src, n, dst, qd_f16_bits_to_f32);
+    QD_CONVERT(src, n, dst, f16_to_f32);
 }
 
 qd_status qd_convert_bf16_to_f32(const uint16_t *src, int64_t n, float *dst)
 {
-    QD_CONVERT_LOOP(src, n, dst, qd_bf16_bits_to_f32);
+    QD_CONVERT(src, n, dst, bf16_to_f32);
 }
 
-/* To 16 bits: the active ISA's loops (dequantize_kernels.h), the same bits. */
 qd_status qd_convert_f32_to_f16(const float *src, int64_t n, uint16_t *dst)
 {
-    const qd_status st = check_convert(src, n, sizeof *src, dst, sizeof *dst);
-    if (st == QD_OK && n > 0)
-        qd_dequant_kernels_active()->f32_to_f16(src, n, dst);
-    return st;
+    QD_CONVERT(src, n, dst, f32_to_f16);
 }
 
 qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst)
 {
-    const qd_status st = check_convert(src, n, sizeof *src, dst, sizeof *dst);
-    if (st == QD_OK && n > 0)
-        qd_dequant_kernels_active()->f32_to_bf16(src, n, dst);
-    return st;
+    QD_CONVERT(src, n, dst, f32_to_bf16);
 }

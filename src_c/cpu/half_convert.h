@@ -39,15 +39,12 @@ static inline uint16_t qd_f32_to_f16_bits(float f)
 
 static inline float qd_f16_bits_to_f32(uint16_t h)
 {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-    if (exp == 0) {
-        const float v = (float)mant * 5.9604644775390625e-8f;   /* mant * 2^-24, exact */
-        return sign ? -v : v;
-    }
-    if (exp == 31)
-        return qd_bits_f32(sign | 0x7F800000u | (mant << 13));
-    return qd_bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    /* a subnormal (or zero) half is mant * 2^-24, exact in float32 */
+    const uint32_t tiny = sign | qd_f32_bits((float)mant * 5.9604644775390625e-8f);
+    const uint32_t special = sign | 0x7F800000u | (mant << 13);          /* Inf, NaN with its payload */
+    const uint32_t normal = sign | ((exp + 112u) << 23) | (mant << 13);  /* exponent bias 15 -> 127 */
+    return qd_bits_f32(exp == 0 ? tiny : exp == 31 ? special : normal);  /* selects: loops vectorize */
 }
 
 static inline uint16_t qd_f32_to_bf16_bits(float f)
