@@ -68,29 +68,18 @@ static void spread_scales(const float *row_scales, int64_t block_cols, int64_t c
         spread_in_steps(row_scales, block_cols, c0, n, 1, s);
 }
 
-static void f32_to_f16(const float *src, int64_t n, uint16_t *dst)
-{
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = qd_f32_to_f16_bits(src[i]);
-}
+/* A loop of one scalar conversion, for the compiler to vectorize. */
+#define QD_CONVERSION_LOOP(name, src_type, dst_type, convert)        \
+    static void name(const src_type *src, int64_t n, dst_type *dst) \
+    {                                                               \
+        for (int64_t i = 0; i < n; i++)                             \
+            dst[i] = convert(src[i]);                               \
+    }
 
-static void f32_to_bf16(const float *src, int64_t n, uint16_t *dst)
-{
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = qd_f32_to_bf16_bits(src[i]);
-}
-
-static void f16_to_f32(const uint16_t *src, int64_t n, float *dst)
-{
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = qd_f16_bits_to_f32(src[i]);
-}
-
-static void bf16_to_f32(const uint16_t *src, int64_t n, float *dst)
-{
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = qd_bf16_bits_to_f32(src[i]);
-}
+QD_CONVERSION_LOOP(f32_to_f16, float, uint16_t, qd_f32_to_f16_bits)
+QD_CONVERSION_LOOP(f32_to_bf16, float, uint16_t, qd_f32_to_bf16_bits)
+QD_CONVERSION_LOOP(f16_to_f32, uint16_t, float, qd_f16_bits_to_f32)
+QD_CONVERSION_LOOP(bf16_to_f32, uint16_t, float, qd_bf16_bits_to_f32)
 
 static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
 {
