@@ -548,7 +548,19 @@ _NOT_RECORDED = ("torch.export, torch.jit.trace, torch.jit.script and torch.fx c
                  "q_matmul (QLinear) or lookups (QEmbedding): their kernels run outside torch, where a graph "
                  "can't follow them (a trace would hold this call's output as a constant). Run the model "
                  "eagerly, or with torch.compile, which runs each qdispatch call between graph breaks")
-_is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
+_torch_is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
+
+
+def _is_exporting():
+    """Whether torch.export records now.  Dynamo calls this for real (a constant result,
+    read when it traces), not by its table of torch's state queries: in some torch
+    releases (2.11) that table says is_exporting() under torch.compile too, which
+    refused every compiled QLinear and QEmbedding."""
+    return _torch_is_exporting()
+
+
+if hasattr(getattr(torch, "compiler", None), "assume_constant_result"):
+    _is_exporting = torch.compiler.assume_constant_result(_is_exporting)
 _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its Python wrapper
 
 
