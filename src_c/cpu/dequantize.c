@@ -45,8 +45,9 @@ qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t
         (ids && qd_overlap(out, out_bytes, ids, (size_t)n * sizeof *ids)))
         return QD_ERR_ARGUMENT;
     const qd_dequantize_job job = {values, bits, cols, words_per_row, scales, block_rows, block_cols, out, out_dtype};
-    /* memory-bound: a thread is worth its start from about a hundred thousand values */
-    const int threads = qd_threads_for_product(n, 1, n, cols);
+    /* memory-bound: a thread per row, each worth its start from about a hundred
+     * thousand values (n x cols counted as a product's multiply-adds) */
+    const int threads = qd_threads_for_product(n, n, cols, 1);
     const qd_dequant_kernels *kern = qd_dequant_kernels_active();
     QD_PARALLEL_FOR(threads, ,
         for (int64_t i = 0; i < n; i++)
