@@ -5,7 +5,7 @@ each ISA's kernels live in their own files and get that ISA's flags; the
 baseline files (CPU detection, scalar kernels, dispatch) get none, and the
 best kernel is chosen at run time.
 
-An ISA that an older compiler does not know (-mavxvnni: GCC 11, clang 12) is left
+An ISA that an older compiler does not know (-mavxvnni, -mamx-int8: GCC 11, clang 12) is left
 out of the build, with a warning: its files are not compiled, the dispatcher is told
 (QD_NO_<ISA>), and the next best kernels run on CPUs that have it.  OpenMP is left
 out the same way when the compiler cannot build an OpenMP program (a clang without
@@ -33,19 +33,21 @@ OPENMP_FLAGS = ["-fopenmp"]
 # does not include omp.h, and then fails to find omp.h or to link -lomp.
 OPENMP_PROBE = "#include <omp.h>\nint main(void) { return omp_get_num_procs() > 0 ? 0 : 1; }\n"
 
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 # File-name suffix -> (machines it is built for, the flags that enable the ISA).
 ISA_FLAGS = {
     "_avx2": ("x86_64", ["-mavx2", "-mfma", "-mf16c"]),
     "_avxvnni": ("x86_64", ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
-    "_avx512vnni": ("x86_64", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                               "-mavx512vnni", "-mfma", "-mf16c"]),
+    "_avx512vnni": ("x86_64", _AVX512_FLAGS),
+    # the AMX kernels' epilogue and the calls they hand on are AVX-512's
+    "_amx": ("x86_64", _AVX512_FLAGS + ["-mamx-tile", "-mamx-int8"]),
     "_neon": ("aarch64", ["-march=armv8.2-a+dotprod"]),
 }
 
 
 # ISAs the build may leave out when the compiler refuses their flags (the others
 # are ones that every supported compiler knows).
-OPTIONAL_ISAS = ("avxvnni", "neon")  # -mavxvnni: gcc 11; +dotprod: gcc 8
+OPTIONAL_ISAS = ("avxvnni", "amx", "neon")  # -mavxvnni, -mamx-int8: gcc 11; +dotprod: gcc 8
 _left_out = {}  # an ISA or "openmp" -> why, set by compile_objects
 
 

@@ -36,6 +36,7 @@ cdef extern from "qdispatch.h" nogil:
         QD_ISA_AVXVNNI
         QD_ISA_AVX512VNNI
         QD_ISA_NEON_DOTPROD
+        QD_ISA_AMX
         QD_ISA_COUNT
 
     const char *qd_isa_name(qd_isa isa) noexcept

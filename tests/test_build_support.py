@@ -274,22 +274,24 @@ class RefusingCompiler:
             raise LinkError("ld: cannot find -lomp: No such file or directory")
 
 
-def test_an_isa_the_compiler_refuses_is_left_out(cpu_build, tmp_path, capsys):
+@pytest.mark.parametrize("flag, isa", [("-mavxvnni", "avxvnni"), ("-mamx-int8", "amx")])
+def test_an_isa_the_compiler_refuses_is_left_out(cpu_build, tmp_path, capsys, flag, isa):
     x86_only(cpu_build)
-    compiler = RefusingCompiler("-mavxvnni")
+    compiler = RefusingCompiler(flag)
     cpu_build.compile_objects(compiler, ROOT, str(tmp_path))
     compiled = [name for name, _ in compiler.calls]
-    assert "gemm_avxvnni.c" not in compiled
+    assert f"gemm_{isa}.c" not in compiled
     assert {"dispatch.c", "gemm_avx2.c", "gemm_avx512vnni.c"} <= set(compiled)
-    assert all(macros.get("QD_NO_AVXVNNI") == "1" for _, macros in compiler.calls)  # the dispatcher knows
-    assert "avxvnni" not in cpu_build.flags_by_isa() and "avx512vnni" in cpu_build.flags_by_isa()
-    assert cpu_build.left_out() == {"avxvnni": "the C compiler does not accept -mavx2 -mfma -mf16c -mavxvnni"}
-    assert "building qdispatch without its avxvnni kernels" in capsys.readouterr().err
+    assert all(macros.get(f"QD_NO_{isa.upper()}") == "1" for _, macros in compiler.calls)  # the dispatcher knows
+    assert isa not in cpu_build.flags_by_isa() and "avx512vnni" in cpu_build.flags_by_isa()
+    flags = " ".join(cpu_build.ISA_FLAGS["_" + isa][1])
+    assert cpu_build.left_out() == {isa: f"the C compiler does not accept {flags}"}
+    assert f"building qdispatch without its {isa} kernels" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("platform, isas", [
-    ("linux-x86_64", {"baseline", "avx2", "avxvnni", "avx512vnni"}),
-    ("win-amd64", {"baseline", "avx2", "avxvnni", "avx512vnni"}),
+    ("linux-x86_64", {"baseline", "avx2", "avxvnni", "avx512vnni", "amx"}),
+    ("win-amd64", {"baseline", "avx2", "avxvnni", "avx512vnni", "amx"}),
     ("linux-aarch64", {"baseline", "neon"}),
     ("macosx-11.0-arm64", {"baseline", "neon"}),
     ("macosx-10.9-universal2", {"baseline"}),

@@ -83,6 +83,24 @@ def test_qq_and_fq_match_the_reference(isa, rng, w_scheme, m):
                                       qd.q_matmul(x, wr.T, activation_scheme=act).numpy())
 
 
+@pytest.mark.parametrize("m", [9, 16, 17, 32, 40, 70])
+@pytest.mark.parametrize("k", [64, 200, 256, 1000])
+def test_qq_row_tiles_and_k_tails_match_the_reference(isa, rng, m, k):
+    """Row counts around the kernels' tiles (AMX: 16-row tiles, 32 a call, 8 rows or
+    fewer on VNNI) and K that ends inside a 64-value step, bit for bit: per channel,
+    blocks of 64 values where K allows (else of 8) and 4-bit weights."""
+    n = 33
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for w_scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f", block=64 if k % 64 == 0 else 8),
+                     qd.QuantScheme("q4s", block=8, store="packed_u32")):
+        wq, wr = both(rng.standard_normal((n, k)).astype(np.float32), w_scheme)
+        xq, xr = both(x, qd.QuantScheme("q8s", axis=0))
+        np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(xr, wr.T).numpy())
+    a = rng.integers(-128, 128, (m, k), dtype=np.int8)
+    b = rng.integers(-128, 128, (k, n), dtype=np.int8)
+    np.testing.assert_array_equal(qd.int_matmul(a, b).numpy(), a.astype(np.int64) @ b.astype(np.int64))
+
+
 def test_qq_rounds_each_group_as_the_reference(isa):
     """Each scale group's sum is scaled, rounded, then added, as the reference does
     it; a fused multiply-add rounds once and differs.  Row 0: group 0 gives -3,

@@ -76,7 +76,7 @@ def test_isa_info_lists_active_built_supported():
 def test_set_isa_rejects_unknown_and_unsupported():
     with pytest.raises(ValueError):
         _cpu.set_isa("sse9")
-    for name in ("scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod"):
+    for name in ("scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod", "amx"):
         if name not in _cpu.isa_info()["supported"]:
             with pytest.raises(RuntimeError):
                 _cpu.set_isa(name)

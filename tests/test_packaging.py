@@ -11,8 +11,8 @@ import pytest
 
 import qdispatch as qd
 
-ISA_SUFFIXES = ("_avx2", "_avxvnni", "_avx512vnni", "_neon")
-ALL_ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod")
+ISA_SUFFIXES = ("_avx2", "_avxvnni", "_avx512vnni", "_amx", "_neon")
+ALL_ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod", "amx")
 # Instruction prefixes objdump prints before the mnemonic.
 PREFIXES = {"rep", "repz", "repe", "repnz", "repne", "lock", "notrack", "bnd", "data16", "addr32", "cs", "ds"}
 # A wide register, an AVX-512 mask register, or a VEX/EVEX mnemonic (all start with v).

@@ -1,12 +1,17 @@
 /* CPU feature detection: cpuid + xgetbv on x86-64, hwcaps on aarch64.
  * Baseline code only: no AVX instructions here. */
+#define _GNU_SOURCE /* syscall() */
 #include "qd_internal.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 typedef struct {
-    int avx2, avxvnni, avx512vnni;
+    int avx2, avxvnni, avx512vnni, amx;
 } x86_features;
 
 static uint64_t read_xcr0(void)
@@ -14,6 +19,19 @@ static uint64_t read_xcr0(void)
     uint32_t eax, edx;
     __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
     return ((uint64_t)edx << 32) | eax;
+}
+
+/* Linux hands out the tile registers' 8 KB of state only to a process that asks
+ * (once, for all its threads); the first tile instruction of one that didn't dies
+ * of SIGILL.  Other systems: not used. */
+static int amx_permitted(void)
+{
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
 }
 
 static x86_features detect_x86(void)
@@ -40,6 +58,9 @@ static x86_features detect_x86(void)
     f.avx2 = ymm_state && avx2 && fma && f16c;
     f.avxvnni = f.avx2 && avxvnni;
     f.avx512vnni = f.avx2 && zmm_state && avx512f && avx512dq && avx512bw && avx512vl && avx512vnni;
+    const int amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1;
+    const int tile_state = (xcr0 & 0x60000) == 0x60000;  /* XTILECFG, XTILEDATA */
+    f.amx = f.avx512vnni && amx_tile && amx_int8 && tile_state && amx_permitted();
     return f;
 }
 
@@ -54,6 +75,7 @@ int qd_cpu_has(qd_isa isa)
         __atomic_store_n(&features.avx2, f.avx2, __ATOMIC_RELAXED);
         __atomic_store_n(&features.avxvnni, f.avxvnni, __ATOMIC_RELAXED);
         __atomic_store_n(&features.avx512vnni, f.avx512vnni, __ATOMIC_RELAXED);
+        __atomic_store_n(&features.amx, f.amx, __ATOMIC_RELAXED);
         __atomic_store_n(&features_ready, 1, __ATOMIC_RELEASE);
     }
     switch (isa) {
@@ -61,6 +83,7 @@ int qd_cpu_has(qd_isa isa)
     case QD_ISA_AVX2: return __atomic_load_n(&features.avx2, __ATOMIC_RELAXED);
     case QD_ISA_AVXVNNI: return __atomic_load_n(&features.avxvnni, __ATOMIC_RELAXED);
     case QD_ISA_AVX512VNNI: return __atomic_load_n(&features.avx512vnni, __ATOMIC_RELAXED);
+    case QD_ISA_AMX: return __atomic_load_n(&features.amx, __ATOMIC_RELAXED);
     default: return 0;
     }
 }

@@ -13,7 +13,7 @@
 #include "qd_internal.h"
 
 static const char *const isa_names[QD_ISA_COUNT] = {
-    "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod",
+    "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod", "amx",
 };
 
 const char *qd_isa_name(qd_isa isa)
@@ -55,6 +55,9 @@ int qd_isa_built(qd_isa isa)
 #ifndef QD_NO_AVXVNNI /* left out by a compiler without -mavxvnni */
     case QD_ISA_AVXVNNI:
 #endif
+#ifndef QD_NO_AMX /* left out by a compiler without -mamx-int8 */
+    case QD_ISA_AMX:
+#endif
     case QD_ISA_AVX512VNNI: return 1;
 #endif
 #if defined(__aarch64__) && !defined(QD_NO_NEON) /* left out by a compiler without +dotprod */
@@ -78,6 +81,9 @@ const qd_kernels *qd_kernels_for(qd_isa isa)
     case QD_ISA_AVXVNNI: return &qd_kernels_avxvnni;
 #endif
     case QD_ISA_AVX512VNNI: return &qd_kernels_avx512vnni;
+#ifndef QD_NO_AMX
+    case QD_ISA_AMX: return &qd_kernels_amx;
+#endif
 #endif
 #if defined(__aarch64__) && !defined(QD_NO_NEON)
     case QD_ISA_NEON_DOTPROD: return &qd_kernels_neon;
@@ -92,7 +98,9 @@ const qd_quant_kernels *qd_quant_kernels_active(void)
 #if defined(__x86_64__) || defined(_M_X64)
     case QD_ISA_AVX2:
     case QD_ISA_AVXVNNI: return &qd_quant_kernels_avx2;
-    case QD_ISA_AVX512VNNI: return &qd_quant_kernels_avx512vnni;
+    case QD_ISA_AVX512VNNI:
+    case QD_ISA_AMX: /* AMX runs only qq on its tiles */
+        return &qd_quant_kernels_avx512vnni;
 #endif
     default: return &qd_quant_kernels_base;
     }
@@ -104,7 +112,9 @@ const qd_dequant_kernels *qd_dequant_kernels_active(void)
 #if defined(__x86_64__) || defined(_M_X64)
     case QD_ISA_AVX2:
     case QD_ISA_AVXVNNI: return &qd_dequant_kernels_avx2;
-    case QD_ISA_AVX512VNNI: return &qd_dequant_kernels_avx512vnni;
+    case QD_ISA_AVX512VNNI:
+    case QD_ISA_AMX:
+        return &qd_dequant_kernels_avx512vnni;
 #endif
     default: return &qd_dequant_kernels_base;
     }
@@ -116,7 +126,9 @@ qd_pack_kn_fn qd_pack_kn_active(void)
 #if defined(__x86_64__) || defined(_M_X64)
     case QD_ISA_AVX2:
     case QD_ISA_AVXVNNI: return qd_pack_kn_avx2;
-    case QD_ISA_AVX512VNNI: return qd_pack_kn_avx512vnni;
+    case QD_ISA_AVX512VNNI:
+    case QD_ISA_AMX:
+        return qd_pack_kn_avx512vnni;
 #endif
     default: return qd_pack_kn_base;
     }
@@ -127,7 +139,7 @@ static int isa_override = -1;
 
 static qd_isa best_isa(void)
 {
-    static const qd_isa preference[] = {QD_ISA_AVX512VNNI, QD_ISA_AVXVNNI, QD_ISA_AVX2,
+    static const qd_isa preference[] = {QD_ISA_AMX, QD_ISA_AVX512VNNI, QD_ISA_AVXVNNI, QD_ISA_AVX2,
                                         QD_ISA_NEON_DOTPROD};
     for (size_t i = 0; i < sizeof preference / sizeof preference[0]; i++)
         if (qd_isa_built(preference[i]) && qd_isa_supported(preference[i]))

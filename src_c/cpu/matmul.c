@@ -136,16 +136,17 @@ static void run_tiles(const qq_plan *pl, const uint8_t *panels, int64_t p, int64
         .ngroups = ngroups,
         .group_units = ngroups == 1 ? w->k_padded / QD_KU(w->bits) : pl->group / QD_KU(w->bits),
         .ldo = N,
+        /* row 0 of the whole call, for qd_qq_tile_rows */
+        .a = pl->a,
+        .a_rowsum = pl->rowsums,
+        .a_scale = pl->a_scales,
+        .out = pl->out ? pl->out + n0 : NULL,
+        .out_i32 = pl->out_i32 ? pl->out_i32 + n0 : NULL,
     };
     const int mr = pl->kern->qq_mr;
     for (int64_t m = m0; m < m1; m += mr) {
-        t.mr = (int)(m1 - m < mr ? m1 - m : mr);
-        t.a = pl->a + m * w->k_padded;
-        t.a_rowsum = pl->rowsums ? pl->rowsums + m * ngroups : NULL;
-        t.a_scale = pl->a_scales ? pl->a_scales + m * t.a_scale_ld : NULL;
-        t.out = pl->out ? pl->out + m * N + n0 : NULL;
-        t.out_i32 = pl->out_i32 ? pl->out_i32 + m * N + n0 : NULL;
-        pl->kern->qq_tile(&t);
+        const qd_qq_tile rows = qd_qq_tile_rows(&t, m, (int)(m1 - m < mr ? m1 - m : mr));
+        pl->kern->qq_tile(&rows);
     }
 }
 

@@ -79,6 +79,19 @@ typedef struct qd_qq_tile {
     int64_t ldo;
 } qd_qq_tile;
 
+/* Rows r .. r + mr - 1 of tile t, as a tile of their own. */
+static inline qd_qq_tile qd_qq_tile_rows(const qd_qq_tile *t, int64_t r, int mr)
+{
+    qd_qq_tile rows = *t;
+    rows.mr = mr;
+    rows.a = t->a + r * t->lda;
+    rows.a_rowsum = t->a_rowsum ? t->a_rowsum + r * t->rowsum_ld : NULL;
+    rows.a_scale = t->a_scale ? t->a_scale + r * t->a_scale_ld : NULL;
+    rows.out = t->out ? t->out + r * t->ldo : NULL;
+    rows.out_i32 = t->out_i32 ? t->out_i32 + r * t->ldo : NULL;
+    return rows;
+}
+
 /* The fq (float32 x dequantized weights) microkernel: float32 accumulation. */
 typedef struct qd_fq_tile {
     const float *x;             /* rows of x, zero-padded to k_padded */
@@ -108,6 +121,7 @@ extern const qd_kernels qd_kernels_scalar;
 extern const qd_kernels qd_kernels_avx2;
 extern const qd_kernels qd_kernels_avxvnni;
 extern const qd_kernels qd_kernels_avx512vnni;
+extern const qd_kernels qd_kernels_amx;
 #endif
 #if defined(__aarch64__)
 extern const qd_kernels qd_kernels_neon;

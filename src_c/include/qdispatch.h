@@ -69,10 +69,11 @@ typedef enum qd_isa {
     QD_ISA_AVXVNNI = 2,
     QD_ISA_AVX512VNNI = 3,
     QD_ISA_NEON_DOTPROD = 4,
-    QD_ISA_COUNT = 5
+    QD_ISA_AMX = 5,             /* AMX-INT8 tiles for qq, AVX-512 VNNI for the rest */
+    QD_ISA_COUNT = 6
 } qd_isa;
 
-/* "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod"; "?" if out of range. */
+/* "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod", "amx"; "?" if out of range. */
 const char *qd_isa_name(qd_isa isa);
 /* Parses a name as returned by qd_isa_name (case-insensitive). */
 qd_status qd_isa_from_name(const char *name, qd_isa *out);

@@ -1,0 +1,202 @@
+/* AMX kernels (Sapphire Rapids and later): the qq tile on the tile registers.
+ * tdpbssd sums s8 x s8 products into exact int32, and an 8-bit panel unit (4 k of
+ * QD_NR columns, plain two's complement) is a row of B as AMX reads it, so 8-bit
+ * weights need neither bias nor row sums.  A call covers up to 32 rows and two
+ * panels: four accumulator tiles (rows 0-15 and 16-31 by panel), two A tiles, two B
+ * tiles.  Every other kernel (fq, quantize, packing), sub-byte weights, scale groups
+ * that are not whole 64-value steps, and calls of 8 rows or fewer run AVX-512 VNNI,
+ * whose sums are the same integers and whose epilogue this one repeats operation for
+ * operation, so a row's result doesn't depend on which of the two ran it. */
+#include <immintrin.h>
+#include <string.h>
+#include "qd_internal.h"
+#include "simd_common.h"
+#include "fq_common.h"
+
+#define AMX_MR 32
+#define AMX_NP 2
+#define STEP_K 64                          /* k per tdpbssd: a row of A, 16 rows of B */
+#define STEP_UNITS (STEP_K / 4)            /* 8-bit panel units per step */
+#define TILE_ROWS 16
+
+/* Tile registers (the intrinsics take their numbers as literals). */
+#define C00 0   /* rows 0-15 x panel 0 */
+#define C01 1   /* rows 0-15 x panel 1 */
+#define C10 2   /* rows 16-31 x panel 0 */
+#define C11 3   /* rows 16-31 x panel 1 */
+#define A0 4
+#define A1 5
+#define B0 6
+#define B1 7
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* The tile intrinsics' asm tells the compiler only the address it reads, not the
+ * memory, so stores to a buffer they read must be forced out first. */
+#define MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+
+static void set_tile(tile_config *cfg, int tile, int rows)
+{
+    cfg->rows[tile] = (uint8_t)rows;
+    cfg->colsb[tile] = 64;
+}
+
+/* Tiles for rows0 + rows1 rows of A (rows1 = 0: one row tile) and one or two panels. */
+static void configure_tiles(int rows0, int rows1, int two_panels)
+{
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    set_tile(&cfg, A0, rows0);
+    set_tile(&cfg, B0, TILE_ROWS);
+    set_tile(&cfg, C00, rows0);
+    if (two_panels) {
+        set_tile(&cfg, B1, TILE_ROWS);
+        set_tile(&cfg, C01, rows0);
+    }
+    if (rows1) {
+        set_tile(&cfg, A1, rows1);
+        set_tile(&cfg, C10, rows1);
+        if (two_panels)
+            set_tile(&cfg, C11, rows1);
+    }
+    MEMORY_BARRIER();
+    _tile_loadconfig(&cfg);
+}
+
+/* One 64-value step: A rows from a (lda apart), each panel's 16 units from b0, b1. */
+QD_INLINE void step(const int8_t *a, int64_t lda, const uint8_t *b0, const uint8_t *b1,
+                    const int two_row_tiles, const int two_panels)
+{
+    _tile_loadd(A0, a, lda);
+    _tile_loadd(B0, b0, QD_UNIT_BYTES);
+    _tile_dpbssd(C00, A0, B0);
+    if (two_panels) {
+        _tile_loadd(B1, b1, QD_UNIT_BYTES);
+        _tile_dpbssd(C01, A0, B1);
+    }
+    if (two_row_tiles) {
+        _tile_loadd(A1, a + TILE_ROWS * lda, lda);
+        _tile_dpbssd(C10, A1, B0);
+        if (two_panels)
+            _tile_dpbssd(C11, A1, B1);
+    }
+}
+
+/* The valid columns of panel p of the tile. */
+QD_INLINE __mmask16 panel_cols(const qd_qq_tile *t, int p)
+{
+    const int n = t->nr - p * QD_NR;
+    return n >= QD_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
+QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const int two_panels)
+{
+    const int mr = t->mr, np = two_panels ? 2 : 1;
+    const int rows0 = mr < TILE_ROWS ? mr : TILE_ROWS;
+    configure_tiles(rows0, mr - rows0, two_panels);
+    /* A group is whole steps, but for the one group over all of K, whose last
+     * units (k_padded % 64) go through zero-padded copies. */
+    const int64_t steps = t->group_units / STEP_UNITS;
+    const int tail_units = (int)(t->group_units % STEP_UNITS);
+    int32_t sums[AMX_MR][AMX_NP * QD_NR] __attribute__((aligned(64)));
+    float acc[AMX_MR][AMX_NP * QD_NR] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof acc);
+    const uint8_t *b = t->panel;
+    int64_t k0 = 0;
+    for (int64_t g = 0; g < t->ngroups; g++) {
+        _tile_zero(C00);
+        if (two_panels)
+            _tile_zero(C01);
+        if (two_row_tiles) {
+            _tile_zero(C10);
+            if (two_panels)
+                _tile_zero(C11);
+        }
+        for (int64_t s = 0; s < steps; s++, k0 += STEP_K, b += STEP_UNITS * QD_UNIT_BYTES)
+            step(t->a + k0, t->lda, b, b + t->panel_ld, two_row_tiles, two_panels);
+        if (tail_units) {
+            int8_t a_tail[AMX_MR][STEP_K] __attribute__((aligned(64)));
+            uint8_t b_tail[AMX_NP][STEP_UNITS * QD_UNIT_BYTES] __attribute__((aligned(64)));
+            memset(a_tail, 0, sizeof a_tail);
+            memset(b_tail, 0, sizeof b_tail);
+            for (int r = 0; r < mr; r++)
+                memcpy(a_tail[r], t->a + r * t->lda + k0, (size_t)tail_units * 4);
+            for (int p = 0; p < np; p++)
+                memcpy(b_tail[p], b + p * t->panel_ld, (size_t)tail_units * QD_UNIT_BYTES);
+            MEMORY_BARRIER();
+            step(&a_tail[0][0], STEP_K, b_tail[0], b_tail[1], two_row_tiles, two_panels);
+        }
+        _tile_stored(C00, &sums[0][0], sizeof sums[0]);
+        if (two_panels)
+            _tile_stored(C01, &sums[0][QD_NR], sizeof sums[0]);
+        if (two_row_tiles) {
+            _tile_stored(C10, &sums[TILE_ROWS][0], sizeof sums[0]);
+            if (two_panels)
+                _tile_stored(C11, &sums[TILE_ROWS][QD_NR], sizeof sums[0]);
+        }
+        if (t->out_i32) {   /* integer mode: one group */
+            for (int r = 0; r < mr; r++)
+                for (int p = 0; p < np; p++)
+                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, panel_cols(t, p),
+                                             _mm512_load_si512(&sums[r][p * QD_NR]));
+            _tile_release();
+            return;
+        }
+        /* As the VNNI kernel: one scale product per output and group, then a product
+         * and an add, each rounded. */
+        __m512 ws[AMX_NP];
+        for (int p = 0; p < np; p++)
+            ws[p] = _mm512_load_ps(t->w_scale + p * t->w_scale_ld + (g / t->w_ratio) * QD_NR);
+        for (int r = 0; r < mr; r++) {
+            const __m512 as = _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+            for (int p = 0; p < np; p++) {
+                const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(&sums[r][p * QD_NR]));
+                _mm512_store_ps(&acc[r][p * QD_NR],
+                                _mm512_add_ps(_mm512_load_ps(&acc[r][p * QD_NR]),
+                                              _mm512_mul_ps(sum, _mm512_mul_ps(ws[p], as))));
+            }
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++)
+            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, panel_cols(t, p),
+                                  _mm512_load_ps(&acc[r][p * QD_NR]));
+}
+
+/* The tile in calls of the VNNI kernel's rows. */
+static void qq_tile_vnni(const qd_qq_tile *t)
+{
+    const int mr = qd_kernels_avx512vnni.qq_mr;
+    for (int r = 0; r < t->mr; r += mr) {
+        const qd_qq_tile rows = qd_qq_tile_rows(t, r, t->mr - r < mr ? t->mr - r : mr);
+        qd_kernels_avx512vnni.qq_tile(&rows);
+    }
+}
+
+static void qq_tile_amx(const qd_qq_tile *t)
+{
+    if (t->bits != 8 || t->mr <= qd_kernels_avx512vnni.qq_mr || (t->ngroups > 1 && t->group_k % STEP_K)) {
+        qq_tile_vnni(t);
+        return;
+    }
+    const int two_row_tiles = t->mr > TILE_ROWS, two_panels = t->np > 1;
+    if (two_row_tiles)
+        two_panels ? qq_tile_impl(t, 1, 1) : qq_tile_impl(t, 1, 0);
+    else
+        two_panels ? qq_tile_impl(t, 0, 1) : qq_tile_impl(t, 0, 0);
+}
+
+const qd_kernels qd_kernels_amx = {
+    .qq_tile = qq_tile_amx,
+    .fq_tile = qd_fq_tile_avx512,
+    .qq_mr = AMX_MR,
+    .qq_np = AMX_NP,
+    .fq_mr = QD_FQ_MR_ZMM,
+    .needs_rowsum = 1,   /* the VNNI kernel's, for the calls handed on */
+};
