@@ -101,6 +101,23 @@ def test_qq_row_tiles_and_k_tails_match_the_reference(isa, rng, m, k):
     np.testing.assert_array_equal(qd.int_matmul(a, b).numpy(), a.astype(np.int64) @ b.astype(np.int64))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_qq_tasks_of_several_panel_groups_match_the_reference(isa, rng, threads):
+    """Several row blocks of 64 rows take their panels in runs of up to 8 per task, the
+    last run shorter (341 columns: 22 panels): every output still comes out exact."""
+    m, k, n = 130, 192, 341
+    wq, wr = both(rng.standard_normal((n, k)).astype(np.float32), qd.QuantScheme("q8s", axis=0))
+    xq, xr = both(rng.standard_normal((m, k)).astype(np.float32), qd.QuantScheme("q8s", axis=0))
+    a = rng.integers(-128, 128, (m, k), dtype=np.int8)
+    qd.set_num_threads(threads)
+    try:
+        np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(xr, wr.T).numpy())
+        np.testing.assert_array_equal(qd.int_matmul(a, wr.values.T).numpy(),
+                                      a.astype(np.int64) @ wr.values.T.astype(np.int64))
+    finally:
+        qd.set_num_threads(0)
+
+
 def test_qq_rounds_each_group_as_the_reference(isa):
     """Each scale group's sum is scaled, rounded, then added, as the reference does
     it; a fused multiply-add rounds once and differs.  Row 0: group 0 gives -3,

@@ -1,0 +1,52 @@
+"""The cpu backend's ISAs side by side on the integer paths (qq int8, W8A8,
+int_matmul): one group per shape, path and thread count, each ISA this CPU runs
+forced in turn, in the same run.  extra_info holds GOP/s and the ratio to
+`avx512vnni` (where it runs), the kernels the newer ISAs are measured against."""
+import pytest
+
+import qdispatch as qd
+from qdispatch import bench
+
+INTEGER_PATHS = ("qq_int8", "w8a8", "int_matmul")
+BASE_ISA = "avx512vnni"
+_BASE_GOPS = {}  # (group, threads) -> GOP/s of BASE_ISA, which runs first in its group
+
+
+def _runnable_isas():
+    cpu = qd.info()["backends"].get("cpu", {})
+    runnable = [isa for isa in cpu.get("built", []) if isa in cpu.get("supported", []) and isa != "scalar"]
+    return sorted(runnable, key=lambda isa: isa != BASE_ISA)
+
+
+def pytest_generate_tests(metafunc):
+    if "isa_case" in metafunc.fixturenames:
+        config = metafunc.config
+        cases = [c for c in bench.plan(config.getoption("bench_shapes"), INTEGER_PATHS, ["cpu"],
+                                       config.getoption("bench_threads")) if not c.is_contender]
+        pairs = [(c, isa) for c in cases for isa in _runnable_isas()]
+        metafunc.parametrize("isa_case", pairs, ids=[f"{c.id}-{isa}" for c, isa in pairs])
+
+
+def test_isa(benchmark, isa_case, rotation_budget_bytes):
+    case, isa = isa_case
+    reason = case.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    benchmark.group = f"{case.group}-isa"
+    qd.set_isa(isa)
+    try:
+        with bench.thread_limit(case.threads):
+            b = bench.build(case, budget_bytes=rotation_budget_bytes)
+            for _ in range(b.copies):  # warm-up: first-use costs stay out of the rounds
+                b.fn()
+            benchmark(b.fn)
+    finally:
+        qd.set_isa("auto")
+    if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
+        return
+    gops = bench.metrics(case, b, benchmark.stats.stats.min)["gops"]
+    if isa == BASE_ISA:
+        _BASE_GOPS[case.group, case.threads] = gops
+    base = _BASE_GOPS.get((case.group, case.threads))
+    benchmark.extra_info.update(gops=gops, isa=isa, threads=case.threads, path=case.path,
+                                **{f"ratio_{BASE_ISA}": gops / base if base else None})
