@@ -12,6 +12,7 @@
 #include "qd_internal.h"
 #include "simd_common.h"
 #include "fq_common.h"
+#include "qq_zmm.h"
 
 #define AMX_MR 32
 #define AMX_NP 2
@@ -87,13 +88,6 @@ QD_INLINE void step(const int8_t *a, int64_t lda, const uint8_t *b0, const uint8
     }
 }
 
-/* The valid columns of panel p of the tile. */
-QD_INLINE __mmask16 panel_cols(const qd_qq_tile *t, int p)
-{
-    const int n = t->nr - p * QD_NR;
-    return n >= QD_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-}
-
 QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const int two_panels)
 {
     const int mr = t->mr, np = two_panels ? 2 : 1;
@@ -142,30 +136,23 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const 
         if (t->out_i32) {   /* integer mode: one group */
             for (int r = 0; r < mr; r++)
                 for (int p = 0; p < np; p++)
-                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, panel_cols(t, p),
+                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p),
                                              _mm512_load_si512(&sums[r][p * QD_NR]));
             _tile_release();
             return;
         }
-        /* As the VNNI kernel: one scale product per output and group, then a product
-         * and an add, each rounded. */
-        __m512 ws[AMX_NP];
-        for (int p = 0; p < np; p++)
-            ws[p] = _mm512_load_ps(t->w_scale + p * t->w_scale_ld + (g / t->w_ratio) * QD_NR);
         for (int r = 0; r < mr; r++) {
-            const __m512 as = _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
-            for (int p = 0; p < np; p++) {
-                const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(&sums[r][p * QD_NR]));
+            const __m512 as = qd_zmm_a_scale(t, r, g);
+            for (int p = 0; p < np; p++)
                 _mm512_store_ps(&acc[r][p * QD_NR],
-                                _mm512_add_ps(_mm512_load_ps(&acc[r][p * QD_NR]),
-                                              _mm512_mul_ps(sum, _mm512_mul_ps(ws[p], as))));
-            }
+                                qd_zmm_add_scaled(_mm512_load_ps(&acc[r][p * QD_NR]),
+                                                  _mm512_load_si512(&sums[r][p * QD_NR]), qd_zmm_w_scales(t, p, g), as));
         }
     }
     _tile_release();
     for (int r = 0; r < mr; r++)
         for (int p = 0; p < np; p++)
-            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, panel_cols(t, p),
+            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p),
                                   _mm512_load_ps(&acc[r][p * QD_NR]));
 }
 

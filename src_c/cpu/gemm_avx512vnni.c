@@ -5,6 +5,7 @@
 #include "qd_internal.h"
 #include "simd_common.h"
 #include "fq_common.h"
+#include "qq_zmm.h"
 
 /* 8 rows x 2 panels: 16 independent vpdpbusd chains hide its latency, and each
  * broadcast of 4 activation bytes feeds two of them. */
@@ -26,13 +27,6 @@ QD_INLINE __m512i dpbusd(__m512i acc, __m512i w, __m512i a)
 {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
     return acc;
-}
-
-/* The valid columns of panel p of the tile. */
-QD_INLINE __mmask16 panel_cols(const qd_qq_tile *t, int p)
-{
-    const int n = t->nr - p * QD_NR;
-    return n >= QD_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
 }
 
 QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, const int np)
@@ -73,24 +67,21 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, c
         if (t->out_i32) {
             for (int r = 0; r < mr; r++)
                 for (int p = 0; p < np; p++)
-                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, panel_cols(t, p), iacc[r][p]);
+                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p), iacc[r][p]);
             return;
         }
-        /* One scale product per output and group, then a product and an add, each
-         * rounded as the reference rounds them (not fused). */
         __m512 ws[QQ_NP];
         for (int p = 0; p < np; p++)
-            ws[p] = _mm512_load_ps(t->w_scale + p * t->w_scale_ld + (g / t->w_ratio) * QD_NR);
+            ws[p] = qd_zmm_w_scales(t, p, g);
         for (int r = 0; r < mr; r++) {
-            const __m512 as = _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+            const __m512 as = qd_zmm_a_scale(t, r, g);
             for (int p = 0; p < np; p++)
-                facc[r][p] = _mm512_add_ps(facc[r][p],
-                                           _mm512_mul_ps(_mm512_cvtepi32_ps(iacc[r][p]), _mm512_mul_ps(ws[p], as)));
+                facc[r][p] = qd_zmm_add_scaled(facc[r][p], iacc[r][p], ws[p], as);
         }
     }
     for (int r = 0; r < mr; r++)
         for (int p = 0; p < np; p++)
-            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, panel_cols(t, p), facc[r][p]);
+            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p), facc[r][p]);
 }
 
 #define QQ_CASE(MR) (t->np == 1 ? qq_tile_impl(t, bits, MR, 1) : qq_tile_impl(t, bits, MR, QQ_NP))

@@ -1,0 +1,37 @@
+/* The qq tile's epilogue pieces in AVX-512, shared by the VNNI and AMX kernels
+ * (files built with AVX-512 flags), so that both scale and round a group's sums
+ * alike and a row's result doesn't depend on which of them ran it. */
+#ifndef QD_QQ_ZMM_H
+#define QD_QQ_ZMM_H
+
+#include <immintrin.h>
+#include "qd_internal.h"
+#include "simd_common.h"
+
+/* The valid columns of panel p of the tile. */
+QD_INLINE __mmask16 qd_zmm_panel_cols(const qd_qq_tile *t, int p)
+{
+    const int n = t->nr - p * QD_NR;
+    return n >= QD_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
+/* Group g's weight scales of panel p's columns. */
+QD_INLINE __m512 qd_zmm_w_scales(const qd_qq_tile *t, int p, int64_t g)
+{
+    return _mm512_load_ps(t->w_scale + p * t->w_scale_ld + (g / t->w_ratio) * QD_NR);
+}
+
+/* Group g's activation scale of row r, in every lane. */
+QD_INLINE __m512 qd_zmm_a_scale(const qd_qq_tile *t, int r, int64_t g)
+{
+    return _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+}
+
+/* acc + sum * (w_scale * a_scale): one scale product per output and group, then a
+ * product and an add, each rounded as the reference rounds them (not fused). */
+QD_INLINE __m512 qd_zmm_add_scaled(__m512 acc, __m512i sum, __m512 w_scale, __m512 a_scale)
+{
+    return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w_scale, a_scale)));
+}
+
+#endif
