@@ -36,7 +36,7 @@ static int amx_permitted(void)
 
 static x86_features detect_x86(void)
 {
-    x86_features f = {0, 0, 0};
+    x86_features f = {0};
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d))
         return f;

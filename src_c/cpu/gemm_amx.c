@@ -5,8 +5,8 @@
  * panels: four accumulator tiles (rows 0-15 and 16-31 by panel), two A tiles, two B
  * tiles.  Every other kernel (fq, quantize, packing), sub-byte weights, scale groups
  * that are not whole 64-value steps, and calls of 8 rows or fewer run AVX-512 VNNI,
- * whose sums are the same integers and whose epilogue this one repeats operation for
- * operation, so a row's result doesn't depend on which of the two ran it. */
+ * whose sums are the same integers and whose epilogue (qq_zmm.h) this one shares,
+ * so a row's result doesn't depend on which of the two ran it. */
 #include <immintrin.h>
 #include <string.h>
 #include "qd_internal.h"
@@ -141,12 +141,14 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const 
             _tile_release();
             return;
         }
+        __m512 ws[AMX_NP];
+        for (int p = 0; p < np; p++)
+            ws[p] = qd_zmm_w_scales(t, p, g);
         for (int r = 0; r < mr; r++) {
             const __m512 as = qd_zmm_a_scale(t, r, g);
             for (int p = 0; p < np; p++)
-                _mm512_store_ps(&acc[r][p * QD_NR],
-                                qd_zmm_add_scaled(_mm512_load_ps(&acc[r][p * QD_NR]),
-                                                  _mm512_load_si512(&sums[r][p * QD_NR]), qd_zmm_w_scales(t, p, g), as));
+                _mm512_store_ps(&acc[r][p * QD_NR], qd_zmm_add_scaled(_mm512_load_ps(&acc[r][p * QD_NR]),
+                                                                      _mm512_load_si512(&sums[r][p * QD_NR]), ws[p], as));
         }
     }
     _tile_release();
