@@ -388,6 +388,50 @@ def test_a_bad_setting_makes_the_cpu_backend_unavailable_saying_why(variable, se
     assert info.returncode == 0 and message in info.stdout, (info.stdout, info.stderr)
 
 
+ONE_TEAM_OF_THREADS = """
+import os
+import numpy as np, qdispatch as qd
+
+qd.set_num_threads(4)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 1024)).astype(np.float32)
+a8 = qd.QuantScheme("q8s", axis=0)
+w = qd.quantize(rng.standard_normal((512, 1024)).astype(np.float32), a8, device="cpu")
+xq = qd.quantize(x, a8, device="cpu")
+a, b = rng.integers(-128, 128, (64, 1024), dtype=np.int8), rng.integers(-128, 128, (1024, 512), dtype=np.int8)
+small_w = qd.quantize(rng.standard_normal((48, 1024)).astype(np.float32), a8, device="cpu")
+
+def calls():
+    # parallel loops of 2 to 4 workers in turn: quantizing x (2), W8A8 (2, then 4),
+    # qq and fq products (4), a small product (3), dequantize, int_matmul
+    qd.linear(x, w, activation_scheme="q8s")
+    qd.quantize(x, a8, device="cpu")
+    qd.linear(xq, w)
+    qd.linear(x, w)
+    qd.linear(x[:8], small_w)
+    w.dequantize()
+    qd.int_matmul(a, b)
+
+calls()
+before = set(os.listdir("/proc/self/task"))
+for _ in range(10):
+    calls()
+print(sorted(set(os.listdir("/proc/self/task")) - before))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc to list threads")
+@pytest.mark.skipif(not built_with_openmp(), reason="built without OpenMP: one thread everywhere")
+def test_parallel_loops_of_any_size_keep_one_team_of_threads():
+    """Every parallel loop runs on a team of the thread setting's size.  libgomp ends
+    the threads that a smaller team leaves out and starts new ones for the next larger
+    team, so a 2-worker quantize between 4-worker products started two threads a call
+    (0.45 ms a product on a 16-core Xeon).  No thread may start once the team exists."""
+    out = run_python("-c", ONE_TEAM_OF_THREADS)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"threads started after the first calls: {out.stdout.strip()}"
+
+
 FORKED_WORKER = """
 import multiprocessing as mp, warnings
 import numpy as np, qdispatch as qd

@@ -49,7 +49,7 @@ qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t
      * thousand values (n x cols counted as a product's multiply-adds) */
     const int threads = qd_threads_for_product(n, n, cols, 1);
     const qd_dequant_kernels *kern = qd_dequant_kernels_active();
-    QD_PARALLEL_FOR(threads, ,
+    QD_PARALLEL_FOR(threads, n, ,
         for (int64_t i = 0; i < n; i++)
             kern->row(&job, ids ? ids[i] : i, i);
     );

@@ -183,7 +183,7 @@ static qd_status run_qq(const int8_t *a, int64_t M, int64_t K, const float *a_sc
     const int64_t per_task = groups_per_task(groups, (M + ROW_BLOCK - 1) / ROW_BLOCK, pl.np);
     const task_grid grid = make_grid(M, (groups + per_task - 1) / per_task, ROW_BLOCK);
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
-    QD_PARALLEL_FOR(qd_threads_for_product(ntasks, M, K, w->n), ,
+    QD_PARALLEL_FOR(qd_threads_for_product(ntasks, M, K, w->n), ntasks, ,
     for (int64_t task = 0; task < ntasks; task++) {
         const int64_t p0 = task / grid.n_row_blocks * per_task * pl.np, rb = task % grid.n_row_blocks;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;
@@ -274,14 +274,21 @@ qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *
     const int64_t ntasks = (w.n_panels + task_panels - 1) / task_panels;
     int no_memory = 0;
     if (st == QD_OK) {
-#pragma omp parallel num_threads(qd_threads_for_product(ntasks, M, K, N)) reduction(|: no_memory)
+        /* a team as QD_PARALLEL_FOR's, for the same reason; a worker allocates its
+         * buffer at its first task, so the threads past `workers` allocate none */
+        const int workers = qd_threads_for_product(ntasks, M, K, N);
+        const int64_t run = qd_run_length(ntasks, workers);
+#pragma omp parallel num_threads(workers > 1 ? qd_get_num_threads() : 1) reduction(|: no_memory)
         {
-            uint8_t *buf = qd_aligned_alloc((size_t)(task_panels * w.panel_bytes));
-            no_memory = !buf;
-#pragma omp for schedule(static)
+            uint8_t *buf = NULL;
+#pragma omp for schedule(static, run)
             for (int64_t task = 0; task < ntasks; task++) {
                 const int64_t p0 = task * task_panels;
                 const int64_t np = w.n_panels - p0 < task_panels ? w.n_panels - p0 : task_panels;
+                if (!buf && !no_memory) {
+                    buf = qd_aligned_alloc((size_t)(task_panels * w.panel_bytes));
+                    no_memory = !buf;
+                }
                 if (!buf)
                     continue;
                 qd_pack_s8_kn_panels(b, K, N, p0, (int)np, w.panel_bytes, buf);
@@ -365,7 +372,7 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
     /* The finiteness check runs per row inside the parallel loop, while the row is
      * in cache; a row that fails is not quantized. */
     int overflow = 0, not_finite = 0;
-    QD_PARALLEL_FOR(qd_threads_for(M * K / 65536 + 1), reduction(|: overflow, not_finite),
+    QD_PARALLEL_FOR(qd_threads_for(M * K / 65536 + 1), M, reduction(|: overflow, not_finite),
     for (int64_t m = 0; m < M; m++) {
         if (!row_finite(x + m * K, K)) {
             not_finite = 1;
@@ -417,7 +424,7 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
     const int64_t ntasks = grid.n_panels * grid.n_row_blocks;
     const int64_t N = w->n;
     /* Row block outermost: a thread's row block of x stays in L2 while its panels pass. */
-    QD_PARALLEL_FOR(qd_threads_for_product(ntasks, M, K, N), ,
+    QD_PARALLEL_FOR(qd_threads_for_product(ntasks, M, K, N), ntasks, ,
     for (int64_t task = 0; task < ntasks; task++) {
         const int64_t p = task % grid.n_panels, rb = task / grid.n_panels;
         const int64_t m_end = (rb + 1) * grid.row_block < M ? (rb + 1) * grid.row_block : M;

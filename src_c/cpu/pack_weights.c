@@ -123,7 +123,7 @@ qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
     /* Range errors are found while packing (one pass over w), then reported. */
     int outside = 0;
     const int64_t panel_units = pw->panel_bytes / QD_UNIT_BYTES;
-    QD_PARALLEL_FOR(qd_threads_for(N * K / 65536 + 1), reduction(|: outside),
+    QD_PARALLEL_FOR(qd_threads_for(N * K / 65536 + 1), pw->n_panels, reduction(|: outside),
     for (int64_t p = 0; p < pw->n_panels; p++)
         outside |= pack_panel(w, N, K, bits, p, panel_units, pw->panels + p * pw->panel_bytes););
     if (bits != 8 && outside) {

@@ -193,16 +193,30 @@ int qd_threads_for(int64_t work_items);
 #define QD_MACS_PER_THREAD (1 << 17)
 int qd_threads_for_product(int64_t work_items, int64_t M, int64_t K, int64_t N);
 
-/* `#pragma omp parallel for schedule(static) num_threads(threads) CLAUSES` over the
- * loop given after CLAUSES, which runs on the calling thread when threads is 1:
- * libgomp's region of one thread still costs about 0.4 us (it wakes the team at its
- * end), as much as a small layer's kernel.  CLAUSES (reductions) may be empty. */
+/* Iterations a worker takes when `items` are shared among `workers` (at least 1):
+ * the chunk of a schedule(static, chunk) that hands each of them one run. */
+static inline int64_t qd_run_length(int64_t items, int workers)
+{
+    return items > workers ? (items + workers - 1) / workers : 1;
+}
+
+/* `#pragma omp parallel for CLAUSES` over the loop given after CLAUSES, its `items`
+ * iterations shared among `workers` threads, a run each.  The loop runs on the
+ * calling thread when workers is 1: libgomp's region of one thread still costs about
+ * 0.4 us (it wakes the team at its end), as much as a small layer's kernel.
+ * Every region's team is the thread setting's size, whatever `workers` is, and the
+ * threads past `workers` take no run: libgomp ends the threads a smaller team leaves
+ * out and starts new ones when a larger team follows, so a quantize on 2 threads
+ * between products on 16 took each product from 0.14 to 0.59 ms on a 16-core Xeon.
+ * CLAUSES (reductions) may be empty. */
 #define QD_PRAGMA(text) _Pragma(#text)
-#define QD_PARALLEL_FOR(threads, CLAUSES, ...)                                            \
+#define QD_PARALLEL_FOR(workers, items, CLAUSES, ...)                                     \
     do {                                                                                 \
-        const int qd_team_ = (threads);                                                  \
-        if (qd_team_ > 1) {                                                              \
-            QD_PRAGMA(omp parallel for schedule(static) num_threads(qd_team_) CLAUSES)   \
+        const int qd_workers_ = (workers);                                               \
+        if (qd_workers_ > 1) {                                                           \
+            const int64_t qd_run_ = qd_run_length((items), qd_workers_);                 \
+            QD_PRAGMA(omp parallel for schedule(static, qd_run_)                         \
+                      num_threads(qd_get_num_threads()) CLAUSES)                         \
             __VA_ARGS__                                                                  \
         } else {                                                                         \
             __VA_ARGS__                                                                  \

@@ -121,7 +121,7 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         /* the first overflowing block, as a min reduction (a named critical section
          * would be a symbol that the library exports) */
         int64_t first_overflow = INT64_MAX;
-        QD_PARALLEL_FOR(threads, reduction(|: not_finite) reduction(min: first_overflow),
+        QD_PARALLEL_FOR(threads, nblocks, reduction(|: not_finite) reduction(min: first_overflow),
         for (int64_t b = 0; b < nblocks; b++) {
             int overflow = 0;
             not_finite |= quantize_block(kern, x, cols, (b / grid_cols) * block_rows,
@@ -138,7 +138,7 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         uint32_t *seg_max = malloc((size_t)(rows * grid_cols) * sizeof(uint32_t));
         if (!seg_max)
             return QD_ERR_NO_MEMORY;
-        QD_PARALLEL_FOR(threads, ,
+        QD_PARALLEL_FOR(threads, rows * grid_cols, ,
         for (int64_t i = 0; i < rows * grid_cols; i++)
             seg_max[i] = kern->absmax_bits(x + (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols););
         /* Past an overflowing scale the blocks are still looked at: a later NaN wins. */
@@ -155,7 +155,7 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         }
         free(seg_max);
         if (!not_finite && overflow_at < 0) {
-            QD_PARALLEL_FOR(threads, ,
+            QD_PARALLEL_FOR(threads, rows * grid_cols, ,
             for (int64_t i = 0; i < rows * grid_cols; i++) {
                 const int64_t r = i / grid_cols, gc = i % grid_cols;
                 const int64_t off = r * cols + gc * block_cols;
