@@ -1,5 +1,5 @@
-"""The cpu backend's ISAs side by side on the integer paths (qq int8, W8A8,
-int_matmul): one group per shape, path and thread count, each ISA this CPU runs
+"""The cpu backend's ISAs side by side on the integer paths (qq int8, qq with
+int4 weights, W8A8, int_matmul): one group per shape, path and thread count, each ISA this CPU runs
 forced in turn, in the same run.  extra_info holds GOP/s and the ratio to
 `avx512vnni` (where it runs), the kernels the newer ISAs are measured against."""
 import pytest
@@ -7,7 +7,7 @@ import pytest
 import qdispatch as qd
 from qdispatch import bench
 
-INTEGER_PATHS = ("qq_int8", "w8a8", "int_matmul")
+INTEGER_PATHS = ("qq_int8", "qq_int4", "w8a8", "int_matmul")
 BASE_ISA = "avx512vnni"
 _BASE_GOPS = {}  # (group, threads) -> GOP/s of BASE_ISA, which runs first in its group
 

@@ -39,12 +39,13 @@ import qdispatch as qd
 # ---- what is measured ------------------------------------------------------------
 
 DEFAULT_SHAPES = "1x4096x4096,16x4096x4096,128x4096x4096,512x4096x4096,64x4096x11008"
-PATHS = ("qq_int8", "fq_int8", "w8a8", "int4", "int_matmul", "quantize")
+PATHS = ("qq_int8", "fq_int8", "w8a8", "int4", "qq_int4", "int_matmul", "quantize")
 PATH_HELP = {
     "qq_int8": "q8s activations (per row) x q8s weights (per channel), float32 out",
     "fq_int8": "float32 activations x q8s weights, dequantized in registers (weight-only)",
     "w8a8": "float32 activations quantized per row in C, then the int8 kernel",
     "int4": "float32 activations x q4s weights in blocks of 32 (packed_u32)",
+    "qq_int4": "q8s activations (per row) x q4s weights in blocks of 32 (packed_u32), float32 out",
     "int_matmul": "raw int8 x int8 -> int32, weights not pre-packed",
     "quantize": "quantize the [N, K] float32 weight per channel (GOP/s = G values/s)",
 }
@@ -72,6 +73,7 @@ PATH_CONTENDERS = {
     "fq_int8": ("numpy_f32",),
     "w8a8": ("numpy_f32", "fbgemm", "ort_w8a8"),
     "int4": ("numpy_f32",),
+    "qq_int4": ("numpy_f32",),
     "int_matmul": ("numpy_f32", "ort_int_u8u8", "ort_int_s8s8"),
     "quantize": ("numpy_f32",),
 }
@@ -85,7 +87,7 @@ W8 = qd.QuantScheme("q8s", axis=0)  # [N, K] weight: one scale per output channe
 A8 = qd.QuantScheme("q8s", axis=0)  # [M, K] activation: one scale per row (token)
 W4 = qd.QuantScheme("q4s", block=(1, 32), store="packed_u32")
 # Paths whose weight is quantized in blocks along K: K must be a multiple of the block.
-K_BLOCKS = {"int4": W4.block[-1]}
+K_BLOCKS = {"int4": W4.block[-1], "qq_int4": W4.block[-1]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,28 +305,28 @@ def _rotate(fns):
     return lambda: next(it)()
 
 
-def _qd_qq_int8(case, x, w):
-    wq = qd.quantize(w, W8, device=case.impl)
-    xq = qd.quantize(x, A8, device=case.impl)
-    return (lambda: qd.linear(xq, wq)), wq.nbytes
+def _qd_qq(w_scheme):
+    """qq: activations quantized per row ahead of the calls, weights in w_scheme."""
+    def build(case, x, w):
+        wq = qd.quantize(w, w_scheme, device=case.impl)
+        xq = qd.quantize(x, A8, device=case.impl)
+        return (lambda: qd.linear(xq, wq)), wq.nbytes
+    return build
 
 
-def _qd_fq_int8(case, x, w):
-    wq = qd.quantize(w, W8, device=case.impl)
-    xt = qd.tensor(x, device=case.impl)
-    return (lambda: qd.linear(xt, wq)), wq.nbytes
+def _qd_fq(w_scheme):
+    """fq: float32 activations, weights in w_scheme (weight-only)."""
+    def build(case, x, w):
+        wq = qd.quantize(w, w_scheme, device=case.impl)
+        xt = qd.tensor(x, device=case.impl)
+        return (lambda: qd.linear(xt, wq)), wq.nbytes
+    return build
 
 
 def _qd_w8a8(case, x, w):
     wq = qd.quantize(w, W8, device=case.impl)
     xt = qd.tensor(x, device=case.impl)
     return (lambda: qd.linear(xt, wq, activation_scheme="q8s")), wq.nbytes
-
-
-def _qd_int4(case, x, w):
-    wq = qd.quantize(w, W4, device=case.impl)
-    xt = qd.tensor(x, device=case.impl)
-    return (lambda: qd.linear(xt, wq)), wq.nbytes
 
 
 def _qd_int_matmul(case, x, w):
@@ -338,8 +340,8 @@ def _qd_quantize(case, x, w):
     return (lambda: qd.quantize(wt, W8)), w.nbytes
 
 
-_PATH_BUILDERS = {"qq_int8": _qd_qq_int8, "fq_int8": _qd_fq_int8, "w8a8": _qd_w8a8,
-                  "int4": _qd_int4, "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
+_PATH_BUILDERS = {"qq_int8": _qd_qq(W8), "fq_int8": _qd_fq(W8), "w8a8": _qd_w8a8,
+                  "int4": _qd_fq(W4), "qq_int4": _qd_qq(W4), "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
 
 
 def np_quantize_rows(x, lo=-127, hi=127):

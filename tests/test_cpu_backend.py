@@ -88,11 +88,18 @@ def test_qq_and_fq_match_the_reference(isa, rng, w_scheme, m):
 def test_qq_row_tiles_and_k_tails_match_the_reference(isa, rng, m, k):
     """Row counts around the kernels' tiles (AMX: 16-row tiles, 32 a call, 8 rows or
     fewer on VNNI) and K that ends inside a 64-value step, bit for bit: per channel,
-    blocks of 64 values where K allows (else of 8) and 4-bit weights."""
+    blocks of 64 values where K allows (else of 8), blocks of 32 (VNNI on AMX too),
+    and 4- and 2-bit weights (unpacked a step at a time on AMX) per channel and in
+    blocks."""
     n = 33
     x = rng.standard_normal((m, k)).astype(np.float32)
     for w_scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f", block=64 if k % 64 == 0 else 8),
-                     qd.QuantScheme("q4s", block=8, store="packed_u32")):
+                     qd.QuantScheme("q8s", block=32 if k % 32 == 0 else 8),
+                     qd.QuantScheme("q4s", block=8, store="packed_u32"),
+                     qd.QuantScheme("q4s", axis=0, store="packed_u32"),
+                     qd.QuantScheme("q4f", block=32 if k % 32 == 0 else 8, store="packed_u32"),
+                     qd.QuantScheme("q2f", axis=0, store="packed_u32"),
+                     qd.QuantScheme("q2s", block=64 if k % 64 == 0 else 8, store="packed_u32")):
         wq, wr = both(rng.standard_normal((n, k)).astype(np.float32), w_scheme)
         xq, xr = both(x, qd.QuantScheme("q8s", axis=0))
         np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(xr, wr.T).numpy())

@@ -1,12 +1,13 @@
 /* AMX kernels (Sapphire Rapids and later): the qq tile on the tile registers.
  * tdpbssd sums s8 x s8 products into exact int32, and an 8-bit panel unit (4 k of
  * QD_NR columns, plain two's complement) is a row of B as AMX reads it, so 8-bit
- * weights need neither bias nor row sums.  A call covers up to 32 rows and two
- * panels: four accumulator tiles (rows 0-15 and 16-31 by panel), two A tiles, two B
- * tiles.  Every other kernel (fq, quantize, packing), sub-byte weights, scale groups
- * that are not whole 64-value steps, and calls of 8 rows or fewer run AVX-512 VNNI,
- * whose sums are the same integers and whose epilogue (qq_zmm.h) this one shares,
- * so a row's result doesn't depend on which of the two ran it. */
+ * weights need neither bias nor row sums; a sub-byte unit's fields, less their
+ * bias, are 8 / bits such rows, unpacked once a step for all 32 rows.  A call
+ * covers up to 32 rows and two panels: four accumulator tiles (rows 0-15 and 16-31
+ * by panel), two A tiles, two B tiles.  Every other kernel (fq, quantize, packing),
+ * scale groups that are not whole 64-value steps, and calls of 8 rows or fewer run
+ * AVX-512 VNNI, whose sums are the same integers and whose epilogue (qq_zmm.h) this
+ * one shares, so a row's result doesn't depend on which of the two ran it. */
 #include <immintrin.h>
 #include <string.h>
 #include "qd_internal.h"
@@ -16,8 +17,9 @@
 
 #define AMX_MR 32
 #define AMX_NP 2
-#define STEP_K 64                          /* k per tdpbssd: a row of A, 16 rows of B */
-#define STEP_UNITS (STEP_K / 4)            /* 8-bit panel units per step */
+#define STEP_K 64          /* k per tdpbssd: a row of A, 16 rows of B */
+#define B_ROW_BYTES 64     /* a row of B: 4 k of QD_NR columns */
+#define B_ROWS (STEP_K / 4)
 #define TILE_ROWS 16
 
 /* Tile registers (the intrinsics take their numbers as literals). */
@@ -53,10 +55,10 @@ static void configure_tiles(int rows0, int rows1, int two_panels)
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     set_tile(&cfg, A0, rows0);
-    set_tile(&cfg, B0, TILE_ROWS);
+    set_tile(&cfg, B0, B_ROWS);
     set_tile(&cfg, C00, rows0);
     if (two_panels) {
-        set_tile(&cfg, B1, TILE_ROWS);
+        set_tile(&cfg, B1, B_ROWS);
         set_tile(&cfg, C01, rows0);
     }
     if (rows1) {
@@ -69,15 +71,15 @@ static void configure_tiles(int rows0, int rows1, int two_panels)
     _tile_loadconfig(&cfg);
 }
 
-/* One 64-value step: A rows from a (lda apart), each panel's 16 units from b0, b1. */
+/* One step: A rows from a (lda apart), each panel's rows of B from b0, b1. */
 QD_INLINE void step(const int8_t *a, int64_t lda, const uint8_t *b0, const uint8_t *b1,
                     const int two_row_tiles, const int two_panels)
 {
     _tile_loadd(A0, a, lda);
-    _tile_loadd(B0, b0, QD_UNIT_BYTES);
+    _tile_loadd(B0, b0, B_ROW_BYTES);
     _tile_dpbssd(C00, A0, B0);
     if (two_panels) {
-        _tile_loadd(B1, b1, QD_UNIT_BYTES);
+        _tile_loadd(B1, b1, B_ROW_BYTES);
         _tile_dpbssd(C01, A0, B1);
     }
     if (two_row_tiles) {
@@ -88,19 +90,63 @@ QD_INLINE void step(const int8_t *a, int64_t lda, const uint8_t *b0, const uint8
     }
 }
 
+/* n_units sub-byte panel units as rows of B: field f of unit u holds k = 4f + j of
+ * the unit's QD_KU(bits) (panel_layout.h), so it becomes row u * (8 / bits) + f,
+ * each value its field less the bias. */
+static void unpack_units(const uint8_t *units, int n_units, int bits, uint8_t *rows)
+{
+    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
+    const __m512i bias = _mm512_set1_epi8((char)(1 << (bits - 1)));
+    const int fields = 8 / bits;
+    for (int u = 0; u < n_units; u++) {
+        const __m512i v = _mm512_loadu_si512(units + u * QD_UNIT_BYTES);
+        for (int f = 0; f < fields; f++) {
+            const __m512i field = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(f * bits)), mask);
+            _mm512_store_si512(rows + (u * fields + f) * B_ROW_BYTES, _mm512_sub_epi8(field, bias));
+        }
+    }
+}
+
+/* The rows of B for a step of n_units units (fewer in K's last step, the rest of
+ * the step's rows zero) of each panel from b: 8-bit units as they lie, unless the
+ * step is short, which reads a zero-padded copy so no tile reads past the panel;
+ * sub-byte units unpacked.  *b0 and *b1 point at them. */
+QD_INLINE void b_rows(const qd_qq_tile *t, const uint8_t *b, int n_units, int full, int np,
+                      uint8_t buf[AMX_NP][B_ROWS * B_ROW_BYTES], const uint8_t **b0, const uint8_t **b1)
+{
+    if (t->bits == 8 && full) {
+        *b0 = b;
+        *b1 = b + t->panel_ld;
+        return;
+    }
+    for (int p = 0; p < np; p++) {
+        if (!full)
+            memset(buf[p], 0, sizeof buf[p]);
+        if (t->bits == 8)
+            memcpy(buf[p], b + p * t->panel_ld, (size_t)n_units * QD_UNIT_BYTES);
+        else
+            unpack_units(b + p * t->panel_ld, n_units, t->bits, buf[p]);
+    }
+    MEMORY_BARRIER();
+    *b0 = buf[0];
+    *b1 = buf[1];
+}
+
 QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const int two_panels)
 {
     const int mr = t->mr, np = two_panels ? 2 : 1;
     const int rows0 = mr < TILE_ROWS ? mr : TILE_ROWS;
+    const int step_units = STEP_K / QD_KU(t->bits);
     configure_tiles(rows0, mr - rows0, two_panels);
     /* A group is whole steps, but for the one group over all of K, whose last
      * units (k_padded % 64) go through zero-padded copies. */
-    const int64_t steps = t->group_units / STEP_UNITS;
-    const int tail_units = (int)(t->group_units % STEP_UNITS);
+    const int64_t steps = t->group_units / step_units;
+    const int tail_units = (int)(t->group_units % step_units);
     int32_t sums[AMX_MR][AMX_NP * QD_NR] __attribute__((aligned(64)));
     float acc[AMX_MR][AMX_NP * QD_NR] __attribute__((aligned(64)));
+    uint8_t buf[AMX_NP][B_ROWS * B_ROW_BYTES] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
-    const uint8_t *b = t->panel;
+    const uint8_t *b = t->panel, *b0, *b1;
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
         _tile_zero(C00);
@@ -111,19 +157,17 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const 
             if (two_panels)
                 _tile_zero(C11);
         }
-        for (int64_t s = 0; s < steps; s++, k0 += STEP_K, b += STEP_UNITS * QD_UNIT_BYTES)
-            step(t->a + k0, t->lda, b, b + t->panel_ld, two_row_tiles, two_panels);
+        for (int64_t s = 0; s < steps; s++, k0 += STEP_K, b += step_units * QD_UNIT_BYTES) {
+            b_rows(t, b, step_units, 1, np, buf, &b0, &b1);
+            step(t->a + k0, t->lda, b0, b1, two_row_tiles, two_panels);
+        }
         if (tail_units) {
             int8_t a_tail[AMX_MR][STEP_K] __attribute__((aligned(64)));
-            uint8_t b_tail[AMX_NP][STEP_UNITS * QD_UNIT_BYTES] __attribute__((aligned(64)));
             memset(a_tail, 0, sizeof a_tail);
-            memset(b_tail, 0, sizeof b_tail);
             for (int r = 0; r < mr; r++)
-                memcpy(a_tail[r], t->a + r * t->lda + k0, (size_t)tail_units * 4);
-            for (int p = 0; p < np; p++)
-                memcpy(b_tail[p], b + p * t->panel_ld, (size_t)tail_units * QD_UNIT_BYTES);
-            MEMORY_BARRIER();
-            step(&a_tail[0][0], STEP_K, b_tail[0], b_tail[1], two_row_tiles, two_panels);
+                memcpy(a_tail[r], t->a + r * t->lda + k0, (size_t)tail_units * QD_KU(t->bits));
+            b_rows(t, b, tail_units, 0, np, buf, &b0, &b1);
+            step(&a_tail[0][0], STEP_K, b0, b1, two_row_tiles, two_panels);
         }
         _tile_stored(C00, &sums[0][0], sizeof sums[0]);
         if (two_panels)
@@ -170,7 +214,7 @@ static void qq_tile_vnni(const qd_qq_tile *t)
 
 static void qq_tile_amx(const qd_qq_tile *t)
 {
-    if (t->bits != 8 || t->mr <= qd_kernels_avx512vnni.qq_mr || (t->ngroups > 1 && t->group_k % STEP_K)) {
+    if (t->mr <= qd_kernels_avx512vnni.qq_mr || (t->ngroups > 1 && t->group_k % STEP_K)) {
         qq_tile_vnni(t);
         return;
     }
