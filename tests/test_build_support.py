@@ -402,9 +402,31 @@ def test_a_rebuilt_object_relinks_the_extension(cpu_build):
     assert set(objects) <= set(ext.depends) and "src_c/include/qdispatch.h" in ext.depends
 
 
+def build_isa_check(cpu_build, tmp_path, cc, extra_flags=lambda path: [], link_flags=()):
+    """The C kernel library as cpu.py builds it for the machine it names (each file with
+    its ISA's flags, and extra_flags(path)), compiled with `cc` and linked into
+    tests/isa_check.c: the executable's path."""
+    sources = cpu_build.sources(ROOT)
+    include = ["-I", os.path.join(ROOT, "src_c", "include"), "-I", os.path.join(ROOT, "src_c", "cpu")]
+    compiles = [(path, subprocess.Popen([cc, *cpu_build.common_flags(), *flags, *extra_flags(path), *include, "-c",
+                                         path, "-o", str(tmp_path / (os.path.basename(path) + ".o"))],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                for path, flags in sources]
+    for path, job in compiles:
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0 and "warning" not in out, f"{os.path.basename(path)}:\n{out}"
+    exe = str(tmp_path / "isa_check")
+    linked = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", *link_flags, *include,
+                             os.path.join(os.path.dirname(os.path.abspath(__file__)), "isa_check.c"),
+                             *sorted(str(p) for p in tmp_path.glob("*.o")), "-lm", "-o", exe],
+                            capture_output=True, text=True, timeout=300)
+    assert linked.returncode == 0, linked.stderr
+    return exe
+
+
 def test_the_neon_kernels_match_exact_references_under_qemu(cpu_build, tmp_path, monkeypatch):
     """The library as cpu.py builds it on an aarch64 machine (baseline files plain, the
-    _neon files with their flags, no x86 files), cross-compiled with tests/neon_check.c
+    _neon files with their flags, no x86 files), cross-compiled with tests/isa_check.c
     and run under qemu-aarch64: on a CPU with dotprod the NEON kernels are chosen and
     give the exact references' results at their tile edges, on one thread and three;
     on an armv8.0 CPU they are built but not chosen.  Needs an aarch64 cross compiler
@@ -428,20 +450,43 @@ def test_the_neon_kernels_match_exact_references_under_qemu(cpu_build, tmp_path,
     neon_flags = cpu_build.ISA_FLAGS["_neon"][1]
     assert {cpu_build.isa_of(path) for path, _ in sources} == {"baseline", "neon"}
     assert all(flags == (neon_flags if cpu_build.isa_of(path) == "neon" else []) for path, flags in sources)
-    include = ["-I", os.path.join(ROOT, "src_c", "include"), "-I", os.path.join(ROOT, "src_c", "cpu")]
-    compiles = [(path, subprocess.Popen([cc, *cpu_build.common_flags(), *flags, *include, "-c", path, "-o",
-                                         str(tmp_path / (os.path.basename(path) + ".o"))],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-                for path, flags in sources]
-    for path, job in compiles:
-        out, _ = job.communicate(timeout=300)
-        assert job.returncode == 0 and "warning" not in out, f"{os.path.basename(path)}:\n{out}"
-    exe = str(tmp_path / "neon_check")
-    linked = subprocess.run([cc, "-O2", "-std=c11", "-fopenmp", "-static", *include,
-                             os.path.join(os.path.dirname(os.path.abspath(__file__)), "neon_check.c"),
-                             *sorted(str(p) for p in tmp_path.glob("*.o")), "-lm", "-o", exe],
-                            capture_output=True, text=True, timeout=300)
-    assert linked.returncode == 0, linked.stderr
-    for cpu, has in (("max", "dotprod"), ("cortex-a53", "none")):
-        run = subprocess.run([qemu, "-cpu", cpu, exe, has], capture_output=True, text=True, timeout=300)
+    exe = build_isa_check(cpu_build, tmp_path, cc, link_flags=["-static"])
+    for cpu, has in (("max", "supported"), ("cortex-a53", "unsupported")):
+        run = subprocess.run([qemu, "-cpu", cpu, exe, "neon_dotprod", has], capture_output=True, text=True,
+                             timeout=300)
         assert run.returncode == 0 and " 0 failures" in run.stdout, f"-cpu {cpu}:\n{run.stdout}{run.stderr}"
+
+
+def test_the_amx_kernels_match_exact_references_on_software_tiles(cpu_build, tmp_path):
+    """The library as cpu.py builds it for x86-64, its AMX kernels' tile instructions done
+    in software (tests/amx_emulator.h, which faults on tile shapes as the CPU does) and
+    AMX reported wherever AVX-512 VNNI is: linked with tests/isa_check.c, the AMX kernels
+    are chosen and give the exact references' results (qq and W8A8 the scalar ISA's
+    bits) at their tile edges, 8-bit and unpacked sub-byte weights, on one thread and
+    three.  So CPUs without AMX check its kernels; those with it run them in the
+    suite.  Needs AVX-512 VNNI, on which the kernels' epilogue runs."""
+    x86_only(cpu_build)
+    import qdispatch
+    if "avx512vnni" not in qdispatch.info()["backends"].get("cpu", {}).get("supported", []):
+        pytest.skip("needs a CPU with AVX-512 VNNI")
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if not cc:
+        pytest.skip("needs a C compiler")
+    probe = tmp_path / "probe.c"
+    probe.write_text(cpu_build.OPENMP_PROBE)
+    amx_flags = cpu_build.ISA_FLAGS["_amx"][1] + cpu_build.OPENMP_FLAGS
+    if subprocess.run([cc, *amx_flags, str(probe), "-o", str(tmp_path / "probe")],
+                      capture_output=True, timeout=300).returncode != 0:
+        pytest.skip(f"the C compiler does not link a program with {' '.join(amx_flags)}")
+    probe.unlink()
+    (tmp_path / "probe").unlink()
+    emulator = os.path.join(os.path.dirname(os.path.abspath(__file__)), "amx_emulator.h")
+
+    def software_tiles(path):
+        name = os.path.basename(path)
+        return (["-include", emulator] if name == "gemm_amx.c" else
+                ["-DQD_AMX_EMULATED"] if name == "cpu_features.c" else [])
+
+    exe = build_isa_check(cpu_build, tmp_path, cc, extra_flags=software_tiles)
+    run = subprocess.run([exe, "amx", "supported"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and " 0 failures" in run.stdout, f"{run.stdout}{run.stderr}"

@@ -1,12 +1,14 @@
-/* The aarch64 NEON dot-product kernels against exact references, on shapes at
- * their edges: rows around the qq tile's 4, columns around a 16-column panel, K
- * around each width's unit (4, 8 or 16 k) and scale blocks of one or several
- * units, on one thread and on three.  Integer products must equal int64 sums; qq
- * and W8A8 must equal the scalar ISA's bit for bit; fq must lie within a float64
- * bound and sum each scale block before scaling it.  Cross-compiled and run under
- * qemu-aarch64 by test_build_support.py.
- *   neon_check dotprod   a CPU with dotprod: the NEON kernels are chosen and checked
- *   neon_check none      a CPU without it: they are built but not supported */
+/* An ISA's kernels against exact references, on shapes at their edges: rows around
+ * the qq tiles (NEON's 4; AMX's 16-row tiles, 32 a call, and VNNI's 8 below them),
+ * columns around a 16-column panel, K around each width's unit (4, 8 or 16 k) and
+ * AMX's 64-value steps, and scale blocks of one or several units, on one thread and
+ * on three.  Integer products must equal int64 sums; qq and W8A8 must equal the
+ * scalar ISA's bit for bit; fq must lie within a float64 bound and sum each scale
+ * block before scaling it.  Built and run by test_build_support.py: cross-compiled
+ * for aarch64 and run under qemu-aarch64 (NEON), or with the tile instructions in
+ * software (AMX, tests/amx_emulator.h).
+ *   isa_check ISA supported     the CPU runs ISA: it is chosen and checked
+ *   isa_check ISA unsupported   it does not: ISA is built but not supported */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,6 +29,7 @@ static long checks, failures;
         }                                                                                          \
     } while (0)
 
+static qd_isa checked;   /* the ISA under test */
 static uint64_t state = 0x243F6A8885A308D3ull;
 
 static int64_t uniform(int64_t lo, int64_t hi)
@@ -117,7 +120,7 @@ static void check_packed(int64_t M, int64_t K, int64_t N, int bits, int64_t wbk,
         fill_f32(as, M * (K / abk), 0.001f, 1.0f);
         set_isa(QD_ISA_SCALAR);
         qd_qq_matmul(a, M, K, as, 1, abk, pw, ref);
-        set_isa(QD_ISA_NEON_DOTPROD);
+        set_isa(checked);
         CHECK(qd_qq_matmul(a, M, K, as, 1, abk, pw, out) == QD_OK, "qq status");
         CHECK(same_bits(out, ref, M * N), "qq " SHAPE " a_block_k=%lld: not the scalar ISA's bits", SHAPE_ARGS,
               (long long)abk);
@@ -127,7 +130,7 @@ static void check_packed(int64_t M, int64_t K, int64_t N, int bits, int64_t wbk,
     for (int kind = QD_Q8S; kind <= QD_Q4F; kind += 3) {   /* q8s and q4f activations */
         set_isa(QD_ISA_SCALAR);
         qd_w8a8_matmul_f32(x, M, K, kind, wbk, pw, ref);
-        set_isa(QD_ISA_NEON_DOTPROD);
+        set_isa(checked);
         CHECK(qd_w8a8_matmul_f32(x, M, K, kind, wbk, pw, out) == QD_OK, "w8a8 status");
         CHECK(same_bits(out, ref, M * N), "w8a8 " SHAPE " kind %d: not the scalar ISA's bits", SHAPE_ARGS, kind);
     }
@@ -197,25 +200,45 @@ static void check_all(void)
         check_packed(70, 64, 40, bits, 32, 0);
         check_fq_sums_before_scaling(bits);
     }
+    /* many rows, K in and past 64-value steps, blocks of whole steps and not */
+    static const int64_t many_rows[] = {16, 17, 32, 40, 70};
+    static const int64_t long_depths[] = {64, 200, 256};
+    for (int mi = 0; mi < 5; mi++)
+        for (int ki = 0; ki < 3; ki++) {
+            const int64_t M = many_rows[mi], K = long_depths[ki];
+            check_int_matmul_s8(M, K, 33, (mi + ki) % 4 == 0);
+            for (int bits = 8; bits >= 2; bits /= 2) {
+                check_packed(M, K, 33, bits, K, (mi + ki) % 4 == 0);
+                check_packed(M, K, 33, bits, K % 64 == 0 ? 64 : 8, 0);
+                if (K % 128 == 0)
+                    check_packed(M, K, 33, bits, 128, 0);
+            }
+        }
 }
 
 int main(int argc, char **argv)
 {
-    const int dotprod = argc > 1 && strcmp(argv[1], "dotprod") == 0;
-    const qd_isa neon = QD_ISA_NEON_DOTPROD;
-    if (!qd_isa_built(neon)) {
-        printf("FAIL: the NEON kernels are not built into this library\n");
+    if (argc != 3 || (strcmp(argv[2], "supported") != 0 && strcmp(argv[2], "unsupported") != 0)) {
+        printf("usage: isa_check ISA supported|unsupported\n");
+        return 2;
+    }
+    if (qd_isa_from_name(argv[1], &checked) != QD_OK) {
+        printf("FAIL: no ISA named %s\n", argv[1]);
         return 1;
     }
-    if (!dotprod) {   /* an armv8.0 CPU: the scalar kernels run, and NEON cannot be forced */
-        CHECK(!qd_isa_supported(neon) && qd_isa_active() == QD_ISA_SCALAR, "NEON chosen without dotprod");
-        CHECK(qd_isa_set(neon) == QD_ERR_ISA_NOT_SUPPORTED, "qd_isa_set(NEON) without dotprod");
+    if (!qd_isa_built(checked)) {
+        printf("FAIL: the %s kernels are not built into this library\n", argv[1]);
+        return 1;
+    }
+    if (strcmp(argv[2], "unsupported") == 0) {   /* other kernels run, and this ISA cannot be forced */
+        CHECK(!qd_isa_supported(checked) && qd_isa_active() != checked, "%s chosen on a CPU without it", argv[1]);
+        CHECK(qd_isa_set(checked) == QD_ERR_ISA_NOT_SUPPORTED, "qd_isa_set(%s) on a CPU without it", argv[1]);
         check_int_matmul_s8(5, 33, 17, 0);
     } else {
-        CHECK(qd_isa_supported(neon) && qd_isa_active() == neon, "NEON not chosen on a CPU with dotprod");
+        CHECK(qd_isa_supported(checked) && qd_isa_active() == checked, "%s not chosen on a CPU with it", argv[1]);
         for (int threads = 1; threads <= 3; threads += 2) {
             qd_set_num_threads(threads);
-            set_isa(neon);
+            set_isa(checked);
             check_all();
         }
     }
