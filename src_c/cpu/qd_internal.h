@@ -206,8 +206,8 @@ static inline int64_t qd_run_length(int64_t items, int workers)
  * 0.4 us (it wakes the team at its end), as much as a small layer's kernel.
  * Every region's team is the thread setting's size, whatever `workers` is, and the
  * threads past `workers` take no run: libgomp ends the threads a smaller team leaves
- * out and starts new ones when a larger team follows, so a quantize on 2 threads
- * between products on 16 took each product from 0.14 to 0.59 ms on a 16-core Xeon.
+ * out and starts new ones when a larger team follows: on a 16-core Xeon a quantize
+ * on 2 threads, then a product on 16, took 0.59 ms, where alone they take 0.04 and 0.14.
  * CLAUSES (reductions) may be empty. */
 #define QD_PRAGMA(text) _Pragma(#text)
 #define QD_PARALLEL_FOR(workers, items, CLAUSES, ...)                                     \
