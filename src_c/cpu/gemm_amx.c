@@ -16,7 +16,7 @@
 #include "qq_zmm.h"
 
 #define AMX_MR 32
-#define AMX_NP 2
+#define AMX_NP QD_ZMM_NP
 #define STEP_K 64          /* k per tdpbssd: a row of A, 16 rows of B */
 #define B_ROW_BYTES 64     /* a row of B: 4 k of QD_NR columns */
 #define B_ROWS (STEP_K / 4)
@@ -142,8 +142,8 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const 
      * units (k_padded % 64) go through zero-padded copies. */
     const int64_t steps = t->group_units / step_units;
     const int tail_units = (int)(t->group_units % step_units);
-    int32_t sums[AMX_MR][AMX_NP * QD_NR] __attribute__((aligned(64)));
-    float acc[AMX_MR][AMX_NP * QD_NR] __attribute__((aligned(64)));
+    __m512i sums[AMX_MR][AMX_NP];   /* a group's int32 sums, [row][panel], from the C tiles */
+    __m512 acc[AMX_MR][AMX_NP];
     uint8_t buf[AMX_NP][B_ROWS * B_ROW_BYTES] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
     const uint8_t *b = t->panel, *b0, *b1;
@@ -171,35 +171,22 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const 
         }
         _tile_stored(C00, &sums[0][0], sizeof sums[0]);
         if (two_panels)
-            _tile_stored(C01, &sums[0][QD_NR], sizeof sums[0]);
+            _tile_stored(C01, &sums[0][1], sizeof sums[0]);
         if (two_row_tiles) {
             _tile_stored(C10, &sums[TILE_ROWS][0], sizeof sums[0]);
             if (two_panels)
-                _tile_stored(C11, &sums[TILE_ROWS][QD_NR], sizeof sums[0]);
+                _tile_stored(C11, &sums[TILE_ROWS][1], sizeof sums[0]);
         }
+        MEMORY_BARRIER();   /* the tile stores' asm names only the address, not the memory */
         if (t->out_i32) {   /* integer mode: one group */
-            for (int r = 0; r < mr; r++)
-                for (int p = 0; p < np; p++)
-                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p),
-                                             _mm512_load_si512(&sums[r][p * QD_NR]));
+            qd_zmm_store_sums(t, mr, np, sums);
             _tile_release();
             return;
         }
-        __m512 ws[AMX_NP];
-        for (int p = 0; p < np; p++)
-            ws[p] = qd_zmm_w_scales(t, p, g);
-        for (int r = 0; r < mr; r++) {
-            const __m512 as = qd_zmm_a_scale(t, r, g);
-            for (int p = 0; p < np; p++)
-                _mm512_store_ps(&acc[r][p * QD_NR], qd_zmm_add_scaled(_mm512_load_ps(&acc[r][p * QD_NR]),
-                                                                      _mm512_load_si512(&sums[r][p * QD_NR]), ws[p], as));
-        }
+        qd_zmm_add_group(t, g, mr, np, acc, sums);
     }
     _tile_release();
-    for (int r = 0; r < mr; r++)
-        for (int p = 0; p < np; p++)
-            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p),
-                                  _mm512_load_ps(&acc[r][p * QD_NR]));
+    qd_zmm_store_out(t, mr, np, acc);
 }
 
 /* The tile in calls of the VNNI kernel's rows. */

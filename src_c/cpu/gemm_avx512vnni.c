@@ -10,7 +10,7 @@
 /* 8 rows x 2 panels: 16 independent vpdpbusd chains hide its latency, and each
  * broadcast of 4 activation bytes feeds two of them. */
 #define QQ_MR 8
-#define QQ_NP 2
+#define QQ_NP QD_ZMM_NP
 
 /* Sub-step s of a unit as unsigned bytes (w + bias). */
 QD_INLINE __m512i unpack_biased(__m512i v, int bits, int s)
@@ -65,23 +65,12 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, c
                 iacc[r][p] = _mm512_sub_epi32(iacc[r][p], corr);
         }
         if (t->out_i32) {
-            for (int r = 0; r < mr; r++)
-                for (int p = 0; p < np; p++)
-                    _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p), iacc[r][p]);
+            qd_zmm_store_sums(t, mr, np, iacc);
             return;
         }
-        __m512 ws[QQ_NP];
-        for (int p = 0; p < np; p++)
-            ws[p] = qd_zmm_w_scales(t, p, g);
-        for (int r = 0; r < mr; r++) {
-            const __m512 as = qd_zmm_a_scale(t, r, g);
-            for (int p = 0; p < np; p++)
-                facc[r][p] = qd_zmm_add_scaled(facc[r][p], iacc[r][p], ws[p], as);
-        }
+        qd_zmm_add_group(t, g, mr, np, facc, iacc);
     }
-    for (int r = 0; r < mr; r++)
-        for (int p = 0; p < np; p++)
-            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p), facc[r][p]);
+    qd_zmm_store_out(t, mr, np, facc);
 }
 
 #define QQ_CASE(MR) (t->np == 1 ? qq_tile_impl(t, bits, MR, 1) : qq_tile_impl(t, bits, MR, QQ_NP))

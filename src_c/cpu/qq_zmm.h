@@ -34,4 +34,37 @@ QD_INLINE __m512 qd_zmm_add_scaled(__m512 acc, __m512i sum, __m512 w_scale, __m5
     return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(w_scale, a_scale)));
 }
 
+/* Panels a call of the AVX-512 qq kernels covers (VNNI and AMX alike). */
+#define QD_ZMM_NP 2
+
+/* Integer mode: the one group's sums, [row][panel], to out_i32. */
+QD_INLINE void qd_zmm_store_sums(const qd_qq_tile *t, int mr, int np, const __m512i sums[][QD_ZMM_NP])
+{
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++)
+            _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p), sums[r][p]);
+}
+
+/* acc[r][p] += group g's sums[r][p], scaled (qd_zmm_add_scaled). */
+QD_INLINE void qd_zmm_add_group(const qd_qq_tile *t, int64_t g, int mr, int np, __m512 acc[][QD_ZMM_NP],
+                                const __m512i sums[][QD_ZMM_NP])
+{
+    __m512 ws[QD_ZMM_NP];
+    for (int p = 0; p < np; p++)
+        ws[p] = qd_zmm_w_scales(t, p, g);
+    for (int r = 0; r < mr; r++) {
+        const __m512 as = qd_zmm_a_scale(t, r, g);
+        for (int p = 0; p < np; p++)
+            acc[r][p] = qd_zmm_add_scaled(acc[r][p], sums[r][p], ws[p], as);
+    }
+}
+
+/* The tile's results, acc[row][panel], to out. */
+QD_INLINE void qd_zmm_store_out(const qd_qq_tile *t, int mr, int np, const __m512 acc[][QD_ZMM_NP])
+{
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++)
+            _mm512_mask_storeu_ps(t->out + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p), acc[r][p]);
+}
+
 #endif
