@@ -13,7 +13,7 @@ from ._core import QTensor, Tensor
 from .errors import NonFiniteError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
-from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation
+from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation, tensor
 
 
 def _check_float(t, side):
@@ -235,16 +235,31 @@ def _without_vector_dims(out_shape, row, col):
     return out_shape[:-2] + (() if row else out_shape[-2:-1]) + (() if col else out_shape[-1:])
 
 
+def _bias_tensor(bias, device):
+    """linear's bias as a Tensor (host data go to `device`).  Integer host data are
+    numbers to add, so they come as float32: a tensor keeps integers as int8 (the
+    dtype int_matmul takes) and refuses those past its range."""
+    if isinstance(bias, Tensor):
+        return bias
+    if isinstance(bias, (np.ndarray, list, tuple, int, np.integer)):
+        try:
+            if np.asarray(bias).dtype.kind in "iub":
+                return tensor(bias, device=device, dtype="float32")
+        except ValueError:  # a ragged list: tensor() says so below
+            pass
+    return tensor(bias, device=device)
+
+
 def add_bias(out, bias, out_dtype, transfer=None):
     """out + bias, then cast to out_dtype.  A bias on another device follows the
     product there when a transfer policy (argument or context) allows moves."""
     out_dtype = check_dtype(out_dtype)
     from .policy import resolve
-    from .tensor_api import get_backend, tensor
+    from .tensor_api import get_backend
     backend = get_backend(out.kind)
     payload = out.payload
     if bias is not None:
-        b = bias if isinstance(bias, Tensor) else tensor(bias, device=out.device)
+        b = _bias_tensor(bias, out.device)
         if b.device != out.device:
             if resolve(transfer) == "error":
                 from .errors import BackendMismatchError, DeviceMismatchError

@@ -99,10 +99,30 @@ def grid_shape(shape, block):
     return tuple(n // b for n, b in zip(shape, block))
 
 
+def _fused(shape, block):
+    """The fewest dims that keep every block a rectangle: a dim joins the one
+    before it where its blocks span it whole or the one before has blocks of 1,
+    so the blocks keep their row-major order.  (numpy holds at most 64 dims, and
+    the blocked view takes two per dim.)"""
+    dims = []
+    for n, b in zip(shape, block):
+        if dims and (b == n or dims[-1][1] == 1):
+            n0, b0 = dims[-1]
+            dims[-1] = (n0 * n, b0 * n if b == n else b)
+        else:
+            dims.append((n, b))
+    if 2 * len(dims) > 64:
+        raise ShapeError(f"Can't quantize a tensor of shape {tuple(shape)} in blocks of {tuple(block)}: "
+                         f"its blocks span {len(dims)} dims, and at most 32 are supported; "
+                         f"reshape it to fewer dims first")
+    return dims
+
+
 def _blocked(x: np.ndarray, block):
-    """View x as (g0, b0, g1, b1, ...) so each block is a set of odd axes."""
+    """View x as (g0, b0, g1, b1, ...) so each block is a set of odd axes
+    (over the dims `_fused` leaves)."""
     split = []
-    for n, b in zip(x.shape, block):
+    for n, b in _fused(x.shape, block):
         split += [n // b, b]
     return x.reshape(split)
 
@@ -124,6 +144,7 @@ def check_finite(x: np.ndarray):
 def compute_scales(x: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:
     blocked = _blocked(np.abs(x), block)
     amax = blocked.max(axis=tuple(range(1, blocked.ndim, 2))).astype(np.float32)
+    amax = amax.reshape(grid_shape(x.shape, block))
     return round_up_to_dtype(float32_scales(amax, scheme.qrange), scheme.scale_dtype)
 
 
@@ -154,7 +175,7 @@ def block_scale_overflow_error(x, flat, block_shape, qrange, scale_dtype, block)
 def quantize_values(x: np.ndarray, scales: np.ndarray, scheme: QuantScheme, block) -> np.ndarray:
     lo, hi = scheme.qrange
     blocked = _blocked(x, block)
-    s = scales.reshape([d for g in scales.shape for d in (g, 1)])
+    s = scales.reshape([d for g in blocked.shape[::2] for d in (g, 1)])
     q = np.rint(blocked / s)  # float32 / float32: a true IEEE division
     return np.clip(q, lo, hi).astype(np.int8).reshape(x.shape)
 

@@ -59,14 +59,14 @@ def _host_array(data, dtype=None):
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if dtype is not None:
         dtype = check_dtype(dtype, tuple(DTYPES))
-        if dtype == "bfloat16":
+        if dtype in ("int8", "int32"):
+            return _as_integers(arr, dtype), dtype
+        with np.errstate(over="ignore"):  # past the dtype's range is inf, as IEEE rounds it: no warning
+            if dtype != "bfloat16":
+                return arr.astype(DTYPES[dtype], copy=False), dtype
             if arr.dtype != np.uint16:
                 arr = quantmath.f32_to_bf16_bits(arr.astype(np.float32))
             return arr, dtype
-        if dtype in ("int8", "int32"):
-            return _as_integers(arr, dtype), dtype
-        with np.errstate(over="ignore"):  # past float16's range is inf, as IEEE rounds it: no warning
-            return arr.astype(DTYPES[dtype], copy=False), dtype
     if arr.dtype in _NUMPY_NAMES:
         return arr, _NUMPY_NAMES[arr.dtype]
     if arr.dtype.name == "bfloat16" and arr.dtype.itemsize == 2:  # ml_dtypes' (JAX's): its bits, in place

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -112,7 +113,7 @@ def test_sources_compile_at_once_and_only_when_stale(fake_tree, monkeypatch):
     monkeypatch.setenv("FAKE_NVCC_MEET", "3")  # each waits until all three have started
     objects = build.compile_objects("build")
     assert [os.path.basename(o) for o in objects] == ["a.cu.o", "b.cu.o", "c.cu.o"]
-    assert all(open(o).read() == "object" for o in objects)
+    assert all(Path(o).read_text() == "object" for o in objects)
     assert ran(logs) == {name: ["3", "2"] for name in ("a.cu", "b.cu", "c.cu")}  # three at once
     for p in logs.iterdir():
         p.unlink()

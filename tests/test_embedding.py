@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -437,7 +438,7 @@ def test_shipped_library_runs_the_cuda_kernels(rng):
 
 @pytest.mark.skipif(not any(map(os.path.exists, DOCS)), reason="docs not beside the tests")
 def test_docs_show_the_tested_commands():
-    texts = [open(p).read() for p in DOCS if os.path.exists(p)]
+    texts = [Path(p).read_text() for p in DOCS if os.path.exists(p)]
     section = next((t for t in texts if "## Embedding from C" in t), None)
     assert section is not None, "no 'Embedding from C' section"
     for command in (BUILD_SHARED, BUILD_STATIC):

@@ -241,6 +241,16 @@ def test_linear_with_bias(device, rng):
         qd.linear(x, wq, bias[:3])
 
 
+@pytest.mark.parametrize("bias", [[1, -2, 3], [100, 200, -300], np.array([70000, 0, -5], np.int64),
+                                  np.array([255, 0, 1], np.uint8), [True, False, True]])
+def test_an_integer_bias_is_numbers_to_add_whatever_their_size(device, rng, bias):
+    # integers past int8's range once made the bias an int8 tensor that refused them
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((3, 64)).astype(np.float32), "q8s", device=device)
+    expect = qd.linear(x, wq).numpy() + np.asarray(bias, np.float32)
+    np.testing.assert_array_equal(qd.linear(x, wq, bias).numpy(), expect)
+
+
 def test_shape_dtype_and_operand_errors(device, rng):
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
     with pytest.raises(qd.ShapeError, match="lhs has K=32 columns but rhs has K=64 rows"):

@@ -155,6 +155,21 @@ def test_a_scale_overflow_names_its_block_in_the_tensors_scale_grid():
         qd.quantize(x, scheme, device="reference")
 
 
+@pytest.mark.parametrize("gran", [dict(), dict(axis=-2), dict(axis=0), dict(block=2), dict(block=(3, 2)),
+                                  dict(block=(1, 3, 4))])
+def test_tensors_of_more_than_32_dims_quantize_as_their_few_long_dims_do(device, rng, gran):
+    # numpy holds at most 64 dims, and the blocked view took two per dim
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    many = x.reshape((1,) * 31 + x.shape)
+    long_gran = dict(axis=gran["axis"] % 3 + 31) if "axis" in gran else gran  # the same dim
+    q = qd.quantize(many, qd.QuantScheme("q8s", **long_gran), device=device)
+    q3 = qd.quantize(x, qd.QuantScheme("q8s", **gran), device=device)
+    np.testing.assert_array_equal(q.values, q3.values.reshape(many.shape))
+    assert q.scales.size == q3.scales.size
+    np.testing.assert_array_equal(q.scales, q3.scales.reshape(q.scales.shape))
+    np.testing.assert_array_equal(q.dequantize().numpy(), q3.dequantize().numpy().reshape(many.shape))
+
+
 def test_non_divisible_block_is_an_error(device):
     with pytest.raises(qd.QuantSchemeError, match="does not divide"):
         qd.quantize(np.ones((4, 48), np.float32), qd.QuantScheme("q8s", block=32), device=device)

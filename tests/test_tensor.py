@@ -2,6 +2,7 @@
 import ctypes
 import re
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -122,6 +123,13 @@ def test_bfloat16_tensor_round_trip():
     t = qd.tensor(x, dtype="bfloat16", device="reference")
     assert t.dtype == "bfloat16"
     np.testing.assert_array_equal(t.numpy(), x)
+
+
+def test_float_data_past_bfloat16s_range_is_inf_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = qd.tensor(np.array([1e300, -1e39, 2.0]), dtype="bfloat16", device="reference")
+    np.testing.assert_array_equal(t.numpy(), [np.inf, -np.inf, 2.0])
 
 
 def test_scales_shape_per_granularity(rng):
