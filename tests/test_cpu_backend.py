@@ -1,6 +1,7 @@
 """The cpu backend through the public API: every ISA this machine runs, against
 the reference backend; thread, batch and concurrency invariance."""
 import os
+import platform
 import sys
 import threading
 import time
@@ -437,6 +438,50 @@ def test_parallel_loops_of_any_size_keep_one_team_of_threads():
     out = run_python("-c", ONE_TEAM_OF_THREADS)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"threads started after the first calls: {out.stdout.strip()}"
+
+
+ROUNDED_UPWARD = """
+import ctypes, ctypes.util, platform
+import numpy as np, qdispatch as qd
+
+libm = ctypes.CDLL(ctypes.util.find_library("m"))
+FE_UPWARD = {"x86_64": 0x800, "AMD64": 0x800, "aarch64": 0x400000, "arm64": 0x400000}[platform.machine()]
+rng = np.random.default_rng(0)
+x = (rng.integers(-100, 100, (64, 4096)) + 0.5).astype(np.float32)  # ties, so rounding shows
+w = qd.quantize(rng.standard_normal((256, 4096)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
+by_block = qd.QuantScheme("q8s", block=(1, 64))
+
+def results():
+    q = qd.quantize(x, by_block, device="cpu")
+    return [q.values, q.scales, q.dequantize().numpy(), qd.linear(x, w).numpy(),
+            qd.linear(x, w, activation_scheme="q8s").numpy()]
+
+qd.set_num_threads(2)
+nearest = results()  # the team starts here, in the default mode
+libm.fesetround(FE_UPWARD)
+upward = {threads: (qd.set_num_threads(threads), results())[1] for threads in (2, 1)}
+assert libm.fegetround() == FE_UPWARD  # the caller's mode is left as it was
+libm.fesetround(0)
+qd.set_num_threads(2)
+after = results()
+for name, two, one, before, again in zip(["values", "scales", "dequantize", "fq", "W8A8"], upward[2], upward[1],
+                                         nearest, after):
+    assert np.array_equal(two, one), name + ": 2 threads differ from 1 in the upward mode"
+    assert np.array_equal(again, before), name + ": the team kept the upward mode"
+assert not np.array_equal(upward[1][0], nearest[0])  # the mode did change the values
+print("ok")
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"),
+                    reason="needs fesetround's FE_UPWARD value for this machine")
+@pytest.mark.skipif(not built_with_openmp(), reason="built without OpenMP: one thread everywhere")
+def test_every_thread_computes_in_the_callers_floating_point_mode():
+    """Pool threads keep the floating-point mode they started in: in a process that
+    rounded upward, quantize's rows on the second thread were rounded to nearest."""
+    out = run_python("-c", ROUNDED_UPWARD)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
 
 
 FORKED_WORKER = """
