@@ -149,7 +149,8 @@ def _read(path, data, type_sizes):
             cursor.fail(f"tensor {name!r} has ggml type number {ggml_type}, which the gguf package does not know")
         per_block, block_bytes = type_sizes[ggml_type]
         count = math.prod(dims)
-        if count % per_block:
-            cursor.fail(f"tensor {name!r} holds {count} values, not whole blocks of {per_block}")
+        row = dims[0] if dims else 1  # ggml's ne0: blocks run along it and never span two rows
+        if row % per_block:
+            cursor.fail(f"tensor {name!r} has rows of {row} values, not whole blocks of {per_block}")
         tensors.append(TensorInfo(name, dims, ggml_type, data_start + offset, count // per_block * block_bytes))
     return GGUFFile(tensors, swapped, data, alignment, data_start)

@@ -71,12 +71,18 @@ _NUMPY_OF = {
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
 }
 _CODE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items() if k != "BF16"}
+
 _SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 _TENSOR_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "int32": "I32"}
 _KINDS = ("qtensor", "tensor", "array", "alias")
 _RECORD_KEYS = {"qtensor": {"kind", "scheme", "shape", "transposed", "crc32"},
                 "tensor": {"kind", "dtype", "shape", "crc32"}, "array": {"kind", "dtype", "shape", "crc32"},
                 "alias": {"kind", "of", "transposed"}}
+
+
+def _is_numpy_code(code):
+    """Whether `code` (any JSON value a header holds) names a dtype this reader takes."""
+    return isinstance(code, str) and code in _NUMPY_OF
 
 
 # ---- atomic writes -------------------------------------------------------------
@@ -462,7 +468,7 @@ def _plain_records(path, header):
         code = entry.get("dtype") if isinstance(entry, dict) else None
         tensor_dtype = next((dtype for dtype, c in _TENSOR_CODES.items() if c == code), None)
         records[key] = ({"kind": "tensor", "dtype": tensor_dtype, "crc32": [None]} if tensor_dtype
-                        else {"kind": "array", "dtype": code, "crc32": [None]} if code in _NUMPY_OF
+                        else {"kind": "array", "dtype": code, "crc32": [None]} if _is_numpy_code(code)
                         else {"kind": "unread", "dtype": code})
     return records
 
@@ -488,7 +494,7 @@ def _record_problem(record):
         return f"its crc32 is {brief(crcs)}, expected a list of {entries} CRC-32 values"
     if kind == "tensor" and not (isinstance(record.get("dtype"), str) and record["dtype"] in _TENSOR_CODES):
         return f"its dtype is {brief(record.get('dtype'))}, expected one of {', '.join(_TENSOR_CODES)}"
-    if kind == "array" and "dtype" in record and record["dtype"] not in _NUMPY_OF:
+    if kind == "array" and "dtype" in record and not _is_numpy_code(record["dtype"]):
         return f"its dtype is {brief(record['dtype'])}, expected one of {', '.join(_NUMPY_OF)}"
     shape = record.get("shape")  # always in a QTensor's record; in files of later releases, in the others'
     if (kind == "qtensor" or shape is not None) and not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
@@ -674,7 +680,7 @@ class _Entries:
         dtype this reader knows and a list of sizes."""
         entry = self.header[key]
         code, shape = entry.get("dtype"), entry.get("shape")
-        if not (isinstance(code, str) and code in _NUMPY_OF):
+        if not _is_numpy_code(code):
             raise SerializationError(f"Tensor {name!r}: entry {key!r} has dtype {brief(code)}, "
                                      f"expected one of {', '.join(_NUMPY_OF)}")
         if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):

@@ -267,6 +267,10 @@ def import_dlpack(obj, device=None):
         except BufferError as exc:  # what the producer can't export (numpy: a big-endian array)
             raise TypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
                             f"copy it in with qdispatch.tensor(...) instead") from None
+        except RuntimeError as exc:  # numpy's word for a dtype it has no type for (float8, complex32)
+            raise TypeError(f"from_dlpack can't take this {type(obj).__name__} of dtype "
+                            f"{getattr(obj, 'dtype', 'unknown')} ({exc}): convert it to float32, float16 or "
+                            f"bfloat16 first") from None
         return host_view(arr, device, "bfloat16" if _is_bf16(obj) else None)
     backend = get_backend("cuda")
     reason = backend.unavailable_reason(0)

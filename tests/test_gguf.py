@@ -162,6 +162,16 @@ def raw_gguf(path, tensors, kvs=b"", kv_count=0, data=b""):
     path.write_bytes(head + b"\0" * (-len(head) % 32) + data)
 
 
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0], ids=lambda kind: kind.name)
+def test_a_block_spanning_two_rows_is_refused(tmp_path, kind):
+    """ggml's blocks run along ne0 and never span two rows: 8 rows of 16 values hold
+    4 whole blocks of 32, yet none of them fits a row."""
+    block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+    raw_gguf(tmp_path / "m.gguf", [(b"w", [16, 8], kind, 0)], data=b"\0" * (4 * block_bytes))
+    with pytest.raises(SerializationError, match="tensor 'w' has rows of 16 values, not whole blocks of 32"):
+        qgguf.load(tmp_path / "m.gguf")
+
+
 def test_tensors_that_overlap_or_start_off_their_place_are_refused(tmp_path):
     """ggml requires each tensor to start where the one before ends (aligned); the
     gguf reader does not check, so a small file naming one tensor's bytes many times

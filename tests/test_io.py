@@ -397,6 +397,10 @@ def test_a_file_of_another_writer_loads_as_its_header_says(tmp_path):
         qd.load(tmp_path / "plain.st")
     # an entry numpy can't hold (FP8 in many checkpoints) kept the others from loading at all
     assert sorted(qd.load(tmp_path / "plain.st", names=["ids", "h"])) == ["h", "ids"]
+    for code in (["F32"], {"F": 32}):  # JSON that names no dtype: once a bare TypeError (unhashable)
+        rewrite_metadata(tmp_path / "plain.st", lambda h: h["x"].update({"dtype": code}))
+        with pytest.raises(SerializationError, match=r"Tensor 'x' has dtype .*, which qdispatch does not read"):
+            qd.load(tmp_path / "plain.st")
 
 
 @pytest.mark.parametrize("metadata", [None, 0, "", False])
@@ -645,8 +649,10 @@ def test_scheme_record_without_its_value(saved):
     ("weight", lambda r: {**r, "transposed": "false"}, "its transposed flag is 'false', expected true or false"),
     ("small", lambda r: {**r, "kind": "tensor", "dtype": ["float32"]},
      "its dtype is \\['float32'\\], expected one of float32"),
+    ("small", lambda r: {**r, "kind": "array", "dtype": ["F32"]}, "its dtype is \\['F32'\\], expected one of F64"),
 ], ids=["string", "list", "unknown kind", "no kind", "no crc32", "crc32 a string", "negative crc32",
-        "scheme a list", "no shape", "shape a string", "shape of floats", "transposed a string", "dtype a list"])
+        "scheme a list", "no shape", "shape a string", "shape of floats", "transposed a string", "dtype a list",
+        "array dtype a list"])
 def test_malformed_record_names_the_tensor_and_the_field(saved, name, change, message):
     """Every record is checked when the file is opened: a damaged one is a
     SerializationError that says which tensor and what is wrong with it."""

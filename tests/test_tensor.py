@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import qdispatch as qd
+from helpers import run_python
 
 
 def test_host_tensor_shares_memory_with_numpy(device):
@@ -57,6 +58,41 @@ def test_from_dlpack_of_data_dlpack_cannot_carry_says_what_to_do():
                                         r"copy it in with qdispatch.tensor"):
         qd.from_dlpack(a)
     np.testing.assert_array_equal(qd.tensor(a).numpy(), a)
+
+
+def test_a_tensor_with_negative_strides_is_not_shared_through_dlpack():
+    """torch's DLPack import aborts the process on negative strides, so such a Tensor
+    refuses (a BufferError, the protocol's word) unless a copy is asked for."""
+    a = np.arange(6, dtype=np.float32)[::-1]
+    t = qd.tensor(a)
+    with pytest.raises(BufferError, match=r"negative strides \(-4,\).*copy=True.*t\.numpy\(\)\.copy\(\)"):
+        t.__dlpack__()
+    copied = np.from_dlpack(t, copy=True)
+    np.testing.assert_array_equal(copied, a)
+    assert not np.shares_memory(copied, a)
+
+
+def test_torch_takes_no_tensor_with_negative_strides_and_lives():
+    pytest.importorskip("torch")
+    code = ("import numpy as np, torch, qdispatch as qd\n"
+            "try:\n    torch.from_dlpack(qd.tensor(np.arange(6, dtype=np.float32)[::-1]))\n"
+            "except BufferError as exc:\n    print(exc)\n")
+    child = run_python("-c", code)
+    assert child.returncode == 0, child.stderr[-2000:]  # it was SIGABRT
+    assert "negative strides (-4,)" in child.stdout
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_from_dlpack_of_a_dtype_numpy_lacks_names_it():
+    """float8 and complex32 were numpy's bare RuntimeError ('Unsupported dtype in DLTensor')."""
+    torch = pytest.importorskip("torch")
+    for dtype in (torch.float8_e4m3fn, torch.complex32):
+        x = torch.zeros(4, 32, dtype=dtype)
+        for take in (qd.from_dlpack, qd.tensor):
+            with pytest.raises(TypeError, match=f"of dtype {dtype} .*convert it to float32, float16 or bfloat16"):
+                take(x)
+        with pytest.raises(TypeError, match=str(dtype).split(".")[1]):
+            qd.quantize(x, "q8s")
 
 
 def test_device_parsing_and_repr(rng):

@@ -119,7 +119,13 @@ class HostBackend(Backend):
             return payload + bias
 
     def dlpack(self, t, *args, **kwargs):
-        capsule = np.asarray(t.payload).__dlpack__(*args, **kwargs)
+        payload = np.asarray(t.payload)
+        if min(payload.strides, default=0) < 0 and kwargs.get("copy") is not True:
+            # DLPack allows them, but torch's import aborts the process on one
+            raise BufferError(f"A Tensor with negative strides {payload.strides} is not shared through DLPack, "
+                              f"as torch aborts on them: ask for a copy (copy=True), or copy it first "
+                              f"(qdispatch.tensor(t.numpy().copy()))")
+        capsule = payload.__dlpack__(*args, **kwargs)
         if t.dtype == "bfloat16":  # numpy exports the payload's bits as uint16
             return dlpack_as_bfloat16(capsule)
         return capsule
