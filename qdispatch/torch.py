@@ -66,7 +66,8 @@ _KERNEL_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bflo
 _CUDA_VIEW_DTYPES = {**_KERNEL_DTYPES, torch.int8: "int8", torch.int32: "int32"}
 # the float weights a checkpoint may hold for a quantized layer to quantize
 _CHECKPOINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_EMBEDDING_DTYPES = (*_KERNEL_DTYPES, torch.float64)  # QEmbedding's outputs
+_EMBEDDING_DTYPES = {**_KERNEL_DTYPES, torch.float64: "float64"}  # QEmbedding's outputs, as its state names them
+_EMBEDDING_DTYPE_NAMED = {name: dtype for dtype, name in _EMBEDDING_DTYPES.items()}
 _NUMPY_VIEW_DTYPES = (torch.float32, torch.float16, torch.int8, torch.int32)  # not bfloat16
 # torch's current stream on a GPU as a raw handle (0: the legacy default stream)
 _current_raw_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -280,7 +281,9 @@ def _cpu_lookup(ids, table, dtype):
     an id lies outside it: qd.embedding's route then names it."""
     if table.transposed:
         return None
-    flat = (ids if ids.dtype == torch.int64 else ids.long()).reshape(-1)
+    # the kernel reads int64 ids in one dense run: reshape keeps a strided view (ids[::2],
+    # an expand) strided, which contiguous() copies; dense ids it leaves as they are
+    flat = (ids if ids.dtype == torch.int64 else ids.long()).reshape(-1).contiguous()
     try:  # the kernel checks every id before it writes a row
         out = (_cpu_backend or _find_cpu_backend()).dequantize_rows(table, flat.numpy(), _KERNEL_DTYPES[dtype])
     except KernelError:
@@ -687,6 +690,7 @@ def _quantized_from_checkpoint(weight, scheme, device, current, reads):
 # them (packed words as int32, 16-bit scales as float16/bfloat16), with the shape;
 # 1 (no "format" key, still read) held int8 values and float32 scales.
 _STATE_FORMAT = 2
+_FORMAT_1_DTYPES = (torch.int8, torch.float32)  # its values and scales, whatever the scheme stores
 # the torch dtypes of stored parts; uint32 words and bf16 bits go as int32 and bfloat16
 _STORED_DTYPES = {"packed_u32": torch.int32, "int8": torch.int8,
                   "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -795,17 +799,28 @@ def _weight_from_state(state, owner, device, read=True):
         zeros = tensor_api.qtensor_zeros(stored, scheme, device=device)
         return zeros.T if transposed else zeros
     if "format" not in state:
+        # a current state that lost its key (packed words, 16-bit scales) would read as other values
+        _check_parts(state, owner, "without a 'format' (the earlier format)", _FORMAT_1_DTYPES,
+                     hint="; a state_dict() of this release holds 'format': 2 beside its parts: restore it")
         return tensor_api.qtensor_from_stored(_from_torch_stored(values), _from_torch_stored(scales), scheme,
                                               transposed, device=device)
     layout = QLayout.for_shape(scheme, stored)
-    for part, tensor, wanted, dtype in zip(("qvalues", "qscales"), (values, scales), stored_shapes(scheme, layout),
-                                           _stored_dtypes(scheme)):
-        if tuple(tensor.shape) != wanted or tensor.dtype != dtype:
-            raise SerializationError(f"a {owner}'s _extra_state {part!r} of a {tuple(state['shape'])} weight of "
-                                     f"scheme {scheme} is a {dtype} tensor of shape {wanted}; got {tensor.dtype} "
-                                     f"{tuple(tensor.shape)}")
+    _check_parts(state, owner, f"of a {tuple(state['shape'])} weight of scheme {scheme}", _stored_dtypes(scheme),
+                 stored_shapes(scheme, layout))
     values, scales = decode_qtensor(owner, _from_torch_stored(values), _from_torch_stored(scales), scheme, layout)
     return tensor_api.qtensor_from_stored(values, scales, scheme, transposed, device=device)
+
+
+def _check_parts(state, owner, what, dtypes, shapes=(None, None), hint=""):
+    """SerializationError unless extra state `state`'s 'qvalues' and 'qscales' are
+    tensors of `dtypes` (and `shapes`, where given); `what` says which weight the
+    state holds, `hint` how to mend it."""
+    for part, dtype, shape in zip(("qvalues", "qscales"), dtypes, shapes):
+        tensor = state[part]
+        if tensor.dtype != dtype or shape not in (None, tuple(tensor.shape)):
+            wanted = f"a {dtype} tensor" + ("" if shape is None else f" of shape {shape}")
+            raise SerializationError(f"a {owner}'s _extra_state {part!r} {what} is {wanted}; got {tensor.dtype} "
+                                     f"{tuple(tensor.shape)}{hint}")
 
 
 # ---- QLinear and QEmbedding inside torch.compile's graphs ---------------------------------
@@ -1118,6 +1133,7 @@ class _QuantizedModule(torch.nn.Module):
         # a hook's call on a layer outside the load is that layer's own call, which takes
         # what it is given, as assign=True does
         load, own_key, assign = active[1:] if active is not None and active[0] is self else (None, None, True)
+        dtype = self._dtype_in_state(state)  # a bad one is refused before the layer changes
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
             if weight is not self.weight and _holders(weight):  # an alias of another layer's, not tied here
@@ -1129,7 +1145,8 @@ class _QuantizedModule(torch.nn.Module):
                 if weight.shape == self.weight.shape:
                     if not self._takes_no_values(assign):  # reported with the rest, as torch reports it
                         return load.error_msgs.append(self._no_values_message(own_key))
-                    return self._placeholder(weight)
+                    self._placeholder(weight)
+                    return self._take_dtype(dtype, assign)
             else:
                 parts = (state["qvalues"], state["qscales"])
                 key = ("stored", *map(id, parts), repr([state[k] for k in ("scheme", "shape", "transposed")
@@ -1144,6 +1161,16 @@ class _QuantizedModule(torch.nn.Module):
             # in a load: reported with the rest once they have loaded, as torch reports a size mismatch
             return load.error_msgs.append(f"size mismatch for {own_key}: {mismatch}")
         self.weight, self._source, self._unloaded = weight, None, None
+        self._take_dtype(dtype, assign)
+
+    def _dtype_in_state(self, state):
+        """The float dtype that extra state `state` gives the layer's outputs, checked;
+        None where it gives none (a QLinear's outputs take x's)."""
+        return None
+
+    def _take_dtype(self, dtype, assign):
+        if dtype is not None and assign:  # as a float checkpoint's weight gives its dtype (_load_float)
+            self._moved(torch.empty(0, dtype=dtype))
 
 
 class QLinear(_QuantizedModule):
@@ -1254,8 +1281,9 @@ class QEmbedding(_QuantizedModule):
     `check_ids=False` they are not (no wait, as nn.Embedding's lookups) and an id
     outside gives a row of NaN, as it does inside a CUDA graph capture, where ids are
     never read on the host.  The table is a constant to autograd.  `dtype` follows
-    `Module.to(dtype)`, as nn.Embedding's weight's does; moves and state_dict() go as
-    QLinear's.  A table shared with the output layer (tied embeddings) stays one
+    `Module.to(dtype)`, as nn.Embedding's weight's does, and a checkpoint's under
+    `load_state_dict(..., assign=True)` (its state holds it); moves and state_dict() go
+    as QLinear's.  A table shared with the output layer (tied embeddings) stays one
     QTensor: `QEmbedding(lm_head.weight)`."""
 
     _float_kind, _made_by = torch.nn.Embedding, "from_embedding"
@@ -1300,6 +1328,26 @@ class QEmbedding(_QuantizedModule):
     def _moved(self, probe):
         if probe.dtype in _EMBEDDING_DTYPES:
             self.dtype = probe.dtype
+
+    def get_extra_state(self):
+        # The rows' dtype too, which a load with assign=True (load_model's into a model built
+        # on meta) gives the layer, as it gives float layers their checkpoint's.  Into the state
+        # itself: a tied weight's one state serves each layer that shares it (a QLinear reads none).
+        state = super().get_extra_state()
+        state["dtype"] = _EMBEDDING_DTYPES[self.dtype]
+        return state
+
+    def _dtype_in_state(self, state):
+        if isinstance(state, _WeightInFile):
+            return state.dtype  # load_model checked it
+        name = state.get("dtype") if isinstance(state, dict) else None
+        if name is None:  # a state of an earlier release: the layer keeps its own
+            return None
+        dtype = _EMBEDDING_DTYPE_NAMED.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise SerializationError(f"a QEmbedding's _extra_state 'dtype' names its rows' dtype, one of "
+                                     f"{list(_EMBEDDING_DTYPE_NAMED)}; got {brief(name)}")
+        return dtype
 
     def forward(self, ids):
         _refuse_recording(ids)
@@ -1551,9 +1599,10 @@ _SAVABLE_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32
 def save_model(model, path):
     """Write `model`'s state_dict to `path` as one safetensors file in qdispatch's
     format (`qdispatch.save`): each QLinear's and QEmbedding's weight as its stored
-    values and scales (`<layer>.weight`), every other parameter and buffer as it is.  Nothing is
-    pickled; `load_model` reads it back bit for bit.  A weight that several layers share
-    (tied embeddings) is written once, and loads shared."""
+    values and scales (`<layer>.weight`), a QEmbedding's dtype as an empty tensor of it
+    (`<layer>.dtype`: the file holds tensors only), every other parameter and buffer as
+    it is.  Nothing is pickled; `load_model` reads it back bit for bit.  A weight that
+    several layers share (tied embeddings) is written once, and loads shared."""
     quantized = _quantized_modules(_module(model, "save_model", "qdispatch.save(path, tensors)"))
     tensors, converted = {}, {}
     for key, value in model.state_dict().items():
@@ -1564,6 +1613,8 @@ def save_model(model, path):
                 raise BackendUnavailableError(f"save_model can't save {prefix!r}: it was made from a layer on "
                                               f"torch's meta device and has not been loaded, so it holds no values")
             tensors[_joined(prefix, "weight")] = layer.weight
+            if isinstance(layer, QEmbedding):
+                tensors[_joined(prefix, "dtype")] = _savable(torch.empty(0, dtype=layer.dtype))
         elif isinstance(value, torch.Tensor):
             if value.dtype not in _SAVABLE_DTYPES or value.layout != torch.strided or value.is_nested \
                     or value.is_meta:
@@ -1574,13 +1625,18 @@ def save_model(model, path):
             # a float parameter under several names converts once, so the file holds it once
             same = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), value.stride())
             if same not in converted:
-                host = value.detach().cpu().resolve_neg()  # numpy can't view torch's negative views
-                converted[same] = from_torch(host) if host.dtype == torch.bfloat16 else host.numpy()
+                converted[same] = _savable(value.detach().cpu().resolve_neg())  # numpy can't view negative views
             tensors[key] = converted[same]
         else:
             raise TypeError(f"save_model can't save {key!r}, a {type(value).__name__}: only tensors and "
                             f"QLinear and QEmbedding weights (use torch.save for other state)")
     save_tensors(path, tensors)
+
+
+def _savable(host):
+    """Host tensor `host` as qdispatch.save takes it: a numpy view, or a qdispatch Tensor
+    for bfloat16, which numpy lacks."""
+    return from_torch(host) if host.dtype == torch.bfloat16 else host.numpy()
 
 
 def load_model(model, path):
@@ -1592,7 +1648,8 @@ def load_model(model, path):
     as its layer loads, so the host holds one of them at a time (a weight whose
     bytes are corrupted raises SerializationError with the layers before it loaded,
     as torch's load_state_dict leaves a model on an error); a model on the meta
-    device takes the loaded tensors as they are (`load_state_dict(assign=True)`)."""
+    device takes the loaded tensors as they are (`load_state_dict(assign=True)`), and
+    its QEmbeddings the saved dtype."""
     quantized = _quantized_modules(_module(model, "load_model", "qdispatch.load(path)"))
     state, as_torch = {}, {}
     with read_stored(path) as stored:
@@ -1610,24 +1667,47 @@ def load_model(model, path):
                         f"{path}: {key!r} is a quantized weight, but {prefix or 'the model'!r} is not a QLinear "
                         f"or QEmbedding of this model: run quantize_linears(model, scheme) (and "
                         f"quantize_embeddings for tables) before load_model")
-                state[_joined(prefix, "_extra_state")] = _WeightInFile(stored, key)
+                dtype = _dtype_in_file(stored, prefix) if isinstance(quantized[prefix], QEmbedding) else None
+                state[_joined(prefix, "_extra_state")] = _WeightInFile(stored, key, dtype)
+            elif leaf == "dtype" and isinstance(quantized.get(prefix), QEmbedding):
+                continue  # read with the table's weight, above
             else:
                 value = stored.decode(key, Device.parse("reference"))  # a bias or buffer, as stored
                 if id(value) not in as_torch:  # an alias decodes to its target: one torch tensor for both
-                    as_torch[id(value)] = (value, to_torch(value) if isinstance(value, Tensor)
-                                           else torch.from_numpy(value))
+                    as_torch[id(value)] = (value, _as_torch(value))
                 state[key] = as_torch[id(value)][1]
         empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
         model.load_state_dict(state, assign=empty)
     return model
 
 
-class _WeightInFile:
-    """A QLinear's quantized weight in an open `save_model` file, read when its
-    layer loads it (QLinear.set_extra_state), straight onto the layer's device."""
+def _as_torch(value):
+    """A decoded Tensor or numpy array as a torch tensor of its memory."""
+    return to_torch(value) if isinstance(value, Tensor) else torch.from_numpy(value)
 
-    def __init__(self, stored, name):
-        self.stored, self.name = stored, name
+
+def _dtype_in_file(stored, prefix):
+    """The dtype `save_model` wrote for QEmbedding `prefix` (an empty tensor of it), or
+    None where the file holds none (an earlier release's)."""
+    key = _joined(prefix, "dtype")
+    if key not in stored.records:
+        return None
+    kind = stored.held_record(key)["kind"]
+    dtype = _as_torch(stored.decode(key, Device.parse("reference"))).dtype if kind in ("tensor", "array") else None
+    if dtype not in _EMBEDDING_DTYPES:
+        got = f"a {kind}" if dtype is None else str(dtype).replace("torch.", "")
+        raise SerializationError(f"{stored.path}: {key!r} holds a QEmbedding's dtype, as save_model writes it: an "
+                                 f"empty float32, float16, bfloat16 or float64 tensor; got {got}")
+    return dtype
+
+
+class _WeightInFile:
+    """A QLinear's or QEmbedding's quantized weight in an open `save_model` file, read
+    when its layer loads it (set_extra_state), straight onto the layer's device; with
+    `dtype`, the QEmbedding's rows' dtype the file holds (None: none)."""
+
+    def __init__(self, stored, name, dtype=None):
+        self.stored, self.name, self.dtype = stored, name, dtype
 
     def read(self, device, shared=True):
         return self.stored.decode(self.name, device, shared)

@@ -71,7 +71,8 @@ def test_cpu_lookups_are_the_references_for_ids_of_any_kind(dtype, transposed, m
     spec = QEmbedding(q.weight.to("reference"), dtype=dtype)
     base = torch.tensor([[0, 39, 7, 7], [1, 2, 38, 5]])
     wanted = {}
-    for ids in (base, base.int(), base.to(torch.uint8), base.t(), base[0], base[0, 1], base[:, :0]):
+    strided = (base[0, ::2], base[:, ::2], base[1, 2:3].expand(5))  # views reshape(-1) keeps strided
+    for ids in (base, base.int(), base.to(torch.uint8), base.t(), base[0], base[0, 1], base[:, :0], *strided):
         wanted[ids] = spec(ids)
     embedding = qd.tensor_api.embedding
     if not transposed:  # the kernel in place: qd.embedding only names a bad id
@@ -298,6 +299,60 @@ def test_float64_rows_and_a_float_checkpoints_dtype(device):
     quantize_linears(quantize_embeddings(empty, PER_ROW, device=device), PER_ROW, device=device)
     empty.load_state_dict(float_model.state_dict(), assign=True)
     assert empty.embed.dtype == torch.bfloat16 and empty(ids).dtype == torch.bfloat16
+
+
+def test_a_quantized_checkpoint_carries_the_tables_dtype(tmp_path):
+    """save_model of a bfloat16 model, loaded into one built on the meta device, gave its
+    QEmbedding float32 rows while the other layers took bfloat16 (the model then failed
+    on mixed dtypes).  The table's dtype is in its state and in the file now, and a load
+    with assign=True takes it, as torch's takes a float checkpoint's; a load into a model
+    with values keeps the layer's, as torch's copies into a Parameter do.  A state or
+    file without it (an earlier release's) loads as before, and a bad one is named."""
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    source = quantize_linears(quantize_embeddings(TiedLM(), INT4), INT4).to(torch.bfloat16)
+    ids = torch.tensor([[5, 6], [7, 49]])
+    with torch.no_grad():
+        want = source(ids)
+    path = tmp_path / "model.safetensors"
+    save_model(source, path)
+    state = source.state_dict()
+    assert state["embed._extra_state"]["dtype"] == "bfloat16"
+
+    def empty():
+        with torch.device("meta"):
+            model = TiedLM()
+        return quantize_linears(quantize_embeddings(model, INT4), INT4)
+    for load in (lambda model: load_model(model, path), lambda model: model.load_state_dict(state, assign=True)):
+        model = empty()
+        load(model)
+        assert model.embed.dtype == torch.bfloat16 and model.head.weight is model.embed.weight
+        with torch.no_grad():
+            assert torch.equal(model(ids), want)
+    with_values = quantize_linears(quantize_embeddings(TiedLM(), INT4), INT4)
+    with_values.load_state_dict(source.state_dict())  # a state of its own: torch keeps assign=True in one's metadata
+    assert with_values.embed.dtype == with_values.hidden.bias.dtype == torch.float32
+    earlier_state = {key: value for key, value in state["embed._extra_state"].items() if key != "dtype"}
+    earlier_file = tmp_path / "earlier.safetensors"
+    qd.save(earlier_file, {key: value for key, value in qd.load(path).items() if key != "embed.dtype"})
+    for load in (lambda model: load_model(model, earlier_file),
+                 lambda model: model.load_state_dict({**state, "embed._extra_state": earlier_state,
+                                                      "head._extra_state": earlier_state}, assign=True)):
+        model = empty()
+        load(model)
+        assert model.embed.dtype == torch.float32 and model.hidden.bias.dtype == torch.bfloat16
+    with pytest.raises(qd.SerializationError, match=r"^embed\._extra_state: a QEmbedding's _extra_state 'dtype' .*"
+                                                     r"'bfloat16'.*got 'int8'"):
+        empty().load_state_dict({**state, "embed._extra_state": {**earlier_state, "dtype": "int8"}}, assign=True)
+    bad_file = tmp_path / "bad.safetensors"
+    qd.save(bad_file, {**qd.load(path), "embed.dtype": np.zeros(0, np.int32)})
+    with pytest.raises(qd.SerializationError, match=r"'embed\.dtype' holds a QEmbedding's dtype.*got int32"):
+        load_model(empty(), bad_file)
+    # a table tied to an output layer before it: the one state of their weight holds the table's dtype
+    pair = torch.nn.Sequential(torch.nn.Linear(64, 50, bias=False), torch.nn.Embedding(50, 64))
+    pair[0].weight = pair[1].weight
+    shared = quantize_embeddings(quantize_linears(pair, INT4), INT4).to(torch.float16).state_dict()
+    assert shared["0._extra_state"] is shared["1._extra_state"] and shared["1._extra_state"]["dtype"] == "float16"
 
 
 def test_a_tied_float_checkpoint_loads_into_one_qtensor():

@@ -651,6 +651,25 @@ def test_a_state_dict_of_the_earlier_format_still_loads():
     np.testing.assert_array_equal(fresh.weight.scales, layer.weight.scales)
 
 
+@pytest.mark.parametrize("scheme", [QuantScheme("q4f", block=(1, 4), store="packed_u32", scale_dtype="bf16"),
+                                    QuantScheme("q8s", axis=0, scale_dtype="bf16")], ids=["packed", "bf16 scales"])
+def test_a_state_dict_that_lost_its_format_is_refused_by_name(scheme):
+    """A state without "format" is read as the earlier format's int8 values and float32
+    scales.  A current one that lost the key raised a bare TypeError for its packed
+    words, or took its bfloat16 scales' bits for numbers; now it is a
+    SerializationError naming the layer, and the layer is left as it was."""
+    model = torch.nn.Sequential(QLinear.from_linear(torch.nn.Linear(12, 8), scheme, device=DEVICES[-1]))
+    state = model.state_dict()
+    state["0._extra_state"] = {key: value for key, value in state["0._extra_state"].items() if key != "format"}
+    part, stored = ("qvalues", "torch.int32") if scheme.store == "packed_u32" else ("qscales", "torch.bfloat16")
+    fresh = QLinear.from_linear(torch.nn.Linear(12, 8), "q8s", device=DEVICES[0])
+    before = fresh.weight
+    with pytest.raises(qd.SerializationError, match=rf"^0\._extra_state: a QLinear's _extra_state {part!r} without "
+                                                     rf"a 'format' .*; got {stored} .*'format': 2"):
+        torch.nn.Sequential(fresh).load_state_dict(state)
+    assert fresh.weight is before
+
+
 def test_a_damaged_state_dict_is_refused_by_name():
     scheme = QuantScheme("q4f", block=(1, 4), store="packed_u32", scale_dtype="bf16")
     layer = QLinear.from_linear(torch.nn.Linear(36, 12), scheme, device=DEVICES[-1])
@@ -1383,6 +1402,8 @@ def test_torch_compile_runs_a_qembedding_lookup():
     with torch.inference_mode():
         torch.testing.assert_close(compiled(ids), want, rtol=0, atol=0)
     torch.testing.assert_close(compiled(ids), want, rtol=0, atol=0)
+    torch.testing.assert_close(compiled(ids[:, ::2]), want[:, ::2], rtol=0, atol=0)  # strided ids, as eager takes
+    torch.testing.assert_close(compiled(ids[1, 2:3].expand(2, 3)), want[1, 2].expand(2, 3, 20), rtol=0, atol=0)
     with pytest.raises(qd.OutOfRangeError, match="embedding id 20 at position"):
         compiled(torch.tensor([[1, 20, 3], [19, 0, 4]]))
 
