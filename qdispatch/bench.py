@@ -90,6 +90,12 @@ W4 = qd.QuantScheme("q4s", block=(1, 32), store="packed_u32")
 K_BLOCKS = {"int4": W4.block[-1], "qq_int4": W4.block[-1]}
 
 
+# A shape with a larger operand is refused when it is parsed; a smaller one that does
+# not fit this machine's memory is skipped when its operands are made (numpy refuses
+# sizes near 2**63 with a ValueError, not the MemoryError that skips a case).
+MOST_OPERAND_BYTES = 1 << 48
+
+
 @dataclasses.dataclass(frozen=True)
 class Shape:
     m: int
@@ -104,6 +110,9 @@ class Shape:
             raise ValueError(f"shape {text!r} is not MxKxN, e.g. 1x4096x4096") from None
         if min(m, k, n) <= 0:
             raise ValueError(f"shape {text!r} has a dimension <= 0")
+        if max(m * k, k * n, m * n) * 4 > MOST_OPERAND_BYTES:
+            raise ValueError(f"shape {text!r} has a float32 operand past {MOST_OPERAND_BYTES >> 40} TiB, "
+                             f"more memory than any machine runs it in")
         return cls(m, k, n)
 
     def __str__(self):
@@ -724,10 +733,14 @@ def _check_arguments(args):
         if problem:
             raise SystemExit(f"shape {shape} can't be run: {problem} (or leave {path} out of --paths)")
     for option, out in (("--json", args.json), ("--plot", args.plot)):
-        if out:
+        if out is not None:  # '' too: a path that names no file
             _check_writable(option, out)
     if args.plot:
         _check_plot_format(args.plot)
+    available = available_memory_bytes()
+    if args.bandwidth_mb and available and args.bandwidth_mb << 20 > available:
+        raise SystemExit(f"--bandwidth-mb {args.bandwidth_mb}: the streaming read's buffer would take more "
+                         f"than the {available >> 20} MiB of memory available; give at most that")
     return contenders
 
 
@@ -747,6 +760,8 @@ def _check_writable(option, path):
     """Refuse an output file that can't be written before minutes of measuring, not
     after: by opening it (os.access says yes to root, and on /proc or a read-only
     mount), leaving no file behind that was not there."""
+    if not path:
+        raise SystemExit(f"{option} '': that names no file; give the file's path")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise SystemExit(f"{option} {path}: folder {folder} does not exist; create it or choose another path")

@@ -186,6 +186,9 @@ def test_bad_arguments_are_clear():
     ("--shapes", ",", "argument --shapes: ',' names nothing: give a comma-separated list"),
     ("--threads", "", "argument --threads: '' names nothing"),
     ("--paths", ",", "argument --paths: ',' names nothing"),
+    ("--shapes", "99999999999999999999x32x32", "argument --shapes: shape '99999999999999999999x32x32' has a "
+                                               "float32 operand past 256 TiB"),
+    ("--shapes", "4000000000x4000000000x1", "has a float32 operand past 256 TiB"),  # numpy's ValueError once
 ])
 def test_counts_below_one_are_refused(capsys, option, value, message):
     """--repeat 0, --threads 0 or --bandwidth-mb -1 ran, labelled rows "0" and
@@ -221,11 +224,23 @@ def test_an_output_that_cant_be_written_is_refused_before_anything_runs(monkeypa
     if os.path.isdir("/proc/self"):  # os.access says yes there (and to root anywhere): the run failed at its end
         with pytest.raises(SystemExit, match=r"^--json /proc/bench\.json: can't write there \("):
             main(["bench", "--shapes", "2x64x64", "--threads", "1", "--json", "/proc/bench.json"])
+    with pytest.raises(SystemExit, match=r"^--json '': that names no file"):  # once ignored: nothing written
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--json", ""])
     kept = tmp_path / "kept.json"
     main_args = ["bench", "--shapes", "2x64x64", "--threads", "1", "--json", str(kept)]
     with pytest.raises(AssertionError, match="a case ran"):  # the check leaves no file behind
         main(main_args)
     assert not kept.exists()
+
+
+@pytest.mark.skipif(bench.available_memory_bytes() is None, reason="needs /proc/meminfo's MemAvailable")
+def test_a_read_buffer_past_the_memory_is_refused_before_anything_runs(monkeypatch):
+    """It was allocated after every case had run, and its MemoryError lost their results."""
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(bench, "_run_cases", refuse_to_run)
+    with pytest.raises(SystemExit, match=r"^--bandwidth-mb 100000000: the streaming read's buffer would take more "
+                                         r"than the \d+ MiB of memory available"):
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--bandwidth-mb", "100000000"])
 
 
 def test_a_plot_format_matplotlib_cant_write_is_refused_before_anything_runs(monkeypatch, tmp_path):
@@ -238,7 +253,7 @@ def test_a_plot_format_matplotlib_cant_write_is_refused_before_anything_runs(mon
 
 def test_all_contenders_may_come_with_others():
     args = argparse.Namespace(contenders=["all", "fbgemm"], paths=["qq_int8"], backend=[], shapes=[], json=None,
-                              plot=None)
+                              plot=None, bandwidth_mb=None)
     assert bench._check_arguments(args) == list(bench.CONTENDERS)
 
 
@@ -250,7 +265,7 @@ def test_comma_lists_take_spaces_and_name_each_item_once():
 
 def test_an_unknown_contender_beside_all_is_refused():
     args = argparse.Namespace(contenders=["all", "foo"], paths=["qq_int8"], backend=[], shapes=[], json=None,
-                              plot=None)
+                              plot=None, bandwidth_mb=None)
     with pytest.raises(SystemExit, match="unknown contender foo"):
         bench._check_arguments(args)
 

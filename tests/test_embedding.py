@@ -148,11 +148,14 @@ def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_
         #include <qdispatch.h>
         int main(void) {
             volatile int bits[] = {0, 3, 32, 4};
-            volatile long long block_k[] = {0, -32, 32};
+            volatile long long block_k[] = {0, -32, 5, 32};
             for (int i = 0; i < 4; i++)
                 printf("%lld ", (long long)qd_cuda_fq_tiles_bytes(17, 100, bits[i]));
-            for (int i = 0; i < 3; i++)
+            for (int i = 0; i < 4; i++)
                 printf("%lld ", (long long)qd_cuda_fq_scale_tiles_bytes(17, 96, block_k[i]));
+            volatile long long tile_bytes[] = {0, -64};  /* the shared helper divided by it */
+            for (int i = 0; i < 2; i++)
+                printf("%lld ", (long long)qd_cuda_tiles_size(1, 1, tile_bytes[i]));
             /* sizes of no weight, and sizes past INT64_MAX: 0, not a negative or wrapped size */
             volatile long long dims[][2] = {{-100, 64}, {64, 0}, {INT64_MAX, 16}, {1ll << 40, 1ll << 40}};
             for (int i = 0; i < 4; i++)
@@ -163,7 +166,7 @@ def test_cuda_tile_sizes_are_zero_for_what_the_tiling_refuses(c_compiler, shell_
         """))
     out = run_shell(f"{c_compiler} sizes.c $(qdispatch config --cflags) -o sizes && ./sizes",
                     tmp_path, shell_env)
-    assert out.split() == ["0", "0", "0", "2048", "0", "0", "384"] + ["0"] * 8
+    assert out.split() == ["0", "0", "0", "2048", "0", "0", "0", "384", "0", "0"] + ["0"] * 8
 
 
 # ---- bad input to the C entry points comes back as a status ----

@@ -277,10 +277,10 @@ qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_t M, int64_
  * qd_cuda_fq_matmul starts reading the tiles while the kernel before it on the
  * stream still runs (it waits for that kernel before reading x or writing out), so
  * tiles must not be written by work still queued.  Both sizes are 0 for bits other
- * than 8, 4 or 2, for block_k, N or K <= 0, and where the size would pass INT64_MAX:
- * the tiling calls refuse all of those. */
+ * than 8, 4 or 2, for block_k, N or K <= 0, for a block_k that does not divide K, and
+ * where the size would pass INT64_MAX: the tiling calls refuse all of those. */
 static inline int64_t qd_cuda_tiles_size(int64_t row_groups, int64_t k_tiles, int64_t tile_bytes) {
-    if (row_groups <= 0 || k_tiles <= 0 || row_groups > INT64_MAX / tile_bytes / k_tiles)
+    if (row_groups <= 0 || k_tiles <= 0 || tile_bytes <= 0 || row_groups > INT64_MAX / tile_bytes / k_tiles)
         return 0;
     return row_groups * k_tiles * tile_bytes;
 }
@@ -291,7 +291,7 @@ static inline int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits) {
     return qd_cuda_tiles_size(N / 16 + (N % 16 != 0), K / tile_k + (K % tile_k != 0), 512);
 }
 static inline int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k) {
-    if (block_k <= 0 || N <= 0 || K <= 0)
+    if (block_k <= 0 || N <= 0 || K <= 0 || K % block_k)
         return 0;
     return qd_cuda_tiles_size(N / 16 + (N % 16 != 0), K / block_k, 64);  /* 16 rows' float32 scales a block */
 }
