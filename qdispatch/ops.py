@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ._core import QTensor, Tensor
+from ._core import QTensor, Tensor, get_backend
 from .errors import NonFiniteError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
@@ -255,7 +255,6 @@ def add_bias(out, bias, out_dtype, transfer=None):
     product there when a transfer policy (argument or context) allows moves."""
     out_dtype = check_dtype(out_dtype)
     from .policy import resolve
-    from .tensor_api import get_backend
     backend = get_backend(out.kind)
     payload = out.payload
     if bias is not None:
