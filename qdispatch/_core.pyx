@@ -445,20 +445,21 @@ cdef _check_transfer(transfer):
     policy.resolve(transfer)
 
 
-cdef tuple _reconcile(str op, TensorBase lhs, TensorBase rhs, transfer):
-    """Called only when the devices differ: apply the transfer policy or raise."""
+cdef tuple _reconcile(str op, TensorBase lhs, TensorBase rhs, transfer, str lname="lhs", str rname="rhs"):
+    """Called only when the devices differ: apply the transfer policy or raise,
+    naming the operands as the caller's signature does."""
     from . import policy
     mode = policy.resolve(transfer)
     if mode == "error":
         ld, rd = str(lhs.device), str(rhs.device)
+        move = f"Move one operand first ({rname}.to({ld!r}) or {lname}.to({rd!r}))"
         if lhs.kind != rhs.kind:
             raise BackendMismatchError(
-                f"{op} inputs are on different backends: lhs is on {ld!r}, rhs is on {rd!r}. "
-                f"Move one operand first (rhs.to({ld!r}) or lhs.to({rd!r})), or pass transfer='auto'.")
+                f"{op} inputs are on different backends: {lname} is on {ld!r}, {rname} is on {rd!r}. "
+                f"{move}, or pass transfer='auto'.")
         raise DeviceMismatchError(
-            f"{op} inputs are on different devices of the {lhs.backend} backend: lhs is on {ld!r}, "
-            f"rhs is on {rd!r}. Move one operand first (rhs.to({ld!r}) or lhs.to({rd!r})), "
-            f"or pass transfer='to_lhs'.")
+            f"{op} inputs are on different devices of the {lhs.backend} backend: {lname} is on {ld!r}, "
+            f"{rname} is on {rd!r}. {move}, or pass transfer='to_lhs'.")
     if mode == "auto":
         mode = "to_rhs" if _SPEED_RANK[rhs.kind] > _SPEED_RANK[lhs.kind] else "to_lhs"
     if mode == "to_lhs":
@@ -533,7 +534,7 @@ def int_matmul(a, b, *, transfer=None):
         l = _operand(a, b if isinstance(b, TensorBase) else None)
     r = _operand(b, l)
     if l.kind != r.kind or l.index != r.index:
-        l, r = _reconcile("int_matmul", l, r, transfer)
+        l, r = _reconcile("int_matmul", l, r, transfer, "a", "b")
     return ops_module().int_matmul(<object>_table[l.kind], l, r)
 
 
@@ -545,6 +546,10 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     for q_matmul (activation_scheme="q8s": one scale per row of x, W8A8)."""
     if not isinstance(w, QTensor):
         raise TypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
+    if transfer is not None:
+        _check_transfer(transfer)
+    if isinstance(x, TensorBase) and not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
+        x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
     # Without a bias the product is the result: the kernel writes out_dtype itself.
     out = q_matmul(x, (<QTensor>w).T, out_dtype="float32" if bias is not None else out_dtype,
                    transfer=transfer, activation_scheme=activation_scheme)

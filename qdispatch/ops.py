@@ -25,7 +25,8 @@ def _check_float(t, side):
 def _shapes(lhs, rhs, op):
     ls, rs = tuple(lhs.shape), tuple(rhs.shape)
     if len(ls) < 2 or len(rs) < 2:
-        raise ShapeError(f"{op} needs operands with at least 2 dims, got shapes {ls} and {rs}")
+        raise ShapeError(f"{op} multiplies matrices, batches of them and float or integer vectors (a QTensor "
+                         f"holds at least 2 dims); got shapes {ls} and {rs}")
     if ls[-1] != rs[-2]:
         raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: lhs has K={ls[-1]} columns but "
                          f"rhs has K={rs[-2]} rows")

@@ -1,4 +1,5 @@
-"""Process-wide choices: the transfer policy, the default backend and batch invariance."""
+"""Choices that hold beyond one call: the transfer policy (per thread and asyncio task, a
+context variable), and the process-wide default backend and batch invariance."""
 import contextlib
 import contextvars
 import os
@@ -26,7 +27,8 @@ def resolve(transfer):
 @contextlib.contextmanager
 def transfer_policy(mode):
     """Within the block, operands on different devices are moved as `mode` says
-    ('error', 'to_lhs', 'to_rhs' or 'auto') instead of raising."""
+    ('error', 'to_lhs', 'to_rhs' or 'auto') instead of raising.  It holds for this
+    thread (or asyncio task); a thread started inside runs with the default, 'error'."""
     token = _transfer.set(_check_mode(mode))
     try:
         yield

@@ -75,7 +75,7 @@ def first_scale_off_dtype(scales: np.ndarray, scale_dtype: str):
 def scale_overflow_error(block, scale_dtype, value=None):
     """The error for the scale of `block` (its position in the scale grid), whose
     float32 `value` (when known) `scale_dtype` cannot hold."""
-    of = f" ({value:g})" if value is not None else ""
+    of = f" ({np.float32(value)!s})" if value is not None else ""  # float32's shortest digits: %g's 6 say 65504
     return ScaleOverflowError(f"The scale of block {block}{of} overflows scale_dtype={scale_dtype!r}: "
                               f"{scale_overflow_advice(scale_dtype)}")
 

@@ -612,7 +612,7 @@ def _scale_grid(scales, scheme, layout):
     off = quantmath.first_scale_off_dtype(grid, scheme.scale_dtype)
     if off is not None:  # what is kept must be what the scheme says it stores (and save writes)
         raise QuantSchemeError(
-            f"The scale at {off} of the scale grid, {float(grid[off]):g}, is no {scheme.scale_dtype} value, "
+            f"The scale at {off} of the scale grid, {np.float32(grid[off])!s}, is no {scheme.scale_dtype} value, "
             f"though the scheme stores its scales as {scheme.scale_dtype}: convert the scales to "
             f"{scheme.scale_dtype} first (rounding up keeps the values in range), or use scale_dtype='f32'")
     return grid

@@ -29,6 +29,24 @@ def test_mismatch_names_both_devices_and_the_fix(operands):
     assert isinstance(err.value, qd.QDispatchError) and isinstance(err.value, TypeError)
 
 
+def test_a_linear_mismatch_names_linears_own_operands(operands):
+    """It named q_matmul's lhs and rhs, and told to move rhs, which is w.T."""
+    _, wt = operands
+    x, w = qd.tensor(np.ones((2, 64), np.float32), device="reference"), wt.T
+    with pytest.raises(qd.BackendMismatchError) as err:
+        qd.linear(x, w)
+    assert str(err.value) == (
+        "linear inputs are on different backends: x is on 'reference', w is on 'cpu'. "
+        "Move one operand first (w.to('reference') or x.to('cpu')), or pass transfer='auto'.")
+    expect = qd.linear(x.to("cpu"), w).numpy()
+    for mode, where in {"to_lhs": "reference", "to_rhs": "cpu", "auto": "cpu"}.items():
+        out = qd.linear(x, w, transfer=mode)
+        assert out.device == where, mode
+        np.testing.assert_allclose(out.numpy(), expect, rtol=1e-5, atol=1e-5)
+    with qd.transfer_policy("to_lhs"):
+        assert qd.linear(x, w).device == "reference"
+
+
 def test_mismatch_raises_before_any_kernel(operands, monkeypatch):
     xq, wt = operands
     for name in ("reference", "cpu"):
@@ -58,6 +76,23 @@ def test_every_transfer_policy(operands):
         qd.q_matmul(xq, wt)  # the context is gone after the block
     with pytest.raises(ValueError, match="Unknown transfer policy"):
         qd.q_matmul(xq, wt, transfer="sometimes")
+
+
+def test_a_transfer_policy_holds_for_the_thread_that_enters_it(operands):
+    import threading
+    xq, wt = operands
+    seen = []
+    def other_thread():
+        try:
+            qd.q_matmul(xq, wt)
+        except qd.BackendMismatchError:
+            seen.append("error")
+    with qd.transfer_policy("auto"):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert qd.q_matmul(xq, wt).device == "cpu"
+    assert seen == ["error"]
 
 
 def test_a_bad_transfer_is_refused_even_when_nothing_moves(rng):
@@ -109,7 +144,8 @@ def test_device_index_mismatch_is_its_own_error():
     payload = np.ones((2, 4), np.float32)
     a = qd.Tensor(payload, "float32", (2, 4), int(qd.BackendKind.REFERENCE), 0)
     b = qd.Tensor(payload.T.copy(), "float32", (4, 2), int(qd.BackendKind.REFERENCE), 1)
-    with pytest.raises(qd.DeviceMismatchError, match="lhs is on 'reference', rhs is on 'reference:1'"):
+    with pytest.raises(qd.DeviceMismatchError, match=r"a is on 'reference', b is on 'reference:1'. Move one "
+                                                     r"operand first \(b.to\('reference'\) or a.to\('reference:1'\)\)"):
         qd.int_matmul(a, b)
     with pytest.raises(qd.BackendUnavailableError, match="one device"):
         qd.tensor(payload, device="reference:1")

@@ -170,6 +170,13 @@ def test_tensors_of_more_than_32_dims_quantize_as_their_few_long_dims_do(device,
     np.testing.assert_array_equal(q.dequantize().numpy(), q3.dequantize().numpy().reshape(many.shape))
 
 
+def test_an_overflowing_scale_is_shown_with_the_digits_that_tell_it_from_one_that_fits(device):
+    # %g wrote 65504.004 as 65504, a value float16 holds
+    x = np.array([[np.nextafter(np.float32(65504 * 127), np.float32(np.inf))]], np.float32)
+    with pytest.raises(qd.ScaleOverflowError, match=r"\(65504\.004\) overflows scale_dtype='f16'"):
+        qd.quantize(x, qd.QuantScheme("q8s", scale_dtype="f16"), device=device)
+
+
 def test_non_divisible_block_is_an_error(device):
     with pytest.raises(qd.QuantSchemeError, match="does not divide"):
         qd.quantize(np.ones((4, 48), np.float32), qd.QuantScheme("q8s", block=32), device=device)
