@@ -150,7 +150,8 @@ def _check_offsets(path, file):
         expected += -(-t.nbytes // file.alignment) * file.alignment
     if file.tensors and not end <= len(file.data) <= expected:  # the last tensor's padding is optional
         raise SerializationError(f"{path} holds {len(file.data) - expected} bytes past its last tensor's data "
-                                 f"(byte {expected}): the file is corrupted (its tensor count, say)")
+                                 f"and alignment padding (which end at byte {expected}): the file is corrupted "
+                                 f"(its tensor count, say)")
 
 
 def _load_tensor(path, gguf, file, t, device):

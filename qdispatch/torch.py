@@ -961,8 +961,13 @@ class _QuantizedModule(torch.nn.Module):
         # that it could not convert a QTensor
         raise BackendUnavailableError(_NOT_RECORDED)
 
+    @property
+    def _holds_no_values(self):
+        """Made from a layer on torch's meta device, and not loaded since."""
+        return self.weight is self._unloaded
+
     def _refuse_unloaded(self):
-        if self.weight is self._unloaded:
+        if self._holds_no_values:
             raise BackendUnavailableError(
                 f"this {type(self).__name__} was made from a layer on torch's meta device and holds no "
                 f"values until a checkpoint loads: call model.load_state_dict(state, assign=True) or "
@@ -1676,7 +1681,9 @@ def load_model(model, path):
                 if id(value) not in as_torch:  # an alias decodes to its target: one torch tensor for both
                     as_torch[id(value)] = (value, _as_torch(value))
                 state[key] = as_torch[id(value)][1]
-        empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+        # a model built on meta: its float tensors, or (where it has none) its quantized layers
+        empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())) or \
+            any(layer._holds_no_values for layer in quantized.values())
         model.load_state_dict(state, assign=empty)
     return model
 

@@ -348,6 +348,14 @@ def test_a_quantized_checkpoint_carries_the_tables_dtype(tmp_path):
     qd.save(bad_file, {**qd.load(path), "embed.dtype": np.zeros(0, np.int32)})
     with pytest.raises(qd.SerializationError, match=r"'embed\.dtype' holds a QEmbedding's dtype.*got int32"):
         load_model(empty(), bad_file)
+    # a model of quantized layers alone, built on meta: no float tensor says it is one
+    tables = quantize_embeddings(torch.nn.Sequential(torch.nn.Embedding(50, 64)), INT4).to(torch.float16)
+    save_model(tables, tmp_path / "tables.safetensors")
+    with torch.device("meta"):
+        bare = torch.nn.Sequential(torch.nn.Embedding(50, 64))
+    bare = load_model(quantize_embeddings(bare, INT4), tmp_path / "tables.safetensors")
+    assert bare[0].dtype == torch.float16
+    assert torch.equal(bare(ids), tables(ids))
     # a table tied to an output layer before it: the one state of their weight holds the table's dtype
     pair = torch.nn.Sequential(torch.nn.Linear(64, 50, bias=False), torch.nn.Embedding(50, 64))
     pair[0].weight = pair[1].weight
