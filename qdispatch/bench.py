@@ -858,6 +858,9 @@ def run(args):
         plot(rows, args.plot)
         written = args.plot if os.path.splitext(args.plot)[1] else args.plot + ".png"  # as matplotlib names it
         print(f"plot written to {written}")
+    if not rows:  # a script that runs the command learns that it measured nothing
+        print("nothing was measured: every case was skipped (above)", file=sys.stderr)
+        return 1
     return 0
 
 
