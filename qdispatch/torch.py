@@ -1139,6 +1139,9 @@ class _QuantizedModule(torch.nn.Module):
         # what it is given, as assign=True does
         load, own_key, assign = active[1:] if active is not None and active[0] is self else (None, None, True)
         dtype = self._dtype_in_state(state)  # a bad one is refused before the layer changes
+        # a layer made on meta holds no dtype of its own yet: it takes the checkpoint's, as
+        # assign=True gives it (a model of quantized layers alone has no meta tensor to ask for it)
+        takes_dtype = assign or self._holds_no_values
         if isinstance(state, _WeightInFile):  # load_model: read from the file as this layer loads
             weight = state.read(self.weight.device)
             if weight is not self.weight and _holders(weight):  # an alias of another layer's, not tied here
@@ -1151,7 +1154,7 @@ class _QuantizedModule(torch.nn.Module):
                     if not self._takes_no_values(assign):  # reported with the rest, as torch reports it
                         return load.error_msgs.append(self._no_values_message(own_key))
                     self._placeholder(weight)
-                    return self._take_dtype(dtype, assign)
+                    return self._take_dtype(dtype, takes_dtype)
             else:
                 parts = (state["qvalues"], state["qscales"])
                 key = ("stored", *map(id, parts), repr([state[k] for k in ("scheme", "shape", "transposed")
@@ -1166,15 +1169,15 @@ class _QuantizedModule(torch.nn.Module):
             # in a load: reported with the rest once they have loaded, as torch reports a size mismatch
             return load.error_msgs.append(f"size mismatch for {own_key}: {mismatch}")
         self.weight, self._source, self._unloaded = weight, None, None
-        self._take_dtype(dtype, assign)
+        self._take_dtype(dtype, takes_dtype)
 
     def _dtype_in_state(self, state):
         """The float dtype that extra state `state` gives the layer's outputs, checked;
         None where it gives none (a QLinear's outputs take x's)."""
         return None
 
-    def _take_dtype(self, dtype, assign):
-        if dtype is not None and assign:  # as a float checkpoint's weight gives its dtype (_load_float)
+    def _take_dtype(self, dtype, takes):
+        if dtype is not None and takes:  # as a float checkpoint's weight gives its dtype (_load_float)
             self._moved(torch.empty(0, dtype=dtype))
 
 
@@ -1336,11 +1339,10 @@ class QEmbedding(_QuantizedModule):
 
     def get_extra_state(self):
         # The rows' dtype too, which a load with assign=True (load_model's into a model built
-        # on meta) gives the layer, as it gives float layers their checkpoint's.  Into the state
-        # itself: a tied weight's one state serves each layer that shares it (a QLinear reads none).
-        state = super().get_extra_state()
-        state["dtype"] = _EMBEDDING_DTYPES[self.dtype]
-        return state
+        # on meta) gives the layer, as it gives float layers their checkpoint's.  In a dict of
+        # this layer's own: a tied weight's state (its tensors) serves every layer that shares
+        # it, and two tables that share one may differ in dtype.
+        return {**super().get_extra_state(), "dtype": _EMBEDDING_DTYPES[self.dtype]}
 
     def _dtype_in_state(self, state):
         if isinstance(state, _WeightInFile):
@@ -1681,9 +1683,7 @@ def load_model(model, path):
                 if id(value) not in as_torch:  # an alias decodes to its target: one torch tensor for both
                     as_torch[id(value)] = (value, _as_torch(value))
                 state[key] = as_torch[id(value)][1]
-        # a model built on meta: its float tensors, or (where it has none) its quantized layers
-        empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())) or \
-            any(layer._holds_no_values for layer in quantized.values())
+        empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
         model.load_state_dict(state, assign=empty)
     return model
 

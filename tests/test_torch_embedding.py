@@ -356,11 +356,32 @@ def test_a_quantized_checkpoint_carries_the_tables_dtype(tmp_path):
     bare = load_model(quantize_embeddings(bare, INT4), tmp_path / "tables.safetensors")
     assert bare[0].dtype == torch.float16
     assert torch.equal(bare(ids), tables(ids))
+    # beside float layers that hold values, those keep their own tensors and dtype (no assign)
+    source = quantize_embeddings(torch.nn.Sequential(torch.nn.Embedding(50, 64), torch.nn.LayerNorm(64)), INT4)
+    save_model(source.to(torch.float16), tmp_path / "mixed.safetensors")
+    mixed = torch.nn.Sequential(torch.nn.Embedding(50, 64, device="meta"), torch.nn.LayerNorm(64).double())
+    mixed = quantize_embeddings(mixed, INT4)
+    norm = mixed[1].weight
+    load_model(mixed, tmp_path / "mixed.safetensors")
+    assert mixed[1].weight is norm and norm.dtype == torch.float64 and mixed[0].dtype == torch.float16
     # a table tied to an output layer before it: the one state of their weight holds the table's dtype
     pair = torch.nn.Sequential(torch.nn.Linear(64, 50, bias=False), torch.nn.Embedding(50, 64))
     pair[0].weight = pair[1].weight
     shared = quantize_embeddings(quantize_linears(pair, INT4), INT4).to(torch.float16).state_dict()
-    assert shared["0._extra_state"] is shared["1._extra_state"] and shared["1._extra_state"]["dtype"] == "float16"
+    assert shared["0._extra_state"]["qvalues"] is shared["1._extra_state"]["qvalues"]  # one weight, stored once
+    assert shared["1._extra_state"]["dtype"] == "float16"
+    # two tables sharing one weight, in two dtypes: each state says its own (both said the last one's)
+    def two_tied_tables():
+        tables = torch.nn.Sequential(torch.nn.Embedding(50, 64), torch.nn.Embedding(50, 64))
+        tables[1].weight = tables[0].weight
+        return tables
+    tables = quantize_embeddings(two_tied_tables(), INT4)
+    tables[1].to(torch.float16)
+    state = tables.state_dict()
+    with torch.device("meta"):
+        bare = quantize_embeddings(two_tied_tables(), INT4)
+    bare.load_state_dict(state, assign=True)
+    assert (bare[0].dtype, bare[1].dtype) == (torch.float32, torch.float16) and bare[0].weight is bare[1].weight
 
 
 def test_a_tied_float_checkpoint_loads_into_one_qtensor():
