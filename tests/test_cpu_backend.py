@@ -445,7 +445,8 @@ import ctypes, ctypes.util, platform
 import numpy as np, qdispatch as qd
 
 libm = ctypes.CDLL(ctypes.util.find_library("m"))
-FE_UPWARD = {"x86_64": 0x800, "AMD64": 0x800, "aarch64": 0x400000, "arm64": 0x400000}[platform.machine()]
+x86 = platform.machine() in ("x86_64", "AMD64")
+FE_UPWARD, FE_INEXACT = (0x800, 0x20) if x86 else (0x400000, 0x10)
 rng = np.random.default_rng(0)
 x = (rng.integers(-100, 100, (64, 4096)) + 0.5).astype(np.float32)  # ties, so rounding shows
 w = qd.quantize(rng.standard_normal((256, 4096)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
@@ -469,6 +470,11 @@ for name, two, one, before, again in zip(["values", "scales", "dequantize", "fq"
     assert np.array_equal(two, one), name + ": 2 threads differ from 1 in the upward mode"
     assert np.array_equal(again, before), name + ": the team kept the upward mode"
 assert not np.array_equal(upward[1][0], nearest[0])  # the mode did change the values
+for threads in (1, 2):  # the flags the caller's thread raised in its share stay raised, as on one thread
+    qd.set_num_threads(threads)
+    libm.feclearexcept(FE_INEXACT)
+    qd.quantize(x, by_block, device="cpu")
+    assert libm.fetestexcept(FE_INEXACT), f"{threads} threads: the inexact flag was wiped"
 print("ok")
 """
 

@@ -6,8 +6,6 @@
 #include <stddef.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h> /* the MXCSR of qd_fp_mode */
-#else
-#include <fenv.h>
 #endif
 #include "qdispatch.h"
 #include "qd_checks.h"
@@ -205,20 +203,27 @@ static inline int64_t qd_run_length(int64_t items, int workers)
     return items > workers ? (items + workers - 1) / workers : 1;
 }
 
-/* A thread's floating-point mode: rounding direction and, on x86, flush-to-zero
- * (MXCSR; its sticky flags come along and go back with it). */
+/* A thread's floating-point controls: rounding direction, flush-to-zero and the
+ * exception masks.  Not the sticky exception flags: those a thread raises stay its
+ * own, so the caller's thread keeps the ones its share of a loop raised. */
 #if defined(__x86_64__) || defined(_M_X64)
+#define QD_MXCSR_FLAGS 0x3Fu
 typedef unsigned int qd_fp_mode;
-static inline qd_fp_mode qd_fp_mode_get(void) { return _mm_getcsr(); }
-static inline void qd_fp_mode_set(qd_fp_mode mode) { _mm_setcsr(mode); }
+static inline qd_fp_mode qd_fp_mode_get(void) { return _mm_getcsr() & ~QD_MXCSR_FLAGS; }
+static inline void qd_fp_mode_set(qd_fp_mode mode) { _mm_setcsr(mode | (_mm_getcsr() & QD_MXCSR_FLAGS)); }
+#elif defined(__aarch64__)
+typedef uint64_t qd_fp_mode; /* FPCR, read and written in place: the flags are FPSR's (and fenv is libm's) */
+static inline qd_fp_mode qd_fp_mode_get(void) { uint64_t fpcr; __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr)); return fpcr; }
+static inline void qd_fp_mode_set(qd_fp_mode mode) { __asm__ volatile("msr fpcr, %0" : : "r"(mode)); }
 #else
-typedef fenv_t qd_fp_mode;
-static inline qd_fp_mode qd_fp_mode_get(void) { fenv_t env; fegetenv(&env); return env; }
-static inline void qd_fp_mode_set(qd_fp_mode mode) { fesetenv(&mode); }
+typedef int qd_fp_mode; /* elsewhere each thread keeps its own mode */
+static inline qd_fp_mode qd_fp_mode_get(void) { return 0; }
+static inline void qd_fp_mode_set(qd_fp_mode mode) { (void)mode; }
 #endif
 
-/* `#pragma omp parallel for CLAUSES` over the loop given after CLAUSES, its `items`
- * iterations shared among `workers` threads, a run each.  The loop runs on the
+/* An OpenMP loop over the loop given after CLAUSES, its `items` iterations shared
+ * among `workers` threads, a run each: `#pragma omp parallel CLAUSES` (reductions),
+ * then `#pragma omp for` inside it.  The loop runs on the
  * calling thread when workers is 1: libgomp's region of one thread still costs about
  * 0.4 us (it wakes the team at its end), as much as a small layer's kernel.
  * Every region's team is the thread setting's size, whatever `workers` is, and the
