@@ -546,8 +546,6 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     for q_matmul (activation_scheme="q8s": one scale per row of x, W8A8)."""
     if not isinstance(w, QTensor):
         raise TypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
-    if transfer is not None:
-        _check_transfer(transfer)
     if isinstance(x, TensorBase) and not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
     # Without a bias the product is the result: the kernel writes out_dtype itself.

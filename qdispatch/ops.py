@@ -25,8 +25,8 @@ def _check_float(t, side):
 def _shapes(lhs, rhs, op):
     ls, rs = tuple(lhs.shape), tuple(rhs.shape)
     if len(ls) < 2 or len(rs) < 2:
-        raise ShapeError(f"{op} multiplies matrices, batches of them and float or integer vectors (a QTensor "
-                         f"holds at least 2 dims); got shapes {ls} and {rs}")
+        takes = "float vectors (a QTensor holds at least 2 dims)" if op == "q_matmul" else "vectors"
+        raise ShapeError(f"{op} multiplies matrices, batches of them and {takes}; got shapes {ls} and {rs}")
     if ls[-1] != rs[-2]:
         raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: lhs has K={ls[-1]} columns but "
                          f"rhs has K={rs[-2]} rows")
@@ -242,13 +242,17 @@ def _bias_tensor(bias, device):
     dtype int_matmul takes) and refuses those past its range."""
     if isinstance(bias, Tensor):
         return bias
-    if isinstance(bias, (np.ndarray, list, tuple, int, np.integer)):
-        try:
-            if np.asarray(bias).dtype.kind in "iub":
-                return tensor(bias, device=device, dtype="float32")
-        except ValueError:  # a ragged list: tensor() says so below
-            pass
-    return tensor(bias, device=device)
+    data = bias
+    if not isinstance(bias, np.ndarray) and hasattr(bias, "__dlpack__"):
+        try:  # another library's host tensor (torch's int64, say), as numpy sees it
+            data = np.from_dlpack(bias)
+        except (BufferError, TypeError, ValueError, RuntimeError):  # on a GPU, or bfloat16: tensor() takes it
+            return tensor(bias, device=device)
+    try:
+        integers = np.asarray(data).dtype.kind in "iub"
+    except ValueError:  # a ragged list: tensor() says so
+        integers = False
+    return tensor(data, device=device, dtype="float32" if integers else None)
 
 
 def add_bias(out, bias, out_dtype, transfer=None):

@@ -28,7 +28,8 @@ def resolve(transfer):
 def transfer_policy(mode):
     """Within the block, operands on different devices are moved as `mode` says
     ('error', 'to_lhs', 'to_rhs' or 'auto') instead of raising.  It holds for this
-    thread (or asyncio task); a thread started inside runs with the default, 'error'."""
+    thread (or asyncio task), and what runs in a copy of its context
+    (asyncio.to_thread); a threading.Thread started inside runs with the default, 'error'."""
     token = _transfer.set(_check_mode(mode))
     try:
         yield

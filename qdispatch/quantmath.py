@@ -99,11 +99,14 @@ def grid_shape(shape, block):
     return tuple(n // b for n, b in zip(shape, block))
 
 
+# The most dims a numpy array holds: 64 from numpy 2, 32 before.
+NUMPY_MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+
+
 def _fused(shape, block):
     """The fewest dims that keep every block a rectangle: a dim joins the one
     before it where its blocks span it whole or the one before has blocks of 1,
-    so the blocks keep their row-major order.  (numpy holds at most 64 dims, and
-    the blocked view takes two per dim.)"""
+    so the blocks keep their row-major order (the blocked view takes two a dim)."""
     dims = []
     for n, b in zip(shape, block):
         if dims and (b == n or dims[-1][1] == 1):
@@ -111,9 +114,9 @@ def _fused(shape, block):
             dims[-1] = (n0 * n, b0 * n if b == n else b)
         else:
             dims.append((n, b))
-    if 2 * len(dims) > 64:
+    if 2 * len(dims) > NUMPY_MAX_DIMS:
         raise ShapeError(f"Can't quantize a tensor of shape {tuple(shape)} in blocks of {tuple(block)}: "
-                         f"its blocks span {len(dims)} dims, and at most 32 are supported; "
+                         f"its blocks span {len(dims)} dims, and at most {NUMPY_MAX_DIMS // 2} are supported; "
                          f"reshape it to fewer dims first")
     return dims
 

@@ -165,7 +165,7 @@ def to_torch(t):
         return _to_torch_cuda(t, _current_raw_stream(t.index))
     if min(t.payload.strides, default=0) < 0:  # torch's DLPack import aborts the process on one
         raise ValueError(f"to_torch can't share a Tensor with negative strides {t.payload.strides}: torch "
-                         f"tensors have none. Copy it first: to_torch(qdispatch.tensor(t.numpy().copy()))")
+                         f"tensors have none. Copy it first: to_torch(qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
     payload = t.payload
     if not payload.flags.writeable:  # bytes, a read-only mmap: torch's alias would write there, or fault
         payload = payload.copy()
@@ -1702,7 +1702,7 @@ def _dtype_in_file(stored, prefix):
     kind = stored.held_record(key)["kind"]
     dtype = _as_torch(stored.decode(key, Device.parse("reference"))).dtype if kind in ("tensor", "array") else None
     if dtype not in _EMBEDDING_DTYPES:
-        got = f"a {kind}" if dtype is None else str(dtype).replace("torch.", "")
+        got = f"an entry of kind {kind!r}" if dtype is None else str(dtype).replace("torch.", "")
         raise SerializationError(f"{stored.path}: {key!r} holds a QEmbedding's dtype, as save_model writes it: an "
                                  f"empty float32, float16, bfloat16 or float64 tensor; got {got}")
     return dtype

@@ -251,6 +251,21 @@ def test_an_integer_bias_is_numbers_to_add_whatever_their_size(device, rng, bias
     np.testing.assert_array_equal(qd.linear(x, wq, bias).numpy(), expect)
 
 
+def test_an_integer_bias_of_another_library_is_numbers_to_add(device, rng):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((3, 64)).astype(np.float32), "q8s", device=device)
+    expect = qd.linear(x, wq).numpy() + np.float32([100, 200, -300])
+    np.testing.assert_array_equal(qd.linear(x, wq, torch.tensor([100, 200, -300])).numpy(), expect)
+
+
+def test_a_0d_operand_is_refused_by_saying_what_q_matmul_takes(device, rng):
+    wq = qd.quantize(rng.standard_normal((3, 64)).astype(np.float32), "q8s", device=device)
+    with pytest.raises(qd.ShapeError, match=r"^q_matmul multiplies matrices, batches of them and float vectors "
+                                            r"\(a QTensor holds at least 2 dims\); got shapes \(\) and \(64, 3\)$"):
+        qd.q_matmul(np.float32(3), wq.T)
+
+
 def test_shape_dtype_and_operand_errors(device, rng):
     wq = qd.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q8s", device=device)
     with pytest.raises(qd.ShapeError, match="lhs has K=32 columns but rhs has K=64 rows"):

@@ -65,11 +65,13 @@ def test_a_tensor_with_negative_strides_is_not_shared_through_dlpack():
     refuses (a BufferError, the protocol's word) unless a copy is asked for."""
     a = np.arange(6, dtype=np.float32)[::-1]
     t = qd.tensor(a)
-    with pytest.raises(BufferError, match=r"negative strides \(-4,\).*copy=True.*t\.numpy\(\)\.copy\(\)"):
+    with pytest.raises(BufferError, match=r"negative strides \(-4,\).*copy=True.*t\.numpy\(\)\.copy\(\), "
+                                          r"dtype=t\.dtype"):
         t.__dlpack__()
-    copied = np.from_dlpack(t, copy=True)
-    np.testing.assert_array_equal(copied, a)
-    assert not np.shares_memory(copied, a)
+    if np.lib.NumpyVersion(np.__version__) >= "2.1.0":  # from_dlpack's copy=
+        copied = np.from_dlpack(t, copy=True)
+        np.testing.assert_array_equal(copied, a)
+        assert not np.shares_memory(copied, a)
 
 
 def test_torch_takes_no_tensor_with_negative_strides_and_lives():

@@ -124,7 +124,7 @@ class HostBackend(Backend):
             # DLPack allows them, but torch's import aborts the process on one
             raise BufferError(f"A Tensor with negative strides {payload.strides} is not shared through DLPack, "
                               f"as torch aborts on them: ask for a copy (copy=True), or copy it first "
-                              f"(qdispatch.tensor(t.numpy().copy()))")
+                              f"(qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
         capsule = payload.__dlpack__(*args, **kwargs)
         if t.dtype == "bfloat16":  # numpy exports the payload's bits as uint16
             return dlpack_as_bfloat16(capsule)
