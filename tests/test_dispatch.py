@@ -79,6 +79,7 @@ def test_every_transfer_policy(operands):
 
 
 def test_a_transfer_policy_holds_for_the_thread_that_enters_it(operands):
+    import asyncio
     import threading
     xq, wt = operands
     seen = []
@@ -92,6 +93,9 @@ def test_a_transfer_policy_holds_for_the_thread_that_enters_it(operands):
         worker.start()
         worker.join()
         assert qd.q_matmul(xq, wt).device == "cpu"
+        # asyncio.to_thread runs in a copy of the caller's context, policy included
+        moved = asyncio.run(asyncio.to_thread(lambda: qd.q_matmul(xq, wt)))
+        assert moved.device == "cpu"
     assert seen == ["error"]
 
 
