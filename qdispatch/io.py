@@ -71,7 +71,6 @@ _NUMPY_OF = {
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
 }
 _CODE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items() if k != "BF16"}
-
 _SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 _TENSOR_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "int32": "I32"}
 _KINDS = ("qtensor", "tensor", "array", "alias")
