@@ -136,7 +136,7 @@ cdef class Device:
         return f"Device({str(self)!r})"
 
     def __eq__(self, other):
-        if isinstance(other, str):
+        if isinstance(other, str) or _is_torch_device(other):
             try:
                 other = Device.parse(other)
             except (TypeError, ValueError):
@@ -146,7 +146,8 @@ cdef class Device:
         return self.kind == (<Device>other).kind and self.index == (<Device>other).index
 
     def __hash__(self):
-        return hash((self.kind, self.index))
+        # as its name's: equal to 'cpu' or 'cuda:1', a Device finds their entries in dicts and sets
+        return hash(str(self))
 
     def __reduce__(self):
         return Device, (self.kind, self.index)

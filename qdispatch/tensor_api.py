@@ -84,7 +84,11 @@ def _as_integers(arr, dtype, hint=""):
     (numpy's cast wraps out-of-range integers and truncates floats); `hint` leads
     the message's advice."""
     target = DTYPES[dtype]
-    if arr.dtype == target or arr.dtype.kind not in "iuf" or not arr.size:
+    if arr.dtype.kind not in "iufb":  # complex, dates, text: a cast would drop or wrap what they hold
+        raise TypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: only integers, floats and bools "
+                        f"convert to {dtype} (numpy's cast would drop an imaginary part or wrap a date's count); "
+                        f"{hint}convert it to numbers first")
+    if arr.dtype == target or arr.dtype.kind == "b" or not arr.size:
         return arr.astype(target, copy=False)
     lo, hi = int(np.iinfo(target).min), int(np.iinfo(target).max)
     flat = arr.reshape(-1)

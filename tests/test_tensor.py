@@ -97,6 +97,25 @@ def test_from_dlpack_of_a_dtype_numpy_lacks_names_it():
             qd.quantize(x, "q8s")
 
 
+@pytest.mark.parametrize("data", [np.array([1, 300], complex), np.array([1, 300], "timedelta64[s]"),
+                                  np.array(["2020-01-01"], "datetime64[D]")], ids=["complex", "timedelta", "datetime"])
+@pytest.mark.parametrize("dtype", ["int8", "int32"])
+def test_data_an_integer_cast_would_wrap_is_refused(data, dtype):
+    """complex [1, 300] became int8 [1, 44], and a date its day count wrapped."""
+    with pytest.raises(TypeError, match=f"Can't make an {dtype} tensor of .* data: only integers, floats and bools"):
+        qd.tensor(data, dtype=dtype, device="reference")
+
+
+def test_a_device_hashes_as_its_name_so_dicts_and_sets_find_it():
+    """It equalled 'cpu' and hashed otherwise: `device in {'cpu'}` was False."""
+    device = qd.tensor(np.ones(2, np.float32), device="reference").device
+    assert device in {"reference"} and {"reference": 1}[device] == 1 and len({device, "reference"}) == 1
+    assert hash(qd.Device.parse("cuda:1")) == hash("cuda:1")
+    torch = pytest.importorskip("torch")
+    assert qd.Device.parse("cpu") == torch.device("cpu") and qd.Device.parse("cuda:1") == torch.device("cuda:1")
+    assert qd.Device.parse("cpu") != torch.device("cuda:0")
+
+
 def test_device_parsing_and_repr(rng):
     assert qd.Device.parse("cuda:1").index == 1 and str(qd.Device.parse("cuda")) == "cuda:0"
     assert qd.Device.parse("cpu") == "cpu" and repr(qd.Device.parse("cpu")) == "Device('cpu')"
