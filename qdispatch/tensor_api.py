@@ -126,10 +126,29 @@ def tensor(data, device=None, dtype=None):
     if isinstance(data, Tensor):
         return _as_dtype(data.to(device) if device is not None else data, dtype)
     if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray):
-        return _as_dtype(from_dlpack(data, device=device), dtype)
+        host = _numpy_of(data) if dtype is not None else None
+        if host is None:
+            return _as_dtype(from_dlpack(data, device=device), dtype)
+        data = host  # converted to dtype as numpy data is, not first to a dtype of qdispatch's own
     arr, name = _host_array(data, dtype)
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return Tensor(backend.from_host(arr, dev.index), name, tuple(arr.shape), dev.kind, dev.index)
+
+
+def _numpy_of(obj):
+    """The numpy view of a DLPack producer's host memory, in its own dtype; None where
+    it is on a GPU or of a dtype numpy lacks (bfloat16, float8), which from_dlpack takes."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if not obj.is_cpu:
+            return None
+        obj = obj.detach().resolve_conj().resolve_neg()  # what DLPack can't carry: a gradient, lazy views
+    elif int(obj.__dlpack_device__()[0]) not in (1, 3) or _is_bf16(obj):  # kDLCPU, kDLCUDAHost
+        return None
+    try:
+        return np.from_dlpack(obj)
+    except (BufferError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _as_dtype(t, dtype):

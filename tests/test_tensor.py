@@ -106,6 +106,25 @@ def test_data_an_integer_cast_would_wrap_is_refused(data, dtype):
         qd.tensor(data, dtype=dtype, device="reference")
 
 
+def test_a_torch_tensor_takes_dtype_as_numpy_data_does():
+    """It became a dtype of qdispatch's own first: int64 [1, 300] was refused with the
+    advice to pass dtype='int32', which the call did; float data refused int8."""
+    torch = pytest.importorskip("torch")
+    for values, dtype in (([1, 300], "int32"), ([1, 2], "int32"), ([1.0, -2.0], "int8")):
+        t = qd.tensor(torch.tensor(values), dtype=dtype, device="reference")
+        assert t.dtype == dtype and t.numpy().tolist() == values
+    huge = qd.tensor(torch.tensor([1e300], dtype=torch.float64), dtype="float32", device="reference")
+    assert huge.numpy().tolist() == [np.inf]  # as numpy's float64 is, with dtype given
+    x = torch.ones(3)
+    shared = qd.tensor(x, dtype="float32", device="reference")
+    x[0] = 5
+    assert shared.numpy()[0] == 5  # no conversion: still a view
+    assert qd.tensor(torch.ones(2, dtype=torch.bfloat16), dtype="float32", device="reference").dtype == "float32"
+    assert qd.tensor(torch.ones(2, requires_grad=True), dtype="float16", device="reference").dtype == "float16"
+    with pytest.raises(TypeError, match="int8 tensor of int64 data: the value 300"):
+        qd.tensor(torch.tensor([1, 300]), dtype="int8", device="reference")
+
+
 def test_a_device_hashes_as_its_name_so_dicts_and_sets_find_it():
     """It equalled 'cpu' and hashed otherwise: `device in {'cpu'}` was False."""
     device = qd.tensor(np.ones(2, np.float32), device="reference").device
