@@ -28,8 +28,9 @@ def _shapes(lhs, rhs, op):
         takes = "float vectors (a QTensor holds at least 2 dims)" if op == "q_matmul" else "vectors"
         raise ShapeError(f"{op} multiplies matrices, batches of them and {takes}; got shapes {ls} and {rs}")
     if ls[-1] != rs[-2]:
-        raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: lhs has K={ls[-1]} columns but "
-                         f"rhs has K={rs[-2]} rows")
+        lname, rname = ("a", "b") if op == "int_matmul" else ("lhs", "rhs")  # as each op's signature names them
+        raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: {lname} has K={ls[-1]} columns but "
+                         f"{rname} has K={rs[-2]} rows")
     if len(rs) == 2:  # a plain weight: lhs's batch dims are the batch (the decode case, kept cheap)
         return ls, rs, ls[:-2]
     try:

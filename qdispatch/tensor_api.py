@@ -75,6 +75,9 @@ def _host_array(data, dtype=None):
         return within_float32(arr, op="take", reason=f"{arr.dtype} data becomes float32 here"), "float32"
     if arr.dtype.kind in "iub":  # integers of a dtype we don't hold: int8, which int_matmul takes
         return _as_integers(arr, "int8", hint="pass dtype='int32' for an int32 tensor, or "), "int8"
+    if arr.dtype.kind == "O":  # what numpy keeps as Python objects: a generator, integers past int64
+        raise TypeError(f"Can't make a tensor of {type(data).__name__} data that numpy holds as Python objects "
+                        f"(a generator, say, or integers past int64): pass a list or array of numbers")
     raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16, int8 or int32 "
                     f"data (bfloat16 as its uint16 bits with dtype='bfloat16')")
 
@@ -214,7 +217,11 @@ _BASIC_INDEXING = ("a Tensor takes integers on its leading axes, then at most on
 
 def _leading_index(shape, key):
     """(integers, (start, stop) or None) for a key that keeps t's trailing axes whole."""
+    given = key
     key = key if isinstance(key, tuple) else (key,)
+    if any(k is None for k in key):
+        raise IndexError(f"Index None (np.newaxis) is not supported: a Tensor view keeps its axes; add one "
+                         f"with t.numpy()[...] or reshape the data first")
     ellipses = sum(k is Ellipsis for k in key)
     if ellipses > 1:
         raise IndexError("An index can only have a single ellipsis ('...'), as in numpy")
@@ -236,11 +243,13 @@ def _leading_index(shape, key):
             if not -n <= k < n:
                 raise IndexError(f"Index {int(k)} is out of range for axis {axis} of size {n}")
             ints.append(int(k) % n)
+        elif k is Ellipsis:
+            raise IndexError(f"An ellipsis may only follow the leading indices (t[i, ...]): {_BASIC_INDEXING}")
         else:
             raise IndexError(f"Index {k!r} is not supported: {_BASIC_INDEXING}")
     if ints and len(ints) == len(shape):  # t[()] of a 0-d t picks no element: it is t, as in numpy
-        raise IndexError(f"Index {key} picks one element, and a Tensor has at least one axis: "
-                         f"read it with t.numpy()[...]")
+        raise IndexError(f"Index {given!r} picks one element, a number rather than a view: read it with "
+                         f"t.numpy()[...]")
     return ints, rows
 
 

@@ -97,7 +97,7 @@ def test_vector_and_batch_shapes(device, rng):
 
 
 def test_bad_inputs_raise_before_any_kernel():
-    with pytest.raises(qd.ShapeError, match="K=3 columns but rhs has K=4 rows"):
+    with pytest.raises(qd.ShapeError, match="K=3 columns but b has K=4 rows"):
         qd.int_matmul(np.zeros((2, 3), np.int8), np.zeros((4, 2), np.int8))
     with pytest.raises(TypeError, match="must be int8"):
         qd.int_matmul(np.zeros((2, 3), np.float32), np.zeros((3, 2), np.int8))
@@ -118,3 +118,8 @@ def test_a_0d_operand_is_refused_by_saying_what_is_taken():
     with pytest.raises(qd.ShapeError, match=r"^int_matmul multiplies matrices, batches of them and vectors; "
                                             r"got shapes \(\) and \(1, 1\)$"):
         qd.int_matmul(np.int8(3), np.ones((1, 1), np.int8))
+
+
+def test_a_k_mismatch_names_a_and_b():
+    with pytest.raises(qd.ShapeError, match=r"a has K=5 columns but b has K=4 rows"):
+        qd.int_matmul(np.ones((2, 5), np.int8), np.ones((4, 3), np.int8))

@@ -680,6 +680,9 @@ def test_rows_of_a_tensor_feed_a_product(device, rng):
     # whole axes past the last one, and a second ellipsis, were taken as if absent (numpy refuses them)
     ((0, slice(None), slice(None)), r"Too many indices \(3\)"), ((Ellipsis, Ellipsis), "single ellipsis"),
     ((Ellipsis, slice(None), slice(None), slice(None)), r"Too many indices \(3\)"),
+    # it said "Ellipsis is not supported", though t[0, ...] is; and None counted as an index too many
+    ((Ellipsis, 0), r"ellipsis may only follow the leading indices \(t\[i, \.\.\.\]\)"),
+    ((0, None), r"None \(np.newaxis\) is not supported"),
 ])
 def test_indexing_beyond_views_says_what_works(device, key, match):
     t = qd.tensor(np.zeros((3, 4), np.float32), device=device)
@@ -687,6 +690,18 @@ def test_indexing_beyond_views_says_what_works(device, key, match):
         t[key]
     if "not supported" in match or "step" in match:
         assert "t.numpy()[...]" in str(info.value)
+
+
+def test_an_element_of_a_vector_is_named_as_it_was_asked_for(device):
+    with pytest.raises(IndexError, match=r"^Index 2 picks one element, a number rather than a view"):
+        qd.tensor(np.zeros(5, np.float32), device=device)[2]  # it named the key (2,)
+
+
+@pytest.mark.parametrize("data", [(x for x in [1.0, 2.0]), [2**70]], ids=["generator", "past-int64"])
+def test_data_numpy_holds_as_python_objects_is_refused_by_what_it_is(data):
+    with pytest.raises(TypeError, match=r"numpy holds as Python objects \(a generator, say, or integers past "
+                                        r"int64\): pass a list or array of numbers"):
+        qd.tensor(data, device="reference")
 
 
 @pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
