@@ -13,7 +13,7 @@ from ._core import QTensor, Tensor, get_backend
 from .errors import NonFiniteError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
-from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, quantize, quantize_activation, tensor
+from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, numpy_of, quantize, quantize_activation, tensor
 
 
 def _check_float(t, side):
@@ -22,15 +22,15 @@ def _check_float(t, side):
                         f"quantize integer data first")
 
 
-def _shapes(lhs, rhs, op):
+def _shapes(lhs, rhs, op, names, vectors):
+    """(lhs shape, rhs shape, batch dims); `names` are the operands' as `op`'s signature
+    gives them, `vectors` says which vectors `op` takes."""
     ls, rs = tuple(lhs.shape), tuple(rhs.shape)
     if len(ls) < 2 or len(rs) < 2:
-        takes = "float vectors (a QTensor holds at least 2 dims)" if op == "q_matmul" else "vectors"
-        raise ShapeError(f"{op} multiplies matrices, batches of them and {takes}; got shapes {ls} and {rs}")
+        raise ShapeError(f"{op} multiplies matrices, batches of them and {vectors}; got shapes {ls} and {rs}")
     if ls[-1] != rs[-2]:
-        lname, rname = ("a", "b") if op == "int_matmul" else ("lhs", "rhs")  # as each op's signature names them
-        raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: {lname} has K={ls[-1]} columns but "
-                         f"{rname} has K={rs[-2]} rows")
+        raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: {names[0]} has K={ls[-1]} columns but "
+                         f"{names[1]} has K={rs[-2]} rows")
     if len(rs) == 2:  # a plain weight: lhs's batch dims are the batch (the decode case, kept cheap)
         return ls, rs, ls[:-2]
     try:
@@ -77,7 +77,8 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
             raise ShapeError(f"q_matmul's {side} is a QTensor of shape {tuple(t.shape)}: a QTensor operand needs at "
                              f"least 2 dims (quantize a vector as [1, K] for a row or [K, 1] for a column; float "
                              f"vectors are taken as either)")
-    ls, rs, batch = _shapes(lhs, rhs, "q_matmul")
+    ls, rs, batch = _shapes(lhs, rhs, "q_matmul", ("lhs", "rhs"),
+                            "float vectors (a QTensor holds at least 2 dims)")
     fused = None
     # An empty product runs no kernel, so there is nothing to quantize on the fly
     # (and quantize refuses empty data).
@@ -193,7 +194,7 @@ def int_matmul(backend, a, b):
             got = "a QTensor" if isinstance(t, QTensor) else getattr(t, "dtype", type(t).__name__)
             raise TypeError(f"int_matmul's {side} must be int8 data, got {got}: use q_matmul for QTensors")
     a, b, row, col = _vectors_as_matrices(backend, a, b)
-    ls, rs, batch = _shapes(a, b, "int_matmul")
+    ls, rs, batch = _shapes(a, b, "int_matmul", ("a", "b"), "vectors")
     out_shape = batch + (ls[-2], rs[-1])
     if ls[-1] > INT32_EXACT_K:  # past the K whose int32 sums never overflow
         kernel = lambda x, y: _int_matmul_in_pieces(backend, x.payload, y.payload, ls[-1], a.index)
@@ -245,9 +246,8 @@ def _bias_tensor(bias, device):
         return bias
     data = bias
     if not isinstance(bias, np.ndarray) and hasattr(bias, "__dlpack__"):
-        try:  # another library's host tensor (torch's int64, say), as numpy sees it
-            data = np.from_dlpack(bias)
-        except (BufferError, TypeError, ValueError, RuntimeError):  # on a GPU, or bfloat16: tensor() takes it
+        data = numpy_of(bias)  # another library's host tensor (torch's int64, say), as numpy sees it
+        if data is None:  # on a GPU, or bfloat16: tensor() takes it
             return tensor(bias, device=device)
     try:
         integers = np.asarray(data).dtype.kind in "iub"

@@ -129,7 +129,7 @@ def tensor(data, device=None, dtype=None):
     if isinstance(data, Tensor):
         return _as_dtype(data.to(device) if device is not None else data, dtype)
     if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray):
-        host = _numpy_of(data) if dtype is not None else None
+        host = numpy_of(data) if dtype is not None else None
         if host is None:
             return _as_dtype(from_dlpack(data, device=device), dtype)
         data = host  # converted to dtype as numpy data is, not first to a dtype of qdispatch's own
@@ -138,7 +138,7 @@ def tensor(data, device=None, dtype=None):
     return Tensor(backend.from_host(arr, dev.index), name, tuple(arr.shape), dev.kind, dev.index)
 
 
-def _numpy_of(obj):
+def numpy_of(obj):
     """The numpy view of a DLPack producer's host memory, in its own dtype; None where
     it is on a GPU or of a dtype numpy lacks (bfloat16, float8), which from_dlpack takes."""
     torch = sys.modules.get("torch")

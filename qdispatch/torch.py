@@ -1289,9 +1289,9 @@ class QEmbedding(_QuantizedModule):
     `check_ids=False` they are not (no wait, as nn.Embedding's lookups) and an id
     outside gives a row of NaN, as it does inside a CUDA graph capture, where ids are
     never read on the host.  The table is a constant to autograd.  `dtype` follows
-    `Module.to(dtype)`, as nn.Embedding's weight's does, and a checkpoint's under
-    `load_state_dict(..., assign=True)` (its state holds it); moves and state_dict() go
-    as QLinear's.  A table shared with the output layer (tied embeddings) stays one
+    `Module.to(dtype)`, as nn.Embedding's weight's does, and a checkpoint's (its state
+    holds it) under `load_state_dict(..., assign=True)` or where the layer, made on
+    meta, holds no values yet; moves and state_dict() go as QLinear's.  A table shared with the output layer (tied embeddings) stays one
     QTensor: `QEmbedding(lm_head.weight)`."""
 
     _float_kind, _made_by = torch.nn.Embedding, "from_embedding"
