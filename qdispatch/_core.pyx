@@ -186,6 +186,12 @@ cdef class TensorBase:
             return _torch_operator().matmul_operator(other, self)
         return q_matmul(other, self)
 
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        # `array @ t` reaches numpy's matmul ufunc: it must be the `@` of `t @ array`
+        # (q_matmul), not numpy's product of the values, which wraps int8 sums
+        from . import tensor_api
+        return tensor_api.tensor_ufunc(ufunc, method, inputs, kwargs)
+
 
 cdef bint _is_torch(object obj, str kind):
     # only where torch is loaded already: none of its objects can exist otherwise
@@ -321,14 +327,15 @@ cdef class Tensor(TensorBase):
         return tensor_api.tensor_copy(self)
 
 
+QTENSOR_NOT_COMPARED = ("QTensors are not compared value by value: compare q.dequantize().numpy(), or "
+                        "q.values and q.scales")
+
+
 cdef class QTensor(TensorBase):
     """Quantized values + scales + logical shape + scheme + device.
 
     Storage belongs to the backend (it may keep pre-packed weight panels);
     `.values` and `.scales` always give the logical values as numpy arrays."""
-
-    # numpy operators defer to ours: `x @ q` for an ndarray x is q.__rmatmul__(x)
-    __array_ufunc__ = None
 
     def __array__(self, dtype=None, copy=None):
         # without it numpy would wrap the QTensor in a 0-d object array, silently
@@ -416,8 +423,7 @@ cdef class QTensor(TensorBase):
         # been compared; between QTensors it stays identity, a weight's handle, so `w in seen` works.
         if isinstance(other, (TensorBase, int, float)) or hasattr(other, "__array__"):
             if not isinstance(other, QTensor):
-                raise TypeError("QTensors are not compared value by value: compare q.dequantize().numpy(), or "
-                                "q.values and q.scales")
+                raise TypeError(QTENSOR_NOT_COMPARED)
         return NotImplemented
 
     def __hash__(self):  # by identity: weak sets and caches key on QTensors
@@ -430,6 +436,17 @@ cdef class QTensor(TensorBase):
 
 
 # ---- dispatch -----------------------------------------------------------------
+
+cdef str _no_qtensor_operand(lhs, rhs):
+    """q_matmul's refusal of two dense operands, with the call that multiplies them."""
+    names = [str(getattr(x, "dtype", type(x).__name__)).removeprefix("torch.") for x in (lhs, rhs)]
+    if names == ["int8", "int8"]:
+        instead = "qdispatch.int_matmul(a, b) gives the exact int32 product of two int8 tensors"
+    else:
+        instead = "multiply dense data in numpy or torch (np.asarray(t) and torch.from_dlpack(t) view a Tensor)"
+    return (f"q_matmul (a qdispatch Tensor's @) needs a QTensor operand, got {names[0]} and {names[1]} "
+            f"dense data: quantize one side (qdispatch.quantize), or {instead}")
+
 
 def _operand(x, TensorBase other, float_for=None):
     """Tensors pass through; numpy arrays (or anything array-like) join the
@@ -490,8 +507,8 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
     cdef TensorBase l, r
     if transfer is not None:
         _check_transfer(transfer)
-    if not isinstance(lhs, TensorBase) and not isinstance(rhs, TensorBase):
-        raise TypeError("q_matmul needs at least one QTensor operand; for two float arrays use numpy's matmul")
+    if not isinstance(lhs, QTensor) and not isinstance(rhs, QTensor):
+        raise TypeError(_no_qtensor_operand(lhs, rhs))
     # a numpy operand can only be the float side (a QTensor never comes from numpy)
     l = _operand(lhs, rhs if isinstance(rhs, TensorBase) else None, "q_matmul")
     r = _operand(rhs, l, "q_matmul")

@@ -64,9 +64,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
         raise ValueError(f"q_matmul got out_dtype={out_dtype!r} and requantize={requantize!r}: the product is then a QTensor "
                          f"of the requantize scheme, made from float32 sums; leave out_dtype out, or drop "
                          f"requantize for a {out_dtype} result")
-    lq, rq = isinstance(lhs, QTensor), isinstance(rhs, QTensor)
-    if not lq and not rq:
-        raise TypeError("q_matmul needs at least one QTensor operand; quantize one side first")
+    lq, rq = isinstance(lhs, QTensor), isinstance(rhs, QTensor)  # one at least: the caller checked
     if not lq:
         _check_float(lhs, "lhs")
     if not rq:

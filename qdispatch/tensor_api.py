@@ -202,6 +202,29 @@ def tensor_array(t, dtype=None, copy=None):
     return arr
 
 
+_COMPARISON_UFUNCS = (np.equal, np.not_equal, np.less, np.less_equal, np.greater, np.greater_equal)
+
+
+def tensor_ufunc(ufunc, method, inputs, kwargs):
+    """numpy's ufuncs on qdispatch tensors: np.matmul (`array @ t`) is q_matmul, as
+    `t @ array` is; every other ufunc sees a Tensor's host values, as it would through
+    __array__, and a QTensor refuses (it is no dense array)."""
+    from ._core import QTENSOR_NOT_COMPARED, TensorBase, q_matmul
+    if ufunc is np.matmul:
+        if method != "__call__" or kwargs:
+            given = ", ".join(kwargs) if kwargs else f"np.matmul.{method}"
+            raise TypeError(f"np.matmul with a qdispatch Tensor is qdispatch.q_matmul, which takes no {given}: "
+                            f"call qdispatch.q_matmul(a, b, out_dtype=...) directly, or np.matmul on t.numpy()")
+        return q_matmul(*inputs)
+    if any(isinstance(o, TensorBase) for o in kwargs.get("out", ()) or ()):
+        raise TypeError(f"A qdispatch Tensor can't be the out= of np.{ufunc.__name__}: write into a numpy "
+                        f"array (np.asarray(t) shares a host Tensor's memory, except bfloat16's)")
+    if ufunc in _COMPARISON_UFUNCS and any(isinstance(x, QTensor) for x in inputs):  # `array == q`, as `q == array`
+        raise TypeError(QTENSOR_NOT_COMPARED)
+    arrays = [np.asarray(x) if isinstance(x, TensorBase) else x for x in inputs]
+    return getattr(ufunc, method)(*arrays, **kwargs)
+
+
 def tensor_to(t, device):
     dev, dst = backend_for(device)
     if dev == t.device:

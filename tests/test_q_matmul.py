@@ -272,7 +272,7 @@ def test_shape_dtype_and_operand_errors(device, rng):
         qd.q_matmul(np.zeros((2, 32), np.float32), wq.T)
     with pytest.raises(TypeError, match="float lhs must be"):
         qd.q_matmul(qd.tensor(np.zeros((2, 64), np.int8), device=device), wq.T)
-    with pytest.raises(TypeError, match="at least one QTensor"):
+    with pytest.raises(TypeError, match="needs a QTensor operand, got float32 and float32 dense data"):
         qd.q_matmul(np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32))
     with pytest.raises(TypeError, match="Unsupported dtype"):
         qd.q_matmul(np.zeros((2, 64), np.float32), wq.T, out_dtype="float64")
@@ -386,6 +386,36 @@ def test_matmul_operator_with_a_numpy_lhs(device, rng):
     np.testing.assert_array_equal(out.numpy(), qd.q_matmul(x, wq.T).numpy())
     with pytest.raises(TypeError):
         np.add(x[:, :16], wq)  # numpy never treats a QTensor as an array
+
+
+def test_a_numpy_operand_and_a_dense_tensor_meet_in_q_matmul_both_ways(device, rng):
+    """`array @ t` for a dense Tensor t is `t.__rmatmul__`, as `t @ array` is q_matmul:
+    both refuse two dense operands and name what multiplies them. numpy's own product
+    used to run one way only, and wrapped int8 sums silently (100 * 100 * 2 -> 32)."""
+    a8 = np.full((1, 2), 100, np.int8)
+    t8 = qd.tensor(np.full((2, 1), 100, np.int8), device=device)
+    for product in (lambda: a8 @ t8, lambda: t8.T @ a8.T, lambda: np.matmul(a8, t8)):
+        with pytest.raises(TypeError, match=r"needs a QTensor operand, got int8 and int8 dense data: .*"
+                                            r"qdispatch.int_matmul\(a, b\) gives the exact int32 product"):
+            product()
+    assert qd.int_matmul(a8, t8).numpy().tolist() == [[20000]]
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    t = qd.tensor(rng.standard_normal((64, 5)).astype(np.float32), device=device)
+    with pytest.raises(TypeError, match=r"got float32 and float32 dense data: .*multiply dense data in numpy or torch"):
+        x @ t
+    with pytest.raises(TypeError, match="np.matmul with a qdispatch Tensor is qdispatch.q_matmul, which takes no out"):
+        np.matmul(x, t, out=np.empty((3, 5), np.float32))
+    wq = qd.quantize(rng.standard_normal((64, 5)).astype(np.float32), "q8s", device=device)
+    np.testing.assert_array_equal(np.matmul(x, wq).numpy(), qd.q_matmul(x, wq).numpy())
+    with pytest.raises(TypeError, match="A QTensor is no dense array"):
+        np.add(x[:3, :5], wq)
+    if qd.Device(device).is_host:  # other ufuncs still see a host Tensor's values
+        np.testing.assert_array_equal(np.add(x[:, :5], t[:3]), x[:, :5] + t.numpy()[:3])
+        np.testing.assert_array_equal(np.maximum.reduce(t, axis=0), t.numpy().max(axis=0))
+        out = t.numpy().copy()
+        with pytest.raises(TypeError, match="can't be the out= of np.negative"):
+            np.negative(out, out=(t,))
+        np.testing.assert_array_equal(t.numpy(), out)  # untouched
 
 
 def test_a_quantized_vector_is_refused_with_what_to_do(device):
