@@ -319,10 +319,13 @@ def import_dlpack(obj, device=None):
     if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
         try:
             arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
-        except BufferError as exc:  # what the producer can't export (numpy: a big-endian array)
-            raise TypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
-                            f"copy it in with qdispatch.tensor(...) instead") from None
-        except RuntimeError as exc:  # numpy's word for a dtype it has no type for (float8, complex32)
+        except (BufferError, RuntimeError) as exc:
+            # numpy says "Unsupported dtype" for a type it lacks (float8, complex32): a
+            # RuntimeError before numpy 2.3, a BufferError since, which otherwise means
+            # what the producer can't export (numpy: a big-endian array)
+            if isinstance(exc, BufferError) and "dtype" not in str(exc):
+                raise TypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
+                                f"copy it in with qdispatch.tensor(...) instead") from None
             raise TypeError(f"from_dlpack can't take this {type(obj).__name__} of dtype "
                             f"{getattr(obj, 'dtype', 'unknown')} ({exc}): convert it to float32, float16 or "
                             f"bfloat16 first") from None

@@ -97,6 +97,25 @@ def test_from_dlpack_of_a_dtype_numpy_lacks_names_it():
             qd.quantize(x, "q8s")
 
 
+@pytest.mark.parametrize("error", [RuntimeError, BufferError])
+def test_a_dlpack_dtype_numpy_lacks_is_named_whichever_way_numpy_says_it(error):
+    """numpy's from_dlpack says "Unsupported dtype" as a RuntimeError before 2.3 and as a
+    BufferError since; a BufferError about anything else means a view can't be had."""
+    class Producer:
+        dtype = "float8_e4m3fn"
+        def __init__(self, message):
+            self.message = message
+        def __dlpack_device__(self):
+            return (1, 0)
+        def __dlpack__(self, **kwargs):
+            raise error(self.message)
+    with pytest.raises(TypeError, match=r"of dtype float8_e4m3fn \(Unsupported dtype in DLTensor.\): convert it"):
+        qd.from_dlpack(Producer("Unsupported dtype in DLTensor."))
+    if error is BufferError:
+        with pytest.raises(TypeError, match=r"can't view this Producer without a copy \(big-endian\): copy it in"):
+            qd.from_dlpack(Producer("big-endian"))
+
+
 @pytest.mark.parametrize("data", [np.array([1, 300], complex), np.array([1, 300], "timedelta64[s]"),
                                   np.array(["2020-01-01"], "datetime64[D]")], ids=["complex", "timedelta", "datetime"])
 @pytest.mark.parametrize("dtype", ["int8", "int32"])
