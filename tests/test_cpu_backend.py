@@ -396,6 +396,25 @@ def test_a_bad_setting_makes_the_cpu_backend_unavailable_saying_why(variable, se
     assert info.returncode == 0 and message in info.stdout, (info.stdout, info.stderr)
 
 
+
+def test_a_bad_setting_fixed_on_another_thread_mid_check_is_no_bare_error(monkeypatch):
+    """unavailable_reason tested the bad settings, then read the first: a set_num_threads
+    on another thread between the two made qd.tensor raise a bare StopIteration (or a
+    RuntimeError from a dict that changed size). Here the fix lands right after the test."""
+    from qdispatch._core import get_backend
+    cpu = get_backend("cpu")
+
+    class FixedOnTest(dict):
+        def __len__(self):  # the other thread's set_num_threads, as the settings are tested
+            reason = super().__len__()
+            self.clear()
+            return reason
+
+    for before in ({"threads": "QDISPATCH_NUM_THREADS='two' is not a whole number"}, {}):
+        monkeypatch.setattr(cpu, "_bad_settings", FixedOnTest(before), raising=True)
+        reason = cpu.unavailable_reason()
+        assert reason in (None, *before.values())
+
 ONE_TEAM_OF_THREADS = """
 import os
 import numpy as np, qdispatch as qd

@@ -111,8 +111,10 @@ class CpuBackend(HostBackend):
         if _cpu is None:
             return (f"The cpu backend's compiled kernels failed to import ({_IMPORT_ERROR}): "
                     f"reinstall qdispatch with `pip install .`")
-        if self._bad_settings:
-            return next(iter(self._bad_settings.values()))
+        # a copy: set_isa or set_num_threads on another thread may drop an entry meanwhile
+        reasons = list(self._bad_settings.values())
+        if reasons:
+            return reasons[0]
         return super().unavailable_reason(index)
 
     # ---- ISA and threads ----
