@@ -120,11 +120,13 @@ void old_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K
               void *out, int dt, const Scales &sc) {
     static bool configured = false;
     if (!configured) {
-        CK(cudaFuncSetAttribute(gemm_s8_kernel<MODE, S8>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+        CK(cudaFuncSetAttribute(gemm_s8_kernel<MODE, S8, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                smem_bytes(3)));
         configured = true;
     }
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
-    gemm_s8_kernel<MODE, S8><<<(unsigned)tiles, THREADS, SMEM_BYTES>>>(a, bt, (int)M, (int)N, Kp, ld, out, dt, sc);
+    gemm_s8_kernel<MODE, S8, 3><<<(unsigned)tiles, THREADS, smem_bytes(3)>>>(a, bt, (int)M, (int)N, Kp, ld, out, dt,
+                                                                          sc);
     CK(cudaGetLastError());
 }
 

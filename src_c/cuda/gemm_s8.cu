@@ -2,8 +2,9 @@
 // kernel on 16-bit float operands for fq at many rows (qd_cuda_fq_gemm).
 //
 // A is [M, ld] and B is [N, ld] (both K-contiguous, ld in bytes).  A 128x128 block
-// tile is computed by 8 warps (2 x 4, 64x32 each) from a 3-stage cp.async pipeline
-// of 128-byte K slices.  Integer accumulators are exact; in the scaled mode they
+// tile is computed by 8 warps (2 x 4, 64x32 each) from a cp.async pipeline of
+// 128-byte K slices, 3 stages deep (108 KB), or 2 (72 KB) on GPUs whose blocks may
+// have at most 99 KB of shared memory (sm_86, sm_89).  Integer accumulators are exact; in the scaled mode they
 // are flushed into float accumulators at the end of each K group that shares one
 // scale pair (the gcd of the two K blocks), as the reference does.  16-bit
 // operands sum in float32 per K group the same way.
@@ -23,10 +24,13 @@ namespace {
 
 using namespace qd;
 
-constexpr int BM = 128, BN = 128, BK = 128, STAGES = 3, THREADS = 256;
+constexpr int BM = 128, BN = 128, BK = 128, THREADS = 256;
 constexpr int LDS = BK + 16;  // smem row: 144 bytes keeps ldmatrix rows on distinct banks
 constexpr int ROW_CHUNKS = BK / 16, LOADS = BM * ROW_CHUNKS / THREADS;  // 16-byte copies
-constexpr int SMEM_BYTES = STAGES * (BM + BN) * LDS;
+constexpr int smem_bytes(int stages) { return stages * (BM + BN) * LDS; }
+// The pipeline's depth on a device whose blocks may have `optin` bytes of shared
+// memory: 3 stages where they fit, else 2 (every sm_80+ GPU holds 2).
+constexpr int stages_for(int optin) { return optin >= smem_bytes(3) ? 3 : 2; }
 constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
 constexpr int KSTEP = 32;     // K bytes per mma
 constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
@@ -41,7 +45,7 @@ __device__ __forceinline__ void mma_step(typename Sums<OPS>::type (&c)[4], const
     else mma_16bit<OPS == F16>(c, a, b0, b1);
 }
 
-template <int MODE, int OPS>
+template <int MODE, int OPS, int STAGES>
 __global__ void __launch_bounds__(THREADS, MODE == GROUPED ? 1 : 2)  // GROUPED keeps float sums too
 gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int M, int N,
                int64_t Kp, int64_t ld, void *out, int out_dtype, Scales sc) {
@@ -288,6 +292,18 @@ bool overlaps_scales(const void *out, int out_dtype, int64_t M, int64_t N, const
                             {{scales, (size_t)(rows / block_rows * (K / block_k)) * sizeof(float)}});
 }
 
+template <int MODE, int OPS, int STAGES>
+qd_status launch_stages(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t Kp, int64_t ld, void *out,
+                        int out_dtype, const Scales &sc, void *stream, int64_t tiles) {
+    static unsigned long long configured = 0;
+    auto kernel = gemm_s8_kernel<MODE, OPS, STAGES>;
+    qd_status st = qd::allow_dynamic_smem((const void *)kernel, smem_bytes(STAGES), &configured);
+    if (st != QD_OK) return st;
+    kernel<<<(unsigned)tiles, THREADS, smem_bytes(STAGES), qd::as_stream(stream)>>>(
+        a, bt, (int)M, (int)N, Kp, ld, out, out_dtype, sc);
+    return qd::launched();
+}
+
 // K in bytes: the zero padding up to the next 16 bytes is part of the rows.
 template <int MODE, int OPS = S8>
 qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
@@ -298,15 +314,16 @@ qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, i
     if (whole_blocks && qd::gemm_s8_sm90_usable())
         return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE), Operands(OPS),
                                 qd::as_stream(stream));
-    static unsigned long long configured = 0;
-    auto kernel = gemm_s8_kernel<MODE, OPS>;
-    qd_status st = qd::allow_dynamic_smem((const void *)kernel, SMEM_BYTES, &configured);
-    if (st != QD_OK) return st;
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);
     if (tiles > 0x7FFFFFFF) return QD_ERR_SHAPE;
-    kernel<<<(unsigned)tiles, THREADS, SMEM_BYTES, qd::as_stream(stream)>>>(
-        a, bt, (int)M, (int)N, Kp, ld, out, out_dtype, sc);
-    return qd::launched();
+    int device = 0, optin = 0;
+    qd_status st;
+    if ((st = qd::check(cudaGetDevice(&device))) != QD_OK ||
+        (st = qd::check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device))) != QD_OK)
+        return st;
+    if (stages_for(optin) == 3)
+        return launch_stages<MODE, OPS, 3>(a, bt, M, N, Kp, ld, out, out_dtype, sc, stream, tiles);
+    return launch_stages<MODE, OPS, 2>(a, bt, M, N, Kp, ld, out, out_dtype, sc, stream, tiles);
 }
 
 // fq_gemm's launch for one operand type: the weight's scales over whole K, or per
