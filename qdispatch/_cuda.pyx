@@ -1150,7 +1150,10 @@ def to_dlpack(DeviceArray a, stream=None):
 def from_dlpack(obj):
     """A DeviceArray viewing a CUDA DLPack producer's memory (torch, CuPy) without
     a copy.  The producer's work is made visible to our stream first."""
-    capsule = obj.__dlpack__(stream=1)
+    # producers (torch, CuPy) order their current stream of the *current* device
+    # before the stream we name: their device must be current while they export
+    with on_device(int(obj.__dlpack_device__()[1])):
+        capsule = obj.__dlpack__(stream=1)
     if not PyCapsule_IsValid(capsule, b"dltensor"):
         raise TypeError("from_dlpack expects an unconsumed 'dltensor' capsule")
     cdef DLManagedTensor *m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")

@@ -241,17 +241,25 @@ def _bias_tensor(bias, device):
     numbers to add, so they come as float32: a tensor keeps integers as int8 (the
     dtype int_matmul takes) and refuses those past its range."""
     if isinstance(bias, Tensor):
-        return bias
+        return _float_bias(bias)
     data = bias
     if not isinstance(bias, np.ndarray) and hasattr(bias, "__dlpack__"):
         data = numpy_of(bias)  # another library's host tensor (torch's int64, say), as numpy sees it
         if data is None:  # on a GPU, or bfloat16: tensor() takes it
-            return tensor(bias, device=device)
+            return _float_bias(tensor(bias, device=device))
     try:
         integers = np.asarray(data).dtype.kind in "iub"
     except ValueError:  # a ragged list: tensor() says so
         integers = False
     return tensor(data, device=device, dtype="float32" if integers else None)
+
+
+def _float_bias(b):
+    """An integer bias Tensor as float32 on its device, through the host: every backend
+    adds it so (the cuda backend's casts take float dtypes only), and it is one row."""
+    if b.dtype in ("int8", "int32"):
+        return tensor(b.numpy().astype(np.float32), device=b.device)
+    return b
 
 
 def add_bias(out, bias, out_dtype, transfer=None):

@@ -315,7 +315,7 @@ def from_dlpack(obj, device=None):
 
 def import_dlpack(obj, device=None):
     """from_dlpack by the protocol alone."""
-    kind, _ = obj.__dlpack_device__()
+    kind, index = obj.__dlpack_device__()
     if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
         try:
             arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
@@ -331,7 +331,7 @@ def import_dlpack(obj, device=None):
                             f"bfloat16 first") from None
         return host_view(arr, device, "bfloat16" if _is_bf16(obj) else None)
     backend = get_backend("cuda")
-    reason = backend.unavailable_reason(0)
+    reason = backend.unavailable_reason(int(index))
     if reason:
         raise BackendUnavailableError(reason)
     t = backend.tensor_from_dlpack(obj)

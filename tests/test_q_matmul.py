@@ -259,6 +259,23 @@ def test_an_integer_bias_of_another_library_is_numbers_to_add(device, rng):
     np.testing.assert_array_equal(qd.linear(x, wq, torch.tensor([100, 200, -300])).numpy(), expect)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int32"])
+def test_an_integer_bias_tensor_adds_its_numbers_on_every_backend(device, rng, dtype):
+    """An int8 or int32 bias Tensor on the product's device: the cuda backend's casts
+    take float dtypes only, so linear raised KernelError there while the host added it."""
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    wq = qd.quantize(rng.standard_normal((3, 64)).astype(np.float32), "q8s", device=device)
+    numbers = np.array([100, -7, 3], dtype)
+    bias = qd.tensor(numbers, device=device, dtype=dtype)
+    assert bias.dtype == dtype
+    for out_dtype in ("float32", "bfloat16"):
+        expect = qd.linear(x, wq, numbers.astype(np.float32), out_dtype=out_dtype).numpy()
+        got = qd.linear(qd.tensor(x, device=device), wq, bias, out_dtype=out_dtype)
+        assert got.dtype == out_dtype and got.device == device
+        np.testing.assert_array_equal(got.numpy(), expect)
+    np.testing.assert_array_equal(bias.numpy(), numbers)  # the caller's bias, untouched
+
+
 def test_a_0d_operand_is_refused_by_saying_what_q_matmul_takes(device, rng):
     wq = qd.quantize(rng.standard_normal((3, 64)).astype(np.float32), "q8s", device=device)
     with pytest.raises(qd.ShapeError, match=r"^q_matmul multiplies matrices, batches of them and float vectors "
