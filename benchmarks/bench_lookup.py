@@ -6,9 +6,11 @@ the same run:
     python -m pytest benchmarks/bench_lookup.py -q
 
 Each --bench-shapes entry MxKxN is M ids into a table of N rows of K values (a
-weight [N, K] read as a table).  Every call looks up fresh random ids from a pool,
-so no call repeats the one before.  extra_info's `ratio_float_lookup` is the float
-lookup's time over this case's (above 1: faster than the float table)."""
+weight [N, K] read as a table).  Every call looks up fresh random ids from a pool
+of ID_SETS sets, in copies of the table that together exceed the last-level cache
+(`bench.weight_copies`), so the rows a call reads were not read just before.
+extra_info's `ratio_float_lookup` is the float lookup's time over this case's
+(above 1: faster than the float table)."""
 import numpy as np
 import pytest
 
@@ -17,19 +19,19 @@ from qdispatch import bench
 
 SCHEMES = {"int8 per row": bench.W8, "int4 block 32": bench.W4}
 IMPLS = ("float_lookup", "cpu", "reference")
-ID_SETS = 64  # ids drawn for each call in turn
+ID_SETS = 4096  # ids drawn for each call in turn: a small pool's rows stay in the cache
 
 _FLOAT_SECONDS = {}
 
 
-def _float_lookup(table, id_sets):
+def _float_lookups(tables, id_sets):
     """The float32 lookup a user would otherwise run: nn.Embedding if torch is here."""
     try:
         import torch
     except ImportError:
-        return (lambda ids: np.take(table, ids, axis=0)), id_sets, "numpy take"
-    emb = torch.nn.Embedding.from_pretrained(torch.from_numpy(table))
-    return emb, [torch.from_numpy(ids) for ids in id_sets], "torch nn.Embedding"
+        return [lambda ids, t=t: np.take(t, ids, axis=0) for t in tables], id_sets, "numpy take"
+    embs = [torch.nn.Embedding.from_pretrained(torch.from_numpy(t)) for t in tables]
+    return embs, [torch.from_numpy(ids) for ids in id_sets], "torch nn.Embedding"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -43,14 +45,19 @@ def test_lookup(benchmark, bench_shape, scheme, impl):
     table = rng.standard_normal((shape.n, shape.k), dtype=np.float32)
     id_sets = [rng.integers(0, shape.n, shape.m) for _ in range(ID_SETS)]
     if impl == "float_lookup":
-        fn, args, name = _float_lookup(table, id_sets)
+        copies = bench.weight_copies(table.nbytes)
+        fns, args, name = _float_lookups([table] + [table.copy() for _ in range(copies - 1)], id_sets)
     else:
-        q = qd.quantize(table, SCHEMES[scheme], device=impl)
-        fn, args, name = (lambda ids: qd.embedding(ids, q)), id_sets, f"qd.embedding on {impl}"
+        first = qd.quantize(table, SCHEMES[scheme], device=impl)
+        copies = bench.weight_copies(first.nbytes)
+        qs = [first] + [qd.quantize(table, SCHEMES[scheme], device=impl) for _ in range(copies - 1)]
+        fns = [lambda ids, q=q: qd.embedding(ids, q) for q in qs]
+        args, name = id_sets, f"qd.embedding on {impl}"
     turn = iter(range(1 << 62))
 
     def call():
-        return fn(args[next(turn) % ID_SETS])
+        i = next(turn)
+        return fns[i % len(fns)](args[i % ID_SETS])
     call()
     benchmark(call)
     if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
@@ -60,4 +67,5 @@ def test_lookup(benchmark, bench_shape, scheme, impl):
         _FLOAT_SECONDS[benchmark.group] = seconds
     ref = _FLOAT_SECONDS.get(benchmark.group)
     benchmark.extra_info.update(impl=name, us=seconds * 1e6, ratio_float_lookup=ref / seconds if ref else None,
+                                table_copies=len(fns),
                                 rows_gbs=shape.m * shape.k * 4 / seconds / 1e9)
