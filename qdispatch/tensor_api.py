@@ -320,9 +320,9 @@ def import_dlpack(obj, device=None):
         try:
             arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
         except (BufferError, RuntimeError) as exc:
-            # numpy says "Unsupported dtype" for a type it lacks (float8, complex32): a
-            # RuntimeError before numpy 2.3, a BufferError since, which otherwise means
-            # what the producer can't export (numpy: a big-endian array)
+            # "Unsupported dtype" for a type numpy lacks (float8, complex32) comes as a
+            # RuntimeError or, from some numpy and torch versions, a BufferError, which
+            # otherwise means what the producer can't export (numpy: a big-endian array)
             if isinstance(exc, BufferError) and "dtype" not in str(exc):
                 raise TypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
                                 f"copy it in with qdispatch.tensor(...) instead") from None

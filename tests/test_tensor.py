@@ -99,8 +99,8 @@ def test_from_dlpack_of_a_dtype_numpy_lacks_names_it():
 
 @pytest.mark.parametrize("error", [RuntimeError, BufferError])
 def test_a_dlpack_dtype_numpy_lacks_is_named_whichever_way_numpy_says_it(error):
-    """numpy's from_dlpack says "Unsupported dtype" as a RuntimeError before 2.3 and as a
-    BufferError since; a BufferError about anything else means a view can't be had."""
+    """"Unsupported dtype" comes as a RuntimeError here and as a BufferError with other
+    numpy and torch versions; a BufferError about anything else means a view can't be had."""
     class Producer:
         dtype = "float8_e4m3fn"
         def __init__(self, message):
