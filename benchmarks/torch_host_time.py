@@ -7,15 +7,20 @@ nn.Linear and nn.Embedding in the same run:
 M = 1 rows keep every kernel short, so each figure (wall time per call over
 back-to-back calls, best of three runs of 2,000) is the host's cost of a call:
 what a Python decode loop pays per layer when the GPU waits on it.  On the CPU the
-kernel runs in the call: at 256^2 it is 2-3 us of the figure, at 4096^2 most of it.
+kernel runs in the call: at 256^2 it is 2-3 us of the figure, at 4096^2 most of it,
+so there the layers rotate over copies past the last-level cache (a 4096^2 int8
+weight, 16.8 MB, would otherwise stay in it while float32's 67 MB would not).  At
+256^2 one layer serves every call: its time is the host's, as in a decode loop.
 A lookup of one id with checked ids copies the id to the host, which waits for
 the GPU."""
+import itertools
 import sys
 import time
 
 import torch
 
 import qdispatch as qd
+from qdispatch import bench
 from qdispatch.torch import QEmbedding, QLinear, from_torch, q_matmul, quantize_linears, to_torch
 
 torch.manual_seed(0)
@@ -44,24 +49,40 @@ def per_call(fn, n=2000):
     return best
 
 
+def copies_of(K, layer_bytes):
+    """Layers to rotate over: past the CPU's last-level cache where the kernel is the
+    figure (K = 4096 on the CPU), else one (host time; on a GPU the kernels hide behind it)."""
+    return bench.weight_copies(layer_bytes) if ON_CPU and K >= 4096 else 1
+
+
+def rotating(call, args):
+    """A call that takes the next of `args` (layers, weights) each time."""
+    turn = itertools.cycle(args)
+    return lambda: call(next(turn))
+
+
 for K, N in ((256, 256), (4096, 4096)):
-    lin = torch.nn.Linear(K, N, bias=False, dtype=DTYPE, device=DEVICE)
-    ql = QLinear.from_linear(lin, SCHEME)
+    float_copies, int8_copies = copies_of(K, K * N * torch.finfo(DTYPE).bits // 8), copies_of(K, K * N)
+    made = [torch.nn.Linear(K, N, bias=False, dtype=DTYPE, device=DEVICE)
+            for _ in range(max(float_copies, int8_copies))]
+    lins, qls = made[:float_copies], [QLinear.from_linear(lin, SCHEME) for lin in made[:int8_copies]]
     x = torch.randn(1, K, dtype=DTYPE, device=DEVICE)
-    wT = ql.weight.T
+    wTs = [ql.weight.T for ql in qls]
     xq = from_torch(x)
+    print(f"K={K} N={N}: {len(lins)} nn.Linear and {len(qls)} QLinear copies in turn")
     with torch.inference_mode():
         r = {
-            f"torch nn.Linear {DTYPE_NAME}": per_call(lambda: lin(x)),
-            "QLinear (inference_mode)": per_call(lambda: ql(x)),
-            "qdispatch.torch.q_matmul": per_call(lambda: q_matmul(x, wT)),
+            f"torch nn.Linear {DTYPE_NAME}": per_call(rotating(lambda lin: lin(x), lins)),
+            "QLinear (inference_mode)": per_call(rotating(lambda ql: ql(x), qls)),
+            "qdispatch.torch.q_matmul": per_call(rotating(lambda wT: q_matmul(x, wT), wTs)),
             "from_torch(x)": per_call(lambda: from_torch(x)),
             "to_torch(qd tensor)": per_call(lambda: to_torch(xq)),
-            "qd.q_matmul (qd tensors)": per_call(lambda: qd.q_matmul(xq, wT, out_dtype=DTYPE_NAME)),
+            "qd.q_matmul (qd tensors)": per_call(rotating(lambda wT: qd.q_matmul(xq, wT, out_dtype=DTYPE_NAME),
+                                                          wTs)),
         }
     with torch.no_grad():
-        r["QLinear (no_grad)"] = per_call(lambda: ql(x))
-    r["QLinear (grad mode)"] = per_call(lambda: ql(x))
+        r["QLinear (no_grad)"] = per_call(rotating(lambda ql: ql(x), qls))
+    r["QLinear (grad mode)"] = per_call(rotating(lambda ql: ql(x), qls))
     print(f"M=1 K={K} N={N}: " + "; ".join(f"{k} {v:.1f} us" for k, v in r.items()))
 
 if ON_CPU:  # a small model, eager and under torch.compile (QLinears in its graph); the lookups'
