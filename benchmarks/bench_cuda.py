@@ -46,6 +46,61 @@ FQ_WEIGHTS = [
 _records = {}
 _BACKEND = get_backend("cuda")
 
+# Every timed product is checked once, on one set, outside the timed calls:
+# qdispatch's qq bit for bit against the reference backend (the same bits on every
+# backend), the rest per output against float64 with these tolerances.
+CHECK_ROWS = 8  # rows of M the host reference computes (it costs K x N per row)
+# torch scales the same exact int32 sums in another order: a few float32 roundings of the output
+TORCH_QQ_RTOL = 1e-6
+# float32 sums in any order: near float32's eps of sum |x| |w| per output, 1e-5 leaves room
+FLOAT_RTOL = 1e-5
+# a bfloat16 output keeps 8 significant bits: rounding to it is within 2**-9 of the output
+BF16_OUT_RTOL = 2 ** -8
+
+
+def assert_within(name, got, expect, tolerance):
+    """Fail naming `name` and the error unless every |got - expect| <= tolerance
+    (per output; NaN never is).  Returns the error relative to expect's norm, for the record."""
+    got, expect = got.double(), expect.double()
+    error = (got - expect).abs()
+    tolerance = torch.broadcast_to(torch.as_tensor(tolerance, dtype=torch.float64, device=error.device), error.shape)
+    bad = ~(error <= tolerance)
+    if bool(bad.any()):
+        worst = int(torch.where(bad, error.nan_to_num(nan=float("inf")), -1.0).argmax())
+        row, col = divmod(worst, error.shape[-1])
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {bad.numel()} outputs past their tolerance; the worst at ({row}, {col}): "
+            f"{float(got.flatten()[worst]):.9g} where {float(expect.flatten()[worst]):.9g} was expected "
+            f"(error {float(error.flatten()[worst]):.3g}, tolerance {float(tolerance.flatten()[worst]):.3g})")
+    return float((error.norm() / expect.norm()).item())
+
+
+def check_rows(m):
+    """At most CHECK_ROWS rows spread over M, the first and the last included."""
+    n = min(m, CHECK_ROWS)
+    return sorted({round(i * (m - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def assert_qq_bits(name, xq, wq, out):
+    """`out` = q_matmul(xq, wq.T) bit for bit, on sampled rows, against the reference
+    backend (scales with one row per block: a row's scales are its own)."""
+    rows = check_rows(xq.shape[0])
+    x_rows = qd.qtensor_from_parts(np.asarray(xq.values)[rows], np.asarray(xq.scales)[rows], xq.scheme,
+                                   device="reference")
+    expect = torch.from_numpy(qd.q_matmul(x_rows, wq.to("reference").T).numpy())
+    got = torch.from_dlpack(out)[rows].cpu() if not isinstance(out, torch.Tensor) else out[rows].cpu()
+    assert_within(f"{name} (rows {rows})", got, expect, 0)
+
+
+def assert_fq_close(name, x, w, out):
+    """bf16 `out` = x @ dequantize(w).T: float64 on the GPU, within the bf16 output's
+    rounding and float32's (per output).  Returns the norm-relative error, for the record."""
+    x = torch.from_dlpack(x).double()
+    wd = torch.from_dlpack(w.dequantize()).double()
+    expect = x @ wd.t()
+    tolerance = BF16_OUT_RTOL * expect.abs() + FLOAT_RTOL * (x.abs() @ wd.abs().t())
+    return assert_within(name, torch.from_dlpack(out), expect, tolerance)
+
 
 def gpu_ms_each(contenders, reps=5, calls=20):
     """{name: median ms per call} of contenders {name: (fn, sets)}, each calling
@@ -159,10 +214,19 @@ def test_qq_int8_per_row_per_col(benchmark, M, K, N):
         "torch_bf16_matmul": (lambda a, w: torch.matmul(a, w.t()), bf)}
     ms = gpu_ms_each(contenders)
     ours, raw, deq = ms["qdispatch"], ms["torch_int_mm"], ms["torch_int_mm_dequant"]
-    # agreement with torch on the last set
+    # one set checked: qdispatch bit for bit, torch's dequant within a few roundings of qdispatch's
     a, w, sa, sw, aq, wq = sets[-1]
-    expect = (torch._int_mm(a, w.t()).float() * sa[:, None] * sw[None, :]).cpu().numpy()
-    err = float(np.abs(qd.q_matmul(aq, wq.T).numpy() - expect).max() / np.abs(expect).max())
+    ours_out = qd.q_matmul(aq, wq.T)
+    assert_qq_bits(f"qq_int8_rowcol {M}x{K}x{N} qdispatch", aq, wq, ours_out)
+    assert_within(f"qq_int8_rowcol {M}x{K}x{N} torch_int_mm", torch._int_mm(a, w.t()),
+                  a.double() @ w.double().t(), 0)  # exact int32 sums
+    ours_t = torch.from_dlpack(ours_out)
+    expect = torch._int_mm(a, w.t()).float() * sa[:, None] * sw[None, :]
+    assert_within(f"qq_int8_rowcol {M}x{K}x{N} torch_int_mm_dequant", expect, ours_t, TORCH_QQ_RTOL * ours_t.abs().double())
+    err = float(((ours_t - expect).abs().max() / expect.abs().max()).item())
+    bf_a, bf_w = bf[-1]
+    assert_within(f"qq_int8_rowcol {M}x{K}x{N} torch_bf16_matmul", torch.matmul(bf_a, bf_w.t()),
+                  a.double() @ w.double().t(), BF16_OUT_RTOL * (a.double().abs() @ w.double().abs().t()))
     record(benchmark, "qq_int8_rowcol_f32out", (M, K, N), ms, {
         "tops": {k: 2 * M * N * K / v / 1e9 for k, v in ms.items()},
         "speedup_vs_int_mm_dequant": deq / ours, "ratio_vs_raw_int_mm": raw / ours,
@@ -203,9 +267,18 @@ def test_qq_int8_blocks_along_k(benchmark, M, K, N, blocking, x_scheme, w_scheme
         a, w, sa, sw = scaled[-1]
         expect = blockwise(a, w, sa, sw)
         got = torch.from_dlpack(qd.q_matmul(sets[-1][0], sets[-1][1].T))
-        rel_diff = float(((got - expect).norm() / expect.norm()).item())
+        # the same int32 sums scaled and added in order of K: float32 roundings of each block's term
+        terms = sum((torch._int_mm(a[:, 128 * b:128 * (b + 1)], w[:, 128 * b:128 * (b + 1)].t()).double().abs()
+                     * sa[:, b:b + 1] * sw[:, b][None, :]) for b in range(K // 128))
+        rel_diff = assert_within(f"qq_int8_{blocking} {M}x{K}x{N} torch_int_mm_per_block_dequant", expect, got,
+                                 FLOAT_RTOL * terms)
     else:
-        rel_diff = None
+        rel_diff = None  # torch has no contender for these blocks: qdispatch is checked below
+    xq, wq = sets[-1]
+    assert_qq_bits(f"qq_int8_{blocking} {M}x{K}x{N} qdispatch", xq, wq, qd.q_matmul(xq, wq.T))
+    a, w = raw_sets[-1]
+    assert_within(f"qq_int8_{blocking} {M}x{K}x{N} torch_int_mm", torch._int_mm(a, w.t()),
+                  a.double() @ w.double().t(), 0)  # exact int32 sums
     tops = lambda ms: 2 * M * N * K / ms / 1e9
     record(benchmark, f"qq_int8_{blocking}_f32out", (M, K, N), figures, {
         "tops": {k: tops(v) for k, v in figures.items()},
@@ -258,12 +331,6 @@ def _torch_bf16(M, K, N, extra_bytes=0, calls=20):
     return gpu_ms(*_torch_bf16_sets(M, K, N, extra_bytes), calls=calls)
 
 
-def _rel_err(x, w, out):
-    expect = torch.from_dlpack(x).float() @ torch.from_dlpack(w.dequantize()).t()
-    got = torch.from_dlpack(out).float()
-    return float(((got - expect).norm() / expect.norm()).item())
-
-
 @pytest.mark.parametrize("M,K,N", FQ_SHAPES)
 @pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
 def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
@@ -276,7 +343,10 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
                       "torch_bf16_matmul": (torch_fn, tb)}, calls=50)
     ours, kernel, bf16 = ms["qdispatch"], ms["qdispatch_kernel"], ms["torch_bf16_matmul"]
     x, w = sets[0]
-    err = _rel_err(x, w, _fq(x, w))
+    err = assert_fq_close(f"fq_bf16_x_{wname} {M}x{K}x{N} qdispatch", x, w, _fq(x, w))
+    tx, tw = tb[0]
+    assert_within(f"fq_bf16_x_{wname} {M}x{K}x{N} torch_bf16_matmul", torch_fn(tx, tw), tx.double() @ tw.double().t(),
+                  BF16_OUT_RTOL * (tx.double().abs() @ tw.double().abs().t()))
     wbytes = w.nbytes
     figures = {"qdispatch": ours, "qdispatch_kernel": kernel, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_bf16_x_{wname}", (M, K, N), figures, {
@@ -297,17 +367,19 @@ def test_fq_batched_decode_bf16_activations(benchmark, M, K, N, wname, scheme):
     torch.matmul, same run."""
     sets = _decode_sets(M, K, N, scheme)
     ours = gpu_ms(_fq, sets, calls=50)
+    x, w = sets[0]
     qd.set_batch_invariant(True)
     try:
         sixteen = gpu_ms(_fq, sets, calls=50)
+        assert_fq_close(f"fq_batched_bf16_x_{wname} {M}x{K}x{N} qdispatch_launches_of_16_rows", x, w, _fq(x, w))
     finally:
         qd.set_batch_invariant(False)
     bf16 = _torch_bf16(M, K, N, calls=50)
-    x, w = sets[0]
     figures = {"qdispatch": ours, "qdispatch_launches_of_16_rows": sixteen, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_batched_bf16_x_{wname}", (M, K, N), figures, {
         "weight_bytes": w.nbytes, "speedup_vs_bf16": bf16 / ours, "speedup_vs_launches_of_16_rows": sixteen / ours,
-        "rel_err": _rel_err(x, w, _fq(x, w))}, results=BATCHED_RESULTS)
+        "rel_err": assert_fq_close(f"fq_batched_bf16_x_{wname} {M}x{K}x{N} qdispatch", x, w, _fq(x, w))},
+        results=BATCHED_RESULTS)
     benchmark.pedantic(every_set, (_fq, sets), rounds=3, iterations=1)
 
 
@@ -336,9 +408,11 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
     for x, w in decode_sets:
         ours_fn(x, w)
     decode = gpu_ms(ours_fn, decode_sets, reps=3, calls=5)
+    assert_fq_close(f"fq_prefill_bf16_x_{wname} {M}x{K}x{N} qdispatch_without_gemm", *decode_sets[0],
+                    ours_fn(*decode_sets[0]))
     bf16 = _torch_bf16(M, K, N, extra_bytes=M * K * 2)
     x, w = sets[0]
-    err = _rel_err(x, w, ours_fn(x, w))
+    err = assert_fq_close(f"fq_prefill_bf16_x_{wname} {M}x{K}x{N} qdispatch", x, w, ours_fn(x, w))
     fewer_rows = "one launch" if _cuda.fq_wide_supported() else "decode launches"
     figures = {"qdispatch": ours, "qdispatch_without_gemm": decode, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_prefill_bf16_x_{wname}", (M, K, N), figures, {
@@ -386,8 +460,7 @@ def test_fq_decode_layers_in_a_cuda_graph(benchmark, M, K, N, wname, scheme):
     tw = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(n_sets(N * K * 2))]
     bf16_graph, _ = graph_ms([lambda x, w=w: torch.matmul(x, w.t()) for w in tw], x)
     bf16 = _torch_bf16(M, K, N, calls=50)
-    expect = x.float() @ torch.from_dlpack(ws[-1].dequantize()).t()
-    err = float(((outs[-1].float() - expect).norm() / expect.norm()).item())
+    err = assert_fq_close(f"fq_graph_bf16_x_{wname} {M}x{K}x{N} qdispatch_in_graph", x, ws[-1], outs[-1])
     figures = {"qdispatch_in_graph": ours, "torch_bf16_matmul_in_graph": bf16_graph, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_graph_bf16_x_{wname}", (M, K, N), figures, {
         "weight_bytes": probe.nbytes, "weight_GBps_in_graph": probe.nbytes / ours / 1e6,

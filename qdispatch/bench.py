@@ -86,6 +86,8 @@ MAX_ORT_SESSIONS = 256
 W8 = qd.QuantScheme("q8s", axis=0)  # [N, K] weight: one scale per output channel
 A8 = qd.QuantScheme("q8s", axis=0)  # [M, K] activation: one scale per row (token)
 W4 = qd.QuantScheme("q4s", block=(1, 32), store="packed_u32")
+# The weight scheme of each qdispatch path (int_matmul takes raw int8 values).
+WEIGHT_SCHEMES = {"qq_int8": W8, "fq_int8": W8, "w8a8": W8, "int4": W4, "qq_int4": W4, "quantize": W8}
 # Paths whose weight is quantized in blocks along K: K must be a multiple of the block.
 K_BLOCKS = {"int4": W4.block[-1], "qq_int4": W4.block[-1]}
 
@@ -295,6 +297,7 @@ def build(case, copies=None, budget_bytes=None):
     x, w = operands(case.shape)
     maker = _CONTENDER_BUILDERS[case.impl] if case.is_contender else _PATH_BUILDERS[case.path]
     first, nbytes = maker(case, x, w)
+    check_result(case, first())  # once, before any timing: figures of a wrong result mean nothing
     limit = MAX_ORT_SESSIONS if case.impl.startswith("ort_") else None
     copies = copies or weight_copies(nbytes, budget_bytes, limit)
     fns = [first] + [maker(case, x, np.roll(w, i, axis=0))[0] for i in range(1, copies)]
@@ -314,26 +317,22 @@ def _rotate(fns):
     return lambda: next(it)()
 
 
-def _qd_qq(w_scheme):
-    """qq: activations quantized per row ahead of the calls, weights in w_scheme."""
-    def build(case, x, w):
-        wq = qd.quantize(w, w_scheme, device=case.impl)
-        xq = qd.quantize(x, A8, device=case.impl)
-        return (lambda: qd.linear(xq, wq)), wq.nbytes
-    return build
+def _qd_qq(case, x, w):
+    """qq: activations quantized per row ahead of the calls, weights in the path's scheme."""
+    wq = qd.quantize(w, WEIGHT_SCHEMES[case.path], device=case.impl)
+    xq = qd.quantize(x, A8, device=case.impl)
+    return (lambda: qd.linear(xq, wq)), wq.nbytes
 
 
-def _qd_fq(w_scheme):
-    """fq: float32 activations, weights in w_scheme (weight-only)."""
-    def build(case, x, w):
-        wq = qd.quantize(w, w_scheme, device=case.impl)
-        xt = qd.tensor(x, device=case.impl)
-        return (lambda: qd.linear(xt, wq)), wq.nbytes
-    return build
+def _qd_fq(case, x, w):
+    """fq: float32 activations, weights in the path's scheme (weight-only)."""
+    wq = qd.quantize(w, WEIGHT_SCHEMES[case.path], device=case.impl)
+    xt = qd.tensor(x, device=case.impl)
+    return (lambda: qd.linear(xt, wq)), wq.nbytes
 
 
 def _qd_w8a8(case, x, w):
-    wq = qd.quantize(w, W8, device=case.impl)
+    wq = qd.quantize(w, WEIGHT_SCHEMES[case.path], device=case.impl)
     xt = qd.tensor(x, device=case.impl)
     return (lambda: qd.linear(xt, wq, activation_scheme="q8s")), wq.nbytes
 
@@ -346,11 +345,11 @@ def _qd_int_matmul(case, x, w):
 
 def _qd_quantize(case, x, w):
     wt = qd.tensor(w, device=case.impl)
-    return (lambda: qd.quantize(wt, W8)), w.nbytes
+    return (lambda: qd.quantize(wt, WEIGHT_SCHEMES[case.path])), w.nbytes
 
 
-_PATH_BUILDERS = {"qq_int8": _qd_qq(W8), "fq_int8": _qd_fq(W8), "w8a8": _qd_w8a8,
-                  "int4": _qd_fq(W4), "qq_int4": _qd_qq(W4), "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
+_PATH_BUILDERS = {"qq_int8": _qd_qq, "fq_int8": _qd_fq, "w8a8": _qd_w8a8, "int4": _qd_fq, "qq_int4": _qd_qq,
+                  "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
 
 
 def np_quantize_rows(x, lo=-127, hi=127):
@@ -476,6 +475,184 @@ _CONTENDER_BUILDERS = {"numpy_f32": _numpy_f32, "fbgemm": _fbgemm,
                        "ort_qq_u8u8": _ort_qq(signed=False), "ort_qq_s8s8": _ort_qq(signed=True),
                        "ort_w8a8": _ort_w8a8,
                        "ort_int_u8u8": _ort_int(signed=False), "ort_int_s8s8": _ort_int(signed=True)}
+
+
+# ---- checking results ------------------------------------------------------------
+#
+# One output of every case is compared, outside the timed calls, with a value
+# computed apart from the code timed: numpy in float64 from the same operands (the
+# same quantized values and scales), or qdispatch's reference backend (numpy, the
+# executable specification).  Big shapes compare a sample of rows.
+
+# float32 sums in any order: the error of random-signed terms stays near float32's
+# eps (6e-8) of sum |x| |w| per output; 1e-5 leaves two orders of magnitude of room.
+FLOAT_RTOL = 1e-5
+# Contenders that quantize the activations inside the call differ from the float
+# product by their rounding noise: independent errors, uniform over a step.  Eight
+# standard deviations of that noise are never reached by chance (far below 1e-12 per
+# output), while a zeroed, shifted or permuted output lies dozens of them away.
+NOISE_SIGMAS = 8
+SAMPLE_ROWS = 8  # rows of M compared: the float64 reference costs K x N per row
+
+
+class WrongResultError(AssertionError):
+    """A case's output is not what its path computes: its figures would time a wrong product."""
+
+
+@dataclasses.dataclass
+class Expected:
+    value: np.ndarray  # float64, the rows compared
+    tolerance: object  # per element (broadcast), 0: bit for bit
+    basis: str  # what value and tolerance are, for the message
+    rows: np.ndarray = None  # the rows of the output compared; None: all
+
+
+def sample_rows(m):
+    """At most SAMPLE_ROWS rows spread over M, the first and the last included."""
+    return np.unique(np.linspace(0, m - 1, min(m, SAMPLE_ROWS)).round().astype(np.intp))
+
+
+def check_result(case, out, copy=0):
+    """Raise WrongResultError, naming the case and the error, unless `out` (a call of
+    `case` on weight copy `copy`, the weight rolled by `copy` rows) is its path's result."""
+    expected = expected_results(case)
+    got = _quantized_parts(out) if case.path == "quantize" else [_as_array(out)]
+    for (what, e), g in zip(expected, got):
+        # a weight rolled by `copy` rows rolls the output's columns (quantize: its rows)
+        axis = 0 if case.path == "quantize" else -1
+        assert_matches(case, what, np.roll(g, -copy, axis=axis), e)
+
+
+def assert_matches(case, what, got, expected):
+    """The one comparison: every element within its tolerance (NaN never is)."""
+    got = np.asarray(got)
+    want_shape = expected.value.shape if expected.rows is None else (case.shape.m,) + expected.value.shape[1:]
+    if got.shape != want_shape:
+        raise WrongResultError(f"{case.id}: {case.impl} gave {what} of shape {got.shape}, not {want_shape}")
+    if expected.rows is not None:
+        got = got[expected.rows]
+    error = np.abs(got.astype(np.float64) - expected.value)
+    tolerance = np.broadcast_to(expected.tolerance, error.shape)
+    bad = ~(error <= tolerance)
+    if bad.any():
+        worst = np.unravel_index(np.where(bad, np.nan_to_num(error, nan=np.inf), -1).argmax(), error.shape)
+        where = worst if expected.rows is None else (int(expected.rows[worst[0]]),) + worst[1:]
+        raise WrongResultError(
+            f"{case.id}: {case.impl} gave a wrong {what}: {bad.sum()} of {bad.size} values compared are off, "
+            f"the worst at {tuple(map(int, where))}: {float(got[worst]):.9g} where {expected.value[worst]:.9g} was expected "
+            f"(error {error[worst]:.3g}, tolerance {tolerance[worst]:.3g}); expected: {expected.basis}")
+
+
+def expected_results(case):
+    """[(what, Expected)]: the output a case's call must give, computed apart from it."""
+    if case.path == "quantize":
+        return _expected_quantize(case)
+    x, w = operands(case.shape)
+    maker = _CONTENDER_EXPECTED[case.impl] if case.is_contender else _PATH_EXPECTED[case.path]
+    return [("output", maker(case, x, w, sample_rows(case.shape.m)))]
+
+
+@lru_cache(maxsize=4)
+def reference_weight(shape, scheme):
+    """The shape's weight quantized by the reference backend (cached: numpy's quantize is slow)."""
+    return qd.quantize(operands(shape)[1], scheme, device="reference")
+
+
+def _expected_quantize(case):
+    ref = reference_weight(case.shape, WEIGHT_SCHEMES[case.path])
+    basis = ("the reference backend's quantize, bit for bit (the same on every backend; "
+             "numpy's is the same float32 formula)")
+    return [("values", Expected(np.asarray(ref.values, np.float64), 0, basis)),
+            ("scales", Expected(np.asarray(ref.scales, np.float64).ravel(), 0, basis))]
+
+
+def _expected_qq(case, x, w, rows):
+    """qq and W8A8 (activations quantized per row, as A8 does): the reference backend's bits."""
+    xq = qd.quantize(x[rows], A8, device="reference")  # per-row scales: the rows' own
+    value = qd.linear(xq, reference_weight(case.shape, WEIGHT_SCHEMES[case.path])).numpy()
+    return Expected(value.astype(np.float64), 0, "the reference backend's qq product, bit for bit "
+                                                 "(the same bits on every backend and ISA)", rows)
+
+
+def _expected_fq(case, x, w, rows):
+    wd = reference_weight(case.shape, WEIGHT_SCHEMES[case.path]).dequantize().numpy()
+    return float_product(x, wd, rows, "float64 x @ dequantize(w).T")
+
+
+def _expected_int(case, x, w, rows):
+    """int8 x int8: exact in float64 (every partial sum an integer below 2**53)."""
+    a, b = np_quantize_rows(x)[0], np_quantize_rows(w)[0]
+    return Expected(a[rows].astype(np.float64) @ b.astype(np.float64).T, 0,
+                    "the exact integer product of the int8 operands", rows)
+
+
+def float_product(x, w, rows, basis, x_step=0.0, w_step=0.0):
+    """x[rows] @ w.T in float64, within float32 rounding (FLOAT_RTOL of sum |x| |w|) and,
+    where `x_step` / `w_step` (one per tensor, or per row of x / of w) are the steps of a
+    quantization done inside the call, NOISE_SIGMAS standard deviations of its noise."""
+    x = x[rows]
+    value = x.astype(np.float64) @ w.astype(np.float64).T
+    tolerance = FLOAT_RTOL * (np.abs(x) @ np.abs(w).T)  # a bound needs no float64
+    if np.any(x_step) or np.any(w_step):
+        sx2, sw2 = np.square(np.broadcast_to(x_step, (len(x), 1))), np.square(np.broadcast_to(w_step, (len(w), 1)))
+        x2, w2 = np.square(x).sum(axis=1, keepdims=True), np.square(w).sum(axis=1, keepdims=True)
+        # errors uniform over a step have variance step**2 / 12: those of (x + ex) . (w + ew) - x . w
+        variance = (sx2 * w2.T + x2 * sw2.T + x.shape[1] * sx2 * sw2.T / 12) / 12
+        tolerance = tolerance + NOISE_SIGMAS * np.sqrt(variance)
+        basis += f", within {NOISE_SIGMAS} standard deviations of the noise of its quantization"
+    return Expected(value, tolerance, f"{basis} (within {FLOAT_RTOL:g} of sum |x||w| for float rounding)", rows)
+
+
+def np_dequantize_rows(v):
+    """v quantized by np_quantize_rows and multiplied back: the values a contender is given."""
+    q, scale = np_quantize_rows(v)
+    return q * scale.astype(np.float64)
+
+
+def per_tensor_step(x, levels):
+    """The step of a per-tensor u8 quantization over [min(x, 0), max(x, 0)] in `levels` steps."""
+    return (max(float(x.max()), 0.0) - min(float(x.min()), 0.0)) / levels
+
+
+def _expected_numpy_f32(case, x, w, rows):
+    return float_product(x, w, rows, "float64 x @ w.T")
+
+
+def _expected_ort_qq(case, x, w, rows):
+    # the exact integer product, scaled in float32 afterwards
+    return float_product(np_dequantize_rows(x), np_dequantize_rows(w), rows,
+                         "float64 (a * a_scale) @ (b * b_scale).T of its int8 operands")
+
+
+def _expected_ort_w8a8(case, x, w, rows):
+    # the weight is given quantized; the activations are quantized per tensor to 255 steps inside
+    return float_product(x, np_dequantize_rows(w), rows, "float64 x @ (b * b_scale).T",
+                         x_step=per_tensor_step(x, 255))
+
+
+def _expected_fbgemm(case, x, w, rows):
+    # activations per tensor to 7 bits (127 steps), weights per channel to int8, both inside
+    w_step = np.abs(w).max(axis=1, keepdims=True) / 127
+    return float_product(x, w, rows, "float64 x @ w.T", x_step=per_tensor_step(x, 127), w_step=w_step)
+
+
+_PATH_EXPECTED = {"qq_int8": _expected_qq, "w8a8": _expected_qq, "qq_int4": _expected_qq,
+                  "fq_int8": _expected_fq, "int4": _expected_fq, "int_matmul": _expected_int}
+_CONTENDER_EXPECTED = {"numpy_f32": _expected_numpy_f32, "fbgemm": _expected_fbgemm,
+                       "ort_qq_u8u8": _expected_ort_qq, "ort_qq_s8s8": _expected_ort_qq,
+                       "ort_w8a8": _expected_ort_w8a8,
+                       "ort_int_u8u8": _expected_int, "ort_int_s8s8": _expected_int}
+
+
+def _as_array(result):
+    """A case's result as numpy: qdispatch and torch tensors have .numpy()."""
+    return np.asarray(result.numpy() if hasattr(result, "numpy") else result)
+
+
+def _quantized_parts(result):
+    """(values, scales) of a quantize case: a QTensor's, or numpy's pair."""
+    values, scales = (result.values, result.scales) if hasattr(result, "values") else result
+    return np.asarray(values), np.asarray(scales).ravel()
 
 
 # ---- threads and timing ----------------------------------------------------------
@@ -829,7 +1006,10 @@ def run(args):
         require_matplotlib()  # fail before minutes of measuring, not after
     cases = list(plan(args.shapes, args.paths, args.backend, args.threads, contenders,
                       share_contenders=True))
-    rows, skipped = _run_cases(cases, args.repeat, _megabytes(args.rotation_mb))
+    try:
+        rows, skipped = _run_cases(cases, args.repeat, _megabytes(args.rotation_mb))
+    except WrongResultError as exc:  # no figures for a run that timed a wrong product
+        raise SystemExit(f"wrong result, nothing reported: {exc}") from None
     ceiling = [ceilings(n, args.repeat, _megabytes(args.bandwidth_mb)) for n in args.threads] \
         if "cpu" in qd.available_backends() else []
     desc = machine()

@@ -28,28 +28,88 @@ def _run(args, cwd):
 
 @pytest.mark.parametrize("case", list(bench.plan([TINY], bench.PATHS, ["cpu"], [1])), ids=lambda c: c.id)
 def test_every_case_runs_once(case):
-    """Each case computes its path's product: float x @ w.T within quantization
-    error, or for int_matmul the exact int32 product of the int8 operands."""
+    """Each case computes its path's result on both weight copies, as bench's own
+    check finds it (build checked the first copy already): float32 out, or for
+    int_matmul int32."""
     reason = case.skip_reason()
     if reason:
         pytest.skip(reason)
     with bench.thread_limit(1), pytest.warns(UserWarning, match="less than 4x the last-level cache"):
         b = bench.build(case, copies=2)
         out, again = b.fn(), b.fn()  # both weight copies, each a fresh result
-    if case.path == "quantize":
-        return
-    x, w = bench.operands(TINY)
-    for result, weight in ((out, w), (again, np.roll(w, 1, axis=0))):
-        result = np.asarray(result.numpy() if hasattr(result, "numpy") else result)
-        assert result.shape == (TINY.m, TINY.n)
-        if case.path == "int_matmul" and case.impl != "numpy_f32":
-            a, b8 = bench.np_quantize_rows(x)[0], bench.np_quantize_rows(weight)[0]
-            assert result.dtype == np.int32
-            np.testing.assert_array_equal(result, a.astype(np.int32) @ b8.astype(np.int32).T)
-        else:
-            assert result.dtype == np.float32
-            expected = x @ weight.T
-            assert np.abs(result - expected).max() < 0.1 * np.abs(expected).max()
+    for copy, result in enumerate((out, again)):
+        bench.check_result(case, result, copy=copy)
+    if case.path != "quantize":
+        exact_ints = case.path == "int_matmul" and case.impl != "numpy_f32"
+        assert bench._as_array(out).dtype == (np.int32 if exact_ints else np.float32)
+
+
+def _one_ulp_off(out):
+    """One output nudged by the least step: the bit-for-bit checks must see it."""
+    out = bench._as_array(out).copy()
+    out[-1, -1] = np.nextafter(out[-1, -1], np.inf) if out.dtype.kind == "f" else out[-1, -1] + 1
+    return out
+
+
+def _one_percent_off(out):
+    """Every output 1% off: past float32 rounding (1e-5 of sum |x||w|) by far."""
+    return bench._as_array(out) * np.float32(1.01)
+
+
+def _half_again(out):
+    """Every output 1.5 times itself: past the rounding noise of activations quantized per tensor."""
+    return bench._as_array(out) * np.float32(1.5)
+
+
+@pytest.mark.parametrize("path,impl,corrupt", [
+    ("qq_int8", "cpu", _one_ulp_off), ("qq_int4", "cpu", _one_ulp_off), ("w8a8", "cpu", _one_ulp_off),
+    ("int_matmul", "cpu", _one_ulp_off), ("int_matmul", "ort_int_s8s8", _one_ulp_off),
+    ("fq_int8", "cpu", _one_percent_off), ("int4", "cpu", _one_percent_off), ("qq_int8", "numpy_f32", _one_percent_off),
+    ("qq_int8", "ort_qq_u8u8", _one_percent_off), ("w8a8", "ort_w8a8", _half_again), ("w8a8", "fbgemm", _half_again),
+])
+def test_a_wrong_result_fails_the_case_naming_it(monkeypatch, path, impl, corrupt):
+    """A corrupted output raises before anything is timed, naming the case, its contender and the error."""
+    case = bench.Case(TINY, path, impl, 1)
+    if case.skip_reason():
+        pytest.skip(case.skip_reason())
+    builders, key = (bench._CONTENDER_BUILDERS, impl) if case.is_contender else (bench._PATH_BUILDERS, path)
+    real = builders[key]
+
+    def build_corrupted(case, x, w):
+        fn, nbytes = real(case, x, w)
+        return (lambda: corrupt(fn())), nbytes
+    monkeypatch.setitem(builders, key, build_corrupted)
+    with pytest.raises(bench.WrongResultError, match=rf"^{case.id}: {impl} gave a wrong output: .* \(error .*, "
+                                                      rf"tolerance .*\); expected: "):
+        bench.build(case, copies=1)
+
+
+def test_a_wrong_result_stops_the_bench_command(monkeypatch, capsys):
+    """The command reports no figures for a run that timed a wrong product, and exits non-zero."""
+    from qdispatch.__main__ import main
+    monkeypatch.setitem(bench._CONTENDER_BUILDERS, "numpy_f32",
+                        lambda case, x, w: ((lambda: np.zeros((case.shape.m, case.shape.n), np.float32)), w.nbytes))
+    with pytest.raises(SystemExit, match=r"^wrong result, nothing reported: 2x64x64-qq_int8-numpy_f32-t1: numpy_f32 "
+                                         r"gave a wrong output"):
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--paths", "qq_int8", "--repeat", "1",
+              "--bandwidth-mb", "1", "--rotation-mb", "1"])
+    assert "GOP/s" not in capsys.readouterr().out
+
+
+def test_a_quantized_contender_is_held_to_its_noise_per_output():
+    """fbgemm's 7-bit activations: the float product passes, and so does its worst
+    noise, but not an output moved by 20 of its noise's standard deviations."""
+    case = bench.Case(bench.Shape(4, 512, 64), "w8a8", "fbgemm", 1)
+    expected = bench.expected_results(case)[0][1]
+    x, w = bench.operands(case.shape)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bench.assert_matches(case, "output", exact, expected)
+    sigma = (expected.tolerance - bench.FLOAT_RTOL * (np.abs(x) @ np.abs(w).T)) / bench.NOISE_SIGMAS
+    bench.assert_matches(case, "output", exact + 5 * sigma, expected)
+    moved = exact.copy()
+    moved[1, 7] += 20 * sigma[1, 7]
+    with pytest.raises(bench.WrongResultError, match=r"fbgemm gave a wrong output: 1 of 256 .* at \(1, 7\)"):
+        bench.assert_matches(case, "output", moved, expected)
 
 
 def test_each_contender_does_its_paths_job():
