@@ -24,7 +24,7 @@ def _record(benchmark, case, b):
     benchmark.extra_info.update(
         gops=row["gops"], weight_gbs=row["weight_gbs"], weight_bytes=b.weight_bytes,
         weight_copies=b.copies, rotated_bytes=b.rotated_bytes,
-        rotation_exceeds_4x_llc=b.defeats_cache, ratio_numpy_f32=row["gops"] / ref if ref else None,
+        rotation_defeats_cache=b.defeats_cache, cache_multiple=bench.CACHE_MULTIPLE, ratio_numpy_f32=row["gops"] / ref if ref else None,
         impl=case.impl, backend=row["backend"], isa=bench.machine()["isa"], threads=case.threads)
 
 
@@ -48,7 +48,7 @@ def test_read_bandwidth(benchmark, threads, bandwidth_bytes):
     if benchmark.stats is not None:
         benchmark.extra_info.update(
             read_gbs=nbytes / benchmark.stats.stats.min / 1e9, buffer_bytes=nbytes, threads=threads,
-            buffer_exceeds_4x_llc=bench.exceeds_cache(nbytes))
+            buffer_defeats_cache=bench.exceeds_cache(nbytes))
 
 
 @pytest.mark.parametrize("shape", bench.PEAK_SHAPES, ids=str)

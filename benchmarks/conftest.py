@@ -15,7 +15,7 @@ def pytest_addoption(parser):
                     default=",".join(map(str, bench.default_threads())),
                     help="thread counts (default: 1 and the machine's core count)")
     group.addoption("--bench-bandwidth-mb", type=bench.count,
-                    help="buffer of the streaming-read ceiling (default: 8x the last-level cache, at least 1024)")
+                    help="buffer of the streaming-read ceiling (default: 16x the last-level cache, at least 1024)")
     group.addoption("--bench-rotation-mb", type=bench.count,
                     help="memory for rotated weight copies (default: 4096, or half the available memory)")
 
