@@ -225,11 +225,14 @@ def test_gemm_block_walk_finds_the_scales_a_division_finds(cuda_build, tmp_path)
     run_host_cuda_program(cuda_build, tmp_path, "gemm_block_walk.cu")
 
 
-def test_the_mma_gemm_pipeline_fits_each_gpus_shared_memory(cuda_build, tmp_path):
+def test_the_gemm_fits_each_gpus_shared_memory_and_refuses_misaligned_operands(cuda_build, tmp_path):
     """The mma.sync GEMM (int_matmul, qq and fq prefill off Hopper) asked every GPU for
     3 stages, 108 KB a block; sm_86 and sm_89 give at most 99 KB, so every launch there
-    failed. The depth now follows the device's limit."""
-    run_host_cuda_program(cuda_build, tmp_path, "gemm_stages.cu", "gemm_s8_sm90.cu", "runtime.cu", "elementwise.cu")
+    failed. The depth now follows the device's limit. And the C API took operands that
+    were not 16-byte aligned, whose copies fault and end the CUDA context: now
+    QD_ERR_ARGUMENT, before any CUDA call."""
+    run_host_cuda_program(cuda_build, tmp_path, "gemm_host_rules.cu", "gemm_s8_sm90.cu", "runtime.cu",
+                          "elementwise.cu")
 
 
 def test_cuda_failures_map_to_the_documented_statuses(cuda_build, tmp_path):

@@ -32,7 +32,6 @@ except ImportError as exc:  # built without CUDA
 
 REBUILD = ("To rebuild with it, install the CUDA toolkit (nvcc) and run "
            "QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
-GEMM_ALIGN = 16  # bytes: rows of int8 GEMM operands start on 16-byte boundaries
 _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
                np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
@@ -355,10 +354,9 @@ class CudaBackend(Backend):
         values, scales = self._int8_values(storage, layout, cache), storage.scales
         if q.transposed == k_last:
             values, scales = _cuda.transpose2(values), _cuda.transpose2(scales)
-        K = values.shape[1]
-        if K % GEMM_ALIGN:
-            values = _cuda.pad_rows(values, _round_up(K, GEMM_ALIGN))
-        return values, scales
+        # rows of whole 16-byte pieces on 16-byte bounds, as the GEMM copies them (a view
+        # of another library's memory may start anywhere)
+        return _cuda.aligned_rows(values), scales
 
     # ---- kernels on 2-D logical operands ----
     def int_matmul(self, a, b):

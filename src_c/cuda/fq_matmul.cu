@@ -1015,7 +1015,9 @@ extern "C" qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int
     if (N <= 0 || K <= 0) return QD_ERR_SHAPE;
     if (ld < K || !qd_dims_fit(N, ld, 2)) return QD_ERR_ARGUMENT;
     // The zeros past K come from the tiles, which hold them up to a whole tile of K.
-    if (ld % 8 || ld > ceil_div(K, tile_k(bits)) * tile_k(bits)) return QD_ERR_ARGUMENT;
+    if (ld % 8 || ld > ceil_div(K, tile_k(bits)) * tile_k(bits) || reinterpret_cast<uintptr_t>(w16) % 16 ||
+        reinterpret_cast<uintptr_t>(tiles) % 16)  // both read and written 16 bytes at a time
+        return QD_ERR_ARGUMENT;
     if (qd::overlaps_any({w16, (size_t)(N * ld) * 2}, {{tiles, (size_t)qd_cuda_fq_tiles_bytes(N, K, bits)}}))
         return QD_ERR_ARGUMENT;
     cudaStream_t s = qd::as_stream(stream);

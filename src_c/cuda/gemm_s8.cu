@@ -274,8 +274,10 @@ qd_status check_operands(const void *a, const void *bt, const void *out, int out
                          int64_t K, int64_t ld, size_t elem = 1) {
     if (!a || !bt || !out) return QD_ERR_NULL;
     if (M <= 0 || N <= 0 || K <= 0) return QD_ERR_SHAPE;
+    // rows are copied 16 bytes at a time (cp.async, TMA): a misaligned one would be a
+    // fault that ends the CUDA context, not an error
     if (!qd_dims_fit(M, ld, elem) || !qd_dims_fit(N, ld, elem) || !qd_dims_fit(M, N, sizeof(float)) ||
-        ld * elem % 16 || ld < K)
+        ld * elem % 16 || ld < K || reinterpret_cast<uintptr_t>(a) % 16 || reinterpret_cast<uintptr_t>(bt) % 16)
         return QD_ERR_ARGUMENT;
     if (M > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;  // the grid's limit, past sizes no array has
     const int64_t row = (K * elem + 15) / 16 * 16;  // bytes read a row
@@ -350,8 +352,7 @@ extern "C" qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, 
     if (!qd::float_dtype(out_dtype)) return QD_ERR_ARGUMENT;
     if (!scales) return QD_ERR_NULL;
     if (block_n <= 0 || block_k <= 0 || N % block_n || K % block_k) return QD_ERR_SHAPE;
-    if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w16) % 16 ||
-        (block_k != K && block_k % 16) || overlaps_scales(out, out_dtype, M, N, scales, N, block_n, K, block_k))
+    if ((block_k != K && block_k % 16) || overlaps_scales(out, out_dtype, M, N, scales, N, block_n, K, block_k))
         return QD_ERR_ARGUMENT;
     if (dtype == QD_CUDA_F16)
         return launch_fq_gemm<F16>(x, w16, M, N, K, ld, scales, block_n, block_k, out, out_dtype, stream);

@@ -256,7 +256,8 @@ qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, in
                                   void *stream);
 
 /* c[M, N] = a[M, K] @ bt[N, K]^T in int32, exact.  Rows of a and bt are `ld` bytes
- * apart, ld % 16 == 0, bytes K..round_up(K, 16) zero; K <= QD_INT_MATMUL_MAX_K. */
+ * apart, ld % 16 == 0, a and bt 16-byte aligned, bytes K..round_up(K, 16) zero;
+ * K <= QD_INT_MATMUL_MAX_K. */
 qd_status qd_cuda_int_matmul_s8(const int8_t *a, const int8_t *bt, int64_t M, int64_t N,
                                 int64_t K, int64_t ld, int32_t *c, void *stream);
 /* out[m, n] = sum over K-groups g of (a_scale(m, g) * b_scale(n, g)) * exact int32 dot of
@@ -332,7 +333,7 @@ qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
  * from its tiles; then qd_cuda_fq_gemm multiplies them on the tensor cores as
  * qd_cuda_fq_matmul does: out[M, N] = x[M, K] @ (w16 * scales)^T, float32 sums per
  * block of K, each scaled, added in float32.  x: [M, ld] of the same dtype, zero in
- * columns K..ld; x and w16 16-byte aligned; scales [N/block_n, K/block_k] float32,
+ * columns K..ld; x, w16 and the tiles 16-byte aligned; scales [N/block_n, K/block_k] float32,
  * block_k == K or a multiple of 16.  On H100/H200, when the output tiles are too few
  * to fill the GPU, K is cut into splits whose float32 sums are added in a fixed order
  * in a temporary taken from the device's default memory pool in stream order. */
