@@ -483,10 +483,11 @@ class CudaBackend(Backend):
         # The tiles hold every value: the store can go (see the module's docstring).
         # _k_major turned the store's [K, N] into [N, K] unless w is a transposed view.
         w.storage.release_values(_StoreFromTiles(tiles, w.layout, N, K, flip=not w.transposed))
+        with _cuda.on_device(tiles.device):  # the weight's GPU, which may differ from the current one
+            wide = _cuda.fq_wide_supported()
         # for (16-bit x, float32 x)
         gemm_rows = tuple(float("inf") if rows is None else rows
-                          for rows in (fq_gemm_min_rows(bk, K, bits, _cuda.fq_wide_supported()),
-                                       fq_gemm_min_rows(bk, K, bits)))
+                          for rows in (fq_gemm_min_rows(bk, K, bits, wide), fq_gemm_min_rows(bk, K, bits)))
         return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), gemm_rows, scales, bn)
 
     def _fq_on_host(self, x, w):
