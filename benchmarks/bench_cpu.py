@@ -24,7 +24,8 @@ def _record(benchmark, case, b):
     benchmark.extra_info.update(
         gops=row["gops"], weight_gbs=row["weight_gbs"], weight_bytes=b.weight_bytes,
         weight_copies=b.copies, rotated_bytes=b.rotated_bytes,
-        rotation_defeats_cache=b.defeats_cache, cache_multiple=bench.CACHE_MULTIPLE, ratio_numpy_f32=row["gops"] / ref if ref else None,
+        rotation_defeats_cache=b.defeats_cache, cache_multiple=bench.CACHE_MULTIPLE,
+        ratio_numpy_f32=row["gops"] / ref if ref else None,
         impl=case.impl, backend=row["backend"], isa=bench.machine()["isa"], threads=case.threads)
 
 

@@ -49,4 +49,6 @@ def test_isa(benchmark, isa_case, rotation_budget_bytes):
         _BASE_GOPS[case.group, case.threads] = gops
     base = _BASE_GOPS.get((case.group, case.threads))
     benchmark.extra_info.update(gops=gops, isa=isa, threads=case.threads, path=case.path,
+                                rotated_bytes=b.rotated_bytes, rotation_defeats_cache=b.defeats_cache,
+                                cache_multiple=bench.CACHE_MULTIPLE,
                                 **{f"ratio_{BASE_ISA}": gops / base if base else None})
