@@ -519,9 +519,9 @@ def check_result(case, out, copy=0):
     `case` on weight copy `copy`, the weight rolled by `copy` rows) is its path's result."""
     expected = expected_results(case)
     got = _quantized_parts(out) if case.path == "quantize" else [_as_array(out)]
+    # a weight rolled by `copy` rows rolls the output's columns (quantize: its rows)
+    axis = 0 if case.path == "quantize" else -1
     for (what, e), g in zip(expected, got):
-        # a weight rolled by `copy` rows rolls the output's columns (quantize: its rows)
-        axis = 0 if case.path == "quantize" else -1
         assert_matches(case, what, np.roll(g, -copy, axis=axis), e)
 
 
@@ -541,8 +541,8 @@ def assert_matches(case, what, got, expected):
         where = worst if expected.rows is None else (int(expected.rows[worst[0]]),) + worst[1:]
         raise WrongResultError(
             f"{case.id}: {case.impl} gave a wrong {what}: {bad.sum()} of {bad.size} values compared are off, "
-            f"the worst at {tuple(map(int, where))}: {float(got[worst]):.9g} where {expected.value[worst]:.9g} was expected "
-            f"(error {error[worst]:.3g}, tolerance {tolerance[worst]:.3g}); expected: {expected.basis}")
+            f"the worst at {tuple(map(int, where))}: {float(got[worst]):.9g} where {expected.value[worst]:.9g} "
+            f"was expected (error {error[worst]:.3g}, tolerance {tolerance[worst]:.3g}); expected: {expected.basis}")
 
 
 def expected_results(case):

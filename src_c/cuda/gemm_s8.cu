@@ -4,10 +4,10 @@
 // A is [M, ld] and B is [N, ld] (both K-contiguous, ld in bytes).  A 128x128 block
 // tile is computed by 8 warps (2 x 4, 64x32 each) from a cp.async pipeline of
 // 128-byte K slices, 3 stages deep (108 KB), or 2 (72 KB) on GPUs whose blocks may
-// have at most 99 KB of shared memory (sm_86, sm_89).  Integer accumulators are exact; in the scaled mode they
-// are flushed into float accumulators at the end of each K group that shares one
-// scale pair (the gcd of the two K blocks), as the reference does.  16-bit
-// operands sum in float32 per K group the same way.
+// have at most 99 KB of shared memory (sm_86, sm_89).  Integer accumulators are
+// exact; in the scaled mode they are flushed into float accumulators at the end of
+// each K group that shares one scale pair (the gcd of the two K blocks), as the
+// reference does.  16-bit operands sum in float32 per K group the same way.
 //
 // On Hopper (sm_90a builds) every mode runs gemm_s8_sm90.cu's wgmma kernel
 // instead, except one group over a long K cut every MAX_GROUP_STEPS steps into

@@ -333,8 +333,8 @@ qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
  * from its tiles; then qd_cuda_fq_gemm multiplies them on the tensor cores as
  * qd_cuda_fq_matmul does: out[M, N] = x[M, K] @ (w16 * scales)^T, float32 sums per
  * block of K, each scaled, added in float32.  x: [M, ld] of the same dtype, zero in
- * columns K..ld; x, w16 and the tiles 16-byte aligned; scales [N/block_n, K/block_k] float32,
- * block_k == K or a multiple of 16.  On H100/H200, when the output tiles are too few
+ * columns K..ld; x, w16 and the tiles 16-byte aligned; scales [N/block_n, K/block_k]
+ * float32, block_k == K or a multiple of 16.  On H100/H200, when the output tiles are too few
  * to fill the GPU, K is cut into splits whose float32 sums are added in a fixed order
  * in a temporary taken from the device's default memory pool in stream order. */
 qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
