@@ -10,9 +10,11 @@ to benchmarks/results/cuda_h200.json (batched decode: cuda_h200_batched.json;
 prefill-sized fq: cuda_h200_prefill.json; decode layers in CUDA graphs:
 cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json)
 with the GPU's name and clocks."""
+import contextlib
 import json
 import os
 import subprocess
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import pytest
@@ -102,35 +104,45 @@ def assert_fq_close(name, x, w, out):
     return assert_within(name, torch.from_dlpack(out), expect, tolerance)
 
 
+class Contender(NamedTuple):
+    """One contender of gpu_ms_each: fn(*set) over `sets` in turn; `calls` per
+    repetition where it is not the run's; `during`, a context manager factory,
+    around its warm-up and each of its timed stretches (a setting of its own)."""
+    fn: Callable
+    sets: list
+    calls: Optional[int] = None
+    during: Callable = contextlib.nullcontext
+
+
 def gpu_ms_each(contenders, reps=5, calls=20):
-    """{name: median ms per call} of contenders {name: (fn, sets)}, each calling
-    fn(*set) through its `sets` in turn (the turn goes on across repetitions, so
-    every set is read).  The contenders take turns repetition by repetition, the
-    first of each round moving on, so that a drift of clocks during the run
-    reaches them all alike."""
+    """{name: median ms per call} of contenders {name: Contender or (fn, sets)},
+    each calling fn(*set) through its `sets` in turn.  The turn goes on across
+    repetitions, and across contenders that read the same sets, so every set is
+    read and none is read again while it may still be in L2.  The contenders take
+    turns repetition by repetition, the first of each round moving on, so that a
+    drift of clocks or of host load during the run reaches them all alike."""
+    contenders = {name: Contender(*c) for name, c in contenders.items()}
     names = list(contenders)
-    for fn, sets in contenders.values():
-        for s in sets[:2]:
-            fn(*s)
+    for c in contenders.values():
+        with c.during():
+            for s in c.sets[:2]:
+                c.fn(*s)
     torch.cuda.synchronize()
-    times, turn = {name: [] for name in names}, dict.fromkeys(names, 0)
+    times, turn = {name: [] for name in names}, {}
     for r in range(reps):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            fn, sets = contenders[name]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(turn[name], turn[name] + calls):
-                fn(*sets[i % len(sets)])
-            end.record()
-            end.synchronize()
-            turn[name] += calls
-            times[name].append(start.elapsed_time(end) / calls)
+            c = contenders[name]
+            n, first = c.calls or calls, turn.get(id(c.sets), 0)
+            with c.during():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for i in range(first, first + n):
+                    c.fn(*c.sets[i % len(c.sets)])
+                end.record()
+                end.synchronize()
+            turn[id(c.sets)] = first + n
+            times[name].append(start.elapsed_time(end) / n)
     return {name: float(np.median(t)) for name, t in times.items()}
-
-
-def gpu_ms(fn, sets, reps=5, calls=20):
-    """Median ms per call of fn(*set), cycling through `sets`."""
-    return gpu_ms_each({"": (fn, sets)}, reps, calls)[""]
 
 
 def every_set(fn, sets):
@@ -249,11 +261,10 @@ def test_qq_int8_blocks_along_k(benchmark, M, K, N, blocking, x_scheme, w_scheme
     count = n_sets(M * K + N * K)
     sets = [(qd.quantize(torch.randn(M, K, device="cuda"), x_scheme),
              qd.quantize(torch.randn(N, K, device="cuda"), w_scheme)) for _ in range(count)]
-    ours = gpu_ms(lambda xq, wq: qd.q_matmul(xq, wq.T), sets)
     on_gpu = lambda a: torch.as_tensor(np.asarray(a), device="cuda")
     raw_sets = [(on_gpu(xq.values), on_gpu(wq.values)) for xq, wq in sets]
-    raw = gpu_ms(lambda a, w: torch._int_mm(a, w.t()), raw_sets)
-    figures = {"qdispatch": ours, "torch_int_mm": raw}
+    contenders = {"qdispatch": (lambda xq, wq: qd.q_matmul(xq, wq.T), sets),
+                  "torch_int_mm": (lambda a, w: torch._int_mm(a, w.t()), raw_sets)}
     if blocking == "x_1x128_w_128x128":
         def blockwise(a, w, sa, sw):
             out = torch.zeros(M, N, device="cuda")
@@ -263,7 +274,10 @@ def test_qq_int8_blocks_along_k(benchmark, M, K, N, blocking, x_scheme, w_scheme
             return out
         scaled = [(a, w, on_gpu(xq.scales).float(), on_gpu(wq.scales).float().repeat_interleave(128, dim=0)[:N])
                   for (a, w), (xq, wq) in zip(raw_sets, sets)]
-        figures["torch_int_mm_per_block_dequant"] = gpu_ms(blockwise, scaled, calls=3)
+        contenders["torch_int_mm_per_block_dequant"] = Contender(blockwise, scaled, calls=3)
+    figures = gpu_ms_each(contenders)
+    ours, raw = figures["qdispatch"], figures["torch_int_mm"]
+    if blocking == "x_1x128_w_128x128":
         a, w, sa, sw = scaled[-1]
         expect = blockwise(a, w, sa, sw)
         got = torch.from_dlpack(qd.q_matmul(sets[-1][0], sets[-1][1].T))
@@ -326,11 +340,6 @@ def _torch_bf16_sets(M, K, N, extra_bytes=0):
     return (lambda x, w: torch.matmul(x, w.t())), tb
 
 
-def _torch_bf16(M, K, N, extra_bytes=0, calls=20):
-    """ms per bf16 torch.matmul."""
-    return gpu_ms(*_torch_bf16_sets(M, K, N, extra_bytes), calls=calls)
-
-
 @pytest.mark.parametrize("M,K,N", FQ_SHAPES)
 @pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
 def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
@@ -359,6 +368,16 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
     benchmark.pedantic(every_set, (ours_fn, sets), rounds=3, iterations=1)
 
 
+@contextlib.contextmanager
+def _batch_invariant():
+    """Launches of 16 rows, as the batch-invariant setting runs any batch."""
+    qd.set_batch_invariant(True)
+    try:
+        yield
+    finally:
+        qd.set_batch_invariant(False)
+
+
 @pytest.mark.parametrize("M,K,N", BATCHED_SHAPES)
 @pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS)
 def test_fq_batched_decode_bf16_activations(benchmark, M, K, N, wname, scheme):
@@ -366,17 +385,14 @@ def test_fq_batched_decode_bf16_activations(benchmark, M, K, N, wname, scheme):
     16 rows (the batch-invariant setting's, how every batch ran before) and bf16
     torch.matmul, same run."""
     sets = _decode_sets(M, K, N, scheme)
-    ours = gpu_ms(_fq, sets, calls=50)
+    ms = gpu_ms_each({"qdispatch": (_fq, sets),
+                      "qdispatch_launches_of_16_rows": Contender(_fq, sets, during=_batch_invariant),
+                      "torch_bf16_matmul": _torch_bf16_sets(M, K, N)}, calls=50)
+    ours, sixteen, bf16 = ms["qdispatch"], ms["qdispatch_launches_of_16_rows"], ms["torch_bf16_matmul"]
     x, w = sets[0]
-    qd.set_batch_invariant(True)
-    try:
-        sixteen = gpu_ms(_fq, sets, calls=50)
+    with _batch_invariant():
         assert_fq_close(f"fq_batched_bf16_x_{wname} {M}x{K}x{N} qdispatch_launches_of_16_rows", x, w, _fq(x, w))
-    finally:
-        qd.set_batch_invariant(False)
-    bf16 = _torch_bf16(M, K, N, calls=50)
-    figures = {"qdispatch": ours, "qdispatch_launches_of_16_rows": sixteen, "torch_bf16_matmul": bf16}
-    record(benchmark, f"fq_batched_bf16_x_{wname}", (M, K, N), figures, {
+    record(benchmark, f"fq_batched_bf16_x_{wname}", (M, K, N), ms, {
         "weight_bytes": w.nbytes, "speedup_vs_bf16": bf16 / ours, "speedup_vs_launches_of_16_rows": sixteen / ours,
         "rel_err": assert_fq_close(f"fq_batched_bf16_x_{wname} {M}x{K}x{N} qdispatch", x, w, _fq(x, w))},
         results=BATCHED_RESULTS)
@@ -399,7 +415,6 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
     ours_fn = _fq
     for x, w in sets:  # lay out the weights once, before timing
         ours_fn(x, w)
-    ours = gpu_ms(ours_fn, sets)
     gemm_rows = w.storage.cache[("fq_call", True)][1][0]  # for 16-bit x
     for table in ("FQ_GEMM_MIN_ROWS", "FQ_GEMM_MIN_ROWS_WIDE"):
         monkeypatch.setattr(cuda_backend, table, dict.fromkeys(getattr(cuda_backend, table), None))
@@ -407,25 +422,27 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
     decode_sets = list(zip(xs, decode_ws))
     for x, w in decode_sets:
         ours_fn(x, w)
-    decode = gpu_ms(ours_fn, decode_sets, reps=3, calls=5)
+    # the weights laid out before keep their path: both take turns in one run
+    ms = gpu_ms_each({"qdispatch": (ours_fn, sets), "qdispatch_without_gemm": Contender(ours_fn, decode_sets, calls=5),
+                      "torch_bf16_matmul": _torch_bf16_sets(M, K, N, extra_bytes=M * K * 2)})
+    ours, decode, bf16 = ms["qdispatch"], ms["qdispatch_without_gemm"], ms["torch_bf16_matmul"]
     assert_fq_close(f"fq_prefill_bf16_x_{wname} {M}x{K}x{N} qdispatch_without_gemm", *decode_sets[0],
                     ours_fn(*decode_sets[0]))
-    bf16 = _torch_bf16(M, K, N, extra_bytes=M * K * 2)
     x, w = sets[0]
     err = assert_fq_close(f"fq_prefill_bf16_x_{wname} {M}x{K}x{N} qdispatch", x, w, ours_fn(x, w))
     fewer_rows = "one launch" if _cuda.fq_wide_supported() else "decode launches"
-    figures = {"qdispatch": ours, "qdispatch_without_gemm": decode, "torch_bf16_matmul": bf16}
-    record(benchmark, f"fq_prefill_bf16_x_{wname}", (M, K, N), figures, {
+    record(benchmark, f"fq_prefill_bf16_x_{wname}", (M, K, N), ms, {
         "path": "gemm" if M >= gemm_rows else fewer_rows, "path_without_gemm": fewer_rows,
-        "tflops": {k: 2 * M * N * K / v / 1e9 for k, v in figures.items()},
+        "tflops": {k: 2 * M * N * K / v / 1e9 for k, v in ms.items()},
         "ratio_vs_bf16": bf16 / ours, "speedup_vs_without_gemm": decode / ours, "rel_err": err},
         results=PREFILL_RESULTS)
     benchmark.pedantic(every_set, (ours_fn, sets), rounds=3, iterations=1)
 
 
-def graph_ms(layers, x, reps=5):
-    """ms per layer of `layers` (functions of x), each applied to x in turn, captured
-    in one CUDA graph and replayed: GPU time with no host time between launches."""
+def captured(layers, x):
+    """`layers` (functions of x), each applied to x in turn, captured in one CUDA
+    graph, and their outputs: replayed, it runs them with no host time between
+    launches."""
     with torch.no_grad():
         for layer in layers:  # warm-up (lays out qdispatch weights)
             layer(x)
@@ -433,17 +450,9 @@ def graph_ms(layers, x, reps=5):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = [layer(x) for layer in layers]
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / len(layers))
-    return float(np.median(times)), outs
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outs
 
 
 @pytest.mark.parametrize("M,K,N", FQ_SHAPES)
@@ -456,10 +465,14 @@ def test_fq_decode_layers_in_a_cuda_graph(benchmark, M, K, N, wname, scheme):
     probe = _weights(N, K, scheme, 1)[0]
     ws = [probe] + _weights(N, K, scheme, n_sets(probe.nbytes) - 1)
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-    ours, outs = graph_ms([lambda x, w=w: q_matmul(x, w.T) for w in ws], x)
+    ours_graph, outs = captured([lambda x, w=w: q_matmul(x, w.T) for w in ws], x)
     tw = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(n_sets(N * K * 2))]
-    bf16_graph, _ = graph_ms([lambda x, w=w: torch.matmul(x, w.t()) for w in tw], x)
-    bf16 = _torch_bf16(M, K, N, calls=50)
+    bf16_graph, _ = captured([lambda x, w=w: torch.matmul(x, w.t()) for w in tw], x)
+    ms = gpu_ms_each({"qdispatch_in_graph": Contender(ours_graph.replay, [()], calls=2),
+                      "torch_bf16_matmul_in_graph": Contender(bf16_graph.replay, [()], calls=2),
+                      "torch_bf16_matmul": Contender(*_torch_bf16_sets(M, K, N), calls=50)})
+    ours = ms["qdispatch_in_graph"] / len(ws)  # a replay runs every layer
+    bf16_graph, bf16 = ms["torch_bf16_matmul_in_graph"] / len(tw), ms["torch_bf16_matmul"]
     err = assert_fq_close(f"fq_graph_bf16_x_{wname} {M}x{K}x{N} qdispatch_in_graph", x, ws[-1], outs[-1])
     figures = {"qdispatch_in_graph": ours, "torch_bf16_matmul_in_graph": bf16_graph, "torch_bf16_matmul": bf16}
     record(benchmark, f"fq_graph_bf16_x_{wname}", (M, K, N), figures, {
