@@ -34,6 +34,9 @@ cdef extern from "cuda_runtime_api.h" nogil:
     ctypedef int cudaError_t
     ctypedef void *cudaStream_t
     ctypedef void *cudaEvent_t
+    ctypedef void *cudaMemPool_t
+    cdef enum cudaMemPoolAttr:
+        cudaMemPoolAttrReservedMemCurrent
     cdef enum cudaStreamCaptureStatus:
         cudaStreamCaptureStatusNone
         cudaStreamCaptureStatusActive
@@ -62,6 +65,9 @@ cdef extern from "cuda_runtime_api.h" nogil:
     cudaError_t cudaMalloc(void **ptr, size_t size)
     cudaError_t cudaFree(void *ptr)
     cudaError_t cudaMemGetInfo(size_t *free, size_t *total)
+    cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int device)
+    cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep)
+    cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value)
     cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, int kind)
     cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, int kind, cudaStream_t s)
     cudaError_t cudaStreamSynchronize(cudaStream_t s)
@@ -264,14 +270,48 @@ cdef void _release_cache(int device):
         if kept:
             _free_blocks[key] = kept
         _cached_bytes -= key[1] * (len(blocks) - len(kept))
+    _trim_pool(device)
+
+
+cdef void _trim_pool(int device) noexcept nogil:
+    """The kernels' temporaries (split sums, spread operands) come from the device's
+    stream-ordered pool, which keeps what they gave back, up to its release
+    threshold (another library, such as CuPy, may have raised it): the unused part
+    goes back to the driver."""
+    cdef cudaMemPool_t pool
+    cdef QuietScope scope
+    _enter_quietly(&scope, device)
+    if cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess or cudaMemPoolTrimTo(pool, 0) != cudaSuccess:
+        cudaGetLastError()  # a pool that can't be asked holds nothing of ours to give back
+    _leave_quietly(&scope)
+
+
+def pool_reserved_bytes(int device):
+    """Bytes the device's stream-ordered pool holds (in use or kept)."""
+    cdef cudaMemPool_t pool
+    cdef uint64_t reserved = 0
+    with on_device(device):
+        _check(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool")
+        _check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved),
+               "cudaMemPoolGetAttribute")
+    return int(reserved)
 
 
 def empty_cache(int device=-1):
-    """Give the cached blocks of one device (-1: of every device) back to the driver."""
-    for dev in {k[0] for k in _free_blocks}:
-        if device < 0 or dev == device:
-            with on_device(dev):
-                _release_cache(dev)
+    """Give the cached blocks of one device back to the driver, and the unused part
+    of its pool; -1: of every device that holds blocks, and of the current one."""
+    cdef int current = 0
+    if _forked_after_use:  # the parent's memory, which CUDA here can't reach
+        return
+    devices = {device} if device >= 0 else {k[0] for k in _free_blocks}
+    if device < 0 and _used:
+        if cudaGetDevice(&current) == cudaSuccess:
+            devices.add(current)
+        else:
+            cudaGetLastError()
+    for dev in devices:
+        with on_device(dev):
+            _release_cache(dev)
 
 
 def cached_bytes(int device):

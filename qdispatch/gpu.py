@@ -45,7 +45,8 @@ def memory_info(device="cuda"):
 
 def empty_cache(device=None):
     """Give the freed device memory qdispatch keeps for reuse back to the driver, on
-    every GPU or on `device`.  Tensors in use are untouched.  Without a usable cuda
+    every GPU or on `device`, with the unused part of the device's stream-ordered
+    pool (the kernels' temporaries).  Tensors in use are untouched.  Without a usable cuda
     backend there is nothing cached and this does nothing."""
     if device is None:
         get_backend(BackendKind.CUDA).empty_cache()

@@ -907,6 +907,36 @@ def test_freed_memory_is_cached_until_empty_cache():
     assert (out.numpy() == 8).all()  # allocation goes on after the cache is emptied
 
 
+def test_empty_cache_gives_back_what_the_pool_keeps_of_temporaries(rng):
+    """The kernels' temporaries come from the device's stream-ordered pool, which
+    keeps what is freed up to its release threshold; libraries such as CuPy raise
+    it.  empty_cache (and an out-of-memory retry) trims the pool too."""
+    import ctypes
+    from qdispatch import _cuda
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pytest.skip("needs the driver library libcuda.so.1 to raise the pool's threshold")
+    device, pool = ctypes.c_int(), ctypes.c_void_p()
+    assert libcuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+    assert libcuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device) == 0
+    RELEASE_THRESHOLD = 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+    assert libcuda.cuMemPoolSetAttribute(pool, RELEASE_THRESHOLD, ctypes.byref(ctypes.c_uint64(1 << 62))) == 0
+    try:
+        # blocks of 16 along K: both operands spread to whole tensor-core steps in temporaries
+        xq = qd.quantize(rng.standard_normal((256, 4096)).astype(np.float32), qd.QuantScheme("q8s", axis=0),
+                         device="cuda")
+        wq = qd.quantize(rng.standard_normal((512, 4096)).astype(np.float32), qd.QuantScheme("q8s", block=16),
+                         device="cuda")
+        out = qd.q_matmul(xq, wq.T).numpy()  # waits for the kernels: the temporaries are freed
+        assert _cuda.pool_reserved_bytes(0) >= (256 + 512) * 4096 * 2  # each piece of 16 in 32 bytes
+        qd.empty_cache()
+        assert _cuda.pool_reserved_bytes(0) == 0
+        np.testing.assert_array_equal(out, qd.q_matmul(ref(xq), ref(wq).T).numpy())
+    finally:
+        libcuda.cuMemPoolSetAttribute(pool, RELEASE_THRESHOLD, ctypes.byref(ctypes.c_uint64(0)))
+
+
 def test_a_block_past_the_cache_freed_inside_a_torch_capture_goes_back(tmp_path):
     """A block the cache can't keep is given to the driver at once.  Freed while torch
     captured a graph, the free (unasked for in that mode) broke the capture, and the
