@@ -192,6 +192,46 @@ cdef class TensorBase:
         from . import tensor_api
         return tensor_api.tensor_ufunc(ufunc, method, inputs, kwargs)
 
+    # Arithmetic is numpy's on a Tensor's host values, as comparisons are: `t + 1` is
+    # np.add(t, 1), an array.  A QTensor has none (tensor_api.tensor_arithmetic says why).
+    def __add__(self, other): return _arithmetic("add", (self, other))
+    def __radd__(self, other): return _arithmetic("add", (other, self))
+    def __sub__(self, other): return _arithmetic("subtract", (self, other))
+    def __rsub__(self, other): return _arithmetic("subtract", (other, self))
+    def __mul__(self, other): return _arithmetic("multiply", (self, other))
+    def __rmul__(self, other): return _arithmetic("multiply", (other, self))
+    def __truediv__(self, other): return _arithmetic("true_divide", (self, other))
+    def __rtruediv__(self, other): return _arithmetic("true_divide", (other, self))
+    def __floordiv__(self, other): return _arithmetic("floor_divide", (self, other))
+    def __rfloordiv__(self, other): return _arithmetic("floor_divide", (other, self))
+    def __mod__(self, other): return _arithmetic("remainder", (self, other))
+    def __rmod__(self, other): return _arithmetic("remainder", (other, self))
+    def __pow__(self, other, modulo): return _arithmetic("power", (self, other))
+    def __rpow__(self, other, modulo): return _arithmetic("power", (other, self))
+    def __neg__(self): return _arithmetic("negative", (self,))
+    def __pos__(self): return _arithmetic("positive", (self,))
+    def __abs__(self): return _arithmetic("absolute", (self,))
+
+    # `t += 1` would bind t to a new array while other names keep the tensor: refused
+    def __iadd__(self, other): return _in_place("+=")
+    def __isub__(self, other): return _in_place("-=")
+    def __imul__(self, other): return _in_place("*=")
+    def __itruediv__(self, other): return _in_place("/=")
+    def __ifloordiv__(self, other): return _in_place("//=")
+    def __imod__(self, other): return _in_place("%=")
+    def __ipow__(self, other): return _in_place("**=")
+
+
+cdef object _arithmetic(str ufunc, tuple operands):
+    from . import tensor_api
+    return tensor_api.tensor_arithmetic(ufunc, operands)
+
+
+cdef object _in_place(str op):
+    raise TypeError(f"A qdispatch tensor is not changed in place by `{op}`: write `t = t {op[:-1]} x` for an "
+                    f"array of the result, or change a host Tensor's memory through np.asarray(t) (bfloat16: "
+                    f"a copy), or a torch view of it (DLPack)")
+
 
 cdef bint _is_torch(object obj, str kind):
     # only where torch is loaded already: none of its objects can exist otherwise

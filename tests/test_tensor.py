@@ -631,6 +631,34 @@ def test_tensors_compare_value_by_value_as_numpy(device):
     assert len({q, q.T}) == 2
 
 
+def test_arithmetic_operators_are_numpys_on_the_values(device):
+    """`np.add(t, 1)` and `np.ones(2) + t` worked, but `t + 1`, `-t` and `2 * t` raised
+    Python's bare "unsupported operand type(s)"; `t += 1` would have rebound t to an
+    array while other names kept the tensor."""
+    if device == "cuda":
+        pytest.skip("host tensors compute on the host")
+    a = np.array([[1.0, -2.0], [3.0, 4.5]], np.float32)
+    t = qd.tensor(a, device=device)
+    for got, want in ((t + 1, a + 1), (1 + t, 1 + a), (t - a, a - a), (2.0 - t, 2.0 - a), (t * t, a * a),
+                      (3 * t, 3 * a), (t / 2, a / 2), (1 / t, 1 / a), (t // 2, a // 2), (7 // t, 7 // a),
+                      (t % 2, a % 2), (5 % t, 5 % a), (t ** 2, a ** 2), (2 ** t, 2 ** a),
+                      (-t, -a), (+t, +a), (abs(t), abs(a))):
+        assert isinstance(got, np.ndarray)
+        np.testing.assert_array_equal(got, want)
+    b = qd.tensor(a, dtype="bfloat16", device=device)  # bfloat16 values, as np.asarray(b) gives them
+    np.testing.assert_array_equal(b + t, a + a)
+    held = t
+    for in_place in ("+=", "-=", "*=", "/=", "//=", "%=", "**="):
+        with pytest.raises(TypeError, match=f"not changed in place by `{re.escape(in_place)}`"):
+            exec(f"held {in_place} 1")
+    assert held is t
+    np.testing.assert_array_equal(t.numpy(), a)
+    q = qd.quantize(a, "q8s", device=device)
+    for op in (lambda: q + 1, lambda: 1 - q, lambda: -q, lambda: t * q, lambda: abs(q)):
+        with pytest.raises(TypeError, match="A QTensor has no arithmetic operators .* q.dequantize"):
+            op()
+
+
 def test_numpy_style_size_bytes_numbers_and_copies(device):
     """Attributes and conversions a numpy user reaches for: size and nbytes were
     missing, float(t) of one value raised, copy.copy shared a contiguous tensor's memory."""
