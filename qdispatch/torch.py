@@ -547,9 +547,10 @@ def _between_graph_breaks(fn):
 
 _q_matmul_between_graph_breaks = _between_graph_breaks(_q_matmul)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-_NOT_RECORDED = ("torch.export, torch.jit.trace, torch.jit.script and torch.fx can't record qdispatch's "
-                 "q_matmul (QLinear) or lookups (QEmbedding): their kernels run outside torch, where a graph "
-                 "can't follow them (a trace would hold this call's output as a constant). Run the model "
+_NOT_RECORDED = ("torch.export, torch.jit.trace, torch.jit.script and torch.fx (make_fx included) can't record "
+                 "qdispatch's q_matmul (QLinear) or lookups (QEmbedding), nor run them on fake tensors: their "
+                 "kernels run outside torch, where a graph can't follow them (a trace would hold this call's "
+                 "output as a constant). Run the model "
                  "eagerly, or with torch.compile, which runs each qdispatch call between graph breaks")
 _torch_is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
 
@@ -567,12 +568,26 @@ if hasattr(getattr(torch, "compiler", None), "assume_constant_result"):
 _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its Python wrapper
 
 
+_MODE_KEYS = getattr(torch._C, "_TorchDispatchModeKey", None)
+
+
+def _tracing_mode():
+    """Whether make_fx records (a proxy dispatch mode) or fake tensors stand in for
+    data (a fake mode): both would run qdispatch's kernels on no values, or keep
+    their output as a constant."""
+    if _MODE_KEYS is None:
+        return False
+    mode = torch._C._get_dispatch_mode
+    return mode(_MODE_KEYS.PROXY) is not None or mode(_MODE_KEYS.FAKE) is not None
+
+
 def _refuse_recording(x):
     """BackendUnavailableError where torch records a graph to replay without qdispatch's
-    call (export, jit.trace, fx).  Dynamo can't trace _is_tracing (with fullgraph=True
-    that failed the compile, with a message that named no qdispatch call), so it is
-    asked only outside torch.compile."""
-    if _is_exporting() or (not _is_compiling() and (_is_tracing() or isinstance(x, torch.fx.Proxy))):
+    call (export, jit.trace, fx and make_fx) or runs on fake tensors.  Dynamo can't
+    trace _is_tracing (with fullgraph=True that failed the compile, with a message that
+    named no qdispatch call), so it is asked only outside torch.compile."""
+    if _is_exporting() or (not _is_compiling() and (_is_tracing() or isinstance(x, torch.fx.Proxy)
+                                                    or _tracing_mode())):
         raise BackendUnavailableError(_NOT_RECORDED)
 
 
@@ -587,9 +602,10 @@ def _quantized(weight, scheme, device):
         return tensor_api.qtensor_zeros(tuple(weight.shape), scheme, device=device)
     if weight.dtype == torch.float64:  # narrowed here, so that a value past float32's range is named
         weight = torch.from_numpy(tensor_api.within_float32(weight.cpu().numpy())).to(weight.device)
-    if device is not None and Device.parse(device).is_host:
+    host = device is not None and Device.parse(device).is_host
+    if host:  # viewed there: the default backend may be another (or unusable, through a bad ISA setting)
         weight = weight.cpu()
-    return tensor_api.quantize(from_torch(weight), scheme, device=device)
+    return tensor_api.quantize(from_torch(weight, device if host else None), scheme, device=device)
 
 
 # Layers that share a QTensor in the model (tied weights) share one after a load too,
@@ -1577,9 +1593,19 @@ def _quantized_layer(name, layer, cls, scheme, device, ties, options=None):
         if (Device.parse(device) == here if device is not None
                 else weight.is_meta or _torch_device(here) == weight.device):
             shared = earlier[1]
+    if shared is not None and not weight.is_meta:
+        # a change through .data bumps no version: the values decide (a second quantization, for tied layers only)
+        fresh = _named_layer_errors(name, cls._describe(layer), lambda: _quantized(weight.detach(), scheme, device))
+        shared = shared if _same_quantization(fresh, shared) else fresh
     module = _named_layer_errors(name, cls._describe(layer), lambda: cls._quantize(layer, scheme, device, shared, options))
     ties[id(weight)] = (weight, module.weight)
     return module
+
+
+def _same_quantization(a, b):
+    """Whether QTensors a and b hold the same stored values and scales, bit for bit."""
+    host = lambda x: x if isinstance(x, np.ndarray) else x.numpy()
+    return all(np.array_equal(host(getattr(a, part)), host(getattr(b, part))) for part in ("values", "scales"))
 
 
 def _named_layer_errors(name, what, make):
@@ -1643,7 +1669,7 @@ def save_model(model, path):
 def _savable(host):
     """Host tensor `host` as qdispatch.save takes it: a numpy view, or a qdispatch Tensor
     for bfloat16, which numpy lacks."""
-    return from_torch(host) if host.dtype == torch.bfloat16 else host.numpy()
+    return from_torch(host, "reference") if host.dtype == torch.bfloat16 else host.numpy()  # any host backend
 
 
 def load_model(model, path):

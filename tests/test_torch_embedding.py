@@ -505,6 +505,27 @@ def test_tied_weights_part_where_the_schemes_or_devices_differ():
     assert isinstance(kept.head, torch.nn.Linear) and isinstance(kept.embed, QEmbedding)
 
 
+@pytest.mark.parametrize("change", ["data.mul_", "data.copy_", "data ="])
+def test_a_tied_weight_changed_through_data_is_quantized_anew(change):
+    """A change through .data bumps no version counter: quantize_embeddings took the
+    output layer's QTensor, quantized from the values before, and the table's rows
+    were not its weight's.  The values now decide whether the two share one."""
+    torch.manual_seed(0)
+    model = quantize_linears(TiedLM(), PER_ROW)
+    weight = model.embed.weight
+    if change == "data.mul_":
+        weight.data.mul_(2)
+    elif change == "data.copy_":
+        weight.data.copy_(torch.randn_like(weight))
+    else:
+        weight.data = torch.randn_like(weight)
+    want = qd.quantize(weight.detach().numpy(), PER_ROW).dequantize().numpy()
+    quantize_embeddings(model, PER_ROW)
+    assert model.embed.weight is not model.head.weight
+    ids = torch.tensor([4, 0, 49])
+    assert torch.equal(model.embed(ids), torch.from_numpy(want[ids.numpy()]))
+
+
 def test_a_tied_model_saves_its_weight_once_and_loads_tied(tmp_path):
     pytest.importorskip("safetensors")
     torch.manual_seed(0)

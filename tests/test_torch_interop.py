@@ -248,6 +248,60 @@ def test_export_and_tracers_refuse_what_they_cannot_record():
                                   + model[0].bias.detach().numpy())
 
 
+@pytest.mark.parametrize("tracing_mode", ["real", "fake", "symbolic"])
+def test_make_fx_and_fake_tensors_refuse_what_they_cannot_run(tracing_mode):
+    """make_fx recorded a QLinear's, q_matmul's and a lookup's output as a constant (the
+    traced graph gave the first input's answer for any input); with fake tensors torch
+    raised an untyped error naming .numpy().  Both now refuse, as the other tracers do."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from qdispatch.torch import QEmbedding
+    layer = QLinear.from_linear(torch.nn.Linear(16, 8), SCHEMES[0], device=DEVICES[-1])
+    table = QEmbedding.from_embedding(torch.nn.Embedding(10, 8), SCHEMES[0], device=DEVICES[-1])
+    w = weight((16, 8), SCHEMES[0], DEVICES[-1])
+    says = "can't record qdispatch's q_matmul \\(QLinear\\) or lookups \\(QEmbedding\\), nor run them on fake"
+    for fn, arg in ((layer, torch.randn(2, 16)), (lambda x: q_matmul(x, w), torch.randn(2, 16)),
+                    (table, torch.tensor([1, 2]))):
+        with pytest.raises(qd.BackendUnavailableError, match=says):
+            make_fx(fn, tracing_mode=tracing_mode)(arg)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(2, 16))
+        with pytest.raises(qd.BackendUnavailableError, match=says):
+            layer(fake)
+    x = torch.randn(2, 16)  # eager calls are unchanged
+    torch.testing.assert_close(layer(x), q_matmul(x, layer.weight.T) + layer.bias, rtol=0, atol=0)
+
+
+REFERENCE_ONLY = """
+import numpy as np, torch, qdispatch as qd
+from qdispatch.torch import QEmbedding, QLinear, load_model, quantize_linears, save_model
+import sys
+assert "cpu" not in qd.available_backends()
+torch.manual_seed(0)
+linear, table = torch.nn.Linear(8, 4), torch.nn.Embedding(6, 4)
+layer = QLinear.from_linear(linear, "q8s", device="reference")
+model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 4)), "q8s", device="reference")
+lookup = QEmbedding.from_embedding(table, "q8s", device="reference")
+assert layer.weight.device == model[0].weight.device == lookup.weight.device == "reference"
+layer.load_state_dict({"weight": linear.weight.detach() * 2, "bias": linear.bias.detach()})
+w = qd.quantize(linear.weight.detach().numpy() * 2, "q8s", device="reference")
+x = torch.randn(3, 8)
+assert np.array_equal(layer(x).detach().numpy(), qd.q_matmul(x.numpy(), w.T).numpy() + linear.bias.detach().numpy())
+model.register_parameter("gain", torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16)))
+save_model(model, sys.argv[1])
+print("ok")
+"""
+
+
+def test_layers_asked_for_on_reference_need_no_cpu_backend(tmp_path):
+    """With the cpu backend unusable (a bad QDISPATCH_ISA), layers asked for on the
+    reference backend went through the default backend (cpu) and raised its error,
+    and so did saving a bfloat16 parameter."""
+    script = tmp_path / "reference_only.py"
+    script.write_text(REFERENCE_ONLY)
+    out = run_python(str(script), str(tmp_path / "model.safetensors"), QDISPATCH_ISA="bogus")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 @pytest.mark.cuda
 def test_cuda_autocast_and_torch_func():
     _needs_cuda()
