@@ -137,7 +137,7 @@ def _check_offsets(path, file):
     file's alignment, as ggml requires, and the last ends with the file: tensors that
     overlap would load one file's bytes many times over, or as another's garbage, and
     a wrong tensor count would read a header as data."""
-    expected, end = file.data_start, file.data_start
+    expected = file.data_start
     for t in file.tensors:
         if t.offset != expected:
             raise SerializationError(
@@ -148,10 +148,10 @@ def _check_offsets(path, file):
             raise SerializationError(f"{path} is not a readable GGUF file (truncated or corrupted?): tensor "
                                      f"{t.name!r} ends at byte {end}, past the file's end at byte {len(file.data)}")
         expected += -(-t.nbytes // file.alignment) * file.alignment
-    if file.tensors and not end <= len(file.data) <= expected:  # the last tensor's padding is optional
-        raise SerializationError(f"{path} holds {len(file.data) - expected} bytes past its last tensor's data "
-                                 f"and alignment padding (which end at byte {expected}): the file is corrupted "
-                                 f"(its tensor count, say)")
+    if len(file.data) > expected:  # the last tensor's padding is optional (past its end: checked above)
+        what = "its last tensor's data and alignment padding" if file.tensors else "its header and padding"
+        raise SerializationError(f"{path} holds {len(file.data) - expected} bytes past {what} (which end at "
+                                 f"byte {expected}): the file is corrupted (its tensor count, say)")
 
 
 def _load_tensor(path, gguf, file, t, device):

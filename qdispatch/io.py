@@ -282,15 +282,23 @@ def _ours(name, obj, caller):
     resolve_neg = getattr(obj, "resolve_neg", None)
     if resolve_neg is not None:  # torch's lazy negation (x.conj().imag), which DLPack does not carry
         obj = resolve_neg()
+    if getattr(obj, "requires_grad", False):  # torch exports no such tensor (a Parameter): its values
+        obj = obj.detach()
     try:
         return np.from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError):
         pass
+    given = str(getattr(obj, "dtype", "?"))
     try:
-        return tensor(obj)
+        held = tensor(obj)
     except (TypeError, ValueError, RuntimeError, BufferError) as exc:
-        raise TypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {getattr(obj, 'dtype', '?')}: "
-                        f"{exc}") from None
+        raise TypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {given}: {exc}") from None
+    if held.dtype != given.removeprefix("torch."):  # qdispatch.tensor converts (float64 to float32): a file keeps values as given
+        raise TypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {given} that numpy can't view "
+                        f"(on a GPU, say): a qdispatch Tensor holds float32, float16, bfloat16, int8 or int32; "
+                        f"move it to the host "
+                        f"first (x.cpu() in torch, x.get() in CuPy), which saves it as a numpy array of its dtype")
+    return held
 
 
 def _plain(name):

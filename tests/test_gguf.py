@@ -270,6 +270,20 @@ def test_a_lowered_tensor_count_is_refused(tmp_path):
         qgguf.load(path)
 
 
+def test_a_tensor_count_of_zero_is_refused_and_a_file_of_metadata_alone_loads(tmp_path):
+    """A tensor count lowered to 0 (or a header followed by garbage) loaded as {}:
+    the check for bytes past the last tensor ran only when there was one."""
+    path = tmp_path / "m.gguf"
+    quantized_file(path, [T.Q8_0], (2, 64))
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<Q", raw, 8, 0)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SerializationError, match=r"holds \d+ bytes past its header and padding .*corrupted"):
+        qgguf.load(path)
+    write_gguf(tmp_path / "vocab.gguf", {})  # metadata alone (a vocabulary file, say): no tensors, no error
+    assert qgguf.load(tmp_path / "vocab.gguf") == {}
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_loaders_refuse_what_is_no_regular_file(tmp_path):
     """A named pipe blocked the open for ever (waiting for a writer); a device gave

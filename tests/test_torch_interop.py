@@ -556,8 +556,13 @@ def test_torch_tensors_save_and_export_as_they_are(tmp_path):
         with pytest.raises(TypeError, match="Can't save 'f8', a Tensor of dtype torch.float8_e4m3fn"):
             qd.save(tmp_path / "f.safetensors", {"f8": torch.zeros(2, dtype=torch.float8_e4m3fn)})
     parameter = torch.nn.Linear(3, 2).weight  # requires grad: its values are saved
-    qd.save(tmp_path / "p.safetensors", {"p": parameter})
-    np.testing.assert_array_equal(qd.load(tmp_path / "p.safetensors")["p"], parameter.detach().numpy())
+    # a float64 one was saved through qdispatch.tensor, as float32 (1e-300 became 0), and both as Tensors
+    doubles = torch.nn.Parameter(torch.tensor([0.1, 1 / 3, 1e-300, 123456789.123], dtype=torch.float64))
+    qd.save(tmp_path / "p.safetensors", {"p": parameter, "d": doubles})
+    loaded = qd.load(tmp_path / "p.safetensors")
+    assert isinstance(loaded["p"], np.ndarray) and isinstance(loaded["d"], np.ndarray)
+    np.testing.assert_array_equal(loaded["p"], parameter.detach().numpy())
+    assert loaded["d"].dtype == np.float64 and np.array_equal(loaded["d"], doubles.detach().numpy())
     pytest.importorskip("gguf")
     from qdispatch import gguf as qgguf
     qgguf.export(tmp_path / "t.gguf", {"h": halves, "n": negated})
