@@ -569,16 +569,17 @@ _is_tracing = torch._C._is_tracing  # torch.jit.trace's own check, without its P
 
 
 _MODE_KEYS = getattr(torch._C, "_TorchDispatchModeKey", None)
+if _MODE_KEYS is not None:
+    _dispatch_mode, _PROXY_MODE, _FAKE_MODE = torch._C._get_dispatch_mode, _MODE_KEYS.PROXY, _MODE_KEYS.FAKE
 
-
-def _tracing_mode():
-    """Whether make_fx records (a proxy dispatch mode) or fake tensors stand in for
-    data (a fake mode): both would run qdispatch's kernels on no values, or keep
-    their output as a constant."""
-    if _MODE_KEYS is None:
+    def _tracing_mode():
+        """Whether make_fx records (a proxy dispatch mode) or fake tensors stand in for
+        data (a fake mode): both would run qdispatch's kernels on no values, or keep
+        their output as a constant."""
+        return _dispatch_mode(_PROXY_MODE) is not None or _dispatch_mode(_FAKE_MODE) is not None
+else:
+    def _tracing_mode():
         return False
-    mode = torch._C._get_dispatch_mode
-    return mode(_MODE_KEYS.PROXY) is not None or mode(_MODE_KEYS.FAKE) is not None
 
 
 def _refuse_recording(x):
