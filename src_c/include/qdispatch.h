@@ -96,7 +96,8 @@ void qd_isa_reset(void);
 void qd_set_num_threads(int n);
 int qd_get_num_threads(void);
 /* 1 in a process forked after the library was loaded: OpenMP's threads do not survive
- * fork(), so there the kernels run on one thread, whatever qd_set_num_threads said. */
+ * fork(), so there the kernels run on one thread, whatever qd_set_num_threads said.
+ * A build without OpenMP runs on one thread anyway, watches no forks and returns 0. */
 int qd_forked_child(void);
 
 /* ---- quantization ---- */
