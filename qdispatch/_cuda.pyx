@@ -260,7 +260,10 @@ cdef size_t _bin(size_t nbytes):
     return max(512, (nbytes + 511) // 512 * 512)
 
 
-cdef void _release_cache(int device):
+cdef void _release_cache(int device, bint wait=False):
+    """The cached blocks of `device` back to the driver, and the unused part of its
+    pool: all of it after `wait` (the device's queued work done first), which no
+    call that may run inside a CUDA graph capture asks for."""
     global _cached_bytes
     for key in list(_free_blocks):
         if key[0] != device:
@@ -270,17 +273,20 @@ cdef void _release_cache(int device):
         if kept:
             _free_blocks[key] = kept
         _cached_bytes -= key[1] * (len(blocks) - len(kept))
-    _trim_pool(device)
+    _trim_pool(device, wait)
 
 
-cdef void _trim_pool(int device) noexcept nogil:
+cdef void _trim_pool(int device, bint wait) noexcept nogil:
     """The kernels' temporaries (split sums, spread operands) come from the device's
     stream-ordered pool, which keeps what they gave back, up to its release
     threshold (another library, such as CuPy, may have raised it): the unused part
-    goes back to the driver."""
+    goes back to the driver.  Memory freed in stream order counts as unused only
+    once a synchronizing call has seen the free (a copy back to the host does not)."""
     cdef cudaMemPool_t pool
     cdef QuietScope scope
     _enter_quietly(&scope, device)
+    if wait and cudaDeviceSynchronize() != cudaSuccess:
+        cudaGetLastError()  # a sticky fault is the next call's to report
     if cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess or cudaMemPoolTrimTo(pool, 0) != cudaSuccess:
         cudaGetLastError()  # a pool that can't be asked holds nothing of ours to give back
     _leave_quietly(&scope)
@@ -311,7 +317,7 @@ def empty_cache(int device=-1):
             cudaGetLastError()
     for dev in devices:
         with on_device(dev):
-            _release_cache(dev)
+            _release_cache(dev, True)
 
 
 def cached_bytes(int device):
@@ -490,9 +496,9 @@ cdef class DeviceBuffer:
             _cached_bytes -= size
             return b
         err = cudaMalloc(&p, size)
-        if err == cudaErrorMemoryAllocation:
+        if err == cudaErrorMemoryAllocation:  # (refused above inside a torch capture: may wait)
             cudaGetLastError()
-            _release_cache(device)
+            _release_cache(device, True)
             err = cudaMalloc(&p, size)
         if err == cudaErrorMemoryAllocation:
             cudaGetLastError()
