@@ -35,6 +35,7 @@ from functools import lru_cache
 import numpy as np
 
 import qdispatch as qd
+from qdispatch._core import get_backend
 
 # ---- what is measured ------------------------------------------------------------
 
@@ -494,7 +495,7 @@ FLOAT_RTOL = 1e-5
 # standard deviations of that noise are never reached by chance (far below 1e-12 per
 # output), while a zeroed, shifted or permuted output lies dozens of them away.
 NOISE_SIGMAS = 8
-SAMPLE_ROWS = 8  # rows of M compared: the float64 reference costs K x N per row
+SAMPLE_ROWS = 16  # rows of M compared (every row of a decode batch): the float64 reference costs K x N per row
 
 
 class WrongResultError(AssertionError):
@@ -901,6 +902,10 @@ def _check_arguments(args):
         unknown = [v for v in given if v not in known]
         if unknown:
             raise SystemExit(f"unknown {name} {', '.join(unknown)}: choose from {', '.join(known)}")
+    if not args.backend:  # the default list is empty where the cpu backend can't run
+        raise SystemExit(f"no qdispatch host backend to time: the cpu backend can't run here "
+                         f"({get_backend('cpu').unavailable_reason(0)}); fix that, or name "
+                         f"--backend reference to time the reference backend")
     devices = [b for b in args.backend if is_device_backend(b)]
     if devices:
         raise SystemExit(f"qdispatch bench can't time {', '.join(devices)}: {CUDA_ELSEWHERE}")
@@ -1035,16 +1040,38 @@ def run(args):
               "settings": {"repeat": args.repeat,
                            "statistic": "best of `samples` (repeat, fewer for slow cases)"}}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(rows, args.plot)
-        written = args.plot if os.path.splitext(args.plot)[1] else args.plot + ".png"  # as matplotlib names it
-        print(f"plot written to {written}")
+        _write_json(args.json, result)
     if not rows:  # a script that runs the command learns that it measured nothing
         print("nothing was measured: every case was skipped (above)", file=sys.stderr)
         return 1
+    if args.plot:
+        try:
+            plot(rows, args.plot)
+        except (OSError, RuntimeError) as exc:  # a full disk, or a format whose tools are missing
+            raise SystemExit(f"--plot {args.plot}: the plot could not be written ({exc})") from None
+        written = args.plot if os.path.splitext(args.plot)[1] else args.plot + ".png"  # as matplotlib names it
+        print(f"plot written to {written}")
     return 0
+
+
+def _write_json(path, result):
+    """The results written beside `path`, then renamed onto it: a run that fails to
+    write (a full disk) leaves the file as it was, and says so.  Anything but a
+    regular file (a pipe, /dev/stdout) is written in place: a rename would replace it."""
+    text = json.dumps(result, indent=1)
+    in_place = os.path.exists(path) and not os.path.isfile(path)
+    target = path if in_place else os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                f".{os.path.basename(path)}.partial")
+    try:
+        with open(target, "w") as f:
+            f.write(text)
+        if not in_place:
+            os.replace(target, path)
+    except OSError as exc:
+        if not in_place and os.path.exists(target):
+            os.unlink(target)
+        kept = "" if in_place else "; the file is as it was"
+        raise SystemExit(f"--json {path}: the results could not be written ({exc.strerror or exc}){kept}") from None
 
 
 # Paths on qdispatch's exact int8 kernel, whose speed the int8 peak bounds.

@@ -18,9 +18,10 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 TINY = bench.Shape(2, 64, 48)
 
 
-def _run(args, cwd):
-    """`python args` in `cwd`, importing the same qdispatch as this test (installed or built in place)."""
-    env = dict(os.environ)
+def _run(args, cwd, **settings):
+    """`python args` in `cwd`, importing the same qdispatch as this test (installed or built in place),
+    with environment `settings` added."""
+    env = {**os.environ, **settings}
     here = os.path.dirname(os.path.dirname(qdispatch.__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True)
@@ -181,6 +182,55 @@ def test_bench_command_writes_json(tmp_path):
     assert "less than 16x the last-level cache" in proc.stderr
     assert data["ceilings"][0]["threads"] == 1
     assert "streaming read" in proc.stdout and "qq int8 peak" in proc.stdout
+
+
+def test_a_json_file_that_cant_be_written_is_left_as_it_was(monkeypatch, tmp_path):
+    """The results were written in place: a full disk at the end of a run left a cut,
+    invalid file where the old results had been, and a traceback."""
+    from qdispatch.__main__ import main
+    out = tmp_path / "bench.json"
+    out.write_text('{"old": 1}')
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", full_disk)
+    args = ["bench", "--shapes", "2x64x64", "--threads", "1", "--paths", "quantize", "--repeat", "1",
+            "--bandwidth-mb", "1", "--rotation-mb", "1", "--json"]
+    with pytest.raises(SystemExit, match=r"--json .*bench\.json: the results could not be written \(No space "
+                                         r"left on device\); the file is as it was"):
+        main(args + [str(out)])
+    assert out.read_text() == '{"old": 1}' and os.listdir(tmp_path) == ["bench.json"]
+    monkeypatch.undo()
+    assert main(args + [os.devnull]) == 0  # not a regular file: written in place, never replaced
+    assert not os.path.isfile(os.devnull)
+
+
+def test_no_usable_host_backend_is_refused_before_anything_runs(tmp_path):
+    """With the cpu backend unusable the default backend list was empty: the command
+    timed numpy alone and exited 0."""
+    proc = _run(["-m", "qdispatch", "bench", "--shapes", "2x64x64", "--threads", "1"], cwd=tmp_path,
+                QDISPATCH_ISA="bogus")
+    assert proc.returncode == 1 and "GOP/s" not in proc.stdout
+    assert "no qdispatch host backend to time: the cpu backend can't run here (QDISPATCH_ISA=bogus" in proc.stderr
+    assert "--backend reference" in proc.stderr
+
+
+def test_a_plot_of_nothing_measured_is_not_drawn(monkeypatch, capsys):
+    """With every case skipped, --plot raised matplotlib's ValueError before the
+    command could say that nothing was measured."""
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(bench, "require_matplotlib", lambda: None)
+    monkeypatch.setattr(bench, "plot", lambda rows, out: pytest.fail("plotted no rows"))
+    real = bench.operands
+
+    def operands(shape):
+        if shape.m == 3:
+            raise MemoryError("Unable to allocate 37.3 GiB")
+        return real(shape)
+    monkeypatch.setattr(bench, "operands", operands)
+    assert main(["bench", "--shapes", "3x64x64", "--threads", "1", "--paths", "qq_int8", "--repeat", "1",
+                 "--bandwidth-mb", "1", "--rotation-mb", "1", "--plot", "nothing.png"]) == 1
+    assert "nothing was measured: every case was skipped" in capsys.readouterr().err
 
 
 def test_bench_leaves_cuda_to_its_own_benchmarks(monkeypatch):
