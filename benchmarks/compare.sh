@@ -17,28 +17,41 @@ set -euo pipefail
 cd "$(dirname "$0")"
 args=(. -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup)"
       --bench-shapes 1x1024x1024,16x1024x1024 --bench-threads 1 --bench-bandwidth-mb 256
-      --benchmark-max-time=0.25 --benchmark-storage=file://baseline)
+      --benchmark-max-time=0.25)
 if [[ "${1:-}" == "--save" ]]; then
     shift
-    python -m pytest "${args[@]}" --benchmark-save=baseline "$@"
+    # measured into a folder of its own: a run that fails or is interrupted leaves the
+    # baseline as it was, rather than a partial run that would become the latest
+    fresh=$(mktemp -d)
+    trap 'rm -rf "$fresh"' EXIT
+    python -m pytest "${args[@]}" --benchmark-storage="file://$fresh" --benchmark-save=baseline "$@"
+    saved=$(ls "$fresh"/*/*_baseline.json)
+    platform=$(basename "$(dirname "$saved")")
     # the new run replaces the old ones: `--benchmark-compare` takes the latest, but a
     # folder of stale runs misleads whoever reads it
-    latest=$(ls -t baseline/*/*_baseline.json | head -1)
-    find baseline -name '*_baseline.json' ! -path "$latest" -delete
+    find baseline -name '*_baseline.json' -delete 2>/dev/null || true
+    mkdir -p "baseline/$platform"
+    mv "$saved" "baseline/$platform/"
     exit 0
 fi
+args+=(--benchmark-storage=file://baseline)
 run=$(mktemp)
 trap 'rm -f "$run"' EXIT
 # the baseline's machine against this one (pytest-benchmark only warns)
 python - <<'PY'
 import glob, json, sys
 import cpuinfo
+from pytest_benchmark.utils import get_machine_id
 saved = sorted(glob.glob("baseline/*/*_baseline.json"))
 if not saved:
     sys.exit("compare.sh: no baseline saved in benchmarks/baseline: run benchmarks/compare.sh --save first")
+here = sorted(glob.glob(f"baseline/{get_machine_id()}/*_baseline.json"))
+if not here:  # pytest-benchmark compares only within its platform's folder
+    sys.exit(f"compare.sh: the baseline ({saved[-1]}) was saved by another Python or platform than this "
+             f"one ({get_machine_id()}): save your own with benchmarks/compare.sh --save, then compare.")
 def cpu(info):
     return {k: info.get(k) for k in ("brand_raw", "family", "model", "count")}
-then, now = cpu(json.load(open(saved[-1]))["machine_info"]["cpu"]), cpu(cpuinfo.get_cpu_info())
+then, now = cpu(json.load(open(here[-1]))["machine_info"]["cpu"]), cpu(cpuinfo.get_cpu_info())
 if then != now:
     sys.exit(f"compare.sh: the baseline was saved on another CPU ({then}; this one is {now}): its times say "
              f"nothing about this machine. Save your own with benchmarks/compare.sh --save, then compare.")
@@ -47,15 +60,17 @@ status=0
 python -m pytest "${args[@]}" --benchmark-compare --benchmark-compare-fail=min:25% --benchmark-json="$run" "$@" \
     || status=$?
 [ "$status" -eq 0 ] || [ -s "$run" ] || exit "$status"  # pytest stopped before measuring: its message says why
-# a comparison that left out the baseline's products checks little: the ceiling cases
-# (read bandwidth, int8 peak) match whatever the shapes
+# a comparison that left out some of the baseline's cases did not check them (a build
+# that lost an ISA, other shapes, threads or names)
 python - "$run" <<'PY' || status=1
 import glob, json, sys
-base = {b["name"] for b in json.load(open(sorted(glob.glob("baseline/*/*_baseline.json"))[-1]))["benchmarks"]}
+from pytest_benchmark.utils import get_machine_id
+base = {b["name"] for b in json.load(open(sorted(glob.glob(f"baseline/{get_machine_id()}/*_baseline.json"))[-1]))["benchmarks"]}
 ran = {b["name"] for b in json.load(open(sys.argv[1]))["benchmarks"]} if open(sys.argv[1]).read(1) else set()
-products = {name for name in base if name.startswith("test_matmul")}
-if not products <= ran:
-    sys.exit(f"compare.sh: {len(products - ran)} of the baseline's {len(products)} products were not run, so "
-             f"they were not compared (other shapes, threads or names?): save a baseline with the same options")
+if not base <= ran:
+    left = sorted(base - ran)
+    sys.exit(f"compare.sh: {len(left)} of the baseline's {len(base)} cases were not run, so they were not "
+             f"compared ({', '.join(left[:5])}{', ...' if len(left) > 5 else ''}): run with the options the "
+             f"baseline was saved with, or save a new one")
 PY
 exit $status
