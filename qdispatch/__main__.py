@@ -32,5 +32,14 @@ def main(argv=None):
     return getattr(cli, command)(args) or 0
 
 
+def run():
+    """The console script: main(), an interrupt (Ctrl-C) ending it with a word, not a traceback."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("qdispatch: interrupted; nothing further was written", file=sys.stderr)
+        return 130  # as a shell reports SIGINT
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -83,3 +83,15 @@ def test_a_subcommands_unknown_option_gets_its_own_usage(capsys):
         main(["config", "--cflags", "--static"])  # --static was ignored
     assert exc.value.code == 2 and "--static picks the libraries" in capsys.readouterr().err
 
+
+
+def test_an_interrupt_ends_the_command_with_a_word(monkeypatch, capsys):
+    """Ctrl-C in a long `qdispatch bench` printed a KeyboardInterrupt traceback."""
+    from qdispatch import __main__, cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "info", interrupted)
+    monkeypatch.setattr(sys, "argv", ["qdispatch", "info"])
+    assert __main__.run() == 130
+    assert capsys.readouterr().err == "qdispatch: interrupted; nothing further was written\n"
