@@ -362,7 +362,7 @@ def test_a_plot_format_matplotlib_cant_write_is_refused_before_anything_runs(mon
 
 
 def test_all_contenders_may_come_with_others():
-    args = argparse.Namespace(contenders=["all", "fbgemm"], paths=["qq_int8"], backend=[], shapes=[], json=None,
+    args = argparse.Namespace(contenders=["all", "fbgemm"], paths=["qq_int8"], backend=["reference"], shapes=[], json=None,
                               plot=None, bandwidth_mb=None)
     assert bench._check_arguments(args) == list(bench.CONTENDERS)
 
@@ -374,7 +374,7 @@ def test_comma_lists_take_spaces_and_name_each_item_once():
 
 
 def test_an_unknown_contender_beside_all_is_refused():
-    args = argparse.Namespace(contenders=["all", "foo"], paths=["qq_int8"], backend=[], shapes=[], json=None,
+    args = argparse.Namespace(contenders=["all", "foo"], paths=["qq_int8"], backend=["reference"], shapes=[], json=None,
                               plot=None, bandwidth_mb=None)
     with pytest.raises(SystemExit, match="unknown contender foo"):
         bench._check_arguments(args)
