@@ -215,12 +215,8 @@ def test_no_usable_host_backend_is_refused_before_anything_runs(tmp_path):
     assert "--backend reference" in proc.stderr
 
 
-def test_a_plot_of_nothing_measured_is_not_drawn(monkeypatch, capsys):
-    """With every case skipped, --plot raised matplotlib's ValueError before the
-    command could say that nothing was measured."""
-    from qdispatch.__main__ import main
-    monkeypatch.setattr(bench, "require_matplotlib", lambda: None)
-    monkeypatch.setattr(bench, "plot", lambda rows, out: pytest.fail("plotted no rows"))
+def _operands_past_memory_at_three_rows(monkeypatch):
+    """Shapes of M = 3 raise MemoryError when their operands are made, as past the free memory."""
     real = bench.operands
 
     def operands(shape):
@@ -228,6 +224,15 @@ def test_a_plot_of_nothing_measured_is_not_drawn(monkeypatch, capsys):
             raise MemoryError("Unable to allocate 37.3 GiB")
         return real(shape)
     monkeypatch.setattr(bench, "operands", operands)
+
+
+def test_a_plot_of_nothing_measured_is_not_drawn(monkeypatch, capsys):
+    """With every case skipped, --plot raised matplotlib's ValueError before the
+    command could say that nothing was measured."""
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(bench, "require_matplotlib", lambda: None)
+    monkeypatch.setattr(bench, "plot", lambda rows, out: pytest.fail("plotted no rows"))
+    _operands_past_memory_at_three_rows(monkeypatch)
     assert main(["bench", "--shapes", "3x64x64", "--threads", "1", "--paths", "qq_int8", "--repeat", "1",
                  "--bandwidth-mb", "1", "--rotation-mb", "1", "--plot", "nothing.png"]) == 1
     assert "nothing was measured: every case was skipped" in capsys.readouterr().err
@@ -402,13 +407,7 @@ def test_pytest_options_are_checked_as_the_commands_are(tmp_path, option, value,
 def test_a_shape_too_large_for_memory_is_skipped_with_the_others_run(monkeypatch, capsys):
     """Operands past the free memory ended the whole run in a MemoryError traceback."""
     from qdispatch.__main__ import main
-    real = bench.operands
-
-    def operands(shape):
-        if shape.m == 3:
-            raise MemoryError("Unable to allocate 37.3 GiB")
-        return real(shape)
-    monkeypatch.setattr(bench, "operands", operands)
+    _operands_past_memory_at_three_rows(monkeypatch)
     assert main(["bench", "--shapes", "2x64x64,3x64x64", "--threads", "1", "--paths", "qq_int8",
                  "--repeat", "1", "--bandwidth-mb", "1", "--rotation-mb", "1"]) == 0
     out = capsys.readouterr().out
