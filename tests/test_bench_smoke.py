@@ -85,6 +85,25 @@ def test_a_wrong_result_fails_the_case_naming_it(monkeypatch, path, impl, corrup
         bench.build(case, copies=1)
 
 
+@pytest.mark.parametrize("row", [1, 7, 14])
+def test_a_wrong_row_of_a_decode_batch_is_caught(monkeypatch, row):
+    """Eight sampled rows of 16 left rows 1, 3, 5, 7, 8, 10, 12 and 14 unchecked."""
+    case = bench.Case(bench.Shape(16, 64, 48), "qq_int8", "cpu", 1)
+    real = bench._PATH_BUILDERS["qq_int8"]
+
+    def build_corrupted(case, x, w):
+        fn, nbytes = real(case, x, w)
+
+        def wrong_row():
+            out = bench._as_array(fn()).copy()
+            out[row] = 0
+            return out
+        return wrong_row, nbytes
+    monkeypatch.setitem(bench._PATH_BUILDERS, "qq_int8", build_corrupted)
+    with pytest.raises(bench.WrongResultError, match=rf"^{case.id}: cpu gave a wrong output"):
+        bench.build(case, copies=1)
+
+
 def test_a_wrong_result_stops_the_bench_command(monkeypatch, capsys):
     """The command reports no figures for a run that timed a wrong product, and exits non-zero."""
     from qdispatch.__main__ import main
