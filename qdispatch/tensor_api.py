@@ -387,16 +387,16 @@ def tensor_compare(t, other, op):
 
 
 def tensor_arithmetic(name, operands):
-    """An arithmetic operator on qdispatch tensors: numpy's ufunc `name` of a Tensor's host
-    values, an array (a CUDA tensor's np.asarray says to move it first).  A QTensor
-    has no arithmetic; with a torch tensor the other side's operator decides."""
+    """An arithmetic operator on qdispatch tensors: numpy's ufunc `name`, which hands
+    them to tensor_ufunc (a Tensor's host values; an array).  A QTensor has no
+    arithmetic; with a torch tensor the other side's operator decides."""
     if any(isinstance(x, QTensor) for x in operands):
         raise TypeError(f"A QTensor has no arithmetic operators (np.{name}): compute on "
                         f"q.dequantize().numpy(), or multiply with q_matmul")
     torch = sys.modules.get("torch")  # loaded already wherever one of its tensors exists
     if torch is not None and any(isinstance(x, torch.Tensor) for x in operands):
         return NotImplemented
-    return getattr(np, name)(*[tensor_array(x) if isinstance(x, Tensor) else x for x in operands])
+    return getattr(np, name)(*operands)
 
 
 # ---- quantized tensors -----------------------------------------------------
