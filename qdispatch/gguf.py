@@ -52,8 +52,7 @@ BLOCK = 32
 Q8_0_SCHEME = QuantScheme("q8f", block=BLOCK, scale_dtype="f16")
 Q4_0_SCHEME = QuantScheme("q4f", block=BLOCK, store="packed_u32", scale_dtype="f16")
 _SCALE_BYTES = 2
-_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS: its loader refuses a whole file with a tensor of more
-_MAX_NAME = 63  # UTF-8 bytes: ggml's GGML_MAX_NAME (64) holds a name and its NUL, or refuses the file
+_MAX_DIMS, _MAX_NAME = gguf_reader.MAX_DIMS, gguf_reader.MAX_NAME  # export writes what ggml reads
 
 
 def _gguf():

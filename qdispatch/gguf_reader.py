@@ -27,6 +27,9 @@ _UINT32 = 4
 _DEEPEST = 64  # arrays of arrays, nested: ggml's own files never nest
 _ALIGNMENT_KEY = b"general.alignment"
 _DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4   # ggml's GGML_MAX_DIMS: its loader refuses a whole file with a tensor of more
+MAX_NAME = 63  # UTF-8 bytes: ggml's GGML_MAX_NAME (64) holds a name and its NUL, or refuses the file
+_NOT_GGML = "corrupted, or not a GGUF file ggml could write"
 
 
 class TensorInfo(NamedTuple):
@@ -119,7 +122,9 @@ def _read(path, data, type_sizes):
     alignment = _DEFAULT_ALIGNMENT
     for _ in range(n_kv):
         key, kind = cursor.string("a key"), cursor.number("I", "a value type")
-        if key == _ALIGNMENT_KEY and kind == _UINT32:
+        if key == _ALIGNMENT_KEY:
+            if kind != _UINT32:  # llama.cpp refuses it; skipping it would read the data at the wrong alignment
+                cursor.fail(f"general.alignment has value type {kind}, not uint32 ({_UINT32}): {_NOT_GGML}")
             alignment = cursor.number("I", "the alignment")
             if alignment == 0 or alignment & (alignment - 1):
                 cursor.fail(f"general.alignment is {alignment}, not a power of two")
@@ -130,9 +135,15 @@ def _read(path, data, type_sizes):
     entries = []
     for _ in range(n_tensors):
         raw_name = cursor.string("a tensor name")
+        if len(raw_name) > MAX_NAME:
+            cursor.fail(f"the tensor name {raw_name[:32]!r}... is {len(raw_name)} bytes long, more than ggml's "
+                        f"{MAX_NAME}: {_NOT_GGML}")
         n_dims = cursor.number("I", "a dim count")
         if n_dims * 8 > len(data) - cursor.at:
             cursor.fail(f"a tensor claims {n_dims} dims")
+        if n_dims > MAX_DIMS:
+            cursor.fail(f"tensor {raw_name.decode('utf-8', 'replace')!r} has {n_dims} dims, more than ggml's "
+                        f"{MAX_DIMS}: {_NOT_GGML}")
         dims = tuple(cursor.number("Q", "a dim") for _ in range(n_dims))
         entries.append((raw_name, dims, cursor.number("I", "a tensor type"), cursor.number("Q", "an offset")))
     data_start = -(-cursor.at // alignment) * alignment

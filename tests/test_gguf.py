@@ -208,6 +208,43 @@ def test_a_file_that_names_its_alignment_loads(tmp_path, alignment):
         gguf.quants.quantize(x, T.Q8_0), T.Q8_0))
 
 
+@pytest.mark.parametrize("add", ["add_uint64", "add_int32"])
+def test_an_alignment_of_another_type_than_uint32_is_refused(tmp_path, add):
+    """general.alignment of another type was stepped over and the data read at the
+    default alignment 32; llama.cpp refuses it ("general.alignment must be type u32")."""
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    getattr(writer, add)("general.alignment", 64)
+    writer.add_tensor("w", np.arange(32, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    with pytest.raises(SerializationError, match=r"general.alignment has value type \d+, not uint32 \(4\): "
+                                                 "corrupted, or not a GGUF file ggml could write"):
+        qgguf.load(tmp_path / "m.gguf")
+
+
+def test_a_tensor_of_more_than_4_dims_is_refused(tmp_path):
+    """ggml's GGML_MAX_DIMS is 4: its loader refuses a file holding a tensor of more."""
+    data = np.arange(64, dtype=np.float32).tobytes()
+    raw_gguf(tmp_path / "m.gguf", [(b"w", [32, 1, 1, 2, 1], int(T.F32), 0)], data=data)
+    with pytest.raises(SerializationError, match="tensor 'w' has 5 dims, more than ggml's 4: corrupted"):
+        qgguf.load(tmp_path / "m.gguf")
+    raw_gguf(tmp_path / "m.gguf", [(b"w", [32, 1, 1, 2], int(T.F32), 0)], data=data)  # 4: loads
+    assert qgguf.load(tmp_path / "m.gguf", device="reference")["w"].shape == (2, 1, 1, 32)
+
+
+def test_a_tensor_name_of_64_bytes_is_refused(tmp_path):
+    """ggml's GGML_MAX_NAME (64) holds a name and its NUL: names are at most 63 bytes,
+    and its loader refuses a file holding a longer one.  (The gguf writer does not check.)"""
+    data = np.arange(32, dtype=np.float32).tobytes()
+    raw_gguf(tmp_path / "m.gguf", [(b"n" * 64, [32], int(T.F32), 0)], data=data)
+    with pytest.raises(SerializationError, match=r"the tensor name b'n{32}'\.\.\. is 64 bytes long, more than "
+                                                 "ggml's 63: corrupted, or not a GGUF file ggml could write"):
+        qgguf.load(tmp_path / "m.gguf")
+    raw_gguf(tmp_path / "m.gguf", [(b"n" * 63, [32], int(T.F32), 0)], data=data)  # 63: loads
+    assert list(qgguf.load(tmp_path / "m.gguf", device="reference")) == ["n" * 63]
+
+
 def test_an_array_longer_than_the_file_is_refused_at_once(tmp_path):
     """A key's array claiming 2**40 items in a 49-byte file: the reader took the bytes
     past the end as empty values and looped, its memory growing without end."""
