@@ -394,6 +394,9 @@ def test_a_bad_setting_makes_the_cpu_backend_unavailable_saying_why(variable, se
     assert (reference, fixed) == ("reference", "cpu")
     info = run_python("-m", "qdispatch", "info", **{variable: setting})
     assert info.returncode == 0 and message in info.stdout, (info.stdout, info.stderr)
+    # nothing runs, so info names no ISA or thread count for the setting that is wrong
+    shown = "'isa': None" if variable == "QDISPATCH_ISA" else "'threads': None"
+    assert shown in info.stdout, info.stdout
 
 
 

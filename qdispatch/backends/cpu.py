@@ -152,6 +152,8 @@ class CpuBackend(HostBackend):
         d = dict(_cpu.isa_info())
         d["isa"] = d.pop("active")
         d["threads"] = _cpu.get_num_threads()
+        for setting in list(self._bad_settings):  # a copy: another thread may fix one meanwhile
+            d[setting] = None  # none runs: not the ISA or thread count the library fell back to
         if _cpu.forked_child():
             d["threads_note"] = FORKED_ONE_THREAD
         d["library"] = _cpu.library_version()
