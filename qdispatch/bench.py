@@ -300,10 +300,14 @@ def build(case, copies=None, budget_bytes=None):
     x, w = operands(case.shape)
     maker = _CONTENDER_BUILDERS[case.impl] if case.is_contender else _PATH_BUILDERS[case.path]
     first, nbytes = maker(case, x, w)
-    check_result(case, first())  # once, before any timing: figures of a wrong result mean nothing
+    expected = expected_results(case)
+    check_result(case, first(), expected=expected)  # before building more copies: a wrong product stops at once
     limit = MAX_ORT_SESSIONS if case.impl.startswith("ort_") else None
     copies = copies or weight_copies(nbytes, budget_bytes, limit)
-    fns = [first] + [maker(case, x, np.roll(w, i, axis=0))[0] for i in range(1, copies)]
+    fns = [first]
+    for i in range(1, copies):  # every copy timed is checked once, before any timing
+        fns.append(maker(case, x, np.roll(w, i, axis=0))[0])
+        check_result(case, fns[i](), copy=i, expected=expected)
     bench = Bench(_rotate(fns), nbytes, copies)
     if not bench.defeats_cache:
         warnings.warn(f"{case.id}: its weights rotate through {bench.rotated_bytes / 2**20:.1f} MiB "
@@ -515,10 +519,11 @@ def sample_rows(m):
     return np.unique(np.linspace(0, m - 1, min(m, SAMPLE_ROWS)).round().astype(np.intp))
 
 
-def check_result(case, out, copy=0):
+def check_result(case, out, copy=0, expected=None):
     """Raise WrongResultError, naming the case and the error, unless `out` (a call of
-    `case` on weight copy `copy`, the weight rolled by `copy` rows) is its path's result."""
-    expected = expected_results(case)
+    `case` on weight copy `copy`, the weight rolled by `copy` rows) is its path's result
+    (`expected`: expected_results(case), when the caller has it already)."""
+    expected = expected or expected_results(case)
     got = _quantized_parts(out) if case.path == "quantize" else [_as_array(out)]
     # a weight rolled by `copy` rows rolls the output's columns (quantize: its rows)
     axis = 0 if case.path == "quantize" else -1

@@ -104,6 +104,26 @@ def test_a_wrong_row_of_a_decode_batch_is_caught(monkeypatch, row):
         bench.build(case, copies=1)
 
 
+def test_a_wrong_result_on_any_weight_copy_fails_the_case(monkeypatch):
+    """Only the first copy's first call was checked: a product wrong on the other
+    copies (a packing that goes wrong past the first weight) was timed unseen."""
+    case = bench.Case(TINY, "qq_int8", "cpu", 1)
+    real, built = bench._PATH_BUILDERS["qq_int8"], []
+
+    def third_copy_wrong(case, x, w):
+        fn, nbytes = real(case, x, w)
+        built.append(w)
+        return ((lambda: _one_ulp_off(fn())) if len(built) == 3 else fn), nbytes
+    monkeypatch.setitem(bench._PATH_BUILDERS, "qq_int8", third_copy_wrong)
+    with pytest.raises(bench.WrongResultError, match=rf"^{case.id}: cpu gave a wrong output"):
+        bench.build(case, copies=4)
+    assert len(built) == 3  # it stopped at the wrong copy
+    built.clear()
+    monkeypatch.setitem(bench._PATH_BUILDERS, "qq_int8", real)
+    with pytest.warns(UserWarning, match="less than 16x"):
+        assert bench.build(case, copies=4).copies == 4  # the right products pass, every copy checked
+
+
 def test_a_wrong_result_stops_the_bench_command(monkeypatch, capsys):
     """The command reports no figures for a run that timed a wrong product, and exits non-zero."""
     from qdispatch.__main__ import main
