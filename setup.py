@@ -12,6 +12,7 @@ from setuptools.command.build_ext import build_ext
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from build_support import cpu as cpu_build  # noqa: E402
 from build_support import cuda as cuda_build  # noqa: E402
+from build_support.link import without_run_paths  # noqa: E402
 
 ROOT = "."  # setup.py runs from the project root; relative paths keep build dirs tidy
 INCLUDE = os.path.join("src_c", "include")
@@ -39,6 +40,9 @@ class BuildExt(build_ext):
     CUDA kernels (tens of MB for all targets) rather than hold a copy of its own."""
 
     def build_extensions(self):
+        for linker in ("linker_so", "linker_so_cxx"):
+            if getattr(self.compiler, linker, None):
+                setattr(self.compiler, linker, without_run_paths(getattr(self.compiler, linker)))
         self.kernel_objects = cpu_build.compile_objects(self.compiler, ROOT, self.build_temp)
         self.cuda = CUDA
         cuda_objects = cuda_build.compile_or_skip(CUDA, self.build_temp) if CUDA is not None else []

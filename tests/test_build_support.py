@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("setuptools")
 from setuptools import Extension  # noqa: E402
 
-CUDA_BUILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build_support", "cuda.py")
+BUILD_SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build_support")
+CUDA_BUILD = os.path.join(BUILD_SUPPORT, "cuda.py")
 
 
 @pytest.fixture
@@ -26,6 +27,20 @@ def cuda_build(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_interpreters_run_paths_are_left_out_of_the_link():
+    """pyenv's LDSHARED carries -Wl,-rpath,<its lib>: the shipped library named that
+    folder to every program that loaded it.  Every spelling goes, the rest stays in order."""
+    path = os.path.join(BUILD_SUPPORT, "link.py")
+    if not os.path.exists(path):
+        pytest.skip("no build_support/ beside the tests")
+    spec = importlib.util.spec_from_file_location("qdispatch_build_link", path)
+    link = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(link)
+    command = ["gcc", "-shared", "-L/py/lib", "-Wl,-rpath,/py/lib", "-Wl,-rpath=/a", "-Wl,-rpath", "-Wl,/b",
+               "-Wl,--rpath=/c", "-Wl,-R/d", "-Wl,-R", "-Wl,/e", "-Wl,-Bsymbolic", "-Wl,--as-needed"]
+    assert link.without_run_paths(command) == ["gcc", "-shared", "-L/py/lib", "-Wl,-Bsymbolic", "-Wl,--as-needed"]
 
 
 def test_default_targets_and_ptx_for_newer_gpus(cuda_build):

@@ -46,6 +46,21 @@ def is_baseline(member):
     return not os.path.splitext(member)[0].endswith(ISA_SUFFIXES)
 
 
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf is not installed")
+@pytest.mark.skipif(sys.platform != "linux", reason="reads ELF run paths")
+def test_shipped_binaries_carry_no_run_path_of_the_build_machine():
+    """The interpreter's link flags (pyenv's) put its own lib folder into every binary's
+    RUNPATH, libqdispatch.so included: a folder of the build machine, searched by every
+    program that embeds the library.  Only folders relative to the binary may stay."""
+    package = os.path.dirname(qd.__file__)
+    binaries = [os.path.join(d, f) for d, _, files in os.walk(package) for f in files if ".so" in f]
+    assert any(b.endswith("libqdispatch.so") for b in binaries), binaries
+    for binary in binaries:
+        dynamic = subprocess.run(["readelf", "-d", binary], capture_output=True, text=True, check=True).stdout
+        paths = [p for line in re.findall(r"\((?:RPATH|RUNPATH)\).*\[(.*)\]", dynamic) for p in line.split(":")]
+        assert all(p.startswith("$ORIGIN") for p in paths), f"{os.path.relpath(binary, package)}: run path {paths}"
+
+
 @on_x86
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump is not installed")
 def test_baseline_objects_have_no_avx():
