@@ -169,7 +169,8 @@ def gpu_info():
 
 def record(benchmark, kind, shape, figures, extra=None, results=RESULTS):
     entry = {"kind": kind, "shape": list(shape), "ms": figures, **(extra or {})}
-    _records.setdefault(results, {})[(kind, tuple(shape))] = entry
+    if not benchmark.disabled:  # --benchmark-disable: a check that the cases run, its figures kept nowhere
+        _records.setdefault(results, {})[(kind, tuple(shape))] = entry
     benchmark.extra_info.update(entry)
 
 
