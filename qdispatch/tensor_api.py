@@ -504,16 +504,23 @@ def embedding(ids, weight, dtype="float32"):
     return Tensor(backend.reshape(out, shape), dtype, shape, weight.kind, weight.index)
 
 
+def _python_ints(arr):
+    """An object array of integers only (numpy keeps Python ints past int64's range so)."""
+    return arr.dtype == object and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+                                       for v in arr.flat)
+
+
 def embedding_ids(ids, count):
     """ids as an int64 numpy array, each checked to lie in [0, count)."""
     try:
         arr = tensor_numpy(ids) if isinstance(ids, Tensor) else np.asarray(ids)
     except ValueError as exc:  # a ragged list
         raise ShapeError(f"embedding's ids must form an array of integers: {exc}") from None
-    if arr.dtype.kind not in "iu" and arr.size:  # an empty list comes as float64, and is no id
+    if arr.dtype.kind not in "iu" and arr.size and not _python_ints(arr):  # an empty list comes as float64
         raise TypeError(f"embedding's ids must be integers, got {arr.dtype} data")
-    # unsigned ids past int64 are out of range whatever the table: compare before converting
-    bad = (arr >= count) if arr.dtype.kind != "i" else (arr < 0) | (arr >= count)
+    # ids past int64 (unsigned, or Python ints numpy holds as objects) are out of range whatever
+    # the table: compare before converting
+    bad = (arr >= count) if arr.dtype.kind == "u" else (arr < 0) | (arr >= count)
     if bad.any():
         at = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), arr.shape))
         raise OutOfRangeError(f"embedding id {arr[at]} at position {at} is outside the table's "

@@ -94,7 +94,9 @@ def test_no_ids_give_no_rows(device, rng, ids):
 
 
 @pytest.mark.parametrize("ids, bad, at", [([0, 8], 8, (1,)), ([[0, 1], [-1, 2]], -1, (1, 0)),
-                                          (np.array([2**63], np.uint64), 2**63, (0,))])
+                                          (np.array([2**63], np.uint64), 2**63, (0,)),
+                                          # Python ints past int64 reach numpy as objects
+                                          ([3, 2**70], 2**70, (1,)), ([[-2**70]], -2**70, (0, 0))])
 def test_an_id_outside_the_table_is_an_error_that_names_it(device, rng, ids, bad, at):
     w = table(rng, 8, 32, SCHEMES[0], device, False)
     with pytest.raises(qd.OutOfRangeError, match=rf"embedding id {bad} at position \({at[0]},"
@@ -106,6 +108,8 @@ def test_an_id_outside_the_table_is_an_error_that_names_it(device, rng, ids, bad
 @pytest.mark.parametrize("ids, error, match", [
     ([1.0], TypeError, "ids must be integers, got float64"),
     ([True], TypeError, "ids must be integers, got bool"),
+    ([2**70, 1.0], TypeError, "ids must be integers, got object"),
+    ([2**70, True], TypeError, "ids must be integers, got object"),
     ("1", TypeError, "ids must be integers, got <U1"),
     ([[1, 2], [3]], qd.ShapeError, "ids must form an array of integers"),
 ])
