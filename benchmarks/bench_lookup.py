@@ -8,7 +8,8 @@ the same run:
 Each --bench-shapes entry MxKxN is M ids into a table of N rows of K values (a
 weight [N, K] read as a table).  Every call looks up fresh random ids from a pool
 of ID_SETS sets, in copies of the table that together exceed the last-level cache
-(`bench.weight_copies`), so the rows a call reads were not read just before.
+within --bench-rotation-mb (`bench.weight_copies`), so the rows a call reads were not
+read just before.
 extra_info's `ratio_float_lookup` is the float lookup's time over this case's
 (above 1: faster than the float table)."""
 import numpy as np
@@ -36,7 +37,7 @@ def _float_lookups(tables, id_sets):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
-def test_lookup(benchmark, bench_shape, scheme, impl):
+def test_lookup(benchmark, bench_shape, scheme, impl, rotation_budget_bytes):
     shape = bench_shape
     if shape.k % 32 and scheme == "int4 block 32":
         pytest.skip(f"int4 block 32 needs K a multiple of 32, got K={shape.k}")
@@ -45,14 +46,17 @@ def test_lookup(benchmark, bench_shape, scheme, impl):
     table = rng.standard_normal((shape.n, shape.k), dtype=np.float32)
     id_sets = [rng.integers(0, shape.n, shape.m) for _ in range(ID_SETS)]
     if impl == "float_lookup":
-        copies = bench.weight_copies(table.nbytes)
+        nbytes = table.nbytes
+        copies = bench.weight_copies(nbytes, rotation_budget_bytes)
         fns, args, name = _float_lookups([table] + [table.copy() for _ in range(copies - 1)], id_sets)
     else:
         first = qd.quantize(table, SCHEMES[scheme], device=impl)
-        copies = bench.weight_copies(first.nbytes)
+        nbytes = first.nbytes
+        copies = bench.weight_copies(nbytes, rotation_budget_bytes)
         qs = [first] + [qd.quantize(table, SCHEMES[scheme], device=impl) for _ in range(copies - 1)]
         fns = [lambda ids, q=q: qd.embedding(ids, q) for q in qs]
         args, name = id_sets, f"qd.embedding on {impl}"
+    bench.warn_if_cached(benchmark.group, nbytes, copies)
     turn = iter(range(1 << 62))
 
     def call():
@@ -67,5 +71,6 @@ def test_lookup(benchmark, bench_shape, scheme, impl):
         _FLOAT_SECONDS[benchmark.group] = seconds
     ref = _FLOAT_SECONDS.get(benchmark.group)
     benchmark.extra_info.update(impl=name, us=seconds * 1e6, ratio_float_lookup=ref / seconds if ref else None,
-                                table_copies=len(fns),
+                                table_copies=copies, rotated_bytes=nbytes * copies,
+                                rotation_defeats_cache=bench.exceeds_cache(nbytes * copies),
                                 rows_gbs=shape.m * shape.k * 4 / seconds / 1e9)

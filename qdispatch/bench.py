@@ -309,12 +309,18 @@ def build(case, copies=None, budget_bytes=None):
         fns.append(maker(case, x, np.roll(w, i, axis=0))[0])
         check_result(case, fns[i](), copy=i, expected=expected)
     bench = Bench(_rotate(fns), nbytes, copies)
-    if not bench.defeats_cache:
-        warnings.warn(f"{case.id}: its weights rotate through {bench.rotated_bytes / 2**20:.1f} MiB "
+    warn_if_cached(case.id, nbytes, copies)
+    return bench
+
+
+def warn_if_cached(label, weight_bytes, copies):
+    """Warn that `label`'s timings may come from cache: its `copies` of `weight_bytes`
+    each, read in turn, don't defeat it."""
+    if not exceeds_cache(weight_bytes * copies):
+        warnings.warn(f"{label}: its weights rotate through {weight_bytes * copies / 2**20:.1f} MiB "
                       f"({copies} copies), less than {CACHE_MULTIPLE}x the last-level cache "
                       f"({last_level_cache_bytes() / 2**20:.0f} MiB): calls may read them from cache",
-                      stacklevel=2)
-    return bench
+                      stacklevel=3)
 
 
 def _rotate(fns):

@@ -2,6 +2,7 @@
 and explains a missing matplotlib.  No timing is asserted anywhere."""
 import argparse
 import builtins
+import importlib.util
 import json
 import os
 import subprocess
@@ -182,6 +183,43 @@ def test_a_rotation_short_of_the_cache_says_so(monkeypatch):
     with pytest.warns(UserWarning, match=r"fq_int8-cpu-t1: its weights rotate through .* MiB \(1 copies\)"):
         b = bench.build(bench.Case(TINY, "fq_int8", "cpu", 1), budget_bytes=TINY.n * TINY.k)
     assert not b.defeats_cache and b.rotated_bytes == b.weight_bytes
+
+
+def _benchmark_module(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Untimed:
+    """pytest-benchmark's fixture under --benchmark-disable: one call, no stats."""
+    group = stats = None
+
+    def __call__(self, fn):
+        fn()
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference", "float_lookup"])
+def test_lookup_benchmark_keeps_its_copies_within_the_rotation_budget(monkeypatch, impl):
+    """Past a large cache, the copies that defeat it would be a million tiny tables:
+    --bench-rotation-mb caps them, as it caps every other benchmark's."""
+    lookup = _benchmark_module("bench_lookup")
+    budget = 1 << 20
+    table = np.zeros((TINY.n, TINY.k), np.float32)
+    nbytes = table.nbytes if impl == "float_lookup" else qdispatch.quantize(table, bench.W8, device=impl).nbytes
+    copies = []
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(bench, "default_rotation_budget", lambda: 16 * budget)  # what a budget ignored gives
+    if impl == "float_lookup":
+        made = lookup._float_lookups
+        monkeypatch.setattr(lookup, "_float_lookups", lambda tables, ids: copies.extend(tables) or made(tables, ids))
+    else:
+        quantize = qdispatch.quantize
+        monkeypatch.setattr(qdispatch, "quantize", lambda *a, **kw: copies.append(1) or quantize(*a, **kw))
+    with pytest.warns(UserWarning, match=r"int8 per row: its weights rotate through 1\.0 MiB"):
+        lookup.test_lookup(_Untimed(), TINY, "int8 per row", impl, budget)
+    assert len(copies) == budget // nbytes
 
 
 def test_ceilings_run():
