@@ -16,7 +16,10 @@ from build_support.link import without_run_paths  # noqa: E402
 
 ROOT = "."  # setup.py runs from the project root; relative paths keep build dirs tidy
 INCLUDE = os.path.join("src_c", "include")
-CUDA = cuda_build.configure()
+try:
+    CUDA = cuda_build.configure(cpu_build.cross_target())
+except cuda_build.BuildSettingError as err:
+    sys.exit(f"error: {err}")  # what to set, without a traceback around it
 # Relink the extensions whenever a kernel source or header changes.
 C_SOURCES = sorted(glob.glob("src_c/**/*.[ch]", recursive=True))
 
@@ -113,6 +116,8 @@ class BuildExt(build_ext):
     def write_build_config(self):
         config = {
             "compiler": " ".join(self.compiler.compiler_so[:1]),
+            # Python's own and the environment's (CFLAGS, CPPFLAGS): every file gets them, ahead of ours
+            "compiler_flags": self.compiler.compiler_so[1:],
             "machine": cpu_build.machine(),
             "flags_by_isa": cpu_build.flags_by_isa(),
             "isas_left_out": cpu_build.left_out(),

@@ -13,6 +13,7 @@ libomp): the kernels' parallel loops then run on the calling thread.
 """
 import glob
 import os
+import platform
 import re
 import sys
 import sysconfig
@@ -56,8 +57,18 @@ def machine():
     there (_PYTHON_HOST_PLATFORM: crossenv, or arm64 wheels built on an x86-64 Mac):
     the machine the build runs on may not run what it builds.  A universal2 build (one
     object for two machines) gets no ISA files: their flags are for one machine."""
-    m = sysconfig.get_platform().rsplit("-", 1)[-1].lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+    return _normalized(sysconfig.get_platform().rsplit("-", 1)[-1])
+
+
+def cross_target():
+    """The machine a cross build is for, or None when the build is for this one."""
+    target = machine()
+    return target if target != _normalized(platform.machine()) else None
+
+
+def _normalized(name):
+    name = name.lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(name, name)
 
 
 def isa_of(path):

@@ -3,6 +3,8 @@
 `QDISPATCH_CUDA=auto` (default) builds the cuda backend when a toolkit is found and
 compiles the kernels (a toolkit too old for the targets, or a host compiler that
 nvcc refuses, leaves the backend out and says why), `1` requires it, `0` skips it.
+A setting the build can't use (a mode, a target list, a job count, a CUDA_HOME that
+is no toolkit under `1`) stops the build at once with what to set instead.
 The CUDA runtime is linked statically, so the extension imports on machines
 without a driver (it then reports "no driver")."""
 import concurrent.futures
@@ -19,7 +21,8 @@ from setuptools import Extension
 # Target architectures, each with why it is in the list.  `QDISPATCH_CUDA_ARCHS`
 # overrides it with a comma list such as "80,90a"; an entry "compute_80" embeds
 # PTX for that virtual architecture instead of machine code (newer GPUs compile it
-# when the module loads, so an H100 can run the sm_80 code paths).
+# when the module loads, so an H100 can run the sm_80 code paths).  None may be
+# older than MIN_ARCH.
 DEFAULT_ARCHS = [
     "80",   # A100 / A30: int8 mma.sync m16n8k32, cp.async
     "86",   # RTX 30xx / A10 / A40: same instructions as sm_80, smaller shared memory
@@ -28,6 +31,8 @@ DEFAULT_ARCHS = [
 ]
 # PTX for the newest listed arch, so GPUs newer than the list still run (JIT at load).
 PTX_ARCH = "90"
+MIN_ARCH = 80  # the kernels use cp.async and int8 mma.sync m16n8k32
+ARCH_FORM = re.compile(r"(sm_|compute_)?([0-9]+)([af]?)")
 
 NVCC_FLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-DQD_WITH_CUDA",
               "--expt-relaxed-constexpr", "-lineinfo"]  # never --use_fast_math: quantize is bit-exact
@@ -41,21 +46,48 @@ class CudaCompileError(RuntimeError):
     """nvcc failed on a kernel source: the message names the source and nvcc's first error."""
 
 
+class BuildSettingError(RuntimeError):
+    """A build setting has a value the build can't use: the message names it and what to set."""
+
+
 def _mode():
     mode = os.environ.get("QDISPATCH_CUDA", "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
-        raise RuntimeError(f"QDISPATCH_CUDA={mode!r}: expected auto, 0 or 1")
+        raise BuildSettingError(f"QDISPATCH_CUDA={mode!r}: expected auto (the default: build the cuda backend "
+                                f"when a CUDA toolkit is found), 1 (require it) or 0 (leave it out)")
     return mode
 
 
-def _candidates():
-    """(where it came from, toolkit root) in the documented search order."""
+def _named_root():
+    """The toolkit root that CUDA_HOME (or else CUDA_PATH) names, as (variable, root), or None."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            yield f"${var}", os.environ[var]
+        if os.environ.get(var, "").strip():
+            return var, os.environ[var].strip()
+    return None
+
+
+def _nvcc_root(nvcc):
+    """The root of the toolkit an nvcc belongs to, as nvcc itself reports it: the
+    nvcc on PATH may be a link or a wrapper script in another folder."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+        here = re.search(r"^#\$ _HERE_=(.+)$", out.stdout + out.stderr, re.MULTILINE)
+    except (OSError, subprocess.SubprocessError):
+        here = None
+    return os.path.dirname(here.group(1).strip() if here else os.path.dirname(os.path.realpath(nvcc)))
+
+
+def _candidates():
+    """(where it came from, toolkit root) in the documented search order.  A root
+    that CUDA_HOME or CUDA_PATH names is the only one: the setting chose it."""
+    named = _named_root()
+    if named:
+        yield f"${named[0]}", named[1]
+        return
     nvcc = shutil.which("nvcc")
     if nvcc:
-        yield "nvcc on PATH", os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        yield "nvcc on PATH", _nvcc_root(nvcc)
     yield "/usr/local/cuda", "/usr/local/cuda"
 
 
@@ -77,29 +109,57 @@ def _include_dir(root):
     return None
 
 
+def _lacks(root):
+    """What of a toolkit `root` lacks, in words; empty when it has all the build needs."""
+    if not os.path.isdir(root):
+        return "no such folder"
+    missing = [name for name, found in (("bin/nvcc", os.path.exists(os.path.join(root, "bin", "nvcc"))),
+                                        ("cuda_runtime_api.h", _include_dir(root)),
+                                        ("libcudart_static.a", _library_dir(root))) if not found]
+    return "no " + ", ".join(missing) if missing else ""
+
+
 def find_toolkit():
     """(root, nvcc, include dir, library dir) of the first complete toolkit, or
-    (None, list of places looked at)."""
+    (None, list of places looked at, each with what it lacked)."""
     looked = []
     for origin, root in _candidates():
-        looked.append(f"{origin} ({root})")
-        nvcc = os.path.join(root, "bin", "nvcc")
-        inc, lib = _include_dir(root), _library_dir(root)
-        if os.path.exists(nvcc) and inc and lib:
-            return (root, nvcc, inc, lib), looked
+        lacks = _lacks(root)
+        if not lacks:
+            return (root, os.path.join(root, "bin", "nvcc"), _include_dir(root), _library_dir(root)), looked
+        looked.append(f"{origin} ({root}: {lacks})")
     return None, looked
 
 
+def _listed_archs():
+    """QDISPATCH_CUDA_ARCHS's entries, or None when it is unset or blank (the defaults)."""
+    env = os.environ.get("QDISPATCH_CUDA_ARCHS", "")
+    if not env.strip():
+        return None
+    listed = [a.strip().lower() for a in env.split(",") if a.strip()]
+    if not listed:
+        raise BuildSettingError(f"QDISPATCH_CUDA_ARCHS={env!r} names no architecture: give a comma list "
+                                f"such as 80,90a, or unset it for the defaults ({','.join(DEFAULT_ARCHS)})")
+    for entry in listed:
+        form = ARCH_FORM.fullmatch(entry)
+        if form is None:
+            raise BuildSettingError(f"QDISPATCH_CUDA_ARCHS={env!r}: {entry!r} is not an architecture; give a "
+                                    f"comma list such as 80,90a (sm_90a, and compute_80 for PTX, work too)")
+        if int(form.group(2)) < MIN_ARCH:
+            raise BuildSettingError(f"QDISPATCH_CUDA_ARCHS={env!r}: {entry!r} is older than the kernels run on: "
+                                    f"they need sm_{MIN_ARCH} or newer")
+    return [a.replace("sm_", "") for a in listed]
+
+
 def archs():
-    env = os.environ.get("QDISPATCH_CUDA_ARCHS")
-    listed = [a.strip().replace("sm_", "") for a in env.split(",")] if env else DEFAULT_ARCHS
-    return [a for a in listed if a]
+    return _listed_archs() or list(DEFAULT_ARCHS)
 
 
 def gencode_flags():
+    listed = _listed_archs()
     flags = [f"-gencode=arch={a},code={a}" if a.startswith("compute_") else
-             f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs()]
-    if not os.environ.get("QDISPATCH_CUDA_ARCHS"):
+             f"-gencode=arch=compute_{a},code=sm_{a}" for a in listed or DEFAULT_ARCHS]
+    if listed is None:
         flags.append(f"-gencode=arch=compute_{PTX_ARCH},code=compute_{PTX_ARCH}")
     return flags
 
@@ -194,7 +254,8 @@ def build_jobs():
     env = os.environ.get("QDISPATCH_BUILD_JOBS", "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
-            raise RuntimeError(f"QDISPATCH_BUILD_JOBS={env!r}: expected a positive whole number")
+            raise BuildSettingError(f"QDISPATCH_BUILD_JOBS={env!r}: expected a positive whole number "
+                                    f"(the cores the build may use), or unset for all of them")
         return int(env)
     try:
         return len(os.sched_getaffinity(0))
@@ -235,22 +296,41 @@ def nvcc_version(nvcc):
     return m.group(1) if m else None
 
 
-def configure():
-    """The CUDA build configuration, or None when the cuda backend is not built."""
+def configure(cross_target=None):
+    """The CUDA build configuration, or None when the cuda backend is not built.
+    `cross_target`: the machine a cross build is for (None: this one).  Every
+    setting is checked first, so a bad one stops the build before anything compiles."""
     global _skipped
     mode = _mode()
+    build_jobs()
     if mode == "0":
         _skipped = "QDISPATCH_CUDA=0"
         return None
+    archs()
+    if cross_target:
+        _skipped = (f"a cross build for {cross_target}: the cuda backend builds only on the machine it is for "
+                    f"(nvcc here compiles for this one)")
+        return _leave_out(mode, "set QDISPATCH_CUDA=0, or build on that machine")
     found, looked = find_toolkit()
     if found is None:
+        named = _named_root()
+        if named:
+            _skipped = (f"{named[0]}={named[1]} is not a CUDA toolkit ({_lacks(named[1])}): set it to the "
+                        f"toolkit's root, the folder of bin/nvcc, or unset it to look for nvcc on PATH and in "
+                        f"/usr/local/cuda")
+            return _leave_out(mode, f"correct ${named[0]}")
         _skipped = "no CUDA toolkit found (looked in " + ", ".join(looked) + ")"
-        if mode == "1":
-            raise RuntimeError(f"QDISPATCH_CUDA=1 but {_skipped}: install the CUDA toolkit "
-                               f"or set CUDA_HOME to it")
-        return None
+        return _leave_out(mode, "install the CUDA toolkit or set CUDA_HOME to it")
     _skipped = None
     return CudaBuild(*found)
+
+
+def _leave_out(mode, fix):
+    """Build without the backend, saying why (`_skipped`); under QDISPATCH_CUDA=1 refuse to."""
+    if mode == "1":
+        raise BuildSettingError(f"QDISPATCH_CUDA=1 but {_skipped}: {fix}")
+    print(f"warning: building qdispatch without the cuda backend: {_skipped}", file=sys.stderr, flush=True)
+    return None
 
 
 def compile_or_skip(build, build_temp):

@@ -14,6 +14,8 @@ def info(args=None):
     build = data["build"]
     if build:
         print(f"  compiler: {build.get('compiler')} ({build.get('machine')})")
+        if build.get("compiler_flags"):
+            print(f"  compiler flags (every file, ahead of those below): {' '.join(build['compiler_flags'])}")
         for isa, flags in build.get("flags_by_isa", {}).items():
             print(f"  flags[{isa}]: {' '.join(flags)}")
         for isa, why in (build.get("isas_left_out") or {}).items():

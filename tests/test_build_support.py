@@ -5,8 +5,10 @@ They are loaded from their files; without a source tree beside the tests
 (an installed copy of the tests) these skip."""
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,118 @@ def test_targets_from_the_environment(cuda_build, monkeypatch, env, expect):
     assert cuda_build.gencode_flags() == expect
 
 
+def test_blank_targets_are_the_defaults(cuda_build, monkeypatch):
+    monkeypatch.setenv("QDISPATCH_CUDA_ARCHS", "  ")
+    assert cuda_build.gencode_flags()[-1] == "-gencode=arch=compute_90,code=compute_90"
+    assert cuda_build.archs() == cuda_build.DEFAULT_ARCHS
+
+
+@pytest.mark.parametrize("env,says", [
+    ("80;90a", "'80;90a' is not an architecture"),
+    ("9.0", "'9.0' is not an architecture"),
+    ("garbage", "'garbage' is not an architecture"),
+    ("75", "'75' is older than the kernels run on: they need sm_80"),
+    ("sm_70,90a", "'sm_70' is older"),
+    (",", "names no architecture"),
+])
+def test_targets_nvcc_cant_build_are_refused_before_compiling(cuda_build, monkeypatch, env, says):
+    """nvcc's own error came after minutes of compiling, and under QDISPATCH_CUDA=auto the
+    build went on without the backend, its message naming neither the setting nor the fix."""
+    monkeypatch.setenv("QDISPATCH_CUDA_ARCHS", env)
+    monkeypatch.setenv("QDISPATCH_CUDA", "auto")
+    with pytest.raises(cuda_build.BuildSettingError, match="QDISPATCH_CUDA_ARCHS=.*" + re.escape(says)):
+        cuda_build.configure()
+
+
+@pytest.mark.parametrize("setting,value", [("QDISPATCH_CUDA", "yes"), ("QDISPATCH_CUDA", ""),
+                                           ("QDISPATCH_BUILD_JOBS", "abc")])
+def test_a_bad_setting_stops_the_build_whether_or_not_cuda_is_built(cuda_build, monkeypatch, setting, value):
+    monkeypatch.setenv("QDISPATCH_CUDA", "0")
+    monkeypatch.setenv(setting, value)
+    with pytest.raises(cuda_build.BuildSettingError, match=setting + "=" + re.escape(repr(value))):
+        cuda_build.configure()
+
+
+def test_a_bad_setting_ends_the_build_with_its_message_alone(monkeypatch):
+    setup_py = os.path.join(os.path.dirname(BUILD_SUPPORT), "setup.py")
+    if not os.path.exists(setup_py):
+        pytest.skip("no setup.py beside the tests")
+    env = {**os.environ, "QDISPATCH_CUDA": "yes"}
+    done = subprocess.run([sys.executable, setup_py, "--name"], cwd=os.path.dirname(setup_py), env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("error: QDISPATCH_CUDA='yes': expected auto") and "Traceback" not in done.stderr
+
+
+def _toolkit(root):
+    """A CUDA toolkit's files as the build looks for them, nvcc answering --dryrun as nvcc does."""
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "lib64").mkdir()
+    (root / "include" / "cuda_runtime_api.h").write_text("")
+    (root / "lib64" / "libcudart_static.a").write_text("")
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho '#$ _HERE_={root / 'bin'}'\n")
+    nvcc.chmod(0o755)
+    return root
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+@pytest.mark.parametrize("variable", ["CUDA_HOME", "CUDA_PATH"])
+def test_a_cuda_home_that_is_no_toolkit_is_not_stepped_over(cuda_build, monkeypatch, tmp_path, capsys, mode, variable):
+    """It named the toolkit to use, so another one found on PATH or in /usr/local/cuda
+    must not be built with in its place."""
+    if os.name != "posix":
+        pytest.skip("the fake nvcc is a shell script")
+    monkeypatch.setenv("PATH", str(_toolkit(tmp_path / "elsewhere") / "bin") + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("QDISPATCH_CUDA", mode)
+    for root, lacks in ((tmp_path / "missing", "no such folder"),
+                        (tmp_path, "no bin/nvcc, cuda_runtime_api.h, libcudart_static.a")):
+        monkeypatch.setenv(variable, str(root))
+        says = f"{variable}={root} is not a CUDA toolkit ({lacks}): set it to the toolkit's root"
+        if mode == "1":
+            with pytest.raises(cuda_build.BuildSettingError, match=re.escape("QDISPATCH_CUDA=1 but " + says)):
+                cuda_build.configure()
+        else:
+            assert cuda_build.configure() is None
+            assert cuda_build.skipped_reason().startswith(says)
+            assert "without the cuda backend: " + says in capsys.readouterr().err
+    monkeypatch.setenv(variable, str(tmp_path / "elsewhere"))
+    assert cuda_build.configure().root == str(tmp_path / "elsewhere")
+
+
+def test_nvcc_on_path_through_a_wrapper_finds_its_toolkit(cuda_build, monkeypatch, tmp_path):
+    """A script on PATH that runs the toolkit's nvcc (as /usr/local/bin/nvcc often is)
+    lies in no toolkit: nvcc itself says where it is."""
+    if os.name != "posix":
+        pytest.skip("the fake nvcc is a shell script")
+    root = _toolkit(tmp_path / "cuda-13.0")
+    wrapper = tmp_path / "wrappers" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {root / "bin" / "nvcc"} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", str(wrapper.parent) + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    found, _ = cuda_build.find_toolkit()
+    assert found[0] == str(root) and found[1] == str(root / "bin" / "nvcc")
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_a_cross_build_leaves_the_cuda_backend_out(cuda_build, monkeypatch, capsys, mode):
+    """nvcc and the CUDA runtime here build for this machine, not the cross build's."""
+    monkeypatch.setenv("QDISPATCH_CUDA", mode)
+    if mode == "1":
+        with pytest.raises(cuda_build.BuildSettingError, match="a cross build for aarch64.*QDISPATCH_CUDA=0"):
+            cuda_build.configure(cross_target="aarch64")
+    else:
+        assert cuda_build.configure(cross_target="aarch64") is None
+        assert "a cross build for aarch64" in cuda_build.skipped_reason()
+        assert "without the cuda backend" in capsys.readouterr().err
+
+
 def test_objects_rebuild_when_a_source_or_the_flags_change(cuda_build, tmp_path):
     source = tmp_path / "kernel.cu"
     source.write_text("// one")
@@ -99,7 +213,6 @@ with open(obj, "w") as f:
 @pytest.fixture
 def fake_tree(cuda_build, tmp_path, monkeypatch):
     """A source tree of three .cu files and a fake nvcc, as the current directory."""
-    import sys
     if os.name != "posix":
         pytest.skip("the fake nvcc is a script run through its #! line")
     (tmp_path / "src_c" / "cuda").mkdir(parents=True)
@@ -329,6 +442,16 @@ def test_isa_files_follow_the_platform_the_build_is_for(cpu_build, monkeypatch, 
     monkeypatch.setenv("_PYTHON_HOST_PLATFORM", platform)
     assert {cpu_build.isa_of(path) for path, _ in cpu_build.sources(ROOT)} == isas
     assert set(cpu_build.flags_by_isa()) == isas
+
+
+@pytest.mark.parametrize("host, target, cross", [
+    ("x86_64", "linux-x86_64", None), ("AMD64", "win-amd64", None), ("aarch64", "linux-aarch64", None),
+    ("x86_64", "linux-aarch64", "aarch64"), ("x86_64", "macosx-11.0-arm64", "aarch64"),
+])
+def test_a_cross_build_is_told_from_the_platform_the_build_is_for(cpu_build, monkeypatch, host, target, cross):
+    monkeypatch.setenv("_PYTHON_HOST_PLATFORM", target)
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: host)
+    assert cpu_build.cross_target() == cross
 
 
 def test_neon_is_left_out_by_a_compiler_without_dotprod(cpu_build, tmp_path, monkeypatch, capsys):

@@ -139,6 +139,8 @@ def test_info_shows_the_build_configuration():
     assert not any(f.startswith(("-mavx", "-march", "-mf16c", "-mfma")) for f in flags["baseline"])
     out = run_python("-m", "qdispatch", "info").stdout
     assert f"compiler: {build['compiler']}" in out
+    # CFLAGS reach every file, the baseline's too: info shows the flags the compiler ran with
+    assert f"compiler flags (every file, ahead of those below): {' '.join(build['compiler_flags'])}" in out
     for isa, isa_flags in flags.items():
         assert f"flags[{isa}]: {' '.join(isa_flags)}" in out
     for isa, why in (build.get("isas_left_out") or {}).items():  # a compiler without their flags

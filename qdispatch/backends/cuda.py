@@ -30,8 +30,9 @@ except ImportError as exc:  # built without CUDA
     _IMPORT_ERROR = exc
     CudaOutOfMemoryError = None
 
-REBUILD = ("To rebuild with it, install the CUDA toolkit (nvcc) and run "
-           "QDISPATCH_CUDA=1 pip install --no-build-isolation --force-reinstall .")
+REBUILD = ("To rebuild with it: QDISPATCH_CUDA=1 pip install --force-reinstall --no-deps <qdispatch's source "
+           "tree or sdist>, with the CUDA toolkit 12.0 or newer (nvcc) on PATH, in /usr/local/cuda or where "
+           "CUDA_HOME says; QDISPATCH_CUDA=1 makes whatever is in the way a build error that names it.")
 _HOST_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                np.dtype(np.uint16): "bfloat16", np.dtype(np.int8): "int8",
                np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32"}
