@@ -122,18 +122,26 @@ def openmp_left_out():
     return _left_out.get("openmp")
 
 
-def accepts(compiler, flags, build_temp, program="int qd_probe(void) { return 0; }\n", link=False):
-    """Whether the C compiler takes `flags`: it compiles `program` with them and, with
-    `link`, links it into an executable too."""
+PROBE = "int qd_probe(void) { return 0; }\n"
+
+
+def probe(compiler, flags, build_temp, program=PROBE, link=False):
+    """Compiles `program` with the common flags and `flags` and, with `link`, links it
+    into an executable too; the compiler's error is raised."""
     probe_dir = os.path.join(build_temp, "flag_probe")
     os.makedirs(probe_dir, exist_ok=True)
     src = os.path.join(probe_dir, "probe.c")
     with open(src, "w") as f:
         f.write(program)
+    objects = compiler.compile([src], output_dir=probe_dir, extra_postargs=COMMON_FLAGS + flags)
+    if link:
+        compiler.link_executable(objects, "probe", output_dir=probe_dir, extra_postargs=flags)
+
+
+def accepts(compiler, flags, build_temp, program=PROBE, link=False):
+    """Whether the C compiler takes `flags` (see `probe`)."""
     try:
-        objects = compiler.compile([src], output_dir=probe_dir, extra_postargs=COMMON_FLAGS + flags)
-        if link:
-            compiler.link_executable(objects, "probe", output_dir=probe_dir, extra_postargs=flags)
+        probe(compiler, flags, build_temp, program, link)
         return True
     except (CompileError, LinkError):
         return False
@@ -156,6 +164,9 @@ def compile_objects(compiler, root, build_temp):
     objects = []
     include = os.path.join(root, "src_c", "include")
     _left_out.clear()
+    # A compiler that is missing or broken fails here, with its own error, before the
+    # probes below take its failures for flags it does not know.
+    probe(compiler, [], build_temp)
     if not accepts(compiler, OPENMP_FLAGS, build_temp, OPENMP_PROBE, link=True):
         _leave_out("openmp", "OpenMP", f"the C compiler cannot compile and link an OpenMP program with "
                                        f"{' '.join(OPENMP_FLAGS)}; the CPU kernels will run on one thread")

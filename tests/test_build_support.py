@@ -400,6 +400,8 @@ class RefusingCompiler:
 
     def compile(self, sources, output_dir=None, macros=None, include_dirs=None, extra_postargs=None):
         from setuptools.errors import CompileError
+        if self.refused == "everything":
+            raise CompileError("command '/usr/bin/gcc-12' failed: No such file or directory")
         if self.refused in (extra_postargs or []):
             raise CompileError(f"gcc: error: unrecognized command-line option '{self.refused}'")
         if not sources[0].endswith("probe.c"):
@@ -426,6 +428,15 @@ def test_an_isa_the_compiler_refuses_is_left_out(cpu_build, tmp_path, capsys, fl
     flags = " ".join(cpu_build.ISA_FLAGS["_" + isa][1])
     assert cpu_build.left_out() == {isa: f"the C compiler does not accept {flags}"}
     assert f"building qdispatch without its {isa} kernels" in capsys.readouterr().err
+
+
+def test_a_missing_compiler_is_named_before_any_flag_is_blamed(cpu_build, tmp_path, capsys):
+    """It failed every probe, so the build first warned that OpenMP and each optional
+    ISA were left out for flags the compiler refused, and only then said it was missing."""
+    from setuptools.errors import CompileError
+    with pytest.raises(CompileError, match="gcc-12' failed: No such file"):
+        cpu_build.compile_objects(RefusingCompiler("everything"), ROOT, str(tmp_path))
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("platform, isas", [
