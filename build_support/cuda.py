@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from setuptools import Extension
+from setuptools.errors import CompileError
 
 # Target architectures, each with why it is in the list.  `QDISPATCH_CUDA_ARCHS`
 # overrides it with a comma list such as "80,90a"; an entry "compute_80" embeds
@@ -42,8 +43,9 @@ INCLUDE = os.path.join("src_c", "include")
 _skipped = None
 
 
-class CudaCompileError(RuntimeError):
-    """nvcc failed on a kernel source: the message names the source and nvcc's first error."""
+class CudaCompileError(CompileError):
+    """nvcc failed on a kernel source: the message names the source and nvcc's first error
+    (a CompileError, so setuptools ends the build with the message, not a traceback)."""
 
 
 class BuildSettingError(RuntimeError):

@@ -269,17 +269,19 @@ def test_nvcc_threads_per_file(fake_tree, monkeypatch, jobs, archs, threads):
     assert {t for _, t in ran(logs).values()} == {threads}
 
 
-def test_a_failed_compile_raises_and_is_retried_next_time(fake_tree, monkeypatch):
+def test_a_failed_compile_raises_and_is_retried_next_time(cuda_build, fake_tree, monkeypatch):
+    """A CompileError: setuptools ends the build with its message, without a traceback."""
+    from setuptools.errors import CompileError
     build, logs = fake_tree
     monkeypatch.setenv("QDISPATCH_BUILD_JOBS", "1")
     os.rename("src_c/cuda/b.cu", "src_c/cuda/bad.cu")
-    with pytest.raises(RuntimeError, match=r"could not compile src_c/cuda/bad\.cu \(exit 3\): "
+    with pytest.raises(CompileError, match=r"could not compile src_c/cuda/bad\.cu \(exit 3\): "
                                            r"bad\.cu\(7\): error: identifier"):
         build.compile_objects("build")
     assert not os.path.exists("build/cuda/bad.cu.o.stamp")
     for p in logs.iterdir():
         p.unlink()
-    with pytest.raises(RuntimeError, match="bad.cu"):
+    with pytest.raises(cuda_build.CudaCompileError, match="bad.cu"):
         build.compile_objects("build")
     assert "bad.cu" in ran(logs)
 
