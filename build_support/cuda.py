@@ -322,16 +322,18 @@ def configure(cross_target=None):
                         f"/usr/local/cuda")
             return _leave_out(mode, f"correct ${named[0]}")
         _skipped = "no CUDA toolkit found (looked in " + ", ".join(looked) + ")"
-        return _leave_out(mode, "install the CUDA toolkit or set CUDA_HOME to it")
+        return _leave_out(mode, "install the CUDA toolkit or set CUDA_HOME to it", quietly=True)  # the usual case
     _skipped = None
     return CudaBuild(*found)
 
 
-def _leave_out(mode, fix):
-    """Build without the backend, saying why (`_skipped`); under QDISPATCH_CUDA=1 refuse to."""
+def _leave_out(mode, fix, quietly=False):
+    """Build without the backend, saying why (`_skipped`) in the build log unless
+    `quietly` (`info` says it either way); under QDISPATCH_CUDA=1 refuse to."""
     if mode == "1":
         raise BuildSettingError(f"QDISPATCH_CUDA=1 but {_skipped}: {fix}")
-    print(f"warning: building qdispatch without the cuda backend: {_skipped}", file=sys.stderr, flush=True)
+    if not quietly:
+        print(f"warning: building qdispatch without the cuda backend: {_skipped}", file=sys.stderr, flush=True)
     return None
 
 

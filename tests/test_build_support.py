@@ -145,6 +145,19 @@ def test_a_cuda_home_that_is_no_toolkit_is_not_stepped_over(cuda_build, monkeypa
     assert cuda_build.configure().root == str(tmp_path / "elsewhere")
 
 
+def test_no_toolkit_anywhere_builds_without_the_backend_quietly(cuda_build, monkeypatch, tmp_path, capsys):
+    """The usual case on a machine without CUDA: info says why, the build log stays clean."""
+    monkeypatch.setattr(cuda_build, "_candidates", lambda: iter([("/usr/local/cuda", str(tmp_path / "cuda"))]))
+    monkeypatch.setenv("QDISPATCH_CUDA", "auto")
+    assert cuda_build.configure() is None
+    assert cuda_build.skipped_reason() == f"no CUDA toolkit found (looked in /usr/local/cuda ({tmp_path / 'cuda'}: " \
+                                          f"no such folder))"
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("QDISPATCH_CUDA", "1")
+    with pytest.raises(cuda_build.BuildSettingError, match="install the CUDA toolkit or set CUDA_HOME to it"):
+        cuda_build.configure()
+
+
 def test_nvcc_on_path_through_a_wrapper_finds_its_toolkit(cuda_build, monkeypatch, tmp_path):
     """A script on PATH that runs the toolkit's nvcc (as /usr/local/bin/nvcc often is)
     lies in no toolkit: nvcc itself says where it is."""
