@@ -35,6 +35,14 @@ def _float_lookups(tables, id_sets):
     return embs, [torch.from_numpy(ids) for ids in id_sets], "torch nn.Embedding"
 
 
+def _check_rows(rows, want, label):
+    """The rows a lookup gave (a qdispatch or torch tensor, or an array) are `want`'s, bit for bit."""
+    rows = np.asarray(rows.numpy() if hasattr(rows, "numpy") else rows)
+    if not np.array_equal(rows, want):
+        raise AssertionError(f"{label}: the lookup's rows differ from the reference's "
+                             f"({np.count_nonzero(rows != want)} of {want.size} values)")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
 def test_lookup(benchmark, bench_shape, scheme, impl, rotation_budget_bytes):
@@ -57,6 +65,9 @@ def test_lookup(benchmark, bench_shape, scheme, impl, rotation_budget_bytes):
         fns = [lambda ids, q=q: qd.embedding(ids, q) for q in qs]
         args, name = id_sets, f"qd.embedding on {impl}"
     bench.warn_if_cached(benchmark.group, nbytes, copies)
+    want = table if impl == "float_lookup" else first.to("reference").dequantize().numpy()
+    for i, fn in enumerate(fns):  # every copy timed is checked once, before any timing
+        _check_rows(fn(args[i % ID_SETS]), want[id_sets[i % ID_SETS]], f"{benchmark.group}, {name}, copy {i}")
     turn = iter(range(1 << 62))
 
     def call():

@@ -222,6 +222,21 @@ def test_lookup_benchmark_keeps_its_copies_within_the_rotation_budget(monkeypatc
     assert len(copies) == budget // nbytes
 
 
+def test_lookup_benchmark_checks_every_copys_rows(monkeypatch):
+    """It timed whatever qd.embedding returned."""
+    lookup = _benchmark_module("bench_lookup")
+    embedding, calls = qdispatch.embedding, []
+
+    def third_copy_off(ids, q):
+        calls.append(1)
+        rows = embedding(ids, q).numpy()
+        return rows if len(calls) != 3 else np.nextafter(rows, np.inf)
+    monkeypatch.setattr(qdispatch, "embedding", third_copy_off)
+    with pytest.warns(UserWarning), pytest.raises(AssertionError, match=r"qd.embedding on cpu, copy 2: the lookup's "
+                                                                        r"rows differ from the reference's"):
+        lookup.test_lookup(_Untimed(), TINY, "int4 block 32", "cpu", 1 << 16)
+
+
 def test_ceilings_run():
     with pytest.warns(UserWarning, match="it measures the cache, not memory"):
         c = bench.ceilings(threads=1, repeat=1, bandwidth_bytes=1 << 20)

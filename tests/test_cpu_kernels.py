@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+import qdispatch as qd
 from helpers import built_with_openmp
 
 _cpu = pytest.importorskip("qdispatch._cpu")
@@ -74,7 +75,7 @@ def test_isa_info_lists_active_built_supported():
 
 
 def test_set_isa_rejects_unknown_and_unsupported():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no ISA has that name"):
         _cpu.set_isa("sse9")
     for name in ("scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod", "amx"):
         if name not in _cpu.isa_info()["supported"]:
@@ -161,11 +162,11 @@ def test_int_matmul_k_too_large_is_a_shape_error():
 
 
 def test_int_matmul_rejects_bad_operands():
-    with pytest.raises(ValueError):
+    with pytest.raises(qd.ShapeError, match=r"\(2, 3\) and \(4, 2\) do not agree on K"):
         _cpu.int_matmul(np.zeros((2, 3), np.int8), np.zeros((4, 2), np.int8))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="a must have dtype int8, got int16"):
         _cpu.int_matmul(np.zeros((2, 3), np.int16), np.zeros((3, 2), np.int8))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"a must be C-contiguous: pass np.ascontiguousarray\(a\)"):
         _cpu.int_matmul(np.zeros((3, 2), np.int8).T, np.zeros((3, 2), np.int8))
 
 
@@ -193,9 +194,9 @@ def test_pack_unpack_round_trip(rng, bits):
 
 
 def test_pack_rejects_out_of_range_values_and_bad_blocks():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"must lie in \[-8, 7\] for bits=4: got \[8, 8\]"):
         _cpu.PackedWeights(np.full((2, 4), 8, np.int8), np.ones((2, 1), np.float32), 1, 4, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(qd.ShapeError, match=r"Block \(1, 4\) does not divide the weight shape \(2, 6\)"):
         _cpu.PackedWeights(np.zeros((2, 6), np.int8), np.ones((2, 1), np.float32), 1, 4, 8)
 
 
@@ -240,9 +241,9 @@ def test_qq_matmul_full_range_extremes(isa):
 
 def test_qq_matmul_rejects_mismatched_scales(rng):
     pw = _cpu.PackedWeights(np.zeros((4, 8), np.int8), np.ones((4, 1), np.float32), 1, 8, 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(qd.ShapeError, match=r"a_scales must have shape \(2, 1\), got \(2, 2\)"):
         _cpu.qq_matmul(np.zeros((2, 8), np.int8), np.ones((2, 2), np.float32), 1, 8, pw)
-    with pytest.raises(ValueError):
+    with pytest.raises(qd.ShapeError, match=r"a has K=6 but the weights have shape \(4, 8\)"):
         _cpu.qq_matmul(np.zeros((2, 6), np.int8), np.ones((2, 1), np.float32), 1, 6, pw)
 
 
@@ -294,7 +295,7 @@ def test_w8a8_rejects_non_finite():
     pw = _cpu.PackedWeights(np.ones((3, 8), np.int8), np.ones((3, 1), np.float32), 1, 8, 8)
     x = np.ones((2, 8), np.float32)
     x[1, 3] = np.nan
-    with pytest.raises(ValueError):
+    with pytest.raises(qd.NonFiniteError, match="w8a8_matmul: the input holds NaN or Inf"):
         _cpu.w8a8_matmul(x, "q8s", 8, pw)
 
 
@@ -343,7 +344,7 @@ def test_quantize_errors_name_the_problem():
         _cpu.quantize(x, "q8s", 1, 4, "f32")
     with pytest.raises(ValueError, match="overflow"):
         _cpu.quantize(np.full((1, 4), 1e9, np.float32), "q8s", 1, 4, "f16")
-    with pytest.raises(ValueError):
+    with pytest.raises(qd.ShapeError, match=r"Block \(2, 4\) does not divide shape \(3, 4\)"):
         _cpu.quantize(np.ones((3, 4), np.float32), "q8s", 2, 4, "f32")
 
 
