@@ -185,9 +185,33 @@ def test_tensors_that_overlap_or_start_off_their_place_are_refused(tmp_path):
     raw_gguf(path, [(b"a", [8], int(T.F32), 0), (b"b", [8], int(T.F32), 1)], data=data[:64])
     with pytest.raises(SerializationError, match="'b' in .*starts at byte"):
         qgguf.load(path)
+    raw_gguf(path, [(b"a", [8], int(T.F32), 0), (b"b", [8], int(T.F32), 64)], data=data[:96])
+    with pytest.raises(SerializationError, match="'b' in .*starts at byte"):  # past its place: a gap ggml never leaves
+        qgguf.load(path)
     raw_gguf(path, [(b"a", [8], int(T.F32), 0), (b"b", [8], int(T.F32), 32)], data=data[:64])
     back = qgguf.load(path)  # in place: loads
     np.testing.assert_array_equal(back["b"].numpy(), np.arange(8, 16, dtype=np.float32))
+
+
+def test_headers_ggml_refuses_are_refused(tmp_path):
+    """Each loaded before a check of its own: a second tensor of one name dropped the
+    first, an alignment of 48 read padding as values, version 1 (32-bit counts) was read
+    as version 2's layout."""
+    path, data = tmp_path / "m.gguf", np.arange(24, dtype=np.float32).tobytes()
+    raw_gguf(path, [(b"wa", [8], int(T.F32), 0), (b"wa", [8], int(T.F32), 32)], data=data[:64])
+    with pytest.raises(SerializationError, match="two tensors are named 'wa'"):
+        qgguf.load(path)
+    alignment = struct.pack("<Q", 17) + b"general.alignment" + struct.pack("<II", 4, 48)
+    raw_gguf(path, [(b"w", [2], int(T.F32), 0)], kvs=alignment, kv_count=1, data=data[:8])
+    with pytest.raises(SerializationError, match="general.alignment is 48, not a power of two"):
+        qgguf.load(path)
+    for version in (1, 4):
+        raw_gguf(path, [(b"w", [2], int(T.F32), 0)], data=data[:8])
+        head = bytearray(path.read_bytes())
+        head[4:8] = struct.pack("<I", version)
+        path.write_bytes(bytes(head))
+        with pytest.raises(SerializationError, match=f"GGUF version {version}; qdispatch reads versions 2 and 3"):
+            qgguf.load(path)
 
 
 @pytest.mark.parametrize("alignment", [1, 8, 32, 4096])

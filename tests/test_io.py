@@ -370,12 +370,41 @@ def test_corrupted_bytes_name_the_tensor(saved):
 
 
 def test_unknown_version(saved):
-    rewrite_metadata(saved, lambda h: h["__metadata__"].update({"qdispatch.format_version": "9"}))
-    with pytest.raises(SerializationError, match="version '9'.*upgrade qdispatch"):
-        qd.load(saved)
+    from qdispatch.io import FORMAT_VERSION
+    for newer in (FORMAT_VERSION + 1, 9):  # the next version too, not only one far past it
+        rewrite_metadata(saved, lambda h: h["__metadata__"].update({"qdispatch.format_version": str(newer)}))
+        with pytest.raises(SerializationError, match=f"version '{newer}'.*upgrade qdispatch"):
+            qd.load(saved)
     rewrite_metadata(saved, lambda h: h["__metadata__"].update({"qdispatch.format_version": "<"}))
     with pytest.raises(SerializationError, match="version '<'.*: the file is corrupted"):  # no upgrade reads it
         qd.load(saved)
+
+
+def _plain_file(path, entry, data):
+    header = json.dumps({"x": entry}).encode()
+    path.write_bytes(len(header + b" " * (-len(header) % 8)).to_bytes(8, "little")
+                     + header + b" " * (-len(header) % 8) + data)
+
+
+def test_a_plain_entry_of_other_bytes_than_its_shape_or_offsets_no_numbers_is_refused(tmp_path):
+    """F32[2] over 12 bytes loaded (the safetensors library refuses it), and so did an
+    offset of false."""
+    path = tmp_path / "o.st"
+    _plain_file(path, {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}, bytes(12))
+    with pytest.raises(SerializationError, match=r"entry 'x' spans bytes 0 to 12 of the data section, but F32\[2\] "
+                                                 r"takes 8; the file does not match its header"):
+        qd.load(path)
+    _plain_file(path, {"dtype": "F32", "shape": [2], "data_offsets": [False, 8]}, bytes(8))
+    with pytest.raises(SerializationError, match=r"data_offsets \[False, 8\], expected \[begin, end\] byte offsets"):
+        qd.load(path)
+
+
+def test_saved_headers_keep_safetensors_8_byte_alignment(tmp_path):
+    """The data section starts 8-byte aligned, as safetensors' writer leaves it."""
+    for objects in ({"x": np.arange(3, dtype=np.float32)}, {"w": qd.quantize(np.ones((2, 4), np.float32), "q8s")},
+                    {"name_of_odd_length": np.zeros(1, np.int8)}):
+        qd.save(tmp_path / "h.st", objects)
+        assert int.from_bytes((tmp_path / "h.st").read_bytes()[:8], "little") % 8 == 0
 
 
 def test_a_file_of_another_writer_loads_as_its_header_says(tmp_path):

@@ -722,7 +722,8 @@ def test_rows_of_a_tensor_feed_a_product(device, rng):
 @pytest.mark.parametrize("key,match", [
     ((slice(None), 1), "may only be followed by whole axes"), (slice(None, None, 2), "step 2"),
     ([0, 2], "not supported"), (np.array([True, False, True]), "not supported"), (None, "not supported"),
-    (5, "out of range for axis 0 of size 3"), (-4, "out of range"), ((0, 1), "one element.*numpy"),
+    (5, "out of range for axis 0 of size 3"), (3, "Index 3 is out of range for axis 0 of size 3"),
+    (-4, "out of range"), ((0, 1), "one element.*numpy"),
     ((0, 0, 0), "Too many indices"),
     # whole axes past the last one, and a second ellipsis, were taken as if absent (numpy refuses them)
     ((0, slice(None), slice(None)), r"Too many indices \(3\)"), ((Ellipsis, Ellipsis), "single ellipsis"),
