@@ -426,6 +426,18 @@ def test_export_refuses_names_ggml_cannot_read(tmp_path, name):
     assert set(qgguf.load(tmp_path / "o.gguf", device="reference")) == {"w" * 63, "é" * 31}
 
 
+def test_export_refuses_a_0d_tensor_and_blocks_across_rows(tmp_path):
+    """A 0-d array reached an internal error; scale blocks over two rows, numpy's own."""
+    with pytest.raises(SerializationError, match="Can't export tensor 's': GGUF tensors need at least one dim"):
+        qgguf.export(tmp_path / "o.gguf", {"s": np.array(3.5, np.float32)})
+    q = qd.quantize(np.ones((2, 64), np.float32), QuantScheme("q8s", block=(2, 32), scale_dtype="f16"),
+                    device="reference")
+    with pytest.raises(SerializationError, match=r"Can't export tensor 'w': GGUF has no type for QuantScheme\('q8s', "
+                                                 r"block=\(2, 32\)"):
+        qgguf.export(tmp_path / "o.gguf", {"w": q})
+    assert os.listdir(tmp_path) == []
+
+
 def test_export_refuses_more_dims_than_ggml_reads(tmp_path):
     """ggml's loader refuses a whole file holding a tensor of more than 4 dims."""
     x = np.ones((2, 1, 2, 1, 64), np.float32)

@@ -288,6 +288,15 @@ def test_qtensor_from_parts_refuses_scales_that_are_no_real_numbers(device, scal
             qd.qtensor_from_parts(np.ones((2, 8), np.int8), np.array([1e300, 1.0]), qd.QuantScheme("q8s", axis=0),
                                   device=device)
 
+def test_qtensor_from_parts_takes_a_strided_view_of_values(device):
+    """A transposed view is copied to the layout the kernels read (the cpu backend's
+    dequantize refused it once the copy was left out)."""
+    v = np.random.default_rng(0).integers(-127, 128, (8, 6)).astype(np.int8)
+    q = qd.qtensor_from_parts(v.T, np.float32(0.5), "q8s", device=device)
+    np.testing.assert_array_equal(q.dequantize().numpy(), v.T.astype(np.float32) * 0.5)
+    np.testing.assert_array_equal(qd.embedding([1, 3], q).numpy(), v.T[[1, 3]].astype(np.float32) * 0.5)
+
+
 def test_qtensor_from_parts_takes_flat_values_with_their_shape(device):
     """shape= is the tensor's shape, values come flat as a loader reads them."""
     scheme = qd.QuantScheme("q8s", block=32)

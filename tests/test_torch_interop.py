@@ -125,6 +125,8 @@ def test_float64_path_is_exact_dequantization(device):
     values = torch.from_numpy(w.values.astype(np.float64))
     scales = torch.from_numpy(np.repeat(w.scales.astype(np.float64), 8, axis=1))
     torch.testing.assert_close(q_matmul(x, w), x @ (values * scales), rtol=0, atol=1e-12)
+    with pytest.raises(qd.ShapeError, match=r"shapes \(4, 6\) and \(8, 16\) don't fit: x needs a last dim of K=8"):
+        q_matmul(x[:, :6], w)  # checked as for float32 x, before torch's own matmul
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
