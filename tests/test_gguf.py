@@ -426,6 +426,17 @@ def test_export_refuses_names_ggml_cannot_read(tmp_path, name):
     assert set(qgguf.load(tmp_path / "o.gguf", device="reference")) == {"w" * 63, "é" * 31}
 
 
+@pytest.mark.parametrize("device", ["reference", "cpu"])
+def test_a_nan_scale_names_the_file_and_the_tensor(tmp_path, device):
+    """Not a NonFiniteError from deep in the quantized tensor's checks, naming neither."""
+    data = gguf.quants.quantize(np.ones((1, 32), np.float32), T.Q8_0).copy()
+    data[0, :2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # block 0's f16 scale
+    write_gguf(tmp_path / "n.gguf", {"w": (data, T.Q8_0)})
+    with pytest.raises(SerializationError, match=r"Tensor 'w' in .*n\.gguf has NaN or Inf scales: the file is "
+                                                 r"corrupted"):
+        qgguf.load(tmp_path / "n.gguf", device=device)
+
+
 def test_export_refuses_a_0d_tensor_and_blocks_across_rows(tmp_path):
     """A 0-d array reached an internal error; scale blocks over two rows, numpy's own."""
     with pytest.raises(SerializationError, match="Can't export tensor 's': GGUF tensors need at least one dim"):

@@ -332,6 +332,15 @@ def test_a_record_changed_behind_its_crc_is_refused(saved):
     assert qd.load(saved)["weight"].scheme == QuantScheme("q8f", axis=0)
 
 
+def test_a_record_with_crcs_for_other_entries_than_its_own_is_refused(tmp_path):
+    path = tmp_path / "c.st"
+    qd.save(path, {"x": np.arange(3, dtype=np.float32)})
+    rewrite_record(path, "x", lambda record: {**record, "crc32": record["crc32"] + [0]})
+    with pytest.raises(SerializationError, match=r"Tensor 'x' in .*c\.st has a corrupted record: its crc32 is "
+                                                 r"\[\d+, 0\], expected a list of 1 CRC-32 values"):
+        qd.load(path)
+
+
 def rewrite_scheme(path, name, field, value):
     """Set one field of tensor `name`'s recorded scheme."""
     rewrite_record(path, name, lambda record: {**record, "scheme": {**record["scheme"], field: value}})
