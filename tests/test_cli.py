@@ -40,6 +40,8 @@ def test_config_points_at_the_installed_header_and_library():
     include = flags[0][2:]
     assert os.path.exists(os.path.join(include, "qdispatch.h"))
     assert any(f.startswith("-L") and os.path.exists(os.path.join(f[2:], "libqdispatch.so")) for f in flags)
+    for libs in (["--libs"], ["--libs", "--static"]):  # link flags alone: no include path among them
+        assert not any(f.startswith("-I") for f in run_module("config", *libs).split())
 
 
 def test_bench_refuses_a_bad_shape_in_one_line():

@@ -84,6 +84,8 @@ def test_numpy_integers_are_sizes_and_axes():
     per_row = QuantScheme("q8s", axis=np.int64(0))
     assert per_row.axis == 0 and type(per_row.axis) is int
     assert QuantScheme.from_record(json.loads(json.dumps(per_row.to_record()))) == per_row
+    assert QuantScheme("q8s", block=32).to_record() == {  # plain JSON types, as a file holds them
+        "value": "q8s", "block": [32], "axis": None, "store": "native", "scale_dtype": "f32"}
 
 
 
@@ -109,6 +111,7 @@ def test_names_that_are_no_strings_are_named(kwargs, message):
 
 @pytest.mark.parametrize("block,dim,hint", [
     (32, 48, 24),                 # the nearest divisor
+    (32, 24, 24),                 # a block past the dim: the dim itself
     (32, 2**31 - 2, 33),          # 31 and 33 divide it: a tie goes to the larger
     (32, 2**31 - 1, 1),           # a prime: only 1 divides it
     (2**20, 2**31 - 2, 1049601),  # a large block on a large dim

@@ -740,8 +740,10 @@ def test_a_damaged_state_dict_is_refused_by_name():
     unpacked = {**state, "qvalues": torch.zeros(12, 36, dtype=torch.int8)}
     nan = {**state, "qscales": state["qscales"].clone().fill_(float("nan"))}
     future = {**state, "format": 3}
+    turned = {**state, "qscales": state["qscales"].T.contiguous()}  # as many scales, in another grid
     fresh = QLinear.from_linear(torch.nn.Linear(36, 12), scheme, device=DEVICES[0])
     for bad, said in ((stray, "packed words have bits set outside their 36 values"),
+                      (turned, r"'qscales' .*of shape \(12, 9\); got torch\.\w+ \(9, 12\)"),
                       (unpacked, r"'qvalues' .*is a torch.int32 tensor of shape \(12, 5\); got torch.int8 \(12, 36\)"),
                       (nan, "scales hold NaN"), (future, "'format' 2.*'format': 'int'")):
         with pytest.raises(qd.SerializationError, match=said):
