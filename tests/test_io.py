@@ -500,6 +500,9 @@ def test_save_rejects_bad_input(tmp_path):
     q = qd.quantize(data(), "q8s", device="reference")
     with pytest.raises(SerializationError, match="collides"):
         qd.save(tmp_path / "x.st", {"w": q, "w.qvalues": np.zeros(1)})
+    a = np.zeros(1)  # an alias of "a" has no entry of its own, yet its name is still taken
+    with pytest.raises(SerializationError, match="its entry 'w.qvalues' collides with another name; rename one"):
+        qd.save(tmp_path / "x.st", {"a": a, "w": q, "w.qvalues": a})
     assert not os.listdir(tmp_path)
 
 

@@ -498,6 +498,13 @@ def test_tied_weights_part_where_the_schemes_or_devices_differ():
     torch.manual_seed(0)
     model = quantize_embeddings(quantize_linears(TiedLM(), INT4), PER_ROW)
     assert model.head.weight.scheme == INT4 and model.embed.weight.scheme == PER_ROW
+    # the same values in another store, and a model on meta (no values to compare): still the scheme asked for
+    packed = QuantScheme(PER_ROW.value, axis=PER_ROW.axis, store="packed_u32")
+    model = quantize_embeddings(quantize_linears(TiedLM(), PER_ROW), packed)
+    assert model.head.weight.scheme == PER_ROW and model.embed.weight.scheme == packed
+    with torch.device("meta"):
+        on_meta = TiedLM()
+    assert quantize_embeddings(quantize_linears(on_meta, PER_ROW), INT4).embed.weight.scheme == INT4
     if len(HOSTS) > 1:
         model = quantize_embeddings(quantize_linears(TiedLM(), PER_ROW, device="reference"), PER_ROW, device="cpu")
         assert model.head.weight.device == "reference" and model.embed.weight.device == "cpu"
