@@ -341,6 +341,16 @@ def test_a_record_with_crcs_for_other_entries_than_its_own_is_refused(tmp_path):
         qd.load(path)
 
 
+def test_a_quantized_part_whose_header_shape_was_edited_is_refused(tmp_path):
+    """The same bytes under another shape: other safetensors readers see that shape."""
+    path = tmp_path / "s.st"
+    qd.save(path, {"q": qd.quantize(np.arange(8, dtype=np.float32).reshape(2, 4), "q8s", device="reference")})
+    rewrite_metadata(path, lambda h: h["q.qvalues"].update({"shape": [4, 2]}))
+    with pytest.raises(SerializationError, match=r"'q': entry 'q.qvalues' holds I8\[4, 2\] but its record says "
+                                                 r"I8\[2, 4\]; the file does not match its metadata"):
+        qd.load(path)
+
+
 def rewrite_scheme(path, name, field, value):
     """Set one field of tensor `name`'s recorded scheme."""
     rewrite_record(path, name, lambda record: {**record, "scheme": {**record["scheme"], field: value}})
