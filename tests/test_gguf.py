@@ -194,9 +194,9 @@ def test_tensors_that_overlap_or_start_off_their_place_are_refused(tmp_path):
 
 
 def test_headers_ggml_refuses_are_refused(tmp_path):
-    """Each loaded before a check of its own: a second tensor of one name dropped the
-    first, an alignment of 48 read padding as values, version 1 (32-bit counts) was read
-    as version 2's layout."""
+    """Each would load without a check of its own: a second tensor of one name would drop
+    the first, an alignment of 48 would read padding as values, version 1 (32-bit counts)
+    would be read in version 2's layout."""
     path, data = tmp_path / "m.gguf", np.arange(24, dtype=np.float32).tobytes()
     raw_gguf(path, [(b"wa", [8], int(T.F32), 0), (b"wa", [8], int(T.F32), 32)], data=data[:64])
     with pytest.raises(SerializationError, match="two tensors are named 'wa'"):
@@ -428,7 +428,7 @@ def test_export_refuses_names_ggml_cannot_read(tmp_path, name):
 
 @pytest.mark.parametrize("device", ["reference", "cpu"])
 def test_a_nan_scale_names_the_file_and_the_tensor(tmp_path, device):
-    """Not a NonFiniteError from deep in the quantized tensor's checks, naming neither."""
+    """Not a NonFiniteError from deep in the quantized tensor's checks, which names neither."""
     data = gguf.quants.quantize(np.ones((1, 32), np.float32), T.Q8_0).copy()
     data[0, :2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # block 0's f16 scale
     write_gguf(tmp_path / "n.gguf", {"w": (data, T.Q8_0)})
@@ -438,7 +438,8 @@ def test_a_nan_scale_names_the_file_and_the_tensor(tmp_path, device):
 
 
 def test_export_refuses_a_0d_tensor_and_blocks_across_rows(tmp_path):
-    """A 0-d array reached an internal error; scale blocks over two rows, numpy's own."""
+    """Without their checks, a 0-d array would reach an internal error, and scale blocks
+    over two rows numpy's own."""
     with pytest.raises(SerializationError, match="Can't export tensor 's': GGUF tensors need at least one dim"):
         qgguf.export(tmp_path / "o.gguf", {"s": np.array(3.5, np.float32)})
     q = qd.quantize(np.ones((2, 64), np.float32), QuantScheme("q8s", block=(2, 32), scale_dtype="f16"),

@@ -406,8 +406,8 @@ def _plain_file(path, entry, data):
 
 
 def test_a_plain_entry_of_other_bytes_than_its_shape_or_offsets_no_numbers_is_refused(tmp_path):
-    """F32[2] over 12 bytes loaded (the safetensors library refuses it), and so did an
-    offset of false."""
+    """Without their checks F32[2] over 12 bytes would load (the safetensors library
+    refuses it), and so would an offset of false."""
     path = tmp_path / "o.st"
     _plain_file(path, {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]}, bytes(12))
     with pytest.raises(SerializationError, match=r"entry 'x' spans bytes 0 to 12 of the data section, but F32\[2\] "

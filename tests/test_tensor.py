@@ -289,8 +289,8 @@ def test_qtensor_from_parts_refuses_scales_that_are_no_real_numbers(device, scal
                                   device=device)
 
 def test_qtensor_from_parts_takes_a_strided_view_of_values(device):
-    """A transposed view is copied to the layout the kernels read (the cpu backend's
-    dequantize refused it once the copy was left out)."""
+    """A transposed view is copied to the layout the kernels read (without the copy the
+    cpu backend's dequantize would refuse it)."""
     v = np.random.default_rng(0).integers(-127, 128, (8, 6)).astype(np.int8)
     q = qd.qtensor_from_parts(v.T, np.float32(0.5), "q8s", device=device)
     np.testing.assert_array_equal(q.dequantize().numpy(), v.T.astype(np.float32) * 0.5)
