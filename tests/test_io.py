@@ -401,8 +401,8 @@ def test_unknown_version(saved):
 
 def _plain_file(path, entry, data):
     header = json.dumps({"x": entry}).encode()
-    path.write_bytes(len(header + b" " * (-len(header) % 8)).to_bytes(8, "little")
-                     + header + b" " * (-len(header) % 8) + data)
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
 
 
 def test_a_plain_entry_of_other_bytes_than_its_shape_or_offsets_no_numbers_is_refused(tmp_path):
