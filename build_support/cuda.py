@@ -320,21 +320,25 @@ def configure(cross_target=None):
             _skipped = (f"{named[0]}={named[1]} is not a CUDA toolkit ({_lacks(named[1])}): set it to the "
                         f"toolkit's root, the folder of bin/nvcc, or unset it to look for nvcc on PATH and in "
                         f"/usr/local/cuda")
-            return _leave_out(mode, f"correct ${named[0]}")
+            return _leave_out(mode)  # the reason says what to set
         _skipped = "no CUDA toolkit found (looked in " + ", ".join(looked) + ")"
         return _leave_out(mode, "install the CUDA toolkit or set CUDA_HOME to it", quietly=True)  # the usual case
     _skipped = None
     return CudaBuild(*found)
 
 
-def _leave_out(mode, fix, quietly=False):
+def _leave_out(mode, fix=None, quietly=False):
     """Build without the backend, saying why (`_skipped`) in the build log unless
     `quietly` (`info` says it either way); under QDISPATCH_CUDA=1 refuse to."""
     if mode == "1":
-        raise BuildSettingError(f"QDISPATCH_CUDA=1 but {_skipped}: {fix}")
+        raise BuildSettingError(f"QDISPATCH_CUDA=1 but {_skipped}" + (f": {fix}" if fix else ""))
     if not quietly:
-        print(f"warning: building qdispatch without the cuda backend: {_skipped}", file=sys.stderr, flush=True)
+        _warn_left_out()
     return None
+
+
+def _warn_left_out():
+    print(f"warning: building qdispatch without the cuda backend: {_skipped}", file=sys.stderr, flush=True)
 
 
 def compile_or_skip(build, build_temp):
@@ -348,7 +352,7 @@ def compile_or_skip(build, build_temp):
         if _mode() == "1":
             raise
         _skipped = f"{err}; QDISPATCH_CUDA=1 makes this a build error"
-        print(f"warning: building qdispatch without the cuda backend: {_skipped}", file=sys.stderr, flush=True)
+        _warn_left_out()
         return None
 
 
