@@ -1,8 +1,10 @@
 """qdispatch.gguf: files built with the gguf package's writer load without
 changing a value, and QTensors whose scheme fits export back."""
 import argparse
+import contextlib
 import os
 import struct
+import threading
 import warnings
 
 import numpy as np
@@ -350,10 +352,36 @@ def test_loaders_refuse_what_is_no_regular_file(tmp_path):
     """A named pipe blocked the open for ever (waiting for a writer); a device gave
     a bare OSError."""
     os.mkfifo(tmp_path / "pipe")
-    for load in (qgguf.load, qd.load):
-        for path in (tmp_path / "pipe", "/dev/null"):
-            with pytest.raises(SerializationError, match="is not a regular file"):
-                load(path)
+    with _writer_after(tmp_path / "pipe", seconds=10):
+        for load in (qgguf.load, qd.load):
+            for path in (tmp_path / "pipe", "/dev/null"):
+                with pytest.raises(SerializationError, match="is not a regular file"):
+                    load(path)
+
+
+@contextlib.contextmanager
+def _writer_after(pipe, seconds):
+    """While the block runs, a pipe that a loader opened and waits on gets a
+    writer after `seconds`, and bytes that are no file: a loader that opens
+    pipes then fails the test instead of hanging it.  Nobody waiting: no writer."""
+    done = threading.Event()
+
+    def unblock():
+        while not done.wait(seconds):
+            try:
+                fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while no reader waits
+            except OSError:
+                continue
+            os.write(fd, b"no gguf")
+            os.close(fd)
+
+    writer = threading.Thread(target=unblock, daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        done.set()
+        writer.join()
 
 
 # ---- export ---------------------------------------------------------------------------
