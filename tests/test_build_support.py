@@ -147,6 +147,8 @@ def test_a_cuda_home_that_is_no_toolkit_is_not_stepped_over(cuda_build, monkeypa
 
 def test_no_toolkit_anywhere_builds_without_the_backend_quietly(cuda_build, monkeypatch, tmp_path, capsys):
     """The usual case on a machine without CUDA: info says why, the build log stays clean."""
+    monkeypatch.delenv("CUDA_HOME", raising=False)  # a machine with CUDA may name its toolkit so
+    monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(cuda_build, "_candidates", lambda: iter([("/usr/local/cuda", str(tmp_path / "cuda"))]))
     monkeypatch.setenv("QDISPATCH_CUDA", "auto")
     assert cuda_build.configure() is None
