@@ -27,21 +27,34 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("isa_case", pairs, ids=[f"{c.id}-{isa}" for c, isa in pairs])
 
 
+_BUILT = {}  # case id -> its Bench: the ISAs of a case run one after another on the same copies
+
+
+def _built(case, budget_bytes):
+    """The case's weight copies, built once for all ISAs (quantizing hundreds of copies
+    takes longer than timing them); one case's copies are kept at a time."""
+    if case.id not in _BUILT:
+        _BUILT.clear()
+        _BUILT[case.id] = bench.build(case, budget_bytes=budget_bytes)
+    return _BUILT[case.id]
+
+
 def test_isa(benchmark, isa_case, rotation_budget_bytes):
     case, isa = isa_case
     reason = case.skip_reason()
     if reason:
         pytest.skip(reason)
     benchmark.group = f"{case.group}-isa"
-    qd.set_isa(isa)
-    try:
-        with bench.thread_limit(case.threads):
-            b = bench.build(case, budget_bytes=rotation_budget_bytes)
-            for _ in range(b.copies):  # warm-up: first-use costs stay out of the rounds
-                b.fn()
+    with bench.thread_limit(case.threads):
+        b = _built(case, rotation_budget_bytes)
+        qd.set_isa(isa)
+        try:
+            expected = bench.expected_results(case)
+            for i, call in enumerate(b.calls):  # each copy checked on this ISA, and warmed up
+                bench.check_result(case, call(), copy=i, expected=expected)
             benchmark(b.fn)
-    finally:
-        qd.set_isa("auto")
+        finally:
+            qd.set_isa("auto")
     if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
         return
     gops = bench.metrics(case, b, benchmark.stats.stats.min)["gops"]

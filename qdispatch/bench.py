@@ -221,9 +221,15 @@ CACHE_MULTIPLE = 16
 
 @dataclasses.dataclass
 class Bench:
-    fn: object  # zero-argument callable; a fresh result each call
+    calls: list  # one zero-argument callable per weight copy, copy i's weight rolled by i rows
     weight_bytes: int  # weight bytes one call reads
-    copies: int  # weight sets the calls rotate through
+
+    def __post_init__(self):
+        self.fn = _rotate(self.calls)  # the copies in turn; a fresh result each call
+
+    @property
+    def copies(self):
+        return len(self.calls)
 
     @property
     def rotated_bytes(self):
@@ -308,7 +314,7 @@ def build(case, copies=None, budget_bytes=None):
     for i in range(1, copies):  # every copy timed is checked once, before any timing
         fns.append(maker(case, x, np.roll(w, i, axis=0))[0])
         check_result(case, fns[i](), copy=i, expected=expected)
-    bench = Bench(_rotate(fns), nbytes, copies)
+    bench = Bench(fns, nbytes)
     warn_if_cached(case.id, nbytes, copies)
     return bench
 

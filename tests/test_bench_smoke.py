@@ -237,6 +237,30 @@ def test_lookup_benchmark_checks_every_copys_rows(monkeypatch):
         lookup.test_lookup(_Untimed(), TINY, "int4 block 32", "cpu", 1 << 16)
 
 
+def test_isa_benchmark_builds_a_case_once_and_checks_every_copy_on_each_isa(monkeypatch):
+    """Each ISA quantized its own hundreds of weight copies (most of the run's time on a
+    large-cache host); the copies are now shared, so each ISA must check them itself."""
+    isa_bench = _benchmark_module("bench_isa")
+    isas = isa_bench._runnable_isas()
+    if not isas:
+        pytest.skip("no SIMD ISA runs here")
+    case = bench.Case(TINY, "qq_int8", "cpu", 1)
+    build, builds = bench.build, []
+    monkeypatch.setattr(bench, "build", lambda case, **kw: builds.append(case.id) or build(case, copies=3))
+    with pytest.warns(UserWarning, match="less than 16x"):
+        for isa in isas:
+            isa_bench.test_isa(_Untimed(), (case, isa), 1 << 20)
+    assert builds == [case.id]
+    copies, wrong_on = isa_bench._BUILT[case.id].calls, isas[-1]
+    right = copies[2]
+    copies[2] = lambda: _one_ulp_off(right()) if qdispatch.info()["backends"]["cpu"]["isa"] == wrong_on else right()
+    for isa in isas[:-1]:
+        isa_bench.test_isa(_Untimed(), (case, isa), 1 << 20)
+    with pytest.raises(bench.WrongResultError, match=rf"^{case.id}: cpu gave a wrong output"):
+        isa_bench.test_isa(_Untimed(), (case, wrong_on), 1 << 20)
+    assert builds == [case.id]
+
+
 def test_ceilings_run():
     with pytest.warns(UserWarning, match="it measures the cache, not memory"):
         c = bench.ceilings(threads=1, repeat=1, bandwidth_bytes=1 << 20)
