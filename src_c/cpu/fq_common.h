@@ -37,10 +37,12 @@ void qd_fq_tile_avx2(const qd_fq_tile *t);
  * 8% slower in L2. */
 QD_INLINE void qd_fq_prefetch(const uint8_t *unit, int bits)
 {
+    /* The address may lie past the panels' end, where pointer arithmetic is undefined:
+     * it is formed as an integer (a prefetch never faults). */
     if (bits == 8)
-        __builtin_prefetch(unit + 128 * QD_UNIT_BYTES, 0, 2);  /* prefetcht1 */
+        __builtin_prefetch((const void *)((uintptr_t)unit + 128 * QD_UNIT_BYTES), 0, 2);  /* prefetcht1 */
     else
-        __builtin_prefetch(unit + 64 * QD_UNIT_BYTES, 0, 3);   /* prefetcht0 */
+        __builtin_prefetch((const void *)((uintptr_t)unit + 64 * QD_UNIT_BYTES), 0, 3);   /* prefetcht0 */
 }
 
 #endif

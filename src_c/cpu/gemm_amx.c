@@ -116,7 +116,7 @@ QD_INLINE void b_rows(const qd_qq_tile *t, const uint8_t *b, int n_units, int fu
 {
     if (t->bits == 8 && full) {
         *b0 = b;
-        *b1 = b + t->panel_ld;
+        *b1 = np > 1 ? b + t->panel_ld : b;  /* no second panel: not past the buffer's end */
         return;
     }
     for (int p = 0; p < np; p++) {
