@@ -15,6 +15,7 @@ import glob
 import os
 import platform
 import re
+import shlex
 import sys
 import sysconfig
 
@@ -135,7 +136,10 @@ def probe(compiler, flags, build_temp, program=PROBE, link=False):
         f.write(program)
     objects = compiler.compile([src], output_dir=probe_dir, extra_postargs=COMMON_FLAGS + flags)
     if link:
-        compiler.link_executable(objects, "probe", output_dir=probe_dir, extra_postargs=flags)
+        # LDFLAGS too: setuptools adds them to the extension's link, not to an executable's,
+        # and a build may need them to link at all (a sanitizer, libomp in a folder of its own)
+        compiler.link_executable(objects, "probe", output_dir=probe_dir,
+                                 extra_postargs=flags + shlex.split(os.environ.get("LDFLAGS", "")))
 
 
 def accepts(compiler, flags, build_temp, program=PROBE, link=False):

@@ -411,8 +411,8 @@ class RefusingCompiler:
     """Compiles and links nothing and notes each compile; refuses one flag, as an older
     gcc would, or fails to link with one, as a clang without libomp does with -fopenmp."""
 
-    def __init__(self, refused=None, unlinkable=None):
-        self.refused, self.unlinkable = refused, unlinkable
+    def __init__(self, refused=None, unlinkable=None, links_only_with=None):
+        self.refused, self.unlinkable, self.links_only_with = refused, unlinkable, links_only_with
         self.calls, self.flags = [], set()  # the kernel files compiled; every flag they got
 
     def compile(self, sources, output_dir=None, macros=None, include_dirs=None, extra_postargs=None):
@@ -428,7 +428,8 @@ class RefusingCompiler:
 
     def link_executable(self, objects, name, output_dir=None, extra_postargs=None):
         from setuptools.errors import LinkError
-        if self.unlinkable in (extra_postargs or []):
+        needs = [self.links_only_with] if self.links_only_with else []
+        if self.unlinkable in (extra_postargs or []) or not set(needs) <= set(extra_postargs or []):
             raise LinkError("ld: cannot find -lomp: No such file or directory")
 
 
@@ -518,6 +519,15 @@ def test_openmp_is_left_out_when_the_compiler_cannot_build_with_it(cpu_build, tm
     assert "openmp" not in cpu_build.left_out()  # not an ISA: no isas_left_out entry, no QD_NO_ macro
     assert not any(name.startswith("QD_NO_") for _, macros in compiler.calls for name in macros)
     assert f"building qdispatch without OpenMP: {why}" in capsys.readouterr().err
+
+
+def test_the_openmp_probe_links_with_ldflags(cpu_build, tmp_path, monkeypatch):
+    """A build whose links need LDFLAGS (libomp in a folder of its own, a sanitizer's
+    runtime) lost OpenMP: setuptools gives them to the extension's link, not the probe's."""
+    monkeypatch.setenv("LDFLAGS", "-fsanitize=address -L/opt/libomp/lib")
+    compiler = RefusingCompiler(links_only_with="-L/opt/libomp/lib")
+    cpu_build.compile_objects(compiler, ROOT, str(tmp_path))
+    assert cpu_build.openmp_left_out() is None and cpu_build.openmp_flags() == ["-fopenmp"]
 
 
 def test_openmp_is_built_when_the_compiler_can(cpu_build, tmp_path):
