@@ -86,7 +86,11 @@ cdef class Device:
             if index and named.index:
                 raise ValueError(f"Device({kind!r}, {index!r}) gives the index twice: write Device('cuda:N')")
             kind, index = named.kind, index or named.index
-        kind, index = index_of(kind), index_of(index)  # whole numbers: no 1.5, no "1", no True
+        try:
+            kind, index = index_of(kind), index_of(index)  # whole numbers: no 1.5, no "1", no True
+        except TypeError as exc:  # index_of's words name no call
+            raise TypeError(f"Device({kind!r}, {index!r}): {exc}; give a device like 'cpu' or 'cuda:1', or a "
+                            f"backend kind and an index (whole numbers)") from None
         if not 0 <= kind < QD_BACKEND_COUNT:
             raise ValueError(f"Unknown backend kind {kind}")
         if not 0 <= index < 2**31:  # a C int
@@ -220,6 +224,7 @@ cdef class TensorBase:
     def __ifloordiv__(self, other): return _in_place("//=")
     def __imod__(self, other): return _in_place("%=")
     def __ipow__(self, other): return _in_place("**=")
+    def __imatmul__(self, other): return _in_place("@=")
 
 
 cdef object _arithmetic(str ufunc, tuple operands):

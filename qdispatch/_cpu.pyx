@@ -100,10 +100,13 @@ def library_version():
 def set_isa(name):
     """Forces an ISA by name ('scalar', 'avx2', ...); 'auto' goes back to the best one."""
     cdef qd_isa isa
+    if not isinstance(name, str):
+        raise TypeError(f"set_isa takes an ISA's name (a str such as 'avx2', or 'auto'), got {name!r}")
     if name == "auto":
         qd_isa_reset()
         return
-    if qd_isa_from_name(str(name).encode(), &isa) != QD_OK:
+    # C reads the name up to a NUL: "avx2\0x" would pass for avx2
+    if "\0" in name or qd_isa_from_name(name.encode(), &isa) != QD_OK:
         raise ValueError(f"Can't use ISA {name!r}: no ISA has that name; use 'auto' or one of "
                          f"{_isa_names(lambda i: True)}")
     _check(qd_isa_set(isa), f"Can't use ISA {name!r}")

@@ -92,12 +92,15 @@ def atomic_path(path):
     over `path`, on failure remove it.  Either way `path` is never half-written."""
     # a bytes path too: the temporary name is str.  A symbolic link stays one: its
     # target is what is written, as open(path, "wb") would.
-    given = os.fsdecode(path)
+    given = os.fsdecode(_checked_path(path))
     if not given:  # realpath would make it the working folder
         raise FileNotFoundError(errno.ENOENT, "save and export write a file, so give a file's path, not ''", given)
     path = os.path.realpath(given)
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a folder: save and export write a file, so give a file's path")
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):  # the rename would put a file in its place
+        raise SerializationError(f"{path} is not a regular file (a pipe or a device?): save and export replace "
+                                 f"only files, so give a file's path")
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):  # else the error would name the temporary file
         what = "is a file, not a folder" if os.path.exists(folder) else "does not exist; create it first"
@@ -602,13 +605,19 @@ def reading(path):
         yield StoredFile(path, f)
 
 
+def _checked_path(path):
+    """`path`, if it is one: open() would take a number for a file descriptor (and close
+    it), and os.fsdecode's error names no call."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"Expected a file path (str, bytes or os.PathLike), got {type(path).__name__} {path!r}")
+    return path
+
+
 @contextlib.contextmanager
 def opened_regular_file(path):
     """`path` open for binary reading, refused unless it names a regular file: a pipe
     would block the open until a writer came, and a device has no size to check."""
-    if not isinstance(path, (str, bytes, os.PathLike)):  # open() would take a number for a descriptor, and close it
-        raise TypeError(f"Expected a file path (str, bytes or os.PathLike), got {type(path).__name__} {path!r}")
-    mode = os.stat(path).st_mode  # FileNotFoundError and PermissionError name the path
+    mode = os.stat(_checked_path(path)).st_mode  # FileNotFoundError and PermissionError name the path
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, "Is a directory", os.fsdecode(path))
     if not stat.S_ISREG(mode):

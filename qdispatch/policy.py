@@ -4,6 +4,8 @@ import contextlib
 import contextvars
 import os
 
+import numpy as np
+
 from ._core import Device, get_backend
 from .errors import BackendUnavailableError
 from .info import available_backends
@@ -14,7 +16,7 @@ _default_device = None
 
 
 def _check_mode(mode):
-    if mode not in TRANSFER_MODES:
+    if not isinstance(mode, str) or mode not in TRANSFER_MODES:  # `in` would compare an array elementwise
         raise ValueError(f"Unknown transfer policy {mode!r}: expected one of {', '.join(TRANSFER_MODES)}")
     return mode
 
@@ -95,7 +97,9 @@ def set_batch_invariant(on=True):
     whatever the batch, and many rows never go to the GEMM (which takes longer on
     large weights at few rows, and from 17 rows on), and the reference multiplies
     one row at a time.  Process-wide: every thread and GPU."""
-    get_backend("cuda").set_batch_invariant(on)
+    if not isinstance(on, (bool, np.bool_)):  # bool("false") is True
+        raise TypeError(f"set_batch_invariant takes True or False, got {on!r} ({type(on).__name__})")
+    get_backend("cuda").set_batch_invariant(bool(on))
 
 
 def batch_invariant():

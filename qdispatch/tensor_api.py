@@ -61,6 +61,7 @@ def _host_array(data, dtype=None):
         dtype = check_dtype(dtype, tuple(DTYPES))
         if dtype in ("int8", "int32"):
             return _as_integers(arr, dtype), dtype
+        _refuse_non_numbers(arr, dtype)
         with np.errstate(over="ignore"):  # past the dtype's range is inf, as IEEE rounds it: no warning
             if dtype != "bfloat16":
                 return arr.astype(DTYPES[dtype], copy=False), dtype
@@ -82,15 +83,22 @@ def _host_array(data, dtype=None):
                     f"data (bfloat16 as its uint16 bits with dtype='bfloat16')")
 
 
+def _refuse_non_numbers(arr, dtype, hint=""):
+    """Complex, dates, text, Python objects: numpy's cast would drop an imaginary part,
+    count a date's units, parse text or take None for NaN."""
+    if arr.dtype.kind not in "iufb" and arr.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 is kind V
+        article = "an" if dtype.startswith("int") else "a"
+        raise TypeError(f"Can't make {article} {dtype} tensor of {arr.dtype} data: only integers, floats and bools "
+                        f"convert to {dtype} (numpy's cast would drop an imaginary part, count a date's units, "
+                        f"parse text or take None for NaN); {hint}convert it to numbers first")
+
+
 def _as_integers(arr, dtype, hint=""):
     """arr cast to integer `dtype`, refusing the values the cast would change
     (numpy's cast wraps out-of-range integers and truncates floats); `hint` leads
     the message's advice."""
     target = DTYPES[dtype]
-    if arr.dtype.kind not in "iufb":  # complex, dates, text: a cast would drop or wrap what they hold
-        raise TypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: only integers, floats and bools "
-                        f"convert to {dtype} (numpy's cast would drop an imaginary part or wrap a date's count); "
-                        f"{hint}convert it to numbers first")
+    _refuse_non_numbers(arr, dtype, hint)
     if arr.dtype == target or arr.dtype.kind == "b" or not arr.size:
         return arr.astype(target, copy=False)
     lo, hi = int(np.iinfo(target).min), int(np.iinfo(target).max)
@@ -516,7 +524,8 @@ def embedding_ids(ids, count):
         arr = tensor_numpy(ids) if isinstance(ids, Tensor) else np.asarray(ids)
     except ValueError as exc:  # a ragged list
         raise ShapeError(f"embedding's ids must form an array of integers: {exc}") from None
-    if arr.dtype.kind not in "iu" and arr.size and not _python_ints(arr):  # an empty list comes as float64
+    empty_list = not arr.size and arr.dtype.kind == "f"  # numpy makes [] float64
+    if arr.dtype.kind not in "iu" and not empty_list and not _python_ints(arr):
         raise TypeError(f"embedding's ids must be integers, got {arr.dtype} data")
     # ids past int64 (unsigned, or Python ints numpy holds as objects) are out of range whatever
     # the table: compare before converting

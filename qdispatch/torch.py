@@ -1225,7 +1225,11 @@ class QLinear(_QuantizedModule):
         if bias is None:
             self.register_parameter("bias", None)
         else:
-            bias = torch.as_tensor(bias).detach()
+            try:
+                bias = torch.as_tensor(bias).detach()
+            except (TypeError, ValueError, RuntimeError) as exc:  # a str, a ragged list: torch's words
+                raise TypeError(f"QLinear bias must be a float tensor (or array), got {type(bias).__name__} "
+                                f"{bias!r:.60}: {exc}") from None
             if not bias.is_floating_point():  # a Parameter must be able to take a gradient
                 raise TypeError(f"QLinear bias must be a float tensor, got {bias.dtype}")
             if tuple(bias.shape) != (self.out_features,):
@@ -1380,6 +1384,7 @@ class QEmbedding(_QuantizedModule):
                 or ids.dtype == torch.bool:
             got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise TypeError(f"QEmbedding takes a torch integer tensor of ids (torch.long or torch.int), got {got}")
+        _check_strided(ids, "QEmbedding")
         here = _torch_device(self.weight.device)
         if ids.device != here:
             raise BackendMismatchError(

@@ -352,6 +352,13 @@ def test_unknown_or_unsupported_isa_is_a_clear_error():
             qd.set_isa(name)
         assert str(bad.value).count("Can't use ISA") == 1
     assert qd.info()["backends"]["cpu"]["isa"] == active  # a refused choice changes nothing
+    with pytest.raises(qd.BackendUnavailableError, match=r"^Can't use ISA 'avx2\\x00x': no ISA has that name"):
+        qd.set_isa("avx2\x00x")  # C read the name up to the NUL: it was avx2
+    for name in (None, 3):  # were BackendUnavailableErrors
+        with pytest.raises(TypeError, match=rf"set_isa takes an ISA's name \(a str such as 'avx2', or 'auto'\), "
+                                            rf"got {name!r}"):
+            qd.set_isa(name)
+    assert qd.info()["backends"]["cpu"]["isa"] == active
 
 
 def test_environment_variables_pick_isa_and_threads():

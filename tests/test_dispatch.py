@@ -76,6 +76,8 @@ def test_every_transfer_policy(operands):
         qd.q_matmul(xq, wt)  # the context is gone after the block
     with pytest.raises(ValueError, match="Unknown transfer policy"):
         qd.q_matmul(xq, wt, transfer="sometimes")
+    with pytest.raises(ValueError, match=r"Unknown transfer policy array\(\['auto', 'error'\]"):
+        qd.q_matmul(xq, wt, transfer=np.array(["auto", "error"]))  # was numpy's "truth value is ambiguous"
 
 
 def test_a_transfer_policy_holds_for_the_thread_that_enters_it(operands):
@@ -243,7 +245,26 @@ def test_batch_invariance_setting():
         qd.set_batch_invariant(False)
     assert not qd.batch_invariant()
     code = "import qdispatch as qd; print(qd.batch_invariant())"
-    assert run_python("-c", code, QDISPATCH_BATCH_INVARIANT="1").stdout.strip() == "True"
+    for value, on in (("1", True), (" On ", True), ("yes", True), ("0", False), ("off", False), ("", False)):
+        child = run_python("-W", "error", "-c", code, QDISPATCH_BATCH_INVARIANT=value)
+        assert child.stdout.strip() == str(on), (value, child.stderr[-2000:])
+    for typo in ("2", "enabled", "abc"):  # were off without a word
+        child = run_python("-c", code, QDISPATCH_BATCH_INVARIANT=typo)
+        assert child.stdout.strip() == "False"
+        assert f"QDISPATCH_BATCH_INVARIANT={typo!r} is neither 1 nor 0" in child.stderr
+
+
+@pytest.mark.parametrize("value", ["false", "0", 1, None, np.array([True])])
+def test_batch_invariance_takes_a_bool(value):
+    """set_batch_invariant("false") turned it on: bool() of any non-empty string is True."""
+    with pytest.raises(TypeError, match=r"set_batch_invariant takes True or False, got "):
+        qd.set_batch_invariant(value)
+    assert not qd.batch_invariant()
+    qd.set_batch_invariant(np.bool_(True))  # numpy's bool is one
+    try:
+        assert qd.batch_invariant()
+    finally:
+        qd.set_batch_invariant(False)
 
 
 @pytest.mark.parametrize("device", [d for d in ("reference", "cpu") if d in qd.available_backends()])

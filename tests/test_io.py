@@ -3,6 +3,7 @@ clear errors for files that can't be trusted."""
 import json
 import os
 import re
+import stat
 import sys
 import zlib
 
@@ -225,6 +226,23 @@ def test_a_number_is_no_path_to_load():
         with pytest.raises(TypeError, match="Expected a file path"):
             qd.load(bad)
     os.fstat(1)  # still open
+
+
+def test_a_number_or_none_is_no_path_to_save():
+    """os.fsdecode's own error ("expected str, bytes or os.PathLike object") named no call."""
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match=rf"Expected a file path \(str, bytes or os.PathLike\), got "
+                                            rf"{type(bad).__name__} {bad!r}"):
+            qd.save(bad, {"a": np.zeros(2)})
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_saving_over_what_is_no_regular_file_is_refused(tmp_path):
+    """A named pipe was replaced by a regular file (a device node too, as root)."""
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(SerializationError, match=r"pipe is not a regular file .*: save and export replace only files"):
+        qd.save(tmp_path / "pipe", {"a": np.zeros(2)})
+    assert stat.S_ISFIFO(os.stat(tmp_path / "pipe").st_mode) and os.listdir(tmp_path) == ["pipe"]
 
 
 def test_saving_to_a_folder_names_the_folder(tmp_path):

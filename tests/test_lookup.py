@@ -112,6 +112,10 @@ def test_an_id_outside_the_table_is_an_error_that_names_it(device, rng, ids, bad
     ([2**70, True], TypeError, "ids must be integers, got object"),
     ("1", TypeError, "ids must be integers, got <U1"),
     ([[1, 2], [3]], qd.ShapeError, "ids must form an array of integers"),
+    # empty, they were let through (as [] is, which numpy makes float64) to numpy's bare UFuncTypeError
+    (np.array([], "U1"), TypeError, "ids must be integers, got <U1"),
+    (np.array([], "datetime64[D]"), TypeError, r"ids must be integers, got datetime64\[D\]"),
+    (np.array([], "S1"), TypeError, r"ids must be integers, got \|S1"),
 ])
 def test_ids_that_are_no_integers_are_refused(rng, ids, error, match):
     w = table(rng, 8, 32, SCHEMES[0], "cpu", False)

@@ -601,6 +601,10 @@ def test_qlinear_bad_input():
         QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=torch.zeros(5))
     with pytest.raises(TypeError, match="bias must be a float tensor, got torch.int64"):
         QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=[0] * 6)
+    for bad in ("abc", [[0.0], [0.0, 1.0]]):  # torch's own errors: "new(): invalid data type 'str'"
+        with pytest.raises(TypeError, match=rf"QLinear bias must be a float tensor \(or array\), got "
+                                            rf"{type(bad).__name__} "):
+            QLinear(weight((6, 10), SCHEMES[0], "reference"), bias=bad)
 
 
 @pytest.mark.parametrize("device", DEVICES)

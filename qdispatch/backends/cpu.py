@@ -121,6 +121,8 @@ class CpuBackend(HostBackend):
     def set_isa(self, name):
         try:
             _cpu.set_isa(name)
+        except TypeError:  # no name at all
+            raise
         except Exception as exc:
             raise BackendUnavailableError(
                 f"{exc}. Built and supported here: "

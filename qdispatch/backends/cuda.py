@@ -12,6 +12,7 @@ the store is freed, so a decode weight takes its size once on the GPU, and is
 read back from the tiles whenever something else needs it."""
 import math
 import os
+import warnings
 
 import numpy as np
 
@@ -147,14 +148,25 @@ class CudaQStorage:
             self._values, self._read_back = None, read_back
 
 
+def _batch_invariant_setting(value):
+    """QDISPATCH_BATCH_INVARIANT as a bool; a value that is neither on nor off warns and
+    leaves it off (a typo must not pass for a choice)."""
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word not in ("", "0", "false", "no", "off"):
+        warnings.warn(f"QDISPATCH_BATCH_INVARIANT={value!r} is neither 1 nor 0 (true/false, yes/no, on/off): "
+                      f"batch invariance stays off", RuntimeWarning, stacklevel=2)
+    return False
+
+
 class CudaBackend(Backend):
     kind = BackendKind.CUDA
     name = "cuda"
     fq_dtypes = ("float32", "float16", "bfloat16")
 
     def __init__(self):
-        env = os.environ.get("QDISPATCH_BATCH_INVARIANT", "0")
-        self.set_batch_invariant(env.strip().lower() in ("1", "true", "yes", "on"))
+        self.set_batch_invariant(_batch_invariant_setting(os.environ.get("QDISPATCH_BATCH_INVARIANT", "")))
 
     # ---- availability ----
     def unavailable_reason(self, index=0):
