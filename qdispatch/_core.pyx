@@ -13,7 +13,7 @@ from enum import IntEnum
 
 from .scheme import index_of
 from .errors import (BackendMismatchError, BackendUnavailableError,
-                     DeviceMismatchError, QDispatchError)
+                     DeviceMismatchError, QDispatchError, ShapeError)
 
 from .dlpack cimport DLManagedTensor, DLManagedTensorVersioned, DLTensor, kDLBfloat, kDLUInt
 
@@ -609,6 +609,7 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     for q_matmul (activation_scheme="q8s": one scale per row of x, W8A8)."""
     if not isinstance(w, QTensor):
         raise TypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
+    _check_linear_shapes(getattr(x, "shape", None), (<QTensor>w).shape)
     if isinstance(x, TensorBase) and not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
     # Without a bias the product is the result: the kernel writes out_dtype itself.
@@ -617,6 +618,16 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     if bias is None:
         return out
     return ops_module().add_bias(out, bias, out_dtype, transfer)
+
+
+cdef _check_linear_shapes(object x_shape, tuple w_shape):
+    """In linear's own terms: q_matmul's error would name w.T, which the caller never wrote."""
+    if len(w_shape) < 2:
+        raise ShapeError(f"linear's weight w must be [out_features, in_features], got a QTensor of shape {w_shape}")
+    if x_shape is not None and len(x_shape) >= 1 and x_shape[-1] != w_shape[-1]:
+        raise ShapeError(f"linear's x has {x_shape[-1]} features (shape {tuple(x_shape)}) but its weight w "
+                         f"[out_features, in_features] takes {w_shape[-1]} (shape {w_shape}): x @ w.T needs "
+                         f"x's last dim to be w's")
 
 
 def dlpack_as_bfloat16(capsule):

@@ -243,6 +243,20 @@ def test_linear_with_bias(device, rng):
         qd.linear(x, wq, bias[:3])
 
 
+def test_linear_names_its_own_arguments_in_shape_errors(device, rng):
+    """The errors were q_matmul's, naming w.T's shape (64, 10), which the caller never wrote."""
+    wq = qd.quantize(rng.standard_normal((10, 64)).astype(np.float32), "q8s", device=device)
+    for x in (np.zeros((3, 10), np.float32), qd.tensor(np.zeros((2, 3, 10), np.float32), device=device)):
+        with pytest.raises(qd.ShapeError, match=re.escape(
+                f"linear's x has 10 features (shape {tuple(x.shape)}) but its weight w [out_features, "
+                f"in_features] takes 64 (shape (10, 64)): x @ w.T needs x's last dim to be w's")):
+            qd.linear(x, wq)
+    w1 = qd.quantize(rng.standard_normal(64).astype(np.float32), "q8s", device=device)
+    with pytest.raises(qd.ShapeError, match=re.escape("linear's weight w must be [out_features, in_features], "
+                                                      "got a QTensor of shape (64,)")):
+        qd.linear(np.zeros((3, 64), np.float32), w1)
+
+
 @pytest.mark.parametrize("bias", [[1, -2, 3], [100, 200, -300], np.array([70000, 0, -5], np.int64),
                                   np.array([255, 0, 1], np.uint8), [True, False, True]])
 def test_an_integer_bias_is_numbers_to_add_whatever_their_size(device, rng, bias):
