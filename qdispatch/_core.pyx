@@ -11,6 +11,8 @@ import math
 import sys
 from enum import IntEnum
 
+import numpy as _np
+
 from .scheme import index_of
 from .errors import (BackendMismatchError, BackendUnavailableError,
                      DeviceMismatchError, QDispatchError, ShapeError)
@@ -261,6 +263,10 @@ def _torch_operator():
 
 # Bytes per value of each dtype a payload may hold (the cuda module's device arrays too).
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4, "int64": 8}
+# The numpy dtype a host Tensor's payload holds each dtype in (bfloat16: its bits).
+_HOST_STORAGE = {name: _np.dtype(storage) for name, storage in (("float32", "float32"), ("float16", "float16"),
+                 ("bfloat16", "uint16"), ("int8", "int8"), ("int32", "int32"), ("uint32", "uint32"),
+                 ("int64", "int64"))}
 
 
 cdef class Tensor(TensorBase):
@@ -270,6 +276,15 @@ cdef class Tensor(TensorBase):
     memory; on CUDA it is device memory.  Both speak DLPack."""
 
     def __cinit__(self, payload, str dtype, tuple shape, int kind, int index=0):
+        if not 0 <= kind < QD_BACKEND_COUNT or index < 0 or dtype not in ITEMSIZE:
+            raise ValueError(f"Tensor({type(payload).__name__}, {dtype!r}, {shape}, {kind}, {index}) names no "
+                             f"dtype and device: make tensors with qdispatch.tensor(data, dtype=..., device=...)")
+        if kind != QD_BACKEND_CUDA and (getattr(payload, "shape", None) != shape or
+                                        getattr(payload, "dtype", None) != _HOST_STORAGE.get(dtype)):
+            # a payload that is not what the tensor says gave results of the wrong shape
+            raise ShapeError(f"A host Tensor's payload must be a numpy array of its shape {shape} and its dtype's "
+                             f"storage ({dtype}), got {type(payload).__name__} {getattr(payload, 'dtype', '')}"
+                             f"{getattr(payload, 'shape', '')}: make tensors with qdispatch.tensor(data, dtype=...)")
         self.payload = payload
         self.dtype = dtype
         self.shape = shape
@@ -388,6 +403,9 @@ cdef class QTensor(TensorBase):
                         "or q.values and q.scales for what it stores")
 
     def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
+        if not 0 <= kind < QD_BACKEND_COUNT or index < 0 or not hasattr(layout, "logical_shape"):
+            raise ValueError(f"QTensor({type(storage).__name__}, {type(layout).__name__}, ...) names no layout "
+                             f"and device: make QTensors with qdispatch.quantize() or qdispatch.qtensor_from_parts()")
         self.storage = storage
         self.layout = layout
         self.transposed = transposed

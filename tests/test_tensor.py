@@ -869,3 +869,24 @@ def test_tensors_take_weak_references(device):
     del t, q
     gc.collect()
     assert [ref() for ref in refs] == [None, None]
+
+
+def test_the_constructors_refuse_what_is_no_tensor():
+    """Tensor() and QTensor() are exported (for isinstance): a payload of another shape
+    than the one named gave q_matmul results whose shape and values disagreed, and a
+    bad kind or dtype failed later with an IndexError or KeyError."""
+    payload = np.zeros((3, 16), np.float32)
+    cpu = int(qd.BackendKind.CPU)
+    for shape, dtype, data in (((5, 16), "float32", payload), ((3, 16), "float32", payload.astype(np.int64)),
+                               ((3, 16), "bfloat16", payload), ((3, 16), "float32", [[0.0] * 16] * 3)):
+        with pytest.raises(qd.ShapeError, match=r"A host Tensor's payload must be a numpy array of its shape .*: "
+                                                r"make tensors with qdispatch.tensor\(data, dtype=...\)"):
+            qd.Tensor(data, dtype, shape, cpu)
+    for dtype, kind, index in (("weird", cpu, 0), ("float32", 7, 0), ("float32", -1, 0), ("float32", cpu, -1)):
+        with pytest.raises(ValueError, match=r"names no dtype and device: make tensors with qdispatch.tensor"):
+            qd.Tensor(payload, dtype, (3, 16), kind, index)
+    with pytest.raises(ValueError, match=r"QTensor\(NoneType, NoneType, ...\) names no layout and device: make "
+                                         r"QTensors with qdispatch.quantize\(\) or qdispatch.qtensor_from_parts\(\)"):
+        qd.QTensor(None, None, False, 1)
+    t = qd.Tensor(payload, "float32", (3, 16), cpu)  # a consistent one is a tensor, as qd.tensor's
+    np.testing.assert_array_equal(t.numpy(), payload)
