@@ -263,10 +263,21 @@ def _torch_operator():
 
 # Bytes per value of each dtype a payload may hold (the cuda module's device arrays too).
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4, "int64": 8}
-# The numpy dtype a host Tensor's payload holds each dtype in (bfloat16: its bits).
-_HOST_STORAGE = {name: _np.dtype(storage) for name, storage in (("float32", "float32"), ("float16", "float16"),
-                 ("bfloat16", "uint16"), ("int8", "int8"), ("int32", "int32"), ("uint32", "uint32"),
-                 ("int64", "int64"))}
+# The numpy dtype a host Tensor's payload holds each dtype in (bfloat16: its bits); C
+# globals, as every result's Tensor() reads them.
+cdef dict _HOST_STORAGE = {name: _np.dtype(storage) for name, storage in (
+    ("float32", "float32"), ("float16", "float16"), ("bfloat16", "uint16"), ("int8", "int8"), ("int32", "int32"),
+    ("uint32", "uint32"), ("int64", "int64"))}
+cdef object _ndarray = _np.ndarray
+
+
+cdef inline bint _holds(object payload, object storage, tuple shape):
+    """Whether a host payload is a numpy array of `storage` dtype and `shape` (numpy's
+    dtypes of a kind are one object each, so `is` mostly decides: on every call's result)."""
+    if not isinstance(payload, _ndarray):
+        return False
+    dtype = (<object>payload).dtype
+    return (dtype is storage or dtype == storage) and (<object>payload).shape == shape
 
 
 cdef class Tensor(TensorBase):
@@ -276,11 +287,11 @@ cdef class Tensor(TensorBase):
     memory; on CUDA it is device memory.  Both speak DLPack."""
 
     def __cinit__(self, payload, str dtype, tuple shape, int kind, int index=0):
-        if not 0 <= kind < QD_BACKEND_COUNT or index < 0 or dtype not in ITEMSIZE:
+        storage = _HOST_STORAGE.get(dtype)  # every dtype a payload may hold
+        if storage is None or not 0 <= kind < QD_BACKEND_COUNT or index < 0:
             raise ValueError(f"Tensor({type(payload).__name__}, {dtype!r}, {shape}, {kind}, {index}) names no "
                              f"dtype and device: make tensors with qdispatch.tensor(data, dtype=..., device=...)")
-        if kind != QD_BACKEND_CUDA and (getattr(payload, "shape", None) != shape or
-                                        getattr(payload, "dtype", None) != _HOST_STORAGE.get(dtype)):
+        if kind != QD_BACKEND_CUDA and not _holds(payload, storage, shape):
             # a payload that is not what the tensor says gave results of the wrong shape
             raise ShapeError(f"A host Tensor's payload must be a numpy array of its shape {shape} and its dtype's "
                              f"storage ({dtype}), got {type(payload).__name__} {getattr(payload, 'dtype', '')}"
