@@ -261,14 +261,14 @@ def _torch_operator():
     return qd_torch
 
 
-# Bytes per value of each dtype a payload may hold (the cuda module's device arrays too).
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4, "uint32": 4, "int64": 8}
-# The numpy dtype a host Tensor's payload holds each dtype in (bfloat16: its bits); C
-# globals, as every result's Tensor() reads them.
+# The numpy dtype a host Tensor's payload holds each dtype a payload may hold in
+# (bfloat16: its bits); C globals, as every result's Tensor() reads them.
 cdef dict _HOST_STORAGE = {name: _np.dtype(storage) for name, storage in (
     ("float32", "float32"), ("float16", "float16"), ("bfloat16", "uint16"), ("int8", "int8"), ("int32", "int32"),
     ("uint32", "uint32"), ("int64", "int64"))}
 cdef object _ndarray = _np.ndarray
+# Bytes per value of each (the cuda module's device arrays too).
+ITEMSIZE = {name: storage.itemsize for name, storage in _HOST_STORAGE.items()}
 
 
 cdef inline bint _holds(object payload, object storage, tuple shape):
