@@ -386,6 +386,14 @@ def test_cuda_failures_map_to_the_documented_statuses(cuda_build, tmp_path):
     run_host_cuda_program(cuda_build, tmp_path, "cuda_failure_status.cu", "runtime.cu", "elementwise.cu")
 
 
+def test_cuda_entry_points_refuse_misaligned_pointers(cuda_build, tmp_path):
+    """The decode call's weight tiles and scale tiles (16-byte copies) and quantize's
+    scratch (64-bit atomics) were taken at any address: a fault that ends the CUDA
+    context where the other entry points return QD_ERR_ARGUMENT."""
+    run_host_cuda_program(cuda_build, tmp_path, "cuda_argument_checks.cu", "fq_matmul.cu", "fq_wide_sm90.cu",
+                          "gemm_s8_sm90.cu", "quantize.cu", "runtime.cu", "elementwise.cu")
+
+
 # ---- the C kernel library (build_support/cpu.py) ----
 
 CPU_BUILD = os.path.join(os.path.dirname(CUDA_BUILD), "cpu.py")

@@ -963,7 +963,8 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, bool invarian
     const bool cluster = d->early && splits > 1 && splits <= MAX_CLUSTER && (!invariant || kw == 1);
     const int64_t blocks = ceil_div(op.bands, WARPS / kw);
     const bool split_in_memory = splits > 1 && !cluster;  // a ticket per band
-    if (blocks > 0x7FFFFFFF || (split_in_memory && op.bands > MAX_TICKETS)) return QD_ERR_SHAPE;
+    // splits are the grid's y, at most 65535 (a K of tens of millions at few columns)
+    if (blocks > 0x7FFFFFFF || splits > 65535 || (split_in_memory && op.bands > MAX_TICKETS)) return QD_ERR_SHAPE;
     // Rows of the slice start 32 (64 for float32) bytes past a 128-byte line, so a
     // warp's loads of 8 rows x 4 lanes hit distinct banks.
     const int row_bytes = (int)(ceil_div(tps * kt * x_size, 128) * 128) + (x_size == 4 ? 64 : 32);
@@ -1038,6 +1039,8 @@ extern "C" qd_status qd_cuda_fq_tile_scales(const float *scales, int64_t N, int6
     cudaStream_t s = qd::as_stream(stream);
     tile_scales_kernel<<<qd::grid_for(count, 256), 256, 0, s>>>(scales, N, block_n, K / block_k, count,
                                                                 static_cast<float *>(scale_tiles));
+    qd_status st = qd::launched();  // the sync below does not report a launch that never ran
+    if (st != QD_OK) return st;
     // fq kernels read them before they wait for earlier grids, as the weight tiles
     return qd::check(cudaStreamSynchronize(s));
 }
@@ -1049,9 +1052,11 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
     if (bits != 8 && bits != 4 && bits != 2) return QD_ERR_SCHEME;
     if (M <= 0 || N <= 0 || K <= 0 || block_k <= 0 || K % block_k) return QD_ERR_SHAPE;
     const int x_size = (int)qd::dtype_bytes(x_dtype), out_size = (int)qd::dtype_bytes(out_dtype);
-    // x is copied in 16-byte pieces: rows start on 16-byte boundaries
+    // x, the tiles and their scales are copied in 16-byte pieces: a misaligned one would be
+    // a fault that ends the CUDA context, not an error
     if (!qd_dims_fit(M, ldx, x_size) || !qd_dims_fit(M, N, out_size) || !qd::float_dtype(x_dtype) ||
         !qd::float_dtype(out_dtype) || ldx < K || ldx * x_size % 16 || reinterpret_cast<uintptr_t>(x) % 16 ||
+        reinterpret_cast<uintptr_t>(tiles) % 16 || reinterpret_cast<uintptr_t>(scale_tiles) % 16 ||
         !qd_cuda_fq_supported(bits, K, block_k))
         return QD_ERR_ARGUMENT;
     if (K > 0x7FFFFFFF || N > 0x7FFFFFFF) return QD_ERR_SHAPE;  // the kernels' limit, past sizes no array has

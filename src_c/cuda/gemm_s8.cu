@@ -311,9 +311,11 @@ template <int MODE, int OPS = S8>
 qd_status launch_gemm(const int8_t *a, const int8_t *bt, int64_t M, int64_t N, int64_t K,
                       int64_t ld, void *out, int out_dtype, const Scales &sc, void *stream) {
     const int64_t Kp = (K + 15) / 16 * 16;
-    // the Hopper kernel ends blocks of K on whole blocks only
+    // the Hopper kernel ends blocks of K on whole blocks only, and its copies' coordinates
+    // are 32-bit: past 2^31 bytes of K (fq's 16-bit rows, qq's spread slots) the kernel
+    // below runs, whose K is 64-bit
     const bool whole_blocks = MODE != GROUPED || Kp % (sc.group_steps * KSTEP) == 0;
-    if (whole_blocks && qd::gemm_s8_sm90_usable())
+    if (whole_blocks && Kp <= 0x7FFFFFFF - 1024 && qd::gemm_s8_sm90_usable())
         return qd::gemm_s8_sm90(a, bt, M, N, Kp, ld, out, out_dtype, sc, GemmMode(MODE), Operands(OPS),
                                 qd::as_stream(stream));
     const int64_t tiles = qd::ceil_div(M, BM) * qd::ceil_div(N, BN);

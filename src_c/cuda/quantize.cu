@@ -96,6 +96,7 @@ extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t 
                                           int scale_dtype, float *scales, int8_t *q,
                                           void *scratch, int64_t *bad_index, void *stream) {
     if (!x || !scales || !q || !scratch) return QD_ERR_NULL;
+    if (reinterpret_cast<uintptr_t>(scratch) % 8) return QD_ERR_ARGUMENT;  // 64-bit atomics: a fault otherwise
     int lo, hi;
     if (!qd::value_range(value_kind, &lo, &hi) || scale_dtype < QD_SCALE_F32 ||
         scale_dtype > QD_SCALE_BF16)

@@ -234,7 +234,7 @@ qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, 
 /* Bytes of device scratch that qd_cuda_quantize_f32 needs. */
 #define QD_CUDA_QUANTIZE_SCRATCH 16
 /* Same contract and bits as qd_quantize_f32; scratch: QD_CUDA_QUANTIZE_SCRATCH device
- * bytes; bad_index is a host pointer. */
+ * bytes, 8-byte aligned; bad_index is a host pointer. */
 qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
                                int64_t block_rows, int64_t block_cols, int scale_dtype,
                                float *scales, int8_t *q, void *scratch, int64_t *bad_index,
@@ -319,10 +319,11 @@ qd_status qd_cuda_fq_dequantize_rows(const void *tiles, int bits, int64_t N, int
  * meet in thread-block clusters or in a temporary from the device's default memory
  * pool, taken in stream order).  x: [M, ldx] of
  * x_dtype (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16), its rows 16-byte aligned (x too);
- * tiles and scale_tiles: the weight laid out as above, block_k its scales' block
- * along K; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Each stream has its own
+ * tiles and scale_tiles: the weight laid out as above (16-byte aligned), block_k its
+ * scales' block along K; out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Each stream has its own
  * scratch for partial sums, so calls on several streams may run at once, and calls from
- * several threads are safe.  A call may be captured into a CUDA graph (once the weight's
+ * several threads are safe (but for the per-thread default stream, whose handle is the
+ * same in every thread: its threads share one scratch, so their calls must not overlap).  A call may be captured into a CUDA graph (once the weight's
  * tiles are laid out): the graph holds the capturing stream's scratch, kept from then on
  * for the process's life, so graphs captured on one stream must not run at the same time
  * as each other or as calls queued on that stream. */
