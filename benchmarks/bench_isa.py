@@ -2,6 +2,8 @@
 int4 weights, W8A8, int_matmul): one group per shape, path and thread count, each ISA this CPU runs
 forced in turn, in the same run.  extra_info holds GOP/s and the ratio to
 `avx512vnni` (where it runs), the kernels the newer ISAs are measured against."""
+import functools
+
 import pytest
 
 import qdispatch as qd
@@ -27,16 +29,11 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("isa_case", pairs, ids=[f"{c.id}-{isa}" for c, isa in pairs])
 
 
-_BUILT = {}  # case id -> its Bench: the ISAs of a case run one after another on the same copies
-
-
+@functools.lru_cache(maxsize=1)  # the ISAs of a case run one after another
 def _built(case, budget_bytes):
     """The case's weight copies, built once for all ISAs (quantizing hundreds of copies
     takes longer than timing them); one case's copies are kept at a time."""
-    if case.id not in _BUILT:
-        _BUILT.clear()
-        _BUILT[case.id] = bench.build(case, budget_bytes=budget_bytes)
-    return _BUILT[case.id]
+    return bench.build(case, budget_bytes=budget_bytes)
 
 
 def test_isa(benchmark, isa_case, rotation_budget_bytes):

@@ -251,7 +251,7 @@ def test_isa_benchmark_builds_a_case_once_and_checks_every_copy_on_each_isa(monk
         for isa in isas:
             isa_bench.test_isa(_Untimed(), (case, isa), 1 << 20)
     assert builds == [case.id]
-    copies, wrong_on = isa_bench._BUILT[case.id].calls, isas[-1]
+    copies, wrong_on = isa_bench._built(case, 1 << 20).calls, isas[-1]
     right = copies[2]
     copies[2] = lambda: _one_ulp_off(right()) if qdispatch.info()["backends"]["cpu"]["isa"] == wrong_on else right()
     for isa in isas[:-1]:
