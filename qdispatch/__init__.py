@@ -8,9 +8,10 @@
 """
 from ._version import __version__
 from ._core import BackendKind, Device, QTensor, Tensor, int_matmul, linear, q_matmul
-from .errors import (BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
-                     KernelError, NonFiniteError, OutOfRangeError, QDispatchError, QuantSchemeError,
-                     ScaleOverflowError, SerializationError, ShapeError, WrongBackendError)
+from .errors import (ArgumentError, ArgumentTypeError, BackendMismatchError, BackendUnavailableError,
+                     DeviceMismatchError, DLPackExportError, KernelError, NonFiniteError, NotFoundError,
+                     OutOfRangeError, QDispatchError, QuantSchemeError, ScaleOverflowError, SerializationError,
+                     ShapeError, UnsupportedIndexError, WrongBackendError)
 from .scheme import QuantScheme
 from .backends import reference as _reference  # noqa: F401  (registers the backend)
 from .backends import cpu as _cpu_backend  # noqa: F401
@@ -31,5 +32,6 @@ __all__ = [
     "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache", "synchronize",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "OutOfRangeError", "NonFiniteError", "ScaleOverflowError",
-    "BackendUnavailableError", "KernelError", "SerializationError",
+    "BackendUnavailableError", "KernelError", "SerializationError", "ArgumentTypeError", "ArgumentError",
+    "UnsupportedIndexError", "NotFoundError", "DLPackExportError",
 ]

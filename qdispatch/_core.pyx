@@ -14,7 +14,7 @@ from enum import IntEnum
 import numpy as _np
 
 from .scheme import index_of
-from .errors import (BackendMismatchError, BackendUnavailableError,
+from .errors import (ArgumentError, ArgumentTypeError, BackendMismatchError, BackendUnavailableError,
                      DeviceMismatchError, QDispatchError, ShapeError)
 
 from .dlpack cimport DLManagedTensor, DLManagedTensorVersioned, DLTensor, kDLBfloat, kDLUInt
@@ -66,7 +66,7 @@ def get_backend(kind):
     """The registered backend object for a kind (an int, BackendKind or name)."""
     if isinstance(kind, str):
         if kind not in _KIND_BY_NAME:
-            raise ValueError(f"Unknown backend {kind!r}: expected one of {', '.join(_KIND_BY_NAME)}")
+            raise ArgumentError(f"Unknown backend {kind!r}: expected one of {', '.join(_KIND_BY_NAME)}")
         kind = _KIND_BY_NAME[kind]
     backend = _table[int(kind)]
     if backend is None:
@@ -86,17 +86,17 @@ cdef class Device:
         if isinstance(kind, str) or _is_torch_device(kind):  # Device('cuda:1'), as its repr writes it
             named = Device.parse(kind)
             if index and named.index:
-                raise ValueError(f"Device({kind!r}, {index!r}) gives the index twice: write Device('cuda:N')")
+                raise ArgumentError(f"Device({kind!r}, {index!r}) gives the index twice: write Device('cuda:N')")
             kind, index = named.kind, index or named.index
         try:
             kind, index = index_of(kind), index_of(index)  # whole numbers: no 1.5, no "1", no True
         except TypeError as exc:  # index_of's words name no call
-            raise TypeError(f"Device({kind!r}, {index!r}): {exc}; give a device like 'cpu' or 'cuda:1', or a "
-                            f"backend kind and an index (whole numbers)") from None
+            raise ArgumentTypeError(f"Device({kind!r}, {index!r}): {exc}; give a device like 'cpu' or 'cuda:1', or a "
+                                    f"backend kind and an index (whole numbers)") from None
         if not 0 <= kind < QD_BACKEND_COUNT:
-            raise ValueError(f"Unknown backend kind {kind}")
+            raise ArgumentError(f"Unknown backend kind {kind}")
         if not 0 <= index < 2**31:  # a C int
-            raise ValueError(f"Device index must lie in [0, 2**31), got {index}")
+            raise ArgumentError(f"Device index must lie in [0, 2**31), got {index}")
         self.kind = kind
         self.index = index
 
@@ -113,14 +113,14 @@ cdef class Device:
         if isinstance(spec, int) and not isinstance(spec, bool):  # True is no device either
             # a bare number would name a backend kind (0: reference), where torch's means a GPU
             hint = f": a GPU is 'cuda:{spec}' here" if spec >= 0 else ""
-            raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got the number {spec}{hint}")
+            raise ArgumentTypeError(f"Expected a device like 'cpu' or 'cuda:0', got the number {spec}{hint}")
         if not isinstance(spec, str):
-            raise TypeError(f"Expected a device like 'cpu' or 'cuda:0', got {spec!r}")
+            raise ArgumentTypeError(f"Expected a device like 'cpu' or 'cuda:0', got {spec!r}")
         name, _, idx = spec.strip().lower().partition(":")
         if name not in _KIND_BY_NAME:
-            raise ValueError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'")
+            raise ArgumentError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'")
         if idx and not (idx.isascii() and idx.isdigit() and int(idx) < 2**31):  # a C int; '²' is a digit too
-            raise ValueError(f"Bad device index in {spec!r}: expected e.g. 'cuda:0'")
+            raise ArgumentError(f"Bad device index in {spec!r}: expected e.g. 'cuda:0'")
         return Device(_KIND_BY_NAME[name], int(idx) if idx else 0)
 
     @property
@@ -235,9 +235,9 @@ cdef object _arithmetic(str ufunc, tuple operands):
 
 
 cdef object _in_place(str op):
-    raise TypeError(f"A qdispatch tensor is not changed in place by `{op}`: write `t = t {op[:-1]} x` for an "
-                    f"array of the result, or change a host Tensor's memory through np.asarray(t) (bfloat16: "
-                    f"a copy), or a torch view of it (DLPack)")
+    raise ArgumentTypeError(f"A qdispatch tensor is not changed in place by `{op}`: write `t = t {op[:-1]} x` for an "
+                            f"array of the result, or change a host Tensor's memory through np.asarray(t) (bfloat16: "
+                            f"a copy), or a torch view of it (DLPack)")
 
 
 cdef bint _is_torch(object obj, str kind):
@@ -289,8 +289,8 @@ cdef class Tensor(TensorBase):
     def __cinit__(self, payload, str dtype, tuple shape, int kind, int index=0):
         storage = _HOST_STORAGE.get(dtype)  # every dtype a payload may hold
         if storage is None or not 0 <= kind < QD_BACKEND_COUNT or index < 0:
-            raise ValueError(f"Tensor({type(payload).__name__}, {dtype!r}, {shape}, {kind}, {index}) names no "
-                             f"dtype and device: make tensors with qdispatch.tensor(data, dtype=..., device=...)")
+            raise ArgumentError(f"Tensor({type(payload).__name__}, {dtype!r}, {shape}, {kind}, {index}) names no "
+                                f"dtype and device: make tensors with qdispatch.tensor(data, dtype=..., device=...)")
         if kind != QD_BACKEND_CUDA and not _holds(payload, storage, shape):
             # a payload that is not what the tensor says gave results of the wrong shape
             raise ShapeError(f"A host Tensor's payload must be a numpy array of its shape {shape} and its dtype's "
@@ -331,17 +331,17 @@ cdef class Tensor(TensorBase):
 
     def __len__(self):
         if not self.shape:
-            raise TypeError("len() of a 0-d tensor")  # as numpy says for a 0-d array
+            raise ArgumentTypeError("len() of a 0-d tensor")  # as numpy says for a 0-d array
         return self.shape[0]
 
     def __bool__(self):
         # numpy's rule, not a container's (which __len__ would give): `if t:` on [0.0] is False
         if self.size == 0:
-            raise ValueError("The truth value of an empty Tensor is ambiguous: "
-                             "test its size (t.size > 0) instead")
+            raise ArgumentError("The truth value of an empty Tensor is ambiguous: "
+                                "test its size (t.size > 0) instead")
         if self.size > 1:
-            raise ValueError("The truth value of a Tensor of more than one value is ambiguous: "
-                             "use t.numpy().any() or t.numpy().all()")
+            raise ArgumentError("The truth value of a Tensor of more than one value is ambiguous: "
+                                "use t.numpy().any() or t.numpy().all()")
         return bool(self._only_value())
 
     def __float__(self):
@@ -352,8 +352,8 @@ cdef class Tensor(TensorBase):
 
     def _only_value(self):
         if self.size != 1:
-            raise TypeError(f"Only a Tensor of one value converts to a Python number; this one holds "
-                            f"{self.size}: use t.numpy()")
+            raise ArgumentTypeError(f"Only a Tensor of one value converts to a Python number; this one holds "
+                                    f"{self.size}: use t.numpy()")
         return self.numpy().reshape(-1)[0]
 
     @property
@@ -371,9 +371,9 @@ cdef class Tensor(TensorBase):
         # without it Python would iterate through __getitem__, and a 1-D tensor
         # (whose elements are not Tensors) would look empty
         if not self.shape:
-            raise TypeError("iteration over a 0-d Tensor")  # as numpy says for a 0-d array
+            raise ArgumentTypeError("iteration over a 0-d Tensor")  # as numpy says for a 0-d array
         if len(self.shape) < 2:
-            raise TypeError("A 1-D Tensor's elements are not Tensors: iterate over t.numpy()")
+            raise ArgumentTypeError("A 1-D Tensor's elements are not Tensors: iterate over t.numpy()")
         return (self[i] for i in range(self.shape[0]))
 
     def __repr__(self):
@@ -410,13 +410,14 @@ cdef class QTensor(TensorBase):
 
     def __array__(self, dtype=None, copy=None):
         # without it numpy would wrap the QTensor in a 0-d object array, silently
-        raise TypeError("A QTensor is no dense array: use q.dequantize().numpy() for its float values, "
-                        "or q.values and q.scales for what it stores")
+        raise ArgumentTypeError("A QTensor is no dense array: use q.dequantize().numpy() for its float values, "
+                                "or q.values and q.scales for what it stores")
 
     def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
         if not 0 <= kind < QD_BACKEND_COUNT or index < 0 or not hasattr(layout, "logical_shape"):
-            raise ValueError(f"QTensor({type(storage).__name__}, {type(layout).__name__}, ...) names no layout "
-                             f"and device: make QTensors with qdispatch.quantize() or qdispatch.qtensor_from_parts()")
+            raise ArgumentError(f"QTensor({type(storage).__name__}, {type(layout).__name__}, ...) names no layout "
+                                f"and device: make QTensors with qdispatch.quantize() or "
+                                f"qdispatch.qtensor_from_parts()")
         self.storage = storage
         self.layout = layout
         self.transposed = transposed
@@ -481,8 +482,8 @@ cdef class QTensor(TensorBase):
 
     def __getitem__(self, key):
         # a slice of quantized values would have to cut scale blocks: name the ways that exist
-        raise TypeError(f"A QTensor can't be indexed: its rows come dequantized through "
-                        f"qdispatch.embedding(ids, q) (those rows only) or q.dequantize()[...]")
+        raise ArgumentTypeError(f"A QTensor can't be indexed: its rows come dequantized through "
+                                f"qdispatch.embedding(ids, q) (those rows only) or q.dequantize()[...]")
 
     def __repr__(self):
         return (f"QTensor(shape={self.shape}, scheme={self.scheme!r}, "
@@ -490,14 +491,14 @@ cdef class QTensor(TensorBase):
 
     def __bool__(self):
         # len() would make it True, as a container: numpy-style data has no one truth value
-        raise TypeError("A QTensor has no truth value: test `q is not None`, or q.dequantize().numpy().any()")
+        raise ArgumentTypeError("A QTensor has no truth value: test `q is not None`, or q.dequantize().numpy().any()")
 
     def __richcmp__(self, other, int op):
         # Against data (an array, a Tensor, a number) the default said False, as if values had
         # been compared; between QTensors it stays identity, a weight's handle, so `w in seen` works.
         if isinstance(other, (TensorBase, int, float)) or hasattr(other, "__array__"):
             if not isinstance(other, QTensor):
-                raise TypeError(QTENSOR_NOT_COMPARED)
+                raise ArgumentTypeError(QTENSOR_NOT_COMPARED)
         return NotImplemented
 
     def __hash__(self):  # by identity: weak sets and caches key on QTensors
@@ -582,7 +583,7 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
     if transfer is not None:
         _check_transfer(transfer)
     if not isinstance(lhs, QTensor) and not isinstance(rhs, QTensor):
-        raise TypeError(_no_qtensor_operand(lhs, rhs))
+        raise ArgumentTypeError(_no_qtensor_operand(lhs, rhs))
     # a numpy operand can only be the float side (a QTensor never comes from numpy)
     l = _operand(lhs, rhs if isinstance(rhs, TensorBase) else None, "q_matmul")
     r = _operand(rhs, l, "q_matmul")
@@ -637,7 +638,7 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     before the cast to out_dtype.  out_dtype, activation_scheme and transfer as
     for q_matmul (activation_scheme="q8s": one scale per row of x, W8A8)."""
     if not isinstance(w, QTensor):
-        raise TypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
+        raise ArgumentTypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
     _check_linear_shapes(getattr(x, "shape", None), (<QTensor>w).shape)
     if isinstance(x, TensorBase) and not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
@@ -679,8 +680,8 @@ cdef object _retyped(object capsule, int code, int new_code, str name, str expec
     elif PyCapsule_IsValid(capsule, b"dltensor"):
         t = &(<DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")).dl_tensor
     else:
-        raise TypeError(f"{name} expects an unconsumed DLPack capsule")
+        raise ArgumentTypeError(f"{name} expects an unconsumed DLPack capsule")
     if t.dtype.code != code or t.dtype.bits != 16 or t.dtype.lanes != 1:
-        raise TypeError(f"{name} expects {expects}")
+        raise ArgumentTypeError(f"{name} expects {expects}")
     t.dtype.code = new_code
     return capsule

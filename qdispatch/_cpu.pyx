@@ -8,6 +8,7 @@ import numpy as np
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
 
 from qdispatch.qdispatch_c cimport *
+from qdispatch.errors import ArgumentError, ArgumentTypeError
 
 
 _VALUE_KINDS = {"q8s": QD_Q8S, "q8f": QD_Q8F, "q4s": QD_Q4S, "q4f": QD_Q4F, "q2s": QD_Q2S, "q2f": QD_Q2F}
@@ -61,13 +62,14 @@ cdef inline _check(qd_status status, what):
 def _array(x, dtype, ndim, name):
     """Validates a C-contiguous array of the given dtype and rank."""
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name} must be a numpy array, got {type(x).__name__}")
     if x.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {x.dtype}: convert it with .astype()")
+        raise ArgumentTypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {x.dtype}: "
+                                f"convert it with .astype()")
     if x.ndim != ndim:
         raise _error_class(QD_ERR_SHAPE)(f"{name} must have {ndim} dims, got shape {x.shape}")
     if not x.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous: pass np.ascontiguousarray({name})")
+        raise ArgumentError(f"{name} must be C-contiguous: pass np.ascontiguousarray({name})")
     if x.size == 0:
         raise _error_class(QD_ERR_SHAPE)(f"{name} must not be empty, got shape {x.shape}")
     return x
@@ -101,14 +103,14 @@ def set_isa(name):
     """Forces an ISA by name ('scalar', 'avx2', ...); 'auto' goes back to the best one."""
     cdef qd_isa isa
     if not isinstance(name, str):
-        raise TypeError(f"set_isa takes an ISA's name (a str such as 'avx2', or 'auto'), got {name!r}")
+        raise ArgumentTypeError(f"set_isa takes an ISA's name (a str such as 'avx2', or 'auto'), got {name!r}")
     if name == "auto":
         qd_isa_reset()
         return
     # C reads the name up to a NUL: "avx2\0x" would pass for avx2
     if "\0" in name or qd_isa_from_name(name.encode(), &isa) != QD_OK:
-        raise ValueError(f"Can't use ISA {name!r}: no ISA has that name; use 'auto' or one of "
-                         f"{_isa_names(lambda i: True)}")
+        raise ArgumentError(f"Can't use ISA {name!r}: no ISA has that name; use 'auto' or one of "
+                            f"{_isa_names(lambda i: True)}")
     _check(qd_isa_set(isa), f"Can't use ISA {name!r}")
 
 
@@ -237,8 +239,8 @@ cdef class PackedWeights:
             st = qd_pack_weights(&wv[0, 0], N, K, b, &sv[0, 0], bn, bk, &self.ptr)
         if st == QD_ERR_ARGUMENT:
             lo, hi = -(1 << (b - 1)), (1 << (b - 1)) - 1
-            raise ValueError(f"Weight values must lie in [{lo}, {hi}] for bits={b}: "
-                             f"got [{int(w.min())}, {int(w.max())}]")
+            raise ArgumentError(f"Weight values must lie in [{lo}, {hi}] for bits={b}: "
+                                f"got [{int(w.min())}, {int(w.max())}]")
         _check(st, "pack weights")
         self.shape = (N, K)
         self.bits = b
@@ -269,7 +271,7 @@ cdef class PackedWeights:
 
 cdef PackedWeights _packed(pw):
     if not isinstance(pw, PackedWeights):
-        raise TypeError(f"Expected PackedWeights, got {type(pw).__name__}")
+        raise ArgumentTypeError(f"Expected PackedWeights, got {type(pw).__name__}")
     return <PackedWeights>pw
 
 
@@ -377,7 +379,7 @@ def w8a8_matmul(x, act_value, act_block_k, pw):
 
 def _half_in(h, name):
     if not isinstance(h, np.ndarray) or h.dtype not in (np.float16, np.uint16):
-        raise TypeError(f"{name} must be a float16 or uint16 numpy array")
+        raise ArgumentTypeError(f"{name} must be a float16 or uint16 numpy array")
     return np.ascontiguousarray(h).view(np.uint16)
 
 

@@ -21,7 +21,8 @@ import sys
 import numpy as np
 
 from ._core import ITEMSIZE
-from .errors import NOT_IN_CUDA_GRAPHS, BackendUnavailableError, KernelError, NonFiniteError, ScaleOverflowError
+from .errors import (NOT_IN_CUDA_GRAPHS, ArgumentError, ArgumentTypeError, BackendUnavailableError, KernelError,
+                     NonFiniteError, ScaleOverflowError)
 
 
 class CudaOutOfMemoryError(KernelError, MemoryError):
@@ -572,7 +573,7 @@ cdef class DeviceArray:
         shape = tuple(int(d) for d in shape)
         out = DeviceArray(self.buffer, self.offset, shape, dtype or self.dtype)
         if out.nbytes != self.nbytes:
-            raise ValueError(f"Can't view {self.shape} {self.dtype} as {shape} {dtype or self.dtype}")
+            raise ArgumentError(f"Can't view {self.shape} {self.dtype} as {shape} {dtype or self.dtype}")
         return out
 
     def __repr__(self):
@@ -630,7 +631,7 @@ def copy_into(DeviceArray dst, size_t dst_offset, DeviceArray src):
     cdef void *s = P(src)
     cdef cudaError_t err
     if dst_offset + n > dst.nbytes:
-        raise ValueError("copy_into: source does not fit")
+        raise ArgumentError("copy_into: source does not fit")
     with on_device(dst.device):
         with nogil:
             err = cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, NULL)
@@ -1136,7 +1137,7 @@ cdef int _sync_consumer(int device, object stream) except -1:
     if stream is None or stream == 1 or stream == -1:  # legacy default (ours), or "don't sync"
         return 0
     if stream == 0:
-        raise ValueError("stream=0 is ambiguous for CUDA in DLPack: pass 1 for the legacy default stream")
+        raise ArgumentError("stream=0 is ambiguous for CUDA in DLPack: pass 1 for the legacy default stream")
     # 2 is the per-thread default stream, whose handle is cudaStreamPerThread (0x2)
     return _stream_waits(device, <cudaStream_t><uintptr_t>int(stream), NULL)
 
@@ -1201,24 +1202,24 @@ def from_dlpack(obj):
     with on_device(int(obj.__dlpack_device__()[1])):
         capsule = obj.__dlpack__(stream=1)
     if not PyCapsule_IsValid(capsule, b"dltensor"):
-        raise TypeError("from_dlpack expects an unconsumed 'dltensor' capsule")
+        raise ArgumentTypeError("from_dlpack expects an unconsumed 'dltensor' capsule")
     cdef DLManagedTensor *m = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
     cdef DLTensor *t = &m.dl_tensor
     if t.device.device_type != kDLCUDA:
-        raise TypeError(f"from_dlpack: memory is on DLPack device type {t.device.device_type}, not CUDA")
+        raise ArgumentTypeError(f"from_dlpack: memory is on DLPack device type {t.device.device_type}, not CUDA")
     key = (t.dtype.code, t.dtype.bits)
     if key not in _DL_NAMES or _DL_NAMES[key] == "uint32" or t.dtype.lanes != 1:  # uint32: packed words only
         kind = {kDLInt: "int", kDLUInt: "uint", kDLFloat: "float", kDLBfloat: "bfloat"}.get(t.dtype.code, "")
         what = f"{kind}{t.dtype.bits}" if kind else f"DLPack type code {t.dtype.code}, {t.dtype.bits} bits"
-        raise TypeError(f"from_dlpack: a CUDA tensor of {what}{'' if t.dtype.lanes == 1 else ' vectors'} data; "
-                        f"qdispatch's CUDA tensors hold float32, float16, bfloat16, int8 or int32: convert "
-                        f"it to one of them first")
+        raise ArgumentTypeError(f"from_dlpack: a CUDA tensor of {what}{'' if t.dtype.lanes == 1 else ' vectors'} data; "
+                                f"qdispatch's CUDA tensors hold float32, float16, bfloat16, int8 or int32: convert "
+                                f"it to one of them first")
     shape = tuple(t.shape[i] for i in range(t.ndim))
     if t.strides != NULL and 0 not in shape:  # no values: any strides describe them
         expected = 1
         for i in reversed(range(t.ndim)):
             if shape[i] != 1 and t.strides[i] != expected:
-                raise TypeError("from_dlpack needs a C-contiguous tensor: call .contiguous() first")
+                raise ArgumentTypeError("from_dlpack needs a C-contiguous tensor: call .contiguous() first")
             expected *= shape[i]
     cdef DeviceBuffer b = DeviceBuffer.__new__(DeviceBuffer)
     b.ptr = <void *>(<uintptr_t>t.data + t.byte_offset)

@@ -1,5 +1,6 @@
 """The exception tree.  Every error is a `QDispatchError` and also the builtin
-exception a Python user would reach for, so `except ValueError` keeps working."""
+exception a Python user would reach for, so `except ValueError` keeps working.
+Only the file system's own errors (a missing folder, no permission) stay `OSError`."""
 
 
 class QDispatchError(Exception):
@@ -36,6 +37,31 @@ class NonFiniteError(QDispatchError, ValueError):
 
 class ScaleOverflowError(QuantSchemeError):
     """A scale does not fit in the scheme's scale dtype."""
+
+
+class ArgumentTypeError(QDispatchError, TypeError):
+    """An argument or operand of a type the call doesn't take (and what Python's
+    protocols raise as TypeError: len() of a 0-d Tensor, a QTensor's missing operators)."""
+
+
+class ArgumentError(QDispatchError, ValueError):
+    """An argument of the right type whose value the call doesn't take: an unknown
+    name or option, or (as numpy says) the truth value of a Tensor of many values."""
+
+
+class UnsupportedIndexError(QDispatchError, IndexError):
+    """An index a Tensor view doesn't take: numpy's basic indexing but for steps and new axes."""
+
+
+class NotFoundError(QDispatchError, KeyError):
+    """A name asked for is not there: a tensor the file doesn't hold."""
+
+    def __str__(self):  # KeyError's repr()s its message, quotes and all
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class DLPackExportError(QDispatchError, BufferError):
+    """A Tensor can't be shared through DLPack as asked: only a copy can give it."""
 
 
 class BackendUnavailableError(QDispatchError, RuntimeError):

@@ -40,7 +40,7 @@ import math
 import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
-from .errors import SerializationError
+from .errors import ArgumentTypeError, SerializationError
 from . import gguf_reader
 from .io import SAVABLE, atomic_path, check_tensor_dict, encode_scales, opened_regular_file, selected_names
 from .scheme import QuantScheme
@@ -231,7 +231,7 @@ def _plan(name, obj):
         dtype = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(native)
         fetch = lambda: obj.astype(native, copy=False)
     else:
-        raise TypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
+        raise ArgumentTypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
     if dtype not in _FLOAT_TYPE_OF:
         raise SerializationError(f"Can't export tensor {name!r} of dtype {dtype or obj.dtype}: GGUF "
                                  f"export takes float32, float16 or bfloat16 data")

@@ -8,14 +8,15 @@ reused by the next allocation of its size, as framework allocators do:
 cudaMalloc and cudaFree synchronise the device.  `empty_cache` gives it back
 to the driver, for other libraries or processes sharing the GPU."""
 from ._core import BackendKind, Device, get_backend
+from .errors import ArgumentError
 from .tensor_api import backend_for
 
 
 def _gpu(device):
     dev = Device.parse(device)
     if dev.is_host:
-        raise ValueError(f"'{dev}' is host memory: memory_info and empty_cache take a GPU, "
-                         f"such as 'cuda' or 'cuda:1'")
+        raise ArgumentError(f"'{dev}' is host memory: memory_info and empty_cache take a GPU, "
+                            f"such as 'cuda' or 'cuda:1'")
     return dev
 
 

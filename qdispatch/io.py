@@ -46,7 +46,7 @@ import numpy as np
 
 from . import quantmath
 from ._core import QTensor, Tensor
-from .errors import QDispatchError, SerializationError
+from .errors import ArgumentTypeError, NotFoundError, QDispatchError, SerializationError
 from .layout import QLayout, swap_last2
 from .scheme import QuantScheme
 from .tensor_api import backend_for, qtensor_from_stored, qtensor_stored, tensor, tensor_stored
@@ -243,10 +243,10 @@ def _plan(name, obj):
     if isinstance(obj, np.ndarray):
         code = _CODE_OF_NUMPY.get(obj.dtype.newbyteorder("="))
         if code is None:
-            raise TypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
+            raise ArgumentTypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
         return ({"kind": "array", "dtype": code, "shape": list(obj.shape)}, [(name, code, obj.shape)],
                 lambda: [_little_endian(obj)])
-    raise TypeError(f"Can't save {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
+    raise ArgumentTypeError(f"Can't save {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
 
 
 def _entry_keys(name, record):
@@ -260,10 +260,11 @@ def check_tensor_dict(tensors, caller):
     work (a bad name would otherwise fail deep inside a writer, in its own words)."""
     if not isinstance(tensors, Mapping):
         hint = "; for (name, tensor) pairs pass dict(pairs)" if isinstance(tensors, (list, tuple)) else ""
-        raise TypeError(f"{caller} expects a dict of name -> tensor, got {type(tensors).__name__}{hint}")
+        raise ArgumentTypeError(f"{caller} expects a dict of name -> tensor, got {type(tensors).__name__}{hint}")
     for name in tensors:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"Tensor names must be non-empty strings, got {name!r} of type {type(name).__name__}")
+            raise ArgumentTypeError(f"Tensor names must be non-empty strings, got {name!r} of type "
+                                    f"{type(name).__name__}")
         try:
             name.encode("utf-8")  # files hold names as UTF-8, which has no lone surrogates
         except UnicodeEncodeError:
@@ -295,12 +296,12 @@ def _ours(name, obj, caller):
     try:
         held = tensor(obj)
     except (TypeError, ValueError, RuntimeError, BufferError) as exc:
-        raise TypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {given}: {exc}") from None
+        raise ArgumentTypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {given}: {exc}") from None
     if held.dtype != given.removeprefix("torch."):  # qdispatch.tensor converts (float64 to float32): a file keeps values as given
-        raise TypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {given} that numpy can't view "
-                        f"(on a GPU, say): a qdispatch Tensor holds float32, float16, bfloat16, int8 or int32; "
-                        f"move it to the host "
-                        f"first (x.cpu() in torch, x.get() in CuPy), which saves it as a numpy array of its dtype")
+        raise ArgumentTypeError(f"Can't {caller} {name!r}, a {type(obj).__name__} of dtype {given} that numpy can't "
+                                f"view (on a GPU, say): a qdispatch Tensor holds float32, float16, bfloat16, int8 or "
+                                f"int32; move it to the host first (x.cpu() in torch, x.get() in CuPy), which saves "
+                                f"it as a numpy array of its dtype")
     return held
 
 
@@ -580,20 +581,20 @@ def selected_names(path, names, held):
     if names is None:
         return list(held)
     if isinstance(names, str):
-        raise TypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
-                        f"write names=[{names!r}]")
+        raise ArgumentTypeError(f"load's names= takes a list of tensor names, got the string {names!r}: "
+                                f"write names=[{names!r}]")
     try:
         listed = list(names)
     except TypeError:
         listed = [None]
     if not all(isinstance(name, str) for name in listed):
-        raise TypeError(f"load's names= takes a list of tensor names (str), got {brief(names)}")
+        raise ArgumentTypeError(f"load's names= takes a list of tensor names (str), got {brief(names)}")
     listed = [_plain(name) for name in listed]
     missing = [name for name in listed if name not in held]
     if missing:
         held = list(held)
         some = ", ".join(map(repr, held[:8])) + (f", ... ({len(held)} in all)" if len(held) > 8 else "")
-        raise KeyError(f"{path} holds no tensor named {', '.join(map(repr, missing))}; it holds {some}")
+        raise NotFoundError(f"{path} holds no tensor named {', '.join(map(repr, missing))}; it holds {some}")
     return listed
 
 
@@ -609,7 +610,7 @@ def _checked_path(path):
     """`path`, if it is one: open() would take a number for a file descriptor (and close
     it), and os.fsdecode's error names no call."""
     if not isinstance(path, (str, bytes, os.PathLike)):
-        raise TypeError(f"Expected a file path (str, bytes or os.PathLike), got {type(path).__name__} {path!r}")
+        raise ArgumentTypeError(f"Expected a file path (str, bytes or os.PathLike), got {type(path).__name__} {path!r}")
     return path
 
 

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
-from .errors import NonFiniteError, ShapeError
+from .errors import ArgumentError, ArgumentTypeError, NonFiniteError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
 from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, numpy_of, quantize, quantize_activation, tensor
@@ -18,8 +18,8 @@ from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, numpy_of, quantize, q
 
 def _check_float(t, side):
     if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"q_matmul's float {side} must be float32/float16/bfloat16, got {t.dtype}: "
-                        f"quantize integer data first")
+        raise ArgumentTypeError(f"q_matmul's float {side} must be float32/float16/bfloat16, got {t.dtype}: "
+                                f"quantize integer data first")
 
 
 def _shapes(lhs, rhs, op, names, vectors):
@@ -61,9 +61,9 @@ def _token_scheme(value, block):
 def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     out_dtype = check_dtype(out_dtype)
     if requantize is not None and out_dtype != "float32":
-        raise ValueError(f"q_matmul got out_dtype={out_dtype!r} and requantize={requantize!r}: the product is then a QTensor "
-                         f"of the requantize scheme, made from float32 sums; leave out_dtype out, or drop "
-                         f"requantize for a {out_dtype} result")
+        raise ArgumentError(f"q_matmul got out_dtype={out_dtype!r} and requantize={requantize!r}: the product is "
+                            f"then a QTensor of the requantize scheme, made from float32 sums; leave out_dtype out, "
+                            f"or drop requantize for a {out_dtype} result")
     lq, rq = isinstance(lhs, QTensor), isinstance(rhs, QTensor)  # one at least: the caller checked
     if not lq:
         _check_float(lhs, "lhs")
@@ -190,7 +190,7 @@ def int_matmul(backend, a, b):
     for side, t in (("a", a), ("b", b)):
         if not isinstance(t, Tensor) or t.dtype != "int8":
             got = "a QTensor" if isinstance(t, QTensor) else getattr(t, "dtype", type(t).__name__)
-            raise TypeError(f"int_matmul's {side} must be int8 data, got {got}: use q_matmul for QTensors")
+            raise ArgumentTypeError(f"int_matmul's {side} must be int8 data, got {got}: use q_matmul for QTensors")
     a, b, row, col = _vectors_as_matrices(backend, a, b)
     ls, rs, batch = _shapes(a, b, "int_matmul", ("a", "b"), "vectors")
     out_shape = batch + (ls[-2], rs[-1])

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from ._core import Device, get_backend
-from .errors import BackendUnavailableError
+from .errors import ArgumentError, ArgumentTypeError, BackendUnavailableError
 from .info import available_backends
 
 TRANSFER_MODES = ("error", "to_lhs", "to_rhs", "auto")
@@ -17,7 +17,7 @@ _default_device = None
 
 def _check_mode(mode):
     if not isinstance(mode, str) or mode not in TRANSFER_MODES:  # `in` would compare an array elementwise
-        raise ValueError(f"Unknown transfer policy {mode!r}: expected one of {', '.join(TRANSFER_MODES)}")
+        raise ArgumentError(f"Unknown transfer policy {mode!r}: expected one of {', '.join(TRANSFER_MODES)}")
     return mode
 
 
@@ -98,7 +98,7 @@ def set_batch_invariant(on=True):
     large weights at few rows, and from 17 rows on), and the reference multiplies
     one row at a time.  Process-wide: every thread and GPU."""
     if not isinstance(on, (bool, np.bool_)):  # bool("false") is True
-        raise TypeError(f"set_batch_invariant takes True or False, got {on!r} ({type(on).__name__})")
+        raise ArgumentTypeError(f"set_batch_invariant takes True or False, got {on!r} ({type(on).__name__})")
     get_backend("cuda").set_batch_invariant(bool(on))
 
 

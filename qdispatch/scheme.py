@@ -9,7 +9,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from .errors import QuantSchemeError
+from .errors import ArgumentTypeError, QuantSchemeError
 
 # value -> (lowest, highest, bits)
 VALUE_RANGES = {
@@ -29,7 +29,7 @@ def index_of(v):
     numpy integer, a size read off an array's shape), else TypeError; a bool too
     (Python's, and numpy's, which numpy before 2.3 still gives an index)."""
     if isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{v!r} is a truth value, not a whole number")
+        raise ArgumentTypeError(f"{v!r} is a truth value, not a whole number")
     return operator.index(v)
 
 

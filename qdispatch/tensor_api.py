@@ -7,8 +7,8 @@ import numpy as np
 
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, dlpack_bfloat16_bits, get_backend
-from .errors import (BackendUnavailableError, NonFiniteError, OutOfRangeError, QuantSchemeError, ShapeError,
-                     WrongBackendError)
+from .errors import (ArgumentError, ArgumentTypeError, BackendUnavailableError, NonFiniteError, OutOfRangeError,
+                     QuantSchemeError, ShapeError, UnsupportedIndexError, WrongBackendError)
 from .layout import QLayout, swap_last2
 from .scheme import _whole_number, as_scheme
 
@@ -35,7 +35,7 @@ def check_dtype(name, allowed=FLOAT_DTYPES):
         except TypeError:
             pass
     if not isinstance(name, str) or name not in allowed:
-        raise TypeError(f"Unsupported dtype {given!r}: expected one of {', '.join(allowed)}")
+        raise ArgumentTypeError(f"Unsupported dtype {given!r}: expected one of {', '.join(allowed)}")
     return str(name)
 
 
@@ -77,10 +77,10 @@ def _host_array(data, dtype=None):
     if arr.dtype.kind in "iub":  # integers of a dtype we don't hold: int8, which int_matmul takes
         return _as_integers(arr, "int8", hint="pass dtype='int32' for an int32 tensor, or "), "int8"
     if arr.dtype.kind == "O":  # what numpy keeps as Python objects: a generator, integers past int64
-        raise TypeError(f"Can't make a tensor of {type(data).__name__} data that numpy holds as Python objects "
-                        f"(a generator, say, or integers past int64): pass a list or array of numbers")
-    raise TypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16, int8 or int32 "
-                    f"data (bfloat16 as its uint16 bits with dtype='bfloat16')")
+        raise ArgumentTypeError(f"Can't make a tensor of {type(data).__name__} data that numpy holds as Python objects "
+                                f"(a generator, say, or integers past int64): pass a list or array of numbers")
+    raise ArgumentTypeError(f"Can't make a tensor from numpy dtype {arr.dtype}: use float32, float16, int8 or int32 "
+                            f"data (bfloat16 as its uint16 bits with dtype='bfloat16')")
 
 
 def _refuse_non_numbers(arr, dtype, hint=""):
@@ -88,9 +88,9 @@ def _refuse_non_numbers(arr, dtype, hint=""):
     count a date's units, parse text or take None for NaN."""
     if arr.dtype.kind not in "iufb" and arr.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 is kind V
         article = "an" if dtype.startswith("int") else "a"
-        raise TypeError(f"Can't make {article} {dtype} tensor of {arr.dtype} data: only integers, floats and bools "
-                        f"convert to {dtype} (numpy's cast would drop an imaginary part, count a date's units, "
-                        f"parse text or take None for NaN); {hint}convert it to numbers first")
+        raise ArgumentTypeError(f"Can't make {article} {dtype} tensor of {arr.dtype} data: only integers, floats and "
+                                f"bools convert to {dtype} (numpy's cast would drop an imaginary part, count a "
+                                f"date's units, parse text or take None for NaN); {hint}convert it to numbers first")
 
 
 def _as_integers(arr, dtype, hint=""):
@@ -113,9 +113,9 @@ def _as_integers(arr, dtype, hint=""):
         first = int(np.argmin(fits))
         value = flat[first].item()
         position = tuple(int(i) for i in np.unravel_index(first, arr.shape))
-        raise TypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: the value {value!r} at position "
-                        f"{position} {_misfit(value, dtype, lo, hi)}; {hint}quantize float data instead, or "
-                        f"round and clip it (np.rint, np.clip) to {dtype} first")
+        raise ArgumentTypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: the value {value!r} at position "
+                                f"{position} {_misfit(value, dtype, lo, hi)}; {hint}quantize float data instead, or "
+                                f"round and clip it (np.rint, np.clip) to {dtype} first")
     return arr.astype(target)
 
 
@@ -171,8 +171,8 @@ def _as_dtype(t, dtype):
     if t.dtype == dtype:
         return t
     if t.dtype not in FLOAT_DTYPES or dtype not in FLOAT_DTYPES:
-        raise TypeError(f"Can't convert a {t.dtype} Tensor to {dtype}: only float32, float16 and bfloat16 "
-                        f"convert into each other; go through numpy (qd.tensor(t.numpy(), dtype='{dtype}'))")
+        raise ArgumentTypeError(f"Can't convert a {t.dtype} Tensor to {dtype}: only float32, float16 and bfloat16 "
+                                f"convert into each other; go through numpy (qd.tensor(t.numpy(), dtype='{dtype}'))")
     return Tensor(get_backend(t.kind).cast(t.payload, t.dtype, dtype), dtype, t.shape, t.kind, t.index)
 
 
@@ -201,8 +201,8 @@ def tensor_array(t, dtype=None, copy=None):
     wanted = arr.dtype if dtype is None else np.dtype(dtype)
     if copy is False and (t.dtype == "bfloat16" or wanted != arr.dtype):
         # numpy's protocol: copy=False promises a view, so a conversion must refuse
-        raise ValueError(f"Can't view a {t.dtype} Tensor as {wanted} without a copy (copy=False): "
-                         f"pass copy=None to allow one, or convert t.numpy() yourself")
+        raise ArgumentError(f"Can't view a {t.dtype} Tensor as {wanted} without a copy (copy=False): "
+                            f"pass copy=None to allow one, or convert t.numpy() yourself")
     if dtype is not None:
         arr = arr.astype(dtype, copy=False)
     if copy:
@@ -221,14 +221,14 @@ def tensor_ufunc(ufunc, method, inputs, kwargs):
     if ufunc is np.matmul:
         if method != "__call__" or kwargs:
             given = ", ".join(kwargs) if kwargs else f"np.matmul.{method}"
-            raise TypeError(f"np.matmul with a qdispatch Tensor is qdispatch.q_matmul, which takes no {given}: "
-                            f"call qdispatch.q_matmul(a, b, out_dtype=...) directly, or np.matmul on t.numpy()")
+            raise ArgumentTypeError(f"np.matmul with a qdispatch Tensor is qdispatch.q_matmul, which takes no {given}: "
+                                    f"call qdispatch.q_matmul(a, b, out_dtype=...) directly, or np.matmul on t.numpy()")
         return q_matmul(*inputs)
     if any(isinstance(o, TensorBase) for o in kwargs.get("out", ()) or ()):
-        raise TypeError(f"A qdispatch Tensor can't be the out= of np.{ufunc.__name__}: write into a numpy "
-                        f"array (np.asarray(t) shares a host Tensor's memory, except bfloat16's)")
+        raise ArgumentTypeError(f"A qdispatch Tensor can't be the out= of np.{ufunc.__name__}: write into a numpy "
+                                f"array (np.asarray(t) shares a host Tensor's memory, except bfloat16's)")
     if ufunc in _COMPARISON_UFUNCS and any(isinstance(x, QTensor) for x in inputs):  # `array == q`, as `q == array`
-        raise TypeError(QTENSOR_NOT_COMPARED)
+        raise ArgumentTypeError(QTENSOR_NOT_COMPARED)
     arrays = [np.asarray(x) if isinstance(x, TensorBase) else x for x in inputs]
     return getattr(ufunc, method)(*arrays, **kwargs)
 
@@ -251,36 +251,37 @@ def _leading_index(shape, key):
     given = key
     key = key if isinstance(key, tuple) else (key,)
     if any(k is None for k in key):
-        raise IndexError(f"Index None (np.newaxis) is not supported: a Tensor view keeps its axes; add one "
-                         f"with t.numpy()[...] or reshape the data first")
+        raise UnsupportedIndexError(f"Index None (np.newaxis) is not supported: a Tensor view keeps its axes; add one "
+                                    f"with t.numpy()[...] or reshape the data first")
     ellipses = sum(k is Ellipsis for k in key)
     if ellipses > 1:
-        raise IndexError("An index can only have a single ellipsis ('...'), as in numpy")
+        raise UnsupportedIndexError("An index can only have a single ellipsis ('...'), as in numpy")
     if len(key) - ellipses > len(shape):  # counted before whole axes are dropped, as numpy counts
-        raise IndexError(f"Too many indices ({len(key) - ellipses}) for a Tensor of shape {shape}")
+        raise UnsupportedIndexError(f"Too many indices ({len(key) - ellipses}) for a Tensor of shape {shape}")
     while key and (key[-1] is Ellipsis or (isinstance(key[-1], slice) and key[-1] == slice(None))):
         key = key[:-1]  # whole trailing axes add nothing
     ints, rows = [], None
     for axis, k in enumerate(key):
         if isinstance(k, slice):
             if axis != len(key) - 1:
-                raise IndexError(f"A slice may only be followed by whole axes: {_BASIC_INDEXING}")
+                raise UnsupportedIndexError(f"A slice may only be followed by whole axes: {_BASIC_INDEXING}")
             if k.step not in (None, 1):
-                raise IndexError(f"Slice step {k.step} is not supported: {_BASIC_INDEXING}")
+                raise UnsupportedIndexError(f"Slice step {k.step} is not supported: {_BASIC_INDEXING}")
             start, stop, _ = k.indices(shape[axis])
             rows = (start, max(start, stop))
         elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
             n = shape[axis]
             if not -n <= k < n:
-                raise IndexError(f"Index {int(k)} is out of range for axis {axis} of size {n}")
+                raise OutOfRangeError(f"Index {int(k)} is out of range for axis {axis} of size {n}")
             ints.append(int(k) % n)
         elif k is Ellipsis:
-            raise IndexError(f"An ellipsis may only follow the leading indices (t[i, ...]): {_BASIC_INDEXING}")
+            raise UnsupportedIndexError(f"An ellipsis may only follow the leading indices (t[i, ...]): "
+                                        f"{_BASIC_INDEXING}")
         else:
-            raise IndexError(f"Index {k!r} is not supported: {_BASIC_INDEXING}")
+            raise UnsupportedIndexError(f"Index {k!r} is not supported: {_BASIC_INDEXING}")
     if ints and len(ints) == len(shape):  # t[()] of a 0-d t picks no element: it is t, as in numpy
-        raise IndexError(f"Index {given!r} picks one element, a number rather than a view: read it with "
-                         f"t.numpy()[...]")
+        raise UnsupportedIndexError(f"Index {given!r} picks one element, a number rather than a view: read it with "
+                                    f"t.numpy()[...]")
     return ints, rows
 
 
@@ -315,9 +316,9 @@ def from_dlpack(obj, device=None):
     if isinstance(obj, Tensor):  # ours already: itself (a view), as numpy's from_dlpack of an array
         return obj.to(device) if device is not None else obj
     if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
-        raise TypeError(f"from_dlpack needs an object that speaks DLPack (__dlpack__ and __dlpack_device__: "
-                        f"a numpy array, torch or CuPy tensor), got {type(obj).__name__}: "
-                        f"use qdispatch.tensor(...) for other data")
+        raise ArgumentTypeError(f"from_dlpack needs an object that speaks DLPack (__dlpack__ and __dlpack_device__: "
+                                f"a numpy array, torch or CuPy tensor), got {type(obj).__name__}: "
+                                f"use qdispatch.tensor(...) for other data")
     return import_dlpack(obj, device)
 
 
@@ -332,11 +333,11 @@ def import_dlpack(obj, device=None):
             # RuntimeError or, from some numpy and torch versions, a BufferError, which
             # otherwise means what the producer can't export (numpy: a big-endian array)
             if isinstance(exc, BufferError) and "dtype" not in str(exc):
-                raise TypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
-                                f"copy it in with qdispatch.tensor(...) instead") from None
-            raise TypeError(f"from_dlpack can't take this {type(obj).__name__} of dtype "
-                            f"{getattr(obj, 'dtype', 'unknown')} ({exc}): convert it to float32, float16 or "
-                            f"bfloat16 first") from None
+                raise ArgumentTypeError(f"from_dlpack can't view this {type(obj).__name__} without a copy ({exc}): "
+                                        f"copy it in with qdispatch.tensor(...) instead") from None
+            raise ArgumentTypeError(f"from_dlpack can't take this {type(obj).__name__} of dtype "
+                                    f"{getattr(obj, 'dtype', 'unknown')} ({exc}): convert it to float32, float16 or "
+                                    f"bfloat16 first") from None
         return host_view(arr, device, "bfloat16" if _is_bf16(obj) else None)
     backend = get_backend("cuda")
     reason = backend.unavailable_reason(int(index))
@@ -399,8 +400,8 @@ def tensor_arithmetic(name, operands):
     them to tensor_ufunc (a Tensor's host values; an array).  A QTensor has no
     arithmetic; with a torch tensor the other side's operator decides."""
     if any(isinstance(x, QTensor) for x in operands):
-        raise TypeError(f"A QTensor has no arithmetic operators (np.{name}): compute on "
-                        f"q.dequantize().numpy(), or multiply with q_matmul")
+        raise ArgumentTypeError(f"A QTensor has no arithmetic operators (np.{name}): compute on "
+                                f"q.dequantize().numpy(), or multiply with q_matmul")
     torch = sys.modules.get("torch")  # loaded already wherever one of its tensors exists
     if torch is not None and any(isinstance(x, torch.Tensor) for x in operands):
         return NotImplemented
@@ -475,14 +476,14 @@ def within_float32(arr, op="quantize", reason="quantize works in float32"):
 
 
 def _not_float_error(dtype, op="quantize"):
-    return TypeError(f"{op} expects float data, got {dtype}: convert it to float32 first")
+    return ArgumentTypeError(f"{op} expects float data, got {dtype}: convert it to float32 first")
 
 
 def dequantize(q, dtype="float32"):
     """The float values of QTensor q (values * scales) as a Tensor of `dtype`
     ("float32", "float16" or "bfloat16") on q's device."""
     if not isinstance(q, QTensor):
-        raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
+        raise ArgumentTypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
     dtype = check_dtype(dtype)
     backend = get_backend(q.kind)
     return Tensor(backend.dequantize(q, dtype), dtype, q.shape, q.kind, q.index)
@@ -495,8 +496,8 @@ def embedding(ids, weight, dtype="float32"):
     of any shape (int, list, numpy array, host Tensor), each in [0, num_embeddings).
     Returns a Tensor [*ids.shape, dim] of `dtype` on weight's device."""
     if not isinstance(weight, QTensor):
-        raise TypeError(f"embedding's weight must be a QTensor (quantize the table first), got "
-                        f"{type(weight).__name__}")
+        raise ArgumentTypeError(f"embedding's weight must be a QTensor (quantize the table first), got "
+                                f"{type(weight).__name__}")
     if len(weight.shape) != 2:
         raise ShapeError(f"embedding takes a 2-D table [num_embeddings, dim], got a QTensor of shape "
                          f"{tuple(weight.shape)}")
@@ -526,7 +527,7 @@ def embedding_ids(ids, count):
         raise ShapeError(f"embedding's ids must form an array of integers: {exc}") from None
     empty_list = not arr.size and arr.dtype.kind == "f"  # numpy makes [] float64
     if arr.dtype.kind not in "iu" and not empty_list and not _python_ints(arr):
-        raise TypeError(f"embedding's ids must be integers, got {arr.dtype} data")
+        raise ArgumentTypeError(f"embedding's ids must be integers, got {arr.dtype} data")
     # ids past int64 (unsigned, or Python ints numpy holds as objects) are out of range whatever
     # the table: compare before converting
     bad = (arr >= count) if arr.dtype.kind == "u" else (arr < 0) | (arr >= count)
@@ -645,7 +646,7 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
         values = values.reshape(shape)
     scales = np.asarray(scales)
     if scales.dtype.kind not in "fiu":  # complex would lose its imaginary part, text be parsed
-        raise TypeError(f"scales must be real numbers (float32 is what is kept), got {scales.dtype}")
+        raise ArgumentTypeError(f"scales must be real numbers (float32 is what is kept), got {scales.dtype}")
     with np.errstate(over="ignore"):  # past float32's range is inf, which the grid's check names
         scales = scales.astype(np.float32)
     return _qtensor_keeping(values, scales, scheme, device)
@@ -659,7 +660,7 @@ def _shape_arg(shape):
     except TypeError:  # not iterable
         dims = (None,)
     if None in dims:
-        raise TypeError(f"shape must be a tuple of ints, got {shape!r}")
+        raise ArgumentTypeError(f"shape must be a tuple of ints, got {shape!r}")
     if any(d < 0 for d in dims):
         raise ShapeError(f"shape {dims} has a negative size: sizes are counts of values, 0 or more")
     return dims
@@ -669,7 +670,7 @@ def _qtensor_keeping(values, scales, scheme, device):
     """qtensor_from_parts of arrays the QTensor may keep as they are."""
     scheme = as_scheme(scheme)
     if values.dtype != np.int8:
-        raise TypeError(f"values must be int8, got {values.dtype}")
+        raise ArgumentTypeError(f"values must be int8, got {values.dtype}")
     layout = QLayout.for_shape(scheme, values.shape)
     lo, hi = scheme.qrange
     outside = (values < lo) | (values > hi)

@@ -53,8 +53,9 @@ from ._core import BackendKind, Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
 from .io import brief, decode_qtensor, encode_qtensor, reading as read_stored, save as save_tensors, stored_shapes
 from .layout import QLayout, swap_last2
-from .errors import (NOT_IN_CUDA_GRAPHS, BackendMismatchError, BackendUnavailableError, DeviceMismatchError,
-                     KernelError, NonFiniteError, QDispatchError, QuantSchemeError, SerializationError, ShapeError)
+from .errors import (NOT_IN_CUDA_GRAPHS, ArgumentError, ArgumentTypeError, BackendMismatchError,
+                     BackendUnavailableError, DeviceMismatchError, KernelError, NonFiniteError, QDispatchError,
+                     QuantSchemeError, SerializationError, ShapeError)
 from .ops import activation_scheme_for, fused_w8a8
 from .scheme import QuantScheme, as_scheme
 
@@ -85,8 +86,8 @@ def from_torch(x, device=None):
     the kernels read rows.  So is a dtype qdispatch does not hold, converted as
     qdispatch.tensor converts numpy data (float64 to float32, other integers to int8)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"from_torch expects a torch tensor, got {type(x).__name__}: "
-                        f"use qdispatch.tensor(...) for other data")
+        raise ArgumentTypeError(f"from_torch expects a torch tensor, got {type(x).__name__}: "
+                                f"use qdispatch.tensor(...) for other data")
     _check_strided(x, "from_torch")
     return _shared(x, device)
 
@@ -109,11 +110,11 @@ def _check_strided(x, op):
     """Refuse a sparse, mkldnn or nested x: it has no rows of values to read, and
     torch's own errors for one are internal (a nested one's asks to file an issue)."""
     if x.is_nested:
-        raise TypeError(f"{op} expects a dense torch tensor, got a nested one: pass its tensors one at "
-                        f"a time, or pad them with x.to_padded_tensor(0)")
+        raise ArgumentTypeError(f"{op} expects a dense torch tensor, got a nested one: pass its tensors one at "
+                                f"a time, or pad them with x.to_padded_tensor(0)")
     if x.layout != torch.strided:
-        raise TypeError(f"{op} expects a dense torch tensor, got layout {x.layout}: convert it with "
-                        f"x.to_dense() first")
+        raise ArgumentTypeError(f"{op} expects a dense torch tensor, got layout {x.layout}: convert it with "
+                                f"x.to_dense() first")
 
 
 def _dense(x):
@@ -160,12 +161,13 @@ def to_torch(t):
     memory is read-only: torch has no read-only tensors)."""
     if not isinstance(t, Tensor):
         hint = ": dequantize it first (t.dequantize())" if isinstance(t, QTensor) else ""
-        raise TypeError(f"to_torch expects a qdispatch Tensor, got {type(t).__name__}{hint}")
+        raise ArgumentTypeError(f"to_torch expects a qdispatch Tensor, got {type(t).__name__}{hint}")
     if not t.device.is_host:
         return _to_torch_cuda(t, _current_raw_stream(t.index))
     if min(t.payload.strides, default=0) < 0:  # torch's DLPack import aborts the process on one
-        raise ValueError(f"to_torch can't share a Tensor with negative strides {t.payload.strides}: torch "
-                         f"tensors have none. Copy it first: to_torch(qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
+        raise ArgumentError(f"to_torch can't share a Tensor with negative strides {t.payload.strides}: torch "
+                            f"tensors have none. Copy it first: to_torch(qdispatch.tensor(t.numpy().copy(), "
+                            f"dtype=t.dtype))")
     payload = t.payload
     if not payload.flags.writeable:  # bytes, a read-only mmap: torch's alias would write there, or fault
         payload = payload.copy()
@@ -475,18 +477,19 @@ def _check_operands(x, w, act):
     if not isinstance(x, torch.Tensor):
         if isinstance(x, torch.fx.Proxy):
             raise BackendUnavailableError(_NOT_RECORDED)
-        raise TypeError(f"qdispatch.torch.q_matmul expects a torch tensor x, got {type(x).__name__}: for "
-                        f"numpy data or qdispatch Tensors use qdispatch.q_matmul, which returns a qdispatch Tensor")
+        raise ArgumentTypeError(f"qdispatch.torch.q_matmul expects a torch tensor x, got {type(x).__name__}: for "
+                                f"numpy data or qdispatch Tensors use qdispatch.q_matmul, which returns a qdispatch "
+                                f"Tensor")
     if not isinstance(w, QTensor):
-        raise TypeError(f"q_matmul expects a QTensor weight, got {type(w).__name__}: quantize it "
-                        f"with qdispatch.quantize (quantized weights get no gradient; to train a "
-                        f"weight keep it in float)")
+        raise ArgumentTypeError(f"q_matmul expects a QTensor weight, got {type(w).__name__}: quantize it "
+                                f"with qdispatch.quantize (quantized weights get no gradient; to train a "
+                                f"weight keep it in float)")
     if x.dtype not in _KERNEL_DTYPES and x.dtype != torch.float64:
-        raise TypeError(f"q_matmul expects a float32/float16/bfloat16/float64 input, got {x.dtype}")
+        raise ArgumentTypeError(f"q_matmul expects a float32/float16/bfloat16/float64 input, got {x.dtype}")
     if act is not None and x.dtype == torch.float64:
-        raise TypeError("q_matmul got float64 x and an activation_scheme: float64 takes the exact weight-only "
-                        "path (for gradcheck); pass float32, float16 or bfloat16 x to quantize it, or leave "
-                        "activation_scheme out")
+        raise ArgumentTypeError("q_matmul got float64 x and an activation_scheme: float64 takes the exact weight-only "
+                                "path (for gradcheck); pass float32, float16 or bfloat16 x to quantize it, or leave "
+                                "activation_scheme out")
     _check_strided(x, "q_matmul")
     if len(w.shape) != 2:
         raise ShapeError(f"q_matmul expects a 2-D weight [K, N], got shape {w.shape}")
@@ -938,7 +941,7 @@ class _QuantizedModule(torch.nn.Module):
         super().__init__()
         name = type(self).__name__
         if not isinstance(weight, QTensor):
-            raise TypeError(f"{name} needs a QTensor weight, got {type(weight).__name__}: use {made_by}")
+            raise ArgumentTypeError(f"{name} needs a QTensor weight, got {type(weight).__name__}: use {made_by}")
         if len(weight.shape) != 2:
             raise ShapeError(f"{name} needs a 2-D weight [{dims}], got {weight.shape}")
         self.weight = weight
@@ -950,8 +953,8 @@ class _QuantizedModule(torch.nn.Module):
     @classmethod
     def _check_layer(cls, layer):
         if not isinstance(layer, cls._float_kind):
-            raise TypeError(f"{cls.__name__}.{cls._made_by} needs an nn.{cls._float_kind.__name__}, got "
-                            f"{type(layer).__name__}")
+            raise ArgumentTypeError(f"{cls.__name__}.{cls._made_by} needs an nn.{cls._float_kind.__name__}, got "
+                                    f"{type(layer).__name__}")
 
     @classmethod
     def _quantize(cls, layer, scheme, device, weight=None, options=None):
@@ -1003,8 +1006,9 @@ class _QuantizedModule(torch.nn.Module):
         if None in dims:  # __init__, before the sizes
             return
         if not isinstance(value, QTensor):
-            raise TypeError(f"{type(self).__name__}.weight must be a QTensor, got {type(value).__name__}: quantize "
-                            f"it with qdispatch.quantize (or keep the float layer)")
+            raise ArgumentTypeError(f"{type(self).__name__}.weight must be a QTensor, got {type(value).__name__}: "
+                                    f"quantize "
+                                    f"it with qdispatch.quantize (or keep the float layer)")
         if tuple(value.shape) != dims:
             raise ShapeError(f"{type(self).__name__}.weight must have shape {dims} "
                              f"({', '.join(self._dims)}), got {value.shape}: make a new layer for another shape")
@@ -1126,9 +1130,9 @@ class _QuantizedModule(torch.nn.Module):
                 keys.remove(key)
         if not isinstance(weight, torch.Tensor) or weight.dtype not in _CHECKPOINT_DTYPES:
             got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise TypeError(f"{weight_key}: a float checkpoint's weight is a float32, float16, bfloat16 or "
-                            f"float64 torch tensor, got {got} (a quantized checkpoint holds {state_key}; a "
-                            f"QTensor goes in as `layer.weight = qtensor`)")
+            raise ArgumentTypeError(f"{weight_key}: a float checkpoint's weight is a float32, float16, bfloat16 or "
+                                    f"float64 torch tensor, got {got} (a quantized checkpoint holds {state_key}; a "
+                                    f"QTensor goes in as `layer.weight = qtensor`)")
         if tuple(weight.shape) != self.weight.shape:
             error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
                               f"but this {type(self).__name__}'s is {self.weight.shape}")
@@ -1228,10 +1232,10 @@ class QLinear(_QuantizedModule):
             try:
                 bias = torch.as_tensor(bias).detach()
             except (TypeError, ValueError, RuntimeError) as exc:  # a str, a ragged list: torch's words
-                raise TypeError(f"QLinear bias must be a float tensor (or array), got {type(bias).__name__} "
-                                f"{bias!r:.60}: {exc}") from None
+                raise ArgumentTypeError(f"QLinear bias must be a float tensor (or array), got {type(bias).__name__} "
+                                        f"{bias!r:.60}: {exc}") from None
             if not bias.is_floating_point():  # a Parameter must be able to take a gradient
-                raise TypeError(f"QLinear bias must be a float tensor, got {bias.dtype}")
+                raise ArgumentTypeError(f"QLinear bias must be a float tensor, got {bias.dtype}")
             if tuple(bias.shape) != (self.out_features,):
                 raise ShapeError(f"QLinear bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
             self.bias = torch.nn.Parameter(bias)
@@ -1323,7 +1327,8 @@ class QEmbedding(_QuantizedModule):
         super().__init__(weight, "num_embeddings, embedding_dim",
                          "QEmbedding.from_embedding(embedding, scheme) to quantize an nn.Embedding")
         if dtype not in _EMBEDDING_DTYPES:
-            raise TypeError(f"QEmbedding's dtype must be torch.float32, float16, bfloat16 or float64, got {dtype}")
+            raise ArgumentTypeError(f"QEmbedding's dtype must be torch.float32, float16, bfloat16 or float64, got "
+                                    f"{dtype}")
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
         self.padding_idx = padding_idx  # kept as nn.Embedding's: it only shapes gradients of the table
@@ -1346,8 +1351,8 @@ class QEmbedding(_QuantizedModule):
     def _check_layer(cls, embedding):
         super()._check_layer(embedding)
         if embedding.max_norm is not None:  # it rescales the looked-up rows in place
-            raise ValueError(f"QEmbedding can't take an nn.Embedding with max_norm={embedding.max_norm}: a "
-                             f"quantized table can't be renormalized as rows are looked up")
+            raise ArgumentError(f"QEmbedding can't take an nn.Embedding with max_norm={embedding.max_norm}: a "
+                                f"quantized table can't be renormalized as rows are looked up")
 
     @classmethod
     def _around(cls, embedding, qweight):
@@ -1383,7 +1388,8 @@ class QEmbedding(_QuantizedModule):
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
             got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise TypeError(f"QEmbedding takes a torch integer tensor of ids (torch.long or torch.int), got {got}")
+            raise ArgumentTypeError(f"QEmbedding takes a torch integer tensor of ids (torch.long or torch.int), got "
+                                    f"{got}")
         _check_strided(ids, "QEmbedding")
         here = _torch_device(self.weight.device)
         if ids.device != here:
@@ -1516,8 +1522,8 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
                     kept.add(id(child))
     unknown = [] if names is None else sorted(names - layer_names, key=str)
     if unknown:  # a misspelt name would quantize the layer it meant to keep
-        raise ValueError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
-                         f"{kind.__name__}s are {sorted(layer_names)}")
+        raise ArgumentError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
+                            f"{kind.__name__}s are {sorted(layer_names)}")
     places = [place for place in found if id(place[3]) not in kept]
     _refuse_own_forward([(name, child) for name, _, _, child in places], kind, quantized_class)
     quantized = {}  # id(layer) -> its quantized layer
@@ -1549,8 +1555,8 @@ def _refuse_own_forward(named_layers, kind, quantized_class):
     layer would drop what that forward does."""
     own = [name for name, layer in named_layers if type(layer).forward is not kind.forward]
     if own:
-        raise ValueError(f"layers {own} are subclasses of nn.{kind.__name__} with a forward of their own, which "
-                         f"{quantized_class.__name__} would not run: keep them in float with skip={own}")
+        raise ArgumentError(f"layers {own} are subclasses of nn.{kind.__name__} with a forward of their own, which "
+                            f"{quantized_class.__name__} would not run: keep them in float with skip={own}")
 
 
 def _skip_names(skip):
@@ -1560,8 +1566,8 @@ def _skip_names(skip):
     try:
         return frozenset(skip)
     except TypeError:
-        raise TypeError(f"skip takes layer names or a function (name, linear) -> bool, got "
-                        f"{type(skip).__name__}") from None
+        raise ArgumentTypeError(f"skip takes layer names or a function (name, linear) -> bool, got "
+                                f"{type(skip).__name__}") from None
 
 
 def _replaceable(parent, module):
@@ -1618,13 +1624,13 @@ def _named_layer_errors(name, what, make):
     """make(), its errors saying which layer: a model's layers differ in shape and values."""
     try:
         return make()
-    except (QDispatchError, ValueError) as exc:  # ValueError: a layer the quantized class can't take
-        if not isinstance(exc, QDispatchError) and type(exc) is not ValueError:
-            raise  # a subclass may not be built from a message alone
+    except QDispatchError as exc:
         if isinstance(exc, QuantSchemeError):
             hint = f"; pick a scheme that fits it or keep it in float with skip=[{name!r}]"
+        elif isinstance(exc, ArgumentError):  # a layer the quantized class can't take
+            hint = f"; keep it in float with skip=[{name!r}]"
         else:
-            hint = "" if isinstance(exc, QDispatchError) else f"; keep it in float with skip=[{name!r}]"
+            hint = ""
         raise type(exc)(f"layer {name or 'model'!r} ({what}): {exc}{hint}") from exc
 
 
@@ -1659,16 +1665,16 @@ def save_model(model, path):
                     or value.is_meta:
                 what = ("meta" if value.is_meta else "nested" if value.is_nested
                         else str(value.layout).replace("torch.", "") if value.layout != torch.strided else value.dtype)
-                raise TypeError(f"save_model can't save {key!r}, a {what} tensor: the file holds dense bool, "
-                                f"integer and real float tensors with values (use torch.save for other state)")
+                raise ArgumentTypeError(f"save_model can't save {key!r}, a {what} tensor: the file holds dense bool, "
+                                        f"integer and real float tensors with values (use torch.save for other state)")
             # a float parameter under several names converts once, so the file holds it once
             same = (value.device, value.dtype, value.data_ptr(), tuple(value.shape), value.stride())
             if same not in converted:
                 converted[same] = _savable(value.detach().cpu().resolve_neg())  # numpy can't view negative views
             tensors[key] = converted[same]
         else:
-            raise TypeError(f"save_model can't save {key!r}, a {type(value).__name__}: only tensors and "
-                            f"QLinear and QEmbedding weights (use torch.save for other state)")
+            raise ArgumentTypeError(f"save_model can't save {key!r}, a {type(value).__name__}: only tensors and "
+                                    f"QLinear and QEmbedding weights (use torch.save for other state)")
     save_tensors(path, tensors)
 
 
@@ -1756,7 +1762,7 @@ def _module(model, op, instead=None):
     """model, when it is a torch module (a dict of tensors goes through `instead`)."""
     if not isinstance(model, torch.nn.Module):
         hint = f": for a dict of tensors use {instead}" if instead else ""
-        raise TypeError(f"{op} takes a torch.nn.Module, got {type(model).__name__}{hint}")
+        raise ArgumentTypeError(f"{op} takes a torch.nn.Module, got {type(model).__name__}{hint}")
     return model
 
 

@@ -56,8 +56,9 @@ def test_a_bad_default_backend_names_its_environment_variable():
     out = run_python("-c", code, QDISPATCH_BACKEND="gpu")
     assert out.returncode == 1
     assert out.stderr.splitlines()[-1] == (
-        f"ValueError: QDISPATCH_BACKEND='gpu' can't be the default backend: Unknown device 'gpu': expected "
-        f"'reference', 'cpu', 'cuda' or 'cuda:N' (available here: {', '.join(qd.available_backends())}; "
+        f"qdispatch.errors.ArgumentError: QDISPATCH_BACKEND='gpu' can't be the default backend: Unknown device "
+        f"'gpu': expected 'reference', 'cpu', 'cuda' or 'cuda:N' (available here: "
+        f"{', '.join(qd.available_backends())}; "
         f"set the variable to one of them, or unset it)")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import BackendKind, register_backend
-from ..errors import BackendUnavailableError
+from ..errors import ArgumentError, ArgumentTypeError, BackendUnavailableError
 from ..scheme import index_of
 from .host import HostBackend
 
@@ -69,8 +69,8 @@ def _thread_count_setting(text):
     ASCII digits only: int() also reads "2_0" as 20 and other scripts' digits."""
     count = int(text) if re.fullmatch(r"\s*[+-]?[0-9]+\s*", text) else None
     if count is None or count > _MOST_THREADS:
-        raise ValueError(f"QDISPATCH_NUM_THREADS={text!r} is not a whole number up to {_MOST_THREADS}: set it "
-                         f"to a thread count such as 4 (0 or less means one per processor), or unset it")
+        raise ArgumentError(f"QDISPATCH_NUM_THREADS={text!r} is not a whole number up to {_MOST_THREADS}: set it "
+                            f"to a thread count such as 4 (0 or less means one per processor), or unset it")
     return count
 
 
@@ -134,11 +134,11 @@ class CpuBackend(HostBackend):
         try:
             count = index_of(n)  # a whole number (int, numpy integer); 2.7, "4" or True is none
         except TypeError:
-            raise TypeError(f"set_num_threads takes a whole number of threads, got {n!r} ({type(n).__name__}); "
-                            f"0 or less means one per processor") from None
+            raise ArgumentTypeError(f"set_num_threads takes a whole number of threads, got {n!r} ({type(n).__name__}); "
+                                    f"0 or less means one per processor") from None
         if count > _MOST_THREADS:
-            raise ValueError(f"set_num_threads({count}): at most {_MOST_THREADS} threads; "
-                             f"0 or less means one per processor")
+            raise ArgumentError(f"set_num_threads({count}): at most {_MOST_THREADS} threads; "
+                                f"0 or less means one per processor")
         _cpu.set_num_threads(max(count, 0))
         self._bad_settings.pop("threads", None)
         if count != 1 and _cpu.forked_child():

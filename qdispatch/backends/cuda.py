@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import BackendKind, Tensor, register_backend
-from ..errors import KernelError, NonFiniteError, ScaleOverflowError
+from ..errors import ArgumentError, DLPackExportError, KernelError, NonFiniteError, ScaleOverflowError
 from .base import Backend
 from .cpu import _as_2d_block
 
@@ -473,7 +473,7 @@ class CudaBackend(Backend):
         _cuda.fq_expand_weights_into(tiles, N, K, bits, dtype, w16, ld, stream)
         if x_dtype != "float32":
             if ldx != ld:
-                raise ValueError(f"fq's GEMM reads rows of x {ld} values apart (K = {K} rounded up to 8), got {ldx}")
+                raise ArgumentError(f"fq's GEMM reads rows of x {ld} values apart (K = {K} rounded up to 8), got {ldx}")
             _cuda.fq_gemm_into(x, w16, dtype, rows, N, K, ld, scales, bn, bk, out, out_dtype, stream)
             return
         parts, sums = scratch(3 * rows * ld * 2), scratch(3 * rows * N * 4)
@@ -550,10 +550,11 @@ class CudaBackend(Backend):
     def dlpack(self, t, *, stream=None, max_version=None, dl_device=None, copy=None):
         if dl_device is not None and tuple(dl_device) != self.dlpack_device(t):
             if tuple(dl_device) != (1, 0):  # kDLCPU
-                raise BufferError(f"Can't export a Tensor on {t.device} to DLPack device {tuple(dl_device)}: "
-                                  f"move it there first")
+                raise DLPackExportError(f"Can't export a Tensor on {t.device} to DLPack device {tuple(dl_device)}: "
+                                        f"move it there first")
             if copy is False:
-                raise BufferError(f"A Tensor on {t.device} reaches the CPU by a copy only: pass copy=None or True")
+                raise DLPackExportError(f"A Tensor on {t.device} reaches the CPU by a copy only: "
+                                        f"pass copy=None or True")
             from .. import policy  # the host's copy, exported as host tensors are
             asked = {} if max_version is None else {"max_version": max_version}  # numpy before 2.1 takes none
             return t.to(policy.default_host_device()).__dlpack__(**asked)

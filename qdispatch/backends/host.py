@@ -4,6 +4,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import dlpack_as_bfloat16
+from ..errors import DLPackExportError
 from .base import Backend
 
 
@@ -122,15 +123,15 @@ class HostBackend(Backend):
         payload = np.asarray(t.payload)
         if min(payload.strides, default=0) < 0 and kwargs.get("copy") is not True:
             # DLPack allows them, but torch's import aborts the process on one
-            raise BufferError(f"A Tensor with negative strides {payload.strides} is not shared through DLPack, "
-                              f"as torch aborts on them: ask for a copy (copy=True), or copy it first "
-                              f"(qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
+            raise DLPackExportError(f"A Tensor with negative strides {payload.strides} is not shared through DLPack, "
+                                    f"as torch aborts on them: ask for a copy (copy=True), or copy it first "
+                                    f"(qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
         if not payload.flags.writeable and kwargs.get("copy") is not True:
             # DLPack 1.0 can flag it, but torch ignores the flag: its tensor would write
             # into the memory (a bytes object, a file mapped read-only: a crash)
-            raise BufferError("A Tensor over read-only memory is not shared through DLPack, as torch would "
-                              "take it as writable: ask for a copy (copy=True; qdispatch.torch.to_torch "
-                              "copies it), or copy it first (qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
+            raise DLPackExportError("A Tensor over read-only memory is not shared through DLPack, as torch would "
+                                    "take it as writable: ask for a copy (copy=True; qdispatch.torch.to_torch "
+                                    "copies it), or copy it first (qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
         capsule = payload.__dlpack__(*args, **kwargs)
         if t.dtype == "bfloat16":  # numpy exports the payload's bits as uint16
             return dlpack_as_bfloat16(capsule)
