@@ -1,4 +1,5 @@
 """Creating tensors, moving them between devices, and reading them back."""
+import contextlib
 import math
 import operator
 import sys
@@ -364,6 +365,9 @@ def _is_bf16(obj):
     return "bfloat16" in str(getattr(obj, "dtype", ""))
 
 
+_NUMPY_READS_VERSIONED = np.lib.NumpyVersion(np.__version__) >= "2.1.0"  # DLPack 1.0 capsules
+
+
 class _Retyped:
     """A DLPack producer whose one capsule is given already (numpy asks for it once)."""
 
@@ -380,8 +384,13 @@ class _Retyped:
 def _bf16_from_dlpack(obj):
     """The uint16 bits of a host producer's bfloat16 values, in place: its capsule
     retyped, since numpy has no bfloat16 to take it as."""
-    capsule = dlpack_bfloat16_bits(obj.__dlpack__())
-    return np.from_dlpack(_Retyped(capsule, obj.__dlpack_device__()))
+    capsule = None
+    if _NUMPY_READS_VERSIONED:  # a versioned capsule says whether the memory is writable
+        with contextlib.suppress(TypeError):  # TypeError: a producer older than DLPack 1.0
+            capsule = obj.__dlpack__(max_version=(1, 0))
+    if capsule is None:  # numpy makes an unversioned capsule's memory read-only
+        capsule = obj.__dlpack__()
+    return np.from_dlpack(_Retyped(dlpack_bfloat16_bits(capsule), obj.__dlpack_device__()))
 
 
 _COMPARISONS = (operator.lt, operator.le, operator.eq, operator.ne, operator.gt, operator.ge)  # Cython's op order

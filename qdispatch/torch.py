@@ -887,6 +887,7 @@ def _define_ops():
         w, act = layer.weight.T, layer.activation_scheme
 
         def product():  # the eager call's checks, then its product without autograd (the op's backward is below)
+            layer._refuse_unloaded()
             _check_operands(x, w, act)
             return _matmul(x, w, act)
         return layer._named_errors(x, product)
@@ -913,7 +914,9 @@ def _define_ops():
 
     @torch.library.custom_op("qdispatch::qembedding", mutates_args=())
     def qembedding(ids: torch.Tensor, handle: int) -> torch.Tensor:  # rows take no gradient
-        return _op_layer(handle)._lookup(ids)
+        layer = _op_layer(handle)
+        layer._check_ids(ids)  # the eager call's checks, as QLinear's op makes them
+        return layer._lookup(ids)
 
     @qembedding.register_fake
     def _(ids, handle):
@@ -955,6 +958,13 @@ class _QuantizedModule(torch.nn.Module):
         if not isinstance(layer, cls._float_kind):
             raise ArgumentTypeError(f"{cls.__name__}.{cls._made_by} needs an nn.{cls._float_kind.__name__}, got "
                                     f"{type(layer).__name__}")
+        for hook in layer._forward_pre_hooks.values():
+            remove = _WEIGHT_REBUILDING_HOOKS.get(type(hook).__name__)
+            if remove and type(hook).__module__.startswith("torch.nn.utils"):
+                # the hook, carried over, would rebuild the float weight from parameters the layer no longer has
+                raise ArgumentError(f"{cls.__name__} can't take a layer under torch.nn.utils.{remove[0]}: fold it "
+                                    f"into the weight first with torch.nn.utils.{remove[1]}(layer) (layers under "
+                                    f"torch.nn.utils.parametrizations.{remove[0]} quantize as they are)")
 
     @classmethod
     def _quantize(cls, layer, scheme, device, weight=None, options=None):
@@ -1262,10 +1272,14 @@ class QLinear(_QuantizedModule):
         return layer
 
     def forward(self, x):
-        self._refuse_unloaded()
+        # In a compiled graph the op makes the eager call's checks as the graph runs: raised
+        # while tracing they would end a fullgraph compile as torch's Unsupported.
         if _is_compiling() and _in_graph(self, x):
             y = torch.ops.qdispatch.qlinear(_autocast(x) if _any_autocast() else x, self._op_handle)
+            if self._holds_no_values:  # the op raises before y is used; the bias on meta would fail the trace
+                return y
         else:
+            self._refuse_unloaded()
             y = self._named_errors(x, lambda: q_matmul(x, self.weight.T, self.activation_scheme))
         bias = self.bias
         if bias is None:
@@ -1384,6 +1398,14 @@ class QEmbedding(_QuantizedModule):
 
     def forward(self, ids):
         _refuse_recording(ids)
+        if _is_compiling() and _in_graph(self, ids):  # the op checks the ids when the graph runs, as QLinear's
+            return torch.ops.qdispatch.qembedding(ids, self._op_handle)
+        self._check_ids(ids)
+        if _transformed():
+            return _Lookup.apply(ids, self)
+        return _lookup_outside_dynamo(self, ids)
+
+    def _check_ids(self, ids):
         self._refuse_unloaded()
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
@@ -1396,11 +1418,6 @@ class QEmbedding(_QuantizedModule):
             raise BackendMismatchError(
                 f"QEmbedding's ids are on torch device {str(ids.device)!r}, its table on qdispatch's "
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
-        if _is_compiling() and _in_graph(self, ids):
-            return torch.ops.qdispatch.qembedding(ids, self._op_handle)
-        if _transformed():
-            return _Lookup.apply(ids, self)
-        return _lookup_outside_dynamo(self, ids)
 
     def _lookup(self, ids):
         # float64 rows are the float32 ones widened: dequantized values are float32's
@@ -1504,6 +1521,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: name in names)
     if isinstance(model, kind):
+        _refuse_unknown_names(names, {""}, kind)
         if keep("", model):
             return model
         _refuse_own_forward([("", model)], kind, quantized_class)
@@ -1520,10 +1538,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
                 found.append((name, parent, child_name, child))
                 if keep(name, child):  # a shared layer kept under one name is kept everywhere
                     kept.add(id(child))
-    unknown = [] if names is None else sorted(names - layer_names, key=str)
-    if unknown:  # a misspelt name would quantize the layer it meant to keep
-        raise ArgumentError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
-                            f"{kind.__name__}s are {sorted(layer_names)}")
+    _refuse_unknown_names(names, layer_names, kind)
     places = [place for place in found if id(place[3]) not in kept]
     _refuse_own_forward([(name, child) for name, _, _, child in places], kind, quantized_class)
     quantized = {}  # id(layer) -> its quantized layer
@@ -1535,6 +1550,9 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     return model
 
 
+# torch.nn.utils' old weight_norm and spectral_norm: hook class -> (what made it, what folds it in)
+_WEIGHT_REBUILDING_HOOKS = {"WeightNorm": ("weight_norm", "remove_weight_norm"),
+                            "SpectralNorm": ("spectral_norm", "remove_spectral_norm")}
 _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
           "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
 
@@ -1548,6 +1566,15 @@ def _carry_hooks(layer, module):
             getattr(module, name).update(getattr(layer, name))
     if getattr(layer, "_is_full_backward_hook", None) is not None:
         module._is_full_backward_hook = layer._is_full_backward_hook
+
+
+def _refuse_unknown_names(names, layer_names, kind):
+    """ArgumentError for skip names that are no `kind` layer's (the model itself is
+    named ""): a misspelt name would quantize the layer it meant to keep."""
+    unknown = [] if names is None else sorted(names - layer_names, key=str)
+    if unknown:
+        raise ArgumentError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
+                            f"{kind.__name__}s are {sorted(layer_names)}")
 
 
 def _refuse_own_forward(named_layers, kind, quantized_class):

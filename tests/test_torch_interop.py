@@ -866,6 +866,36 @@ def test_quantize_linears_skips_layers_by_name_or_predicate():
     linear = torch.nn.Linear(32, 8)
     assert isinstance(quantize_linears(linear, scheme), QLinear)  # a model that is one Linear
     assert quantize_linears(linear, scheme, skip=lambda *_: True) is linear
+    assert quantize_linears(linear, scheme, skip=[""]) is linear  # its own name
+    with pytest.raises(qd.ArgumentError, match=r"skip names \['lm_haed'\] that are not nn.Linear layers"):
+        quantize_linears(linear, scheme, skip=["lm_haed"])  # was quantized, the misspelling unseen
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_a_layer_under_the_old_weight_norm_is_refused_until_folded(norm):
+    """The hook of torch.nn.utils.weight_norm (spectral_norm) went onto the QLinear,
+    where it rebuilt the float weight at each call from parameters the QLinear does not
+    have: quantizing passed, every call then failed with an AttributeError."""
+    import warnings
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook versions
+        layer = getattr(torch.nn.utils, norm)(torch.nn.Linear(8, 4))
+    model = torch.nn.Sequential(layer)
+    with pytest.raises(qd.ArgumentError, match=rf"layer '0' \(8 -> 4 features\): QLinear can't take a layer "
+                                               rf"under torch.nn.utils.{norm}: fold it into the weight first with "
+                                               rf"torch.nn.utils.remove_{norm}\(layer\).*skip=\['0'\]"):
+        quantize_linears(model, QuantScheme("q8s", axis=0))
+    assert model[0] is layer  # nothing replaced
+    getattr(torch.nn.utils, f"remove_{norm}")(layer)
+    x = torch.randn(2, 8)
+    want = layer(x)
+    quantize_linears(model, QuantScheme("q8s", axis=0))
+    torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
+    parametrized = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 4))
+    want = parametrized(x)
+    torch.testing.assert_close(quantize_linears(parametrized, QuantScheme("q8s", axis=0))(x), want,
+                               rtol=0.05, atol=0.05)
 
 
 def test_quantize_linears_keeps_shared_layers_shared():
@@ -1061,6 +1091,23 @@ def test_to_torch_copies_read_only_memory():
         assert data == np.arange(4, dtype=np.float32).tobytes()
     writable = qd.tensor(np.arange(4, dtype=np.float32))
     assert to_torch(writable).data_ptr() == np.asarray(writable).ctypes.data  # shared where it may be
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_writable_torch_tensor_crosses_writable_both_ways(dtype):
+    """bfloat16 crossed by DLPack's unversioned capsule, which numpy reads as read-only:
+    to_torch then copied (writes no longer reached x) and torch.from_dlpack refused it."""
+    x = torch.zeros(4, dtype=dtype)
+    for t in (from_torch(x), qd.from_dlpack(x)):
+        back = to_torch(t)
+        assert back.data_ptr() == x.data_ptr()
+        back[1] = 3
+        assert x[1] == 3
+        assert torch.from_dlpack(t).data_ptr() == x.data_ptr()
+        x.zero_()
+    shared = torch.zeros(4, dtype=dtype)
+    shared.share_memory_()
+    assert to_torch(from_torch(shared)).data_ptr() == shared.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1449,6 +1496,9 @@ def test_a_compiled_qlinear_raises_the_eager_error_and_each_copy_is_its_own():
         compiled(torch.randn(2, 7))
     with pytest.raises(TypeError, match="QLinear.*float32/float16/bfloat16/float64"):
         compiled(torch.ones(2, 8, dtype=torch.int32))
+    unloaded = QLinear.from_linear(torch.nn.Linear(8, 4, device="meta"), QuantScheme("q8s", axis=0))
+    with pytest.raises(qd.BackendUnavailableError, match="made from a layer on torch's meta device"):
+        torch.compile(unloaded, fullgraph=True, backend="aot_eager")(torch.randn(2, 8))  # was torch's Unsupported
     twin = copy.deepcopy(layer)
     twin.weight = qd.quantize(torch.randn(4, 8), QuantScheme("q8s", axis=0), device=DEVICES[-1])
     x = torch.randn(2, 8)
@@ -1478,6 +1528,9 @@ def test_torch_compile_runs_a_qembedding_lookup():
     torch.testing.assert_close(compiled(ids[1, 2:3].expand(2, 3)), want[1, 2].expand(2, 3, 20), rtol=0, atol=0)
     with pytest.raises(qd.OutOfRangeError, match="embedding id 20 at position"):
         compiled(torch.tensor([[1, 20, 3], [19, 0, 4]]))
+    for bad in (ids.float(), ids > 2):  # the eager TypeError (raised while tracing, torch's Unsupported)
+        with pytest.raises(qd.ArgumentTypeError, match="QEmbedding takes a torch integer tensor of ids"):
+            compiled(bad)
 
 
 def test_a_float_checkpoint_weight_that_is_no_float_tensor_is_named():
