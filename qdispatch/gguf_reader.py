@@ -82,6 +82,8 @@ class _Cursor:
             if depth == _DEEPEST:
                 self.fail(f"arrays nested more than {_DEEPEST} deep")
             item, count = self.number("I", "an array's item type"), self.number("Q", "an array's length")
+            if item not in _FIXED_SIZES and item not in (_STRING, _ARRAY):  # ggml refuses it, items or none
+                self.fail(f"an array of unknown value type {item} at byte {self.at - 12}")
             if item in _FIXED_SIZES:  # in one step: no work per item
                 self.skip(count * _FIXED_SIZES[item], f"an array of {count} values")
                 return
@@ -120,8 +122,12 @@ def _read(path, data, type_sizes):
         cursor.fail(f"GGUF version {version}; qdispatch reads versions 2 and 3")
     n_tensors, n_kv = cursor.number("Q", "the tensor count"), cursor.number("Q", "the key-value count")
     alignment = _DEFAULT_ALIGNMENT
+    keys = set()
     for _ in range(n_kv):
         key, kind = cursor.string("a key"), cursor.number("I", "a value type")
+        if key in keys:  # ggml refuses it; which of the two would count (general.alignment's, say)?
+            cursor.fail(f"the key {key.decode('utf-8', 'replace')!r} appears twice: {_NOT_GGML}")
+        keys.add(key)
         if key == _ALIGNMENT_KEY:
             if kind != _UINT32:  # llama.cpp refuses it; skipping it would read the data at the wrong alignment
                 cursor.fail(f"general.alignment has value type {kind}, not uint32 ({_UINT32}): {_NOT_GGML}")
@@ -135,6 +141,8 @@ def _read(path, data, type_sizes):
     entries = []
     for _ in range(n_tensors):
         raw_name = cursor.string("a tensor name")
+        if b"\0" in raw_name:  # ggml's names end at a NUL: two such names could be one
+            cursor.fail(f"the tensor name {raw_name[:64]!r} holds a NUL byte: {_NOT_GGML}")
         if len(raw_name) > MAX_NAME:
             cursor.fail(f"the tensor name {raw_name[:32]!r}... is {len(raw_name)} bytes long, more than ggml's "
                         f"{MAX_NAME}: {_NOT_GGML}")

@@ -411,6 +411,9 @@ def _read_header(path, f):
             raise ValueError("the header is not a JSON object")
     except (ValueError, RecursionError) as exc:
         raise SerializationError(f"{path} has a corrupted safetensors header ({exc})") from None
+    except MemoryError:  # a header near the limit of small JSON values takes gigabytes as Python objects
+        raise SerializationError(f"{path} has a safetensors header of {size} bytes whose JSON takes more memory "
+                                 f"than is free: it is corrupted, or no file of tensors") from None
     return header, file_size - 8 - size, 8 + size
 
 

@@ -207,6 +207,18 @@ def test_headers_ggml_refuses_are_refused(tmp_path):
     raw_gguf(path, [(b"w", [2], int(T.F32), 0)], kvs=alignment, kv_count=1, data=data[:8])
     with pytest.raises(SerializationError, match="general.alignment is 48, not a power of two"):
         qgguf.load(path)
+    # general.alignment twice (64, then 32): the reader took the last, ggml refuses the file
+    twice = b"".join(struct.pack("<Q", 17) + b"general.alignment" + struct.pack("<II", 4, a) for a in (64, 32))
+    raw_gguf(path, [(b"w", [2], int(T.F32), 0)], kvs=twice, kv_count=2, data=data[:8])
+    with pytest.raises(SerializationError, match="the key 'general.alignment' appears twice: corrupted"):
+        qgguf.load(path)
+    empty_of_no_type = struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 77, 0)
+    raw_gguf(path, [(b"w", [2], int(T.F32), 0)], kvs=empty_of_no_type, kv_count=1, data=data[:8])
+    with pytest.raises(SerializationError, match="an array of unknown value type 77 at byte"):
+        qgguf.load(path)  # with no items to read the type was never looked at
+    raw_gguf(path, [(b"a\0x", [2], int(T.F32), 0), (b"a\0y", [2], int(T.F32), 32)], data=data[:40])
+    with pytest.raises(SerializationError, match=r"the tensor name b'a\\x00x' holds a NUL byte"):
+        qgguf.load(path)  # ggml reads both as 'a'
     for version in (1, 4):
         raw_gguf(path, [(b"w", [2], int(T.F32), 0)], data=data[:8])
         head = bytearray(path.read_bytes())

@@ -387,6 +387,17 @@ def test_truncated_header(saved):
         qd.load(saved)
 
 
+def test_a_header_whose_json_outgrows_memory_is_a_serialization_error(saved, monkeypatch):
+    """A 99 MB header of nested empty lists takes 3.4 GB as Python objects: where that
+    much was not free the load raised a bare MemoryError."""
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+    monkeypatch.setattr(qio.json, "loads", out_of_memory)
+    with pytest.raises(SerializationError, match=r"has a safetensors header of \d+ bytes whose JSON takes more "
+                                                 r"memory than is free"):
+        qd.load(saved)
+
+
 def test_a_header_larger_than_safetensors_reads_is_refused_unread(tmp_path):
     """A sparse file claiming a 1.5 GB header had all of it read before it failed."""
     path = tmp_path / "big.st"
