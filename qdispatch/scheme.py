@@ -184,7 +184,9 @@ def _divisor_hint(n, b):
 
 
 def as_scheme(scheme) -> QuantScheme:
-    """Accept a QuantScheme or a bare value name ('q8s' means per tensor)."""
+    """Accept a QuantScheme or a bare value name: 'q8s' means per tensor, and a sub-byte
+    one ('q4s') packed_u32, the only store its values have (QuantScheme('q4s') names
+    the store it lacks)."""
     if isinstance(scheme, QuantScheme):
         return scheme
     if isinstance(scheme, str):
