@@ -138,6 +138,7 @@ FORKED = ("this process was forked from one that had started CUDA (used the GPU 
           "method (multiprocessing.get_context('spawn'))")
 
 cdef bint _used = False  # CUDA was started here (cuInit: asked for devices, or made one current)
+cdef set _devices_entered = set()  # every device made current for work: empty_cache trims their pools
 cdef bint _forked_after_use = False
 cdef bint _forked = False  # this process is a forked child (its parent may have started CUDA through another library)
 
@@ -239,6 +240,7 @@ cdef int _switch_device(int device) except -1:
     if previous != device:
         _check(cudaSetDevice(device), f"cudaSetDevice({device})")
     _used = True
+    _devices_entered.add(device)
     return previous
 
 
@@ -306,11 +308,11 @@ def pool_reserved_bytes(int device):
 
 def empty_cache(int device=-1):
     """Give the cached blocks of one device back to the driver, and the unused part
-    of its pool; -1: of every device that holds blocks, and of the current one."""
+    of its pool; -1: of every device that holds blocks or ran work, and of the current one."""
     cdef int current = 0
     if _forked_after_use:  # the parent's memory, which CUDA here can't reach
         return
-    devices = {device} if device >= 0 else {k[0] for k in _free_blocks}
+    devices = {device} if device >= 0 else {k[0] for k in _free_blocks} | _devices_entered
     if device < 0 and _used:
         if cudaGetDevice(&current) == cudaSuccess:
             devices.add(current)

@@ -13,7 +13,8 @@ from ._core import QTensor, Tensor, get_backend
 from .errors import ArgumentError, ArgumentTypeError, NonFiniteError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
-from .tensor_api import DTYPES, FLOAT_DTYPES, check_dtype, numpy_of, quantize, quantize_activation, tensor
+from .tensor_api import (DTYPES, FLOAT_DTYPES, check_dtype, in_device_memory, numpy_of, quantize,
+                         quantize_activation, tensor)
 
 
 def _check_float(t, side):
@@ -237,7 +238,7 @@ def _without_vector_dims(out_shape, row, col):
 
 
 def _bias_tensor(bias, device):
-    """linear's bias as a Tensor (host data go to `device`).  Integer host data are
+    """linear's bias as a Tensor (host data go to `device`; a GPU tensor stays on its GPU).  Integer host data are
     numbers to add, so they come as float32: a tensor keeps integers as int8 (the
     dtype int_matmul takes) and refuses those past its range."""
     if isinstance(bias, Tensor):
@@ -245,8 +246,8 @@ def _bias_tensor(bias, device):
     data = bias
     if not isinstance(bias, np.ndarray) and hasattr(bias, "__dlpack__"):
         data = numpy_of(bias)  # another library's host tensor (torch's int64, say), as numpy sees it
-        if data is None:  # on a GPU, or bfloat16: tensor() takes it
-            return _float_bias(tensor(bias, device=device))
+        if data is None:  # on a GPU (there it stays, for add_bias's device check), or bfloat16
+            return _float_bias(tensor(bias, device=None if in_device_memory(bias) else device))
     try:
         integers = np.asarray(data).dtype.kind in "iub"
     except ValueError:  # a ragged list: tensor() says so

@@ -178,14 +178,28 @@ def _as_dtype(t, dtype):
 
 
 def as_host_operand(x, other, float_for=None):
-    """numpy data next to `other` joins other's device: plain arrays carry no
-    device tag, so there is nothing to mismatch (on CUDA this copies them over).
-    `float_for` names an operation that takes only float data here."""
+    """numpy data next to `other` joins other's device: plain arrays (and another
+    library's host tensors) carry no device to mismatch (on CUDA this copies them
+    over).  Another library's GPU tensor is viewed where it is, so the call's device
+    check sees it there.  `float_for` names an operation that takes only float data here."""
     if float_for is not None:
         x = _float_host_data(x, float_for)
-    if other is not None:
+    if other is not None and not in_device_memory(x):
         return tensor(x, device=other.device)
     return tensor(x)
+
+
+def in_device_memory(obj):
+    """Whether `obj` is another library's tensor in GPU memory (torch's, CuPy's)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return obj.is_cuda
+    if isinstance(obj, np.ndarray) or not hasattr(obj, "__dlpack_device__"):
+        return False
+    try:
+        return int(obj.__dlpack_device__()[0]) not in (1, 3)  # kDLCPU, kDLCUDAHost
+    except Exception:  # a producer that can't say: from_dlpack will
+        return False
 
 
 def tensor_numpy(t):

@@ -137,7 +137,7 @@ def _from_torch_cuda(x, stream):
         # the view refuses a capturing stream
         return cuda.tensor_viewing(x.data_ptr(), tuple(x.shape), _CUDA_VIEW_DTYPES[x.dtype], index,
                                    x, stream)
-    if cuda is not None and torch.cuda.is_current_stream_capturing():
+    if cuda is not None and _capturing(index, stream):
         # DLPack's import would make our stream wait on the capturing one: invalid there
         raise KernelError(f"torch is capturing a CUDA graph on {x.device}; {NOT_IN_CUDA_GRAPHS}. "
                           f"The capture is left as it was.")
@@ -1415,7 +1415,7 @@ class QEmbedding(_QuantizedModule):
         _check_strided(ids, "QEmbedding")
         here = _torch_device(self.weight.device)
         if ids.device != here:
-            raise BackendMismatchError(
+            raise (DeviceMismatchError if ids.is_cuda and here.type == "cuda" else BackendMismatchError)(
                 f"QEmbedding's ids are on torch device {str(ids.device)!r}, its table on qdispatch's "
                 f"'{self.weight.device}': move the ids first (ids.to({str(here)!r})), as for nn.Embedding")
 

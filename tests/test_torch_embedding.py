@@ -456,6 +456,9 @@ def test_a_table_tied_to_the_output_layer_on_cuda():
     assert torch.equal(table(ids).cpu(), want[ids.cpu()])
     with pytest.raises(qd.BackendMismatchError, match="ids are on torch device 'cpu'.*ids.to\\('cuda:0'\\)"):
         table(ids.cpu())
+    if torch.cuda.device_count() > 1:  # one backend, two GPUs: a device mismatch, as q_matmul's
+        with pytest.raises(qd.DeviceMismatchError, match="ids are on torch device 'cuda:1'"):
+            table(ids.to("cuda:1"))
 
 
 def test_moves_between_cpu_and_cuda():

@@ -305,6 +305,30 @@ def test_layers_asked_for_on_reference_need_no_cpu_backend(tmp_path):
 
 
 @pytest.mark.cuda
+def test_a_torch_gpu_tensor_stays_on_its_gpu_in_qdispatchs_own_calls():
+    """qd.q_matmul and qd.linear copied a torch CUDA tensor to the other operand's device
+    (through the host) as if it were numpy data: no BackendMismatchError next to a cpu
+    weight, no DeviceMismatchError next to one on another GPU, transfer= ignored."""
+    _needs_cuda()
+    w = weight((4, 64), SCHEMES[0], "cpu")
+    x = torch.randn(2, 64, device="cuda")
+    with pytest.raises(qd.BackendMismatchError, match="lhs is on 'cuda:0', rhs is on 'cpu'"):
+        qd.q_matmul(x, w.T)
+    with pytest.raises(qd.BackendMismatchError, match="x is on 'cuda:0', w is on 'cpu'"):
+        qd.linear(x, w)
+    moved = qd.q_matmul(x, w.T, transfer="to_rhs")  # asked for: the move happens
+    np.testing.assert_array_equal(moved.numpy(), qd.q_matmul(x.cpu().numpy(), w.T).numpy())
+    with pytest.raises(qd.BackendMismatchError, match="linear's bias is on 'cuda:0' but the output is on 'cpu'"):
+        qd.linear(x.cpu().numpy(), w, bias=torch.ones(4, device="cuda"))
+    on_gpu = w.to("cuda:0")  # on its GPU, in place, as before
+    torch.testing.assert_close(to_torch(qd.linear(x, on_gpu, bias=torch.ones(4, device="cuda"))),
+                               x @ dequantized(w).cuda().T + 1, rtol=1e-5, atol=1e-5)
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(qd.DeviceMismatchError):
+            qd.q_matmul(x.to("cuda:1"), on_gpu.T)
+
+
+@pytest.mark.cuda
 def test_cuda_autocast_and_torch_func():
     _needs_cuda()
     w = weight((64, 32), SCHEMES[0], "cuda")
