@@ -640,7 +640,8 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     if not isinstance(w, QTensor):
         raise ArgumentTypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
     _check_linear_shapes(getattr(x, "shape", None), (<QTensor>w).shape)
-    if isinstance(x, TensorBase) and not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
+    x = _operand(x, <TensorBase>w, "q_matmul")  # as q_matmul takes it: a GPU tensor of torch's stays on its GPU
+    if not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
     # Without a bias the product is the result: the kernel writes out_dtype itself.
     out = q_matmul(x, (<QTensor>w).T, out_dtype="float32" if bias is not None else out_dtype,
