@@ -41,6 +41,7 @@ QTensor on any host backend ('cpu' or 'reference'); anything else raises
 `BackendMismatchError`, e.g. a CUDA input with a 'cpu' weight.
 """
 import itertools
+import os
 import threading
 import weakref
 
@@ -648,6 +649,16 @@ def _load_of(error_msgs):
 # every layer that shares it, wherever in the model the load starts.
 _HOLDERS = {}  # id(QTensor) -> (weak QTensor, weak set of modules)
 _HOLDERS_LOCK = threading.Lock()  # a weak set can't be read while another thread adds to it
+
+
+def _new_holders_lock():
+    """A forked child's own lock: one another thread held at the fork stays held there."""
+    global _HOLDERS_LOCK
+    _HOLDERS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_new_holders_lock)
 
 
 def _entry_ref(table, obj):

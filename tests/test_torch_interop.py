@@ -1,6 +1,8 @@
 """qdispatch.torch: q_matmul as an autograd.Function, QLinear, DLPack crossings."""
 import copy
+import os
 import re
+import signal
 import weakref
 
 import numpy as np
@@ -1082,6 +1084,26 @@ def test_a_meta_state_into_a_layer_with_values_is_an_error_as_torch_gives(quanti
     model.load_state_dict(state, assign=True)  # replaces it, as torch's assign does
     with pytest.raises(qd.BackendUnavailableError, match="holds no values until a checkpoint loads"):
         model(x)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_thread_held_the_layers_lock_makes_layers():
+    """The lock over which layers share a weight, held by another thread at a fork,
+    stayed held in the child: its first QLinear waited forever."""
+    import qdispatch.torch as qtorch
+    scheme = QuantScheme("q8s", axis=0)
+    with qtorch._HOLDERS_LOCK:  # as a thread inside it at the fork would
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)  # a hang fails the test instead of stalling it
+                layer = quantize_linears(torch.nn.Linear(8, 4), scheme)
+                code = 0 if isinstance(layer, QLinear) else 1
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_quantize_linears_carries_the_layers_hooks():
