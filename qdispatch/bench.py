@@ -936,7 +936,7 @@ def _check_arguments(args):
             raise SystemExit(f"shape {shape} can't be run: {problem} (or leave {path} out of --paths)")
     for option, out in (("--json", args.json), ("--plot", args.plot)):
         if out is not None:  # '' too: a path that names no file
-            _check_writable(option, out)
+            _check_writable(option, out if option == "--json" or not out or os.path.isdir(out) else plot_file(out))
     if args.plot:
         _check_plot_format(args.plot)
     available = available_memory_bytes()
@@ -944,6 +944,12 @@ def _check_arguments(args):
         raise SystemExit(f"--bandwidth-mb {args.bandwidth_mb}: the streaming read's buffer would take more "
                          f"than the {available >> 20} MiB of memory available; give at most that")
     return contenders
+
+
+def plot_file(path):
+    """The file matplotlib writes for `path`: one without an extension ("out", "out.")
+    gets ".png", its default format."""
+    return path if os.path.splitext(path)[1][1:] else path.rstrip(".") + ".png"
 
 
 def _check_plot_format(path):
@@ -968,6 +974,8 @@ def _check_writable(option, path):
     if not os.path.isdir(folder):
         raise SystemExit(f"{option} {path}: folder {folder} does not exist; create it or choose another path")
     existed = os.path.exists(path)
+    if existed and not os.path.isfile(path) and not os.path.isdir(path):
+        return  # a pipe or /dev/stdout, written in place at the end: opening one now would wait, or end its reader
     try:
         with open(path, "a"):
             pass
@@ -1066,8 +1074,7 @@ def run(args):
             plot(rows, args.plot)
         except (OSError, RuntimeError) as exc:  # a full disk, or a format whose tools are missing
             raise SystemExit(f"--plot {args.plot}: the plot could not be written ({exc})") from None
-        written = args.plot if os.path.splitext(args.plot)[1] else args.plot + ".png"  # as matplotlib names it
-        print(f"plot written to {written}")
+        print(f"plot written to {plot_file(args.plot)}")
     return 0
 
 

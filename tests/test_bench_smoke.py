@@ -466,6 +466,41 @@ def test_an_output_that_cant_be_written_is_refused_before_anything_runs(monkeypa
     assert not kept.exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_for_the_results_is_written_once_at_the_end(tmp_path):
+    """The check that --json can be written opened and closed the pipe: with no reader
+    it waited forever, and a reader took the close as the end and got nothing."""
+    import threading
+    fifo = str(tmp_path / "results")
+    os.mkfifo(fifo)
+    checker = threading.Thread(target=bench._check_writable, args=("--json", fifo), daemon=True)
+    checker.start()
+    checker.join(10)
+    assert not checker.is_alive(), "the check waited for a reader"
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
+    reader.start()
+    bench._check_writable("--json", fifo)
+    writer = threading.Thread(target=bench._write_json, args=(fifo, {"rows": 1}), daemon=True)
+    writer.start()
+    writer.join(10)
+    reader.join(10)
+    assert not writer.is_alive() and json.loads(got[0]) == {"rows": 1}
+
+
+def test_the_plot_file_checked_and_named_is_the_one_matplotlib_writes(monkeypatch, tmp_path):
+    """A name without an extension gets .png: the check looked at the name as given,
+    and the closing message named "out." where the file was out.png."""
+    from qdispatch.__main__ import main
+    assert [bench.plot_file(p) for p in ("out", "out.", "out.svg", "a.b/out")] == \
+        ["out.png", "out.png", "out.svg", "a.b/out.png"]
+    (tmp_path / "h.png").mkdir()
+    monkeypatch.setattr(bench, "_run_cases", refuse_to_run)
+    monkeypatch.setattr(bench, "require_matplotlib", lambda: None)
+    with pytest.raises(SystemExit, match=r"^--plot .*h\.png: can't write there \(Is a directory\)"):
+        main(["bench", "--shapes", "2x64x64", "--threads", "1", "--plot", str(tmp_path / "h")])
+
+
 @pytest.mark.skipif(bench.available_memory_bytes() is None, reason="needs /proc/meminfo's MemAvailable")
 def test_a_read_buffer_past_the_memory_is_refused_before_anything_runs(monkeypatch):
     """It was allocated after every case had run, and its MemoryError lost their results."""
