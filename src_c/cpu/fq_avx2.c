@@ -66,10 +66,62 @@ QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
         memcpy(t->out + r * t->ldo, acc[r], (size_t)t->nr * sizeof(float));
 }
 
+/* Scale groups that are no whole units (a [K, N] weight with a scale per row of K,
+ * say): one chain per row and half, scaled into the accumulator as each group ends. */
+QD_INLINE void fq_tile_short_groups(const qd_fq_tile *t, const int bits, const int mr)
+{
+    const int ku = QD_KU(bits);
+    const uint8_t *wp = t->panel;
+    __m256 acc[FQ_MR][2], part[FQ_MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++)
+            acc[r][h] = part[r][h] = _mm256_setzero_ps();
+    const float *scale = t->w_scale;
+    int64_t left = t->group_k;  /* k-steps of the group that are still to come */
+    for (int64_t k0 = 0; k0 < t->k; k0 += ku, wp += QD_UNIT_BYTES) {
+        __m256i v_lo = to_signed_fields(_mm256_load_si256((const __m256i *)wp), bits);
+        __m256i v_hi = to_signed_fields(_mm256_load_si256((const __m256i *)(wp + 32)), bits);
+        QD_KEEP_IN_REGISTER(v_lo);
+        QD_KEEP_IN_REGISTER(v_hi);
+#pragma GCC unroll 16
+        for (int i = 0; i < ku; i++) {
+            if (k0 + i == t->k)  /* the panel's zero padding: no group's */
+                break;
+            const __m256 w_lo = dequant(v_lo, bits, i), w_hi = dequant(v_hi, bits, i);
+            for (int r = 0; r < mr; r++) {
+                const __m256 xb = _mm256_broadcast_ss(t->x + r * t->ldx + k0 + i);
+                part[r][0] = _mm256_fmadd_ps(xb, w_lo, part[r][0]);
+                part[r][1] = _mm256_fmadd_ps(xb, w_hi, part[r][1]);
+            }
+            if (--left == 0) {
+                const __m256 s_lo = _mm256_loadu_ps(scale), s_hi = _mm256_loadu_ps(scale + 8);
+                for (int r = 0; r < mr; r++) {
+                    acc[r][0] = _mm256_fmadd_ps(part[r][0], s_lo, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(part[r][1], s_hi, acc[r][1]);
+                    part[r][0] = part[r][1] = _mm256_setzero_ps();
+                }
+                scale += QD_NR;
+                left = t->group_k;
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float row[QD_NR];
+        _mm256_storeu_ps(row, acc[r][0]);
+        _mm256_storeu_ps(row + 8, acc[r][1]);
+        memcpy(t->out + r * t->ldo, row, (size_t)t->nr * sizeof(float));
+    }
+}
+
 #define FQ_CASE(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
+#define FQ_SHORT_CASE(MR) fq_tile_short_groups(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
 {
-    QD_SWITCH_MR(t->mr, FQ_CASE)
+    if (t->ngroups > 1 && t->group_k % QD_KU(bits)) {
+        QD_SWITCH_MR(t->mr, FQ_SHORT_CASE)
+    } else {
+        QD_SWITCH_MR(t->mr, FQ_CASE)
+    }
 }
 
 void qd_fq_tile_avx2(const qd_fq_tile *t)

@@ -81,10 +81,53 @@ QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
         _mm512_mask_storeu_ps(t->out + r * t->ldo, cols, acc[r]);
 }
 
+/* Scale groups that are no whole units (a [K, N] weight with a scale per row of K,
+ * say): one chain per row, scaled into the accumulator as each group ends. */
+QD_INLINE void fq_tile_short_groups(const qd_fq_tile *t, const int bits, const int mr)
+{
+    const int ku = QD_KU(bits);
+    const __m512 table = field_table(bits == 8 ? 4 : bits);
+    const uint8_t *wp = t->panel;
+    __m512 acc[FQ_MR], part[FQ_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = part[r] = _mm512_setzero_ps();
+    const float *scale = t->w_scale;
+    int64_t left = t->group_k;  /* k-steps of the group that are still to come */
+    for (int64_t k0 = 0; k0 < t->k; k0 += ku, wp += QD_UNIT_BYTES) {
+        __m512i v = _mm512_load_si512((const void *)wp);
+        QD_KEEP_IN_REGISTER(v);
+#pragma GCC unroll 16
+        for (int i = 0; i < ku; i++) {
+            if (k0 + i == t->k)  /* the panel's zero padding: no group's */
+                break;
+            const __m512 w = dequant(v, table, bits, i, mr);
+            for (int r = 0; r < mr; r++)
+                part[r] = _mm512_fmadd_ps(_mm512_set1_ps(t->x[r * t->ldx + k0 + i]), w, part[r]);
+            if (--left == 0) {
+                const __m512 s = _mm512_load_ps(scale);
+                for (int r = 0; r < mr; r++) {
+                    acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
+                    part[r] = _mm512_setzero_ps();
+                }
+                scale += QD_NR;
+                left = t->group_k;
+            }
+        }
+    }
+    const __mmask16 cols = (__mmask16)((1u << t->nr) - 1);
+    for (int r = 0; r < mr; r++)
+        _mm512_mask_storeu_ps(t->out + r * t->ldo, cols, acc[r]);
+}
+
 #define FQ_CASE(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
+#define FQ_SHORT_CASE(MR) fq_tile_short_groups(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
 {
-    QD_SWITCH_MR(t->mr, FQ_CASE)
+    if (t->ngroups > 1 && t->group_k % QD_KU(bits)) {
+        QD_SWITCH_MR(t->mr, FQ_SHORT_CASE)
+    } else {
+        QD_SWITCH_MR(t->mr, FQ_CASE)
+    }
 }
 
 void qd_fq_tile_avx512(const qd_fq_tile *t)

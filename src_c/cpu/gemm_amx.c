@@ -218,5 +218,6 @@ const qd_kernels qd_kernels_amx = {
     .qq_mr = AMX_MR,
     .qq_np = AMX_NP,
     .fq_mr = QD_FQ_MR_ZMM,
+    .fq_short_groups = 1,
     .needs_rowsum = 1,   /* the VNNI kernel's, for the calls handed on */
 };

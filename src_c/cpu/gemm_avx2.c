@@ -74,5 +74,6 @@ const qd_kernels qd_kernels_avx2 = {
     .fq_tile = qd_fq_tile_avx2,
     .qq_mr = QD_YMM_QQ_MR,
     .fq_mr = QD_FQ_MR_YMM,
+    .fq_short_groups = 1,
     .needs_rowsum = 1,
 };

@@ -82,5 +82,6 @@ const qd_kernels qd_kernels_avx512vnni = {
     .qq_mr = QQ_MR,
     .qq_np = QQ_NP,
     .fq_mr = QD_FQ_MR_ZMM,
+    .fq_short_groups = 1,
     .needs_rowsum = 1,
 };

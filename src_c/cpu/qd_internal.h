@@ -116,6 +116,7 @@ typedef struct qd_kernels {
     int qq_mr;                  /* rows one qq_tile call handles at most */
     int qq_np;                  /* panels one qq_tile call handles at most (0: one) */
     int fq_mr;
+    int fq_short_groups;        /* fq_tile takes scale groups that are no whole units */
     int needs_rowsum;           /* qq_tile reads a_rowsum */
 } qd_kernels;
 
