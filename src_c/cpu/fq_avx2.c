@@ -17,6 +17,18 @@ QD_INLINE __m256i to_signed_fields(__m256i v, int bits)
     return _mm256_xor_si256(v, _mm256_set1_epi8((char)(bits == 4 ? 0x88 : 0xAA)));
 }
 
+/* A unit's columns 0..7 and 8..15, their fields two's complement, kept in registers
+ * for the unit's k-steps. */
+QD_INLINE void load_unit(const uint8_t *wp, int bits, __m256i *lo, __m256i *hi)
+{
+    __m256i v_lo = to_signed_fields(_mm256_load_si256((const __m256i *)wp), bits);
+    __m256i v_hi = to_signed_fields(_mm256_load_si256((const __m256i *)(wp + 32)), bits);
+    QD_KEEP_IN_REGISTER(v_lo);
+    QD_KEEP_IN_REGISTER(v_hi);
+    *lo = v_lo;
+    *hi = v_hi;
+}
+
 QD_INLINE __m256 dequant(__m256i v, int bits, int i)
 {
     const int b = qd_fq_field_bit(bits, i), top = 32 - bits - b;
@@ -38,10 +50,8 @@ QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
                     part[r][h][p] = _mm256_setzero_ps();
         for (int64_t u = 0; u < t->group_units; u++, wp += QD_UNIT_BYTES, k0 += ku) {
             qd_fq_prefetch(wp, bits);
-            __m256i v_lo = to_signed_fields(_mm256_load_si256((const __m256i *)wp), bits);
-            __m256i v_hi = to_signed_fields(_mm256_load_si256((const __m256i *)(wp + 32)), bits);
-            QD_KEEP_IN_REGISTER(v_lo);
-            QD_KEEP_IN_REGISTER(v_hi);
+            __m256i v_lo, v_hi;
+            load_unit(wp, bits, &v_lo, &v_hi);
             /* Unrolled: shift counts and partial indices must be constants. */
 #pragma GCC unroll 16
             for (int i = 0; i < ku; i++) {
@@ -79,10 +89,8 @@ QD_INLINE void fq_tile_short_groups(const qd_fq_tile *t, const int bits, const i
     const float *scale = t->w_scale;
     int64_t left = t->group_k;  /* k-steps of the group that are still to come */
     for (int64_t k0 = 0; k0 < t->k; k0 += ku, wp += QD_UNIT_BYTES) {
-        __m256i v_lo = to_signed_fields(_mm256_load_si256((const __m256i *)wp), bits);
-        __m256i v_hi = to_signed_fields(_mm256_load_si256((const __m256i *)(wp + 32)), bits);
-        QD_KEEP_IN_REGISTER(v_lo);
-        QD_KEEP_IN_REGISTER(v_hi);
+        __m256i v_lo, v_hi;
+        load_unit(wp, bits, &v_lo, &v_hi);
 #pragma GCC unroll 16
         for (int i = 0; i < ku; i++) {
             if (k0 + i == t->k)  /* the panel's zero padding: no group's */
