@@ -934,9 +934,10 @@ def _check_arguments(args):
         problem = shape.problem(path)
         if problem:
             raise SystemExit(f"shape {shape} can't be run: {problem} (or leave {path} out of --paths)")
-    for option, out in (("--json", args.json), ("--plot", args.plot)):
+    plotted = args.plot if not args.plot or os.path.isdir(args.plot) else plot_file(args.plot)  # what is written
+    for option, out in (("--json", args.json), ("--plot", plotted)):
         if out is not None:  # '' too: a path that names no file
-            _check_writable(option, out if option == "--json" or not out or os.path.isdir(out) else plot_file(out))
+            _check_writable(option, out)
     if args.plot:
         _check_plot_format(args.plot)
     available = available_memory_bytes()

@@ -125,7 +125,7 @@ QD_INLINE void fq_tile_short_groups(const qd_fq_tile *t, const int bits, const i
 #define FQ_SHORT_CASE(MR) fq_tile_short_groups(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
 {
-    if (t->ngroups > 1 && t->group_k % QD_KU(bits)) {
+    if (qd_fq_short_groups(t->ngroups, t->group_k, bits)) {
         QD_SWITCH_MR(t->mr, FQ_SHORT_CASE)
     } else {
         QD_SWITCH_MR(t->mr, FQ_CASE)

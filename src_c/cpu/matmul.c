@@ -406,7 +406,7 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
     const int ku = QD_KU(w->bits);
     const int64_t kp = w->k_padded, group = w->block_k, ngroups = w->k_groups;
     const qd_kernels *kern = qd_kernels_for(qd_isa_active());
-    if (ngroups > 1 && group % ku != 0 && !kern->fq_short_groups)
+    if (qd_fq_short_groups(ngroups, group, w->bits) && !kern->fq_short_groups)
         kern = &qd_kernels_scalar;
     float *xp = qd_aligned_alloc((size_t)(M * kp) * sizeof(float));
     if (!xp)

@@ -110,6 +110,13 @@ typedef struct qd_fq_tile {
     int64_t ldo;
 } qd_fq_tile;
 
+/* Scale groups along K that are no whole panel units (a [K, N] weight scaled per row
+ * of K): the kernels with fq_short_groups take them, the others leave them to scalar. */
+static inline int qd_fq_short_groups(int64_t ngroups, int64_t group_k, int bits)
+{
+    return ngroups > 1 && group_k % QD_KU(bits) != 0;
+}
+
 typedef struct qd_kernels {
     void (*qq_tile)(const qd_qq_tile *t);
     void (*fq_tile)(const qd_fq_tile *t);
