@@ -19,6 +19,7 @@ from .backends import cuda as _cuda_backend  # noqa: F401
 from .policy import batch_invariant, default_device, set_batch_invariant, set_default_backend, transfer_policy
 from .tensor_api import dequantize, embedding, from_dlpack, quantize, qtensor_from_parts, tensor
 from .io import load, save
+from .metrics import ErrorReport, error_report
 from .gpu import empty_cache, memory_info, synchronize
 from .info import available_backends, get_include, get_library_dir, info, set_isa, \
     set_num_threads, get_num_threads
@@ -26,7 +27,7 @@ from .info import available_backends, get_include, get_library_dir, info, set_is
 __all__ = [
     "__version__", "BackendKind", "Device", "QTensor", "Tensor", "QuantScheme",
     "quantize", "dequantize", "embedding", "tensor", "from_dlpack", "qtensor_from_parts",
-    "q_matmul", "int_matmul", "linear", "save", "load",
+    "q_matmul", "int_matmul", "linear", "save", "load", "error_report", "ErrorReport",
     "transfer_policy", "set_default_backend", "default_device", "set_batch_invariant", "batch_invariant",
     "info", "available_backends", "get_include", "get_library_dir",
     "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache", "synchronize",

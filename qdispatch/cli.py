@@ -43,12 +43,6 @@ def _measure(fn, repeat=3):
     return out, best
 
 
-def _accuracy(reference, approx):
-    reference = np.asarray(reference, dtype=np.float64)
-    err = np.linalg.norm(reference - np.asarray(approx, np.float64)) / np.linalg.norm(reference)
-    return err, -20 * np.log10(err)
-
-
 def demo(args=None):
     info()
     rng = np.random.default_rng(0)
@@ -68,8 +62,9 @@ def demo(args=None):
         for arm, fn in (("fq (float x q8 weight)", lambda: qd.q_matmul(xt, wq.T)),
                         ("qq (q8 x q8)", lambda: qd.q_matmul(xq, wq.T))):
             out, t = _measure(fn)
-            err, sqnr = _accuracy(want, out.numpy())
-            print(f"  {device:9s} {arm:24s} {t * 1e3:8.2f} ms   rel err {err:.2e}   SQNR {sqnr:5.1f} dB")
+            error = qd.error_report(want, out)
+            print(f"  {device:9s} {arm:24s} {t * 1e3:8.2f} ms   rel err {error.relative_error:.2e}   "
+                  f"SQNR {error.sqnr_db:5.1f} dB")
     backends = qd.available_backends()
     if len(backends) >= 2:
         a, b = backends[0], backends[-1]
