@@ -25,6 +25,8 @@ def needed_packages(block):
         needs.append("safetensors")
     if re.search(r"^import gguf", block, flags=re.M):
         needs.append("gguf")
+    if re.search(r"^import onnxruntime", block, flags=re.M):
+        needs += ["onnx", "onnxruntime"]
     return needs
 
 

@@ -1,0 +1,180 @@
+"""ONNX Runtime's MatMulNBits weights (the com.microsoft contrib op behind its int4
+LLMs): a QTensor out to that op's inputs and attributes, and back, value for value.
+
+MatMulNBits computes Y = A @ dequantize(B).T for a weight of N rows (outputs) by K
+columns (inputs), nn.Linear's layout.  Each row is cut into blocks of `block_size`
+values along K (a power of two, 16 or more; the last block padded), each block one
+scale.  Values are unsigned codes of `bits` bits, packed lowest bits first, meaning
+`code - zero_point`; with no zero_points input the zero point is 2^(bits - 1).  That
+default makes the op symmetric, as qdispatch's schemes are: a q4f value v is the code
+v + 8, a q8f value v + 128, a q2f value v + 2, and nothing is rounded either way."""
+from typing import NamedTuple
+
+import numpy as np
+
+from ._core import QTensor
+from .errors import ArgumentError, ArgumentTypeError, QuantSchemeError, ShapeError
+from .scheme import QuantScheme, _whole_number
+from .tensor_api import qtensor_from_parts, qtensor_host
+
+BITS = (2, 4, 8)
+SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
+
+
+class MatMulNBitsWeight(NamedTuple):
+    """A weight as MatMulNBits takes it: the inputs B and scales, and the op's attributes."""
+    B: np.ndarray       # uint8 [N, k_blocks, block_size * bits // 8]: codes packed lowest bits first
+    scales: np.ndarray  # [N * k_blocks], float32 or float16 (the model's float type: A's)
+    K: int
+    N: int
+    bits: int
+    block_size: int
+
+    @property
+    def attributes(self):
+        """The op's attributes, for onnx.helper.make_node(..., **w.attributes)."""
+        return {"K": self.K, "N": self.N, "bits": self.bits, "block_size": self.block_size}
+
+
+def export(w, block_size=None, dtype="float32"):
+    """QTensor w, of shape [N, K] (nn.Linear's weight), as MatMulNBits inputs.
+
+    Its values must be 2-, 4- or 8-bit and its scales constant over each block of
+    `block_size` along K: blocks along K whose size is a multiple of it, or one scale
+    per row or for the whole tensor (any grouping of rows).  `block_size=None` takes
+    the largest power of two from 16 to 256 that fits.  `dtype` is the scales' type,
+    which MatMulNBits wants equal to A's: "float32", or "float16" where every scale
+    is a float16 value."""
+    if not isinstance(w, QTensor):
+        raise ArgumentTypeError(f"matmulnbits.export takes a QTensor, got {type(w).__name__}: "
+                                f"quantize the weight first (qd.quantize(w, QuantScheme('q4f', block=32, "
+                                f"store='packed_u32')))")
+    if len(w.shape) != 2:
+        raise ShapeError(f"MatMulNBits weights are 2-D, [N, K] (nn.Linear's layout), got shape {w.shape}: "
+                         f"reshape or take one matrix of the batch first")
+    scheme = w.scheme
+    if scheme.bits not in BITS:  # every value has 2, 4 or 8 bits today: kept for a scheme to come
+        raise QuantSchemeError(f"MatMulNBits stores 2-, 4- or 8-bit codes, and {scheme!r} has {scheme.bits}")
+    N, K = w.shape
+    block_n, block_k = w.layout.logical_block(w.transposed)
+    block_size = _block_size_for(block_size, block_k, K, scheme)
+    scale_type = _scale_type(dtype)
+    values, grid = qtensor_host(w)
+    k_blocks = -(-K // block_size)
+    # each block's scale: its row's group, and the group along K where the block starts
+    scales = np.repeat(grid, block_n, axis=0)[:, (np.arange(k_blocks) * block_size) // block_k]
+    if scale_type == np.float16 and not np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
+        raise ArgumentError(f"Can't give {scheme!r} scales as float16: some are no float16 values (they would "
+                            f"round); use dtype='float32' (and float32 activations), or quantize with "
+                            f"scale_dtype='f16'")
+    zero_point = 1 << (scheme.bits - 1)
+    codes = np.full((N, k_blocks * block_size), zero_point, dtype=np.uint8)  # padding past K: value 0
+    codes[:, :K] = values.astype(np.int16) + zero_point
+    return MatMulNBitsWeight(
+        B=_pack(codes, scheme.bits).reshape(N, k_blocks, block_size * scheme.bits // 8),
+        scales=np.ascontiguousarray(scales.reshape(-1), dtype=scale_type),
+        K=K, N=N, bits=scheme.bits, block_size=block_size)
+
+
+def load(B, scales, K, N, bits, block_size, zero_points=None, device=None):
+    """The QTensor [N, K] that MatMulNBits inputs and attributes hold (in the order of
+    MatMulNBitsWeight's fields, so `load(*export(w))` works), on `device`: scheme q2f, q4f
+    or q8f by `bits`, in blocks along K of `block_size` (of its largest divisor of K
+    where it doesn't divide K: the scales repeat over the blocks of one of its blocks),
+    f16 scales for float16 ones and f32 otherwise.  zero_points, where given, must all
+    be the default, 2^(bits - 1): qdispatch's schemes have no zero points."""
+    K, N, block_size, bits = (_count(v, name) for v, name in
+                              ((K, "K"), (N, "N"), (block_size, "block_size"), (bits, "bits")))
+    if bits not in BITS:
+        raise ArgumentError(f"bits={bits}: MatMulNBits weights qdispatch reads have 2, 4 or 8 bits")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ArgumentError(f"block_size={block_size}: MatMulNBits blocks are powers of two, 16 or more")
+    k_blocks = -(-K // block_size)
+    B = np.asarray(B)
+    if B.dtype != np.uint8 or B.size != N * k_blocks * block_size * bits // 8:
+        raise ShapeError(f"B must be uint8 of N * ceil(K / block_size) * block_size * bits / 8 = "
+                         f"{N * k_blocks * block_size * bits // 8} bytes for K={K}, N={N}, block_size={block_size}, "
+                         f"bits={bits}; got {B.dtype} of shape {B.shape}")
+    scales = np.asarray(scales)
+    if scales.dtype not in SCALE_DTYPES or scales.size != N * k_blocks:
+        raise ShapeError(f"scales must be float32 or float16, one per block: N * ceil(K / block_size) = "
+                         f"{N * k_blocks} for K={K}, N={N}, block_size={block_size}; got {scales.dtype} of shape "
+                         f"{scales.shape}")
+    zero_point = 1 << (bits - 1)
+    if zero_points is not None:
+        _check_default_zero_points(np.asarray(zero_points), zero_point, bits, N, k_blocks)
+    codes = _unpack(B.reshape(N, -1), bits)[:, :K]
+    values = (codes.astype(np.int16) - zero_point).astype(np.int8)
+    group = np.gcd(K, block_size)  # qdispatch's blocks divide K: the scales repeat over the smaller ones
+    grid = np.repeat(scales.reshape(N, k_blocks).astype(np.float32), block_size // group, axis=1)[:, :K // group]
+    scheme = QuantScheme(f"q{bits}f", block=(1, int(group)), store="native" if bits == 8 else "packed_u32",
+                         scale_dtype=SCALE_DTYPES[scales.dtype])
+    return qtensor_from_parts(values, grid, scheme, device=device)
+
+
+def _block_size_for(asked, block_k, K, scheme):
+    """MatMulNBits' block size for groups of block_k along K: a power of two from 16
+    whose blocks each lie in one group (any, where one group spans K)."""
+    fits = [b for b in (256, 128, 64, 32, 16) if block_k == K or block_k % b == 0]
+    if asked is None:
+        if not fits:
+            raise QuantSchemeError(f"{scheme!r} has scale groups of {block_k} along K, and MatMulNBits' blocks "
+                                   f"(powers of two, 16 or more) each need one scale: requantize in blocks of "
+                                   f"16, 32, 64 or 128 along K")
+        # the largest block that cuts K evenly, else the largest within K (the least padding)
+        return next((b for b in fits if K % b == 0), next((b for b in fits if b <= K), fits[-1]))
+    size = _count(asked, "block_size")
+    if size < 16 or size & (size - 1) or not (block_k == K or block_k % size == 0):
+        raise ArgumentError(f"block_size={asked} doesn't fit {scheme!r} on K={K}: MatMulNBits' blocks are powers "
+                            f"of two, 16 or more, each inside one scale group ({block_k} along K)"
+                            + (f"; {fits[0]} fits" if fits else ""))
+    return size
+
+
+def _scale_type(dtype):
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in ("float32", "float16"):
+        raise ArgumentTypeError(f"dtype={dtype!r}: MatMulNBits scales here are float32 or float16 (A's type)")
+    return np.dtype(name).type
+
+
+def _count(value, name):
+    n = _whole_number(value)
+    if n is None or n < 1:
+        raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}")
+    return n
+
+
+def _check_default_zero_points(zero_points, zero_point, bits, N, k_blocks):
+    """Zero points come packed like B, each row in whole bytes (uint8), or one per
+    block in A's type."""
+    if zero_points.dtype == np.uint8:
+        row_bytes = -(-k_blocks * bits // 8)
+        if zero_points.size != N * row_bytes:
+            raise ShapeError(f"uint8 zero_points hold {row_bytes} bytes a row for {k_blocks} blocks of {bits} bits, "
+                             f"{N * row_bytes} in all; got shape {zero_points.shape}")
+        zero_points = _unpack(zero_points.reshape(N, row_bytes), bits)[:, :k_blocks]
+    elif zero_points.size != N * k_blocks:
+        raise ShapeError(f"zero_points in A's type hold one per block, {N * k_blocks}; got shape {zero_points.shape}")
+    if not (zero_points == zero_point).all():
+        raise ArgumentError(f"These MatMulNBits weights have zero points other than {zero_point} (asymmetric "
+                            f"codes), and qdispatch's schemes are symmetric: dequantize them as (code - zero_point) "
+                            f"* scale and quantize the float weight with qd.quantize")
+
+
+def _pack(codes, bits):
+    """uint8 codes [rows, n] -> bytes, `8 // bits` codes a byte, lowest bits first."""
+    per_byte = 8 // bits
+    codes = codes.reshape(codes.shape[0], -1, per_byte).astype(np.uint8)
+    packed = np.zeros(codes.shape[:2], dtype=np.uint8)
+    for i in range(per_byte):
+        packed |= codes[:, :, i] << np.uint8(i * bits)
+    return packed
+
+
+def _unpack(packed, bits):
+    """_pack's inverse: bytes [rows, n] -> uint8 codes [rows, n * 8 // bits]."""
+    per_byte = 8 // bits
+    mask = np.uint8((1 << bits) - 1)
+    codes = np.stack([(packed >> np.uint8(i * bits)) & mask for i in range(per_byte)], axis=-1)
+    return codes.reshape(packed.shape[0], -1)

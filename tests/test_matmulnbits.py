@@ -1,0 +1,160 @@
+"""ONNX Runtime's MatMulNBits weights: bytes by hand, round trips on every backend,
+refusals, and onnxruntime's own kernel reading what export writes."""
+import numpy as np
+import pytest
+
+import qdispatch as qd
+from qdispatch import matmulnbits
+
+SCHEMES = [
+    ((64, 128), qd.QuantScheme("q4f", block=32, store="packed_u32")),
+    ((16, 256), qd.QuantScheme("q4s", block=128, store="packed_u32", scale_dtype="f16")),
+    ((64, 100), qd.QuantScheme("q4s", axis=0, store="packed_u32")),
+    ((24, 64), qd.QuantScheme("q4f", store="packed_u32", scale_dtype="bf16")),
+    ((48, 256), qd.QuantScheme("q8s", block=64)),
+    ((48, 96), qd.QuantScheme("q8f", block=(1, 48))),
+    ((48, 256), qd.QuantScheme("q2f", block=(1, 32), store="packed_u32")),
+    ((8, 96), qd.QuantScheme("q4f", block=(2, 48), store="packed_u32", scale_dtype="f16")),
+]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(11)
+
+
+def test_codes_are_value_plus_zero_point_packed_lowest_bits_first():
+    values = np.array([[-8, 7, 0, 1] + [0] * 12, [-1, -2, 3, -4] + [0] * 12], dtype=np.int8)
+    q = qd.qtensor_from_parts(values, np.array([[0.5], [2.0]], np.float32),
+                              qd.QuantScheme("q4f", block=16, store="packed_u32"))
+    w = matmulnbits.export(q)
+    assert w.B.shape == (2, 1, 8) and w.B.dtype == np.uint8
+    # codes 0, 15, 8, 9 -> bytes 0xF0, 0x98; codes 7, 6, 11, 4 -> 0x67, 0x4B; code 8 pads
+    assert list(w.B[0, 0]) == [0xF0, 0x98] + [0x88] * 6
+    assert list(w.B[1, 0]) == [0x67, 0x4B] + [0x88] * 6
+    assert w.scales.tolist() == [0.5, 2.0] and w.scales.dtype == np.float32
+    assert w.attributes == {"K": 16, "N": 2, "bits": 4, "block_size": 16}
+    eight = matmulnbits.export(qd.qtensor_from_parts(np.resize(np.array([-128, 127, 0, 1], np.int8), (1, 16)),
+                                                     np.float32(1), qd.QuantScheme("q8f")))
+    assert list(eight.B[0, 0, :4]) == [0, 255, 128, 129]
+    two = matmulnbits.export(qd.qtensor_from_parts(np.resize(np.array([-2, 1, 0, -1], np.int8), (1, 16)),
+                                                   np.float32(1), qd.QuantScheme("q2f", store="packed_u32")))
+    assert two.B[0, 0, 0] == 0b01_10_11_00  # codes 0, 3, 2, 1, lowest bits first
+
+
+@pytest.mark.parametrize("shape, scheme", SCHEMES, ids=[repr(s) for _, s in SCHEMES])
+def test_round_trip_keeps_every_value(device, rng, shape, scheme):
+    q = qd.quantize(rng.standard_normal(shape).astype(np.float32), scheme, device=device)
+    w = matmulnbits.export(q)
+    N, K = shape
+    assert (w.N, w.K, w.bits) == (N, K, scheme.bits)
+    assert w.B.shape == (N, -(-K // w.block_size), w.block_size * scheme.bits // 8)
+    back = matmulnbits.load(*w, device=device)
+    assert back.device == q.device and back.shape == q.shape
+    assert np.array_equal(back.values, q.values)
+    assert np.array_equal(back.dequantize().numpy(), q.dequantize().numpy())
+    assert back.scheme.value == f"q{scheme.bits}f"
+
+
+def test_block_size_choice_and_float16_scales(rng):
+    w = rng.standard_normal((8, 100)).astype(np.float32)
+    per_row = qd.quantize(w, qd.QuantScheme("q4s", axis=0, store="packed_u32"))
+    assert matmulnbits.export(per_row).block_size == 64  # none divides 100: the largest within it
+    assert matmulnbits.export(per_row, block_size=16).block_size == 16
+    per_block = qd.quantize(rng.standard_normal((8, 384)).astype(np.float32),
+                            qd.QuantScheme("q4s", block=96, store="packed_u32", scale_dtype="f16"))
+    exported = matmulnbits.export(per_block, dtype="float16")
+    assert exported.block_size == 32 and exported.scales.dtype == np.float16
+    back = matmulnbits.load(*exported)
+    assert back.scheme.scale_dtype == "f16"
+    assert np.array_equal(back.dequantize().numpy(), per_block.dequantize().numpy())
+
+
+def test_a_transposed_weight_exports_as_seen(rng):
+    w = rng.standard_normal((128, 32)).astype(np.float32)  # [K, N], for q_matmul(x, w)
+    q = qd.quantize(w, qd.QuantScheme("q4f", block=(32, 1), store="packed_u32"))
+    exported = matmulnbits.export(q.T)
+    assert (exported.N, exported.K, exported.block_size) == (32, 128, 32)
+    assert np.array_equal(matmulnbits.load(*exported).dequantize().numpy(), q.T.dequantize().numpy())
+
+
+def test_default_zero_points_are_accepted_and_others_refused(rng):
+    q = qd.quantize(rng.standard_normal((3, 48)).astype(np.float32), qd.QuantScheme("q4f", block=16, store="packed_u32"))
+    w = matmulnbits.export(q)  # 3 blocks a row: packed zero points take 2 bytes a row
+    packed_default = np.full((3, 2), 0x88, np.uint8)
+    packed_default[:, 1] = 0x08  # the high nibble past the last block is padding
+    assert np.array_equal(matmulnbits.load(*w, zero_points=packed_default.ravel()).values, q.values)
+    assert np.array_equal(matmulnbits.load(*w, zero_points=np.full(9, 8, np.float32)).values, q.values)
+    for other in (np.full(6, 0x77, np.uint8), np.full(9, 7.5, np.float32)):
+        with pytest.raises(qd.ArgumentError, match="zero points other than 8"):
+            matmulnbits.load(*w, zero_points=other)
+    with pytest.raises(qd.ShapeError, match="2 bytes a row"):
+        matmulnbits.load(*w, zero_points=np.full(5, 0x88, np.uint8))
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda q: matmulnbits.export(np.ones((4, 32), np.float32)), qd.ArgumentTypeError, "takes a QTensor"),
+    (lambda q: matmulnbits.export(qd.quantize(np.ones((2, 4, 32), np.float32), "q8s")), qd.ShapeError, "2-D"),
+    (lambda q: matmulnbits.export(qd.quantize(np.ones((4, 48), np.float32), qd.QuantScheme("q8s", block=24))),
+     qd.QuantSchemeError, "scale groups of 24 along K"),
+    (lambda q: matmulnbits.export(qd.quantize(np.ones((4, 32), np.float32), qd.QuantScheme("q8s", axis=1))),
+     qd.QuantSchemeError, "scale groups of 1 along K"),
+    (lambda q: matmulnbits.export(qd.quantize(np.ones((4, 64), np.float32), qd.QuantScheme("q8s", block=32)),
+                                  block_size=64), qd.ArgumentError, "block_size=64 doesn't fit .* 32 fits"),
+    (lambda q: matmulnbits.export(q, block_size=24), qd.ArgumentError, "powers of two"),
+    (lambda q: matmulnbits.export(q, dtype="bfloat16"), qd.ArgumentTypeError, "float32 or float16"),
+    (lambda q: matmulnbits.export(q, dtype="float16"), qd.ArgumentError, "no float16 values"),
+    (lambda q: matmulnbits.load(np.zeros(10, np.uint8), np.ones(8, np.float32), 64, 4, 4, 32),
+     qd.ShapeError, "128 bytes"),
+    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.ones(8, np.float64), 64, 4, 4, 32),
+     qd.ShapeError, "float32 or float16"),
+    (lambda q: matmulnbits.load(np.zeros(128, np.int8), np.ones(8, np.float32), 64, 4, 4, 32),
+     qd.ShapeError, "must be uint8"),
+    (lambda q: matmulnbits.load(np.zeros(96, np.uint8), np.ones(8, np.float32), 64, 4, 3, 32),
+     qd.ArgumentError, "2, 4 or 8 bits"),
+    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.ones(8, np.float32), 64, 4, 4, 8),
+     qd.ArgumentError, "16 or more"),
+    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.ones(8, np.float32), 64.5, 4, 4, 32),
+     qd.ArgumentTypeError, "K must be a positive int"),
+    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.full(8, np.nan, np.float32), 64, 4, 4, 32),
+     qd.NonFiniteError, "scale"),
+])
+def test_refusals_say_what_to_do(make, error, words):
+    q = qd.quantize(np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32),
+                    qd.QuantScheme("q4s", block=32, store="packed_u32"))
+    with pytest.raises(error, match=words):
+        make(q)
+
+
+def _run_matmulnbits(weight, A):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+    float_type = TensorProto.FLOAT if A.dtype == np.float32 else TensorProto.FLOAT16
+    node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft", **weight.attributes)
+    graph = helper.make_graph([node], "layer", [helper.make_tensor_value_info("A", float_type, list(A.shape))],
+                              [helper.make_tensor_value_info("Y", float_type, [A.shape[0], weight.N])],
+                              initializer=[numpy_helper.from_array(weight.B, "B"),
+                                           numpy_helper.from_array(weight.scales, "scales")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"A": A})[0]
+
+
+@pytest.mark.parametrize("shape, scheme", SCHEMES, ids=[repr(s) for _, s in SCHEMES])
+def test_onnxruntime_reads_the_exact_weights(rng, shape, scheme):
+    q = qd.quantize(rng.standard_normal(shape).astype(np.float32), scheme)
+    weight = matmulnbits.export(q)
+    identity = np.eye(shape[1], dtype=np.float32)  # each output row is one weight column, exactly
+    assert np.array_equal(_run_matmulnbits(weight, identity).T, q.dequantize().numpy())
+    x = rng.standard_normal((5, shape[1])).astype(np.float32)
+    np.testing.assert_allclose(_run_matmulnbits(weight, x), qd.linear(x, q).numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_onnxruntime_float16_model(rng):
+    q = qd.quantize(rng.standard_normal((32, 64)).astype(np.float32),
+                    qd.QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"))
+    weight = matmulnbits.export(q, dtype="float16")
+    identity = np.eye(64, dtype=np.float16)
+    assert np.array_equal(_run_matmulnbits(weight, identity).T, q.dequantize("float16").numpy())
