@@ -7,11 +7,18 @@
     (4, 64)
 """
 from ._version import __version__
-from ._core import BackendKind, Device, QTensor, Tensor, int_matmul, linear, q_matmul
+try:
+    from ._core import BackendKind, Device, QTensor, Tensor, int_matmul, linear, q_matmul
+except ModuleNotFoundError as _missing:  # the compiled modules are not beside this file
+    if _missing.name != f"{__name__}._core":
+        raise
+    raise ImportError(f"qdispatch's compiled modules are missing from {__path__[0]}: this is the source tree, "
+                      f"or a copy that was never built. Install it (pip install .) and import it from another "
+                      f"directory") from None
 from .errors import (ArgumentError, ArgumentTypeError, BackendMismatchError, BackendUnavailableError,
-                     DeviceMismatchError, DLPackExportError, KernelError, NonFiniteError, NotFoundError,
-                     OutOfRangeError, QDispatchError, QuantSchemeError, ScaleOverflowError, SerializationError,
-                     ShapeError, UnsupportedIndexError, WrongBackendError)
+                     CudaOutOfMemoryError, DeviceMismatchError, DLPackExportError, KernelError, NonFiniteError,
+                     NotFoundError, OutOfRangeError, QDispatchError, QuantSchemeError, ScaleOverflowError,
+                     SerializationError, ShapeError, UnsupportedIndexError, WrongBackendError)
 from .scheme import QuantScheme
 from .backends import reference as _reference  # noqa: F401  (registers the backend)
 from .backends import cpu as _cpu_backend  # noqa: F401
@@ -33,6 +40,6 @@ __all__ = [
     "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache", "synchronize",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "OutOfRangeError", "NonFiniteError", "ScaleOverflowError",
-    "BackendUnavailableError", "KernelError", "SerializationError", "ArgumentTypeError", "ArgumentError",
-    "UnsupportedIndexError", "NotFoundError", "DLPackExportError",
+    "BackendUnavailableError", "KernelError", "CudaOutOfMemoryError", "SerializationError", "ArgumentTypeError",
+    "ArgumentError", "UnsupportedIndexError", "NotFoundError", "DLPackExportError",
 ]

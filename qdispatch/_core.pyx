@@ -15,7 +15,7 @@ import numpy as _np
 
 from .scheme import index_of
 from .errors import (ArgumentError, ArgumentTypeError, BackendMismatchError, BackendUnavailableError,
-                     DeviceMismatchError, QDispatchError, ShapeError)
+                     DeviceMismatchError, DLPackExportError, QDispatchError, ShapeError)
 
 from .dlpack cimport DLManagedTensor, DLManagedTensorVersioned, DLTensor, kDLBfloat, kDLUInt
 
@@ -36,6 +36,7 @@ class BackendKind(IntEnum):
 
 KIND_NAMES = {int(k): k.name.lower() for k in BackendKind}
 _KIND_BY_NAME = {v: k for k, v in KIND_NAMES.items()}
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "int32")
 # Transfers under transfer="auto" move data towards the faster backend.
 _SPEED_RANK = {QD_BACKEND_REFERENCE: 0, QD_BACKEND_CPU: 1, QD_BACKEND_CUDA: 2}
 
@@ -118,7 +119,9 @@ cdef class Device:
             raise ArgumentTypeError(f"Expected a device like 'cpu' or 'cuda:0', got {spec!r}")
         name, _, idx = spec.strip().lower().partition(":")
         if name not in _KIND_BY_NAME:
-            raise ArgumentError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'")
+            # t.to("float16") is torch's way to change a dtype
+            hint = f" ({spec!r} is a dtype: t.astype({spec!r}) converts a Tensor)" if name in _DTYPE_NAMES else ""
+            raise ArgumentError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'{hint}")
         if idx and not (idx.isascii() and idx.isdigit() and int(idx) < 2**31):  # a C int; '²' is a digit too
             raise ArgumentError(f"Bad device index in {spec!r}: expected e.g. 'cuda:0'")
         return Device(_KIND_BY_NAME[name], int(idx) if idx else 0)
@@ -317,6 +320,12 @@ cdef class Tensor(TensorBase):
         from . import tensor_api
         return tensor_api.tensor_to(self, device)
 
+    def astype(self, dtype):
+        """This tensor's values in another float dtype (float32, float16, bfloat16), a
+        new Tensor on the same device, as numpy's astype; itself when it has that dtype."""
+        from . import tensor_api
+        return tensor_api.tensor_astype(self, dtype)
+
     def __dlpack__(self, *args, **kwargs):
         return backend_of(self.kind).dlpack(self, *args, **kwargs)
 
@@ -483,7 +492,15 @@ cdef class QTensor(TensorBase):
     def __getitem__(self, key):
         # a slice of quantized values would have to cut scale blocks: name the ways that exist
         raise ArgumentTypeError(f"A QTensor can't be indexed: its rows come dequantized through "
-                                f"qdispatch.embedding(ids, q) (those rows only) or q.dequantize()[...]")
+                                f"qdispatch.embedding(ids, q) (those rows only) or q.dequantize().numpy()[...]")
+
+    def __dlpack__(self, *args, **kwargs):
+        # torch.from_dlpack(q) would otherwise fail in torch's words, naming no fix
+        raise DLPackExportError("A QTensor has no DLPack form (DLPack has no type for quantized values with "
+                                "scales): export q.dequantize() for its float values, or q.values and q.scales")
+
+    def __dlpack_device__(self):
+        return backend_of(self.kind).dlpack_device(self)
 
     def __repr__(self):
         return (f"QTensor(shape={self.shape}, scheme={self.scheme!r}, "
@@ -640,7 +657,7 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     if not isinstance(w, QTensor):
         raise ArgumentTypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
     _check_linear_shapes(getattr(x, "shape", None), (<QTensor>w).shape)
-    x = _operand(x, <TensorBase>w, "q_matmul")  # as q_matmul takes it: a GPU tensor of torch's stays on its GPU
+    x = _operand(x, <TensorBase>w, "linear")  # as q_matmul takes it: a GPU tensor of torch's stays on its GPU
     if not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
     # Without a bias the product is the result: the kernel writes out_dtype itself.

@@ -21,12 +21,8 @@ import sys
 import numpy as np
 
 from ._core import ITEMSIZE
-from .errors import (NOT_IN_CUDA_GRAPHS, ArgumentError, ArgumentTypeError, BackendUnavailableError, KernelError,
-                     NonFiniteError, ScaleOverflowError)
-
-
-class CudaOutOfMemoryError(KernelError, MemoryError):
-    """The GPU has not enough free memory for an allocation; nothing was changed."""
+from .errors import (NOT_IN_CUDA_GRAPHS, ArgumentError, ArgumentTypeError, BackendUnavailableError,
+                     CudaOutOfMemoryError, KernelError, NonFiniteError, ScaleOverflowError)
 
 
 # ---- the CUDA runtime (linked statically) ------------------------------------

@@ -72,6 +72,10 @@ class KernelError(QDispatchError, RuntimeError):
     """A C or CUDA kernel reported a failure; the message carries its status text."""
 
 
+class CudaOutOfMemoryError(KernelError, MemoryError):
+    """The GPU has not enough free memory for an allocation; nothing was changed."""
+
+
 class SerializationError(QDispatchError, ValueError):
     """A file can't be written or read back: truncated, corrupted, an unknown
     format version, or stored bytes that do not match their recorded scheme."""

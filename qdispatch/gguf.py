@@ -234,7 +234,8 @@ def _plan(name, obj):
         raise ArgumentTypeError(f"Can't export {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
     if dtype not in _FLOAT_TYPE_OF:
         raise SerializationError(f"Can't export tensor {name!r} of dtype {dtype or obj.dtype}: GGUF "
-                                 f"export takes float32, float16 or bfloat16 data")
+                                 f"export takes float32, float16 or bfloat16 data; convert it first "
+                                 f"(np.asarray(x, np.float32), or qd.quantize it)")
     if len(obj.shape) == 0:
         raise SerializationError(f"Can't export tensor {name!r}: GGUF tensors need at least one dim")
     if dtype == "bfloat16":  # raw 16-bit patterns, handed over as bytes

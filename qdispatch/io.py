@@ -395,7 +395,11 @@ def _read_header(path, f):
     file_size = os.fstat(f.fileno()).st_size
     if file_size < 8:
         raise SerializationError(f"{path} is not a safetensors file: it holds only {file_size} bytes")
-    size = int.from_bytes(f.read(8), "little")
+    first = f.read(8)
+    if first[:4] == b"GGUF":  # llama.cpp's format: its own reader takes it
+        raise SerializationError(f"{path} is a GGUF file, not a safetensors file: read it with "
+                                 f"qdispatch.gguf.load({str(path)!r})")
+    size = int.from_bytes(first, "little")
     if size > _MAX_HEADER:
         raise SerializationError(
             f"{path} is corrupted or not a safetensors file: its header claims {size} bytes, where "

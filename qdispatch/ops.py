@@ -30,8 +30,11 @@ def _shapes(lhs, rhs, op, names, vectors):
     if len(ls) < 2 or len(rs) < 2:
         raise ShapeError(f"{op} multiplies matrices, batches of them and {vectors}; got shapes {ls} and {rs}")
     if ls[-1] != rs[-2]:
+        # the likeliest slip: a weight in nn.Linear's [out, in] layout, given as it is
+        hint = (f": {names[1]}.T fits" + (" (or qdispatch.linear(x, w) for a weight stored [out_features, "
+                                          "in_features])" if op == "q_matmul" else "")) if ls[-1] == rs[-1] else ""
         raise ShapeError(f"{op} shapes {ls} and {rs} don't fit: {names[0]} has K={ls[-1]} columns but "
-                         f"{names[1]} has K={rs[-2]} rows")
+                         f"{names[1]} has K={rs[-2]} rows{hint}")
     if len(rs) == 2:  # a plain weight: lhs's batch dims are the batch (the decode case, kept cheap)
         return ls, rs, ls[:-2]
     try:
@@ -66,6 +69,9 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
                             f"then a QTensor of the requantize scheme, made from float32 sums; leave out_dtype out, "
                             f"or drop requantize for a {out_dtype} result")
     lq, rq = isinstance(lhs, QTensor), isinstance(rhs, QTensor)  # one at least: the caller checked
+    if lq and rq and activation_scheme is not None:  # it would quantize nothing, silently
+        raise ArgumentError(f"q_matmul got activation_scheme={activation_scheme!r}, but both operands are QTensors "
+                            f"already: it quantizes a float operand on the fly; leave it out")
     if not lq:
         _check_float(lhs, "lhs")
     if not rq:
@@ -85,10 +91,14 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
         if not lq and rq:
             fused = fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls, rhs)
         if fused is None:
-            if not lq:
-                lhs = quantize_activation(lhs, activation_scheme_for(activation_scheme, ls))
-            if not rq:
-                rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs, tokens_are_columns=True))
+            try:
+                if not lq:
+                    lhs = quantize_activation(lhs, activation_scheme_for(activation_scheme, ls))
+                if not rq:
+                    rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs,
+                                                                         tokens_are_columns=True))
+            except NonFiniteError as exc:
+                raise _on_the_fly_error(exc, activation_scheme) from None
             lq = rq = True
     kernel_dtype = "float32"  # what the kernel writes
     if fused is not None:
@@ -110,7 +120,10 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     except NonFiniteError:
         if fused is not None:
             # the fused kernel only says that x holds NaN or Inf: name where, as quantize does
-            check_finite(np.asarray(lhs.numpy(), np.float32))
+            try:
+                check_finite(np.asarray(lhs.numpy(), np.float32))
+            except NonFiniteError as exc:
+                raise _on_the_fly_error(exc, activation_scheme) from None
         raise
     if row or col:
         out_shape = _without_vector_dims(out_shape, row, col)
@@ -130,6 +143,13 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
 def _is_empty(ls, rs, batch):
     """Whether a product of these shapes has no output or sums over K = 0."""
     return 0 in batch + (ls[-2], ls[-1], rs[-1])
+
+
+def _on_the_fly_error(exc, activation_scheme):
+    """quantize's NonFiniteError, said of the call that quantized for the caller."""
+    return NonFiniteError(f"activation_scheme={activation_scheme!r} quantizes the float operand on the fly (W8A8), "
+                          f"which failed: {exc}; a product without activation_scheme (weight-only) keeps a NaN or "
+                          f"Inf in the rows it is in")
 
 
 def fused_w8a8(backend, scheme, x_shape, w):

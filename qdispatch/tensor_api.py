@@ -248,6 +248,11 @@ def tensor_ufunc(ufunc, method, inputs, kwargs):
     return getattr(ufunc, method)(*arrays, **kwargs)
 
 
+def tensor_astype(t, dtype):
+    """Tensor.astype: t in float dtype `dtype`, on its device."""
+    return _as_dtype(t, check_dtype(dtype, tuple(DTYPES)))
+
+
 def tensor_to(t, device):
     dev, dst = backend_for(device)
     if dev == t.device:

@@ -43,6 +43,7 @@ QTensor on any host backend ('cpu' or 'reference'); anything else raises
 import itertools
 import os
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -1551,6 +1552,11 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
                     kept.add(id(child))
     _refuse_unknown_names(names, layer_names, kind)
     places = [place for place in found if id(place[3]) not in kept]
+    if not places and not kept:  # a model left wholly in float must not pass for a quantized one
+        fused = sorted(layer_names - {name for name, _, _, _ in found})
+        warnings.warn(f"quantize_{kind.__name__.lower()}s quantized nothing in {type(model).__name__}: " + (
+            f"its {kind.__name__} layers ({', '.join(fused)}) are read as tensors by torch's fused layers and "
+            f"stay in float" if fused else f"it holds no nn.{kind.__name__}"), UserWarning, stacklevel=3)
     _refuse_own_forward([(name, child) for name, _, _, child in places], kind, quantized_class)
     quantized = {}  # id(layer) -> its quantized layer
     for name, _, _, child in places:

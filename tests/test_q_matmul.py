@@ -327,7 +327,7 @@ def test_integer_numpy_data_on_the_float_side_is_named_by_its_own_dtype(device, 
         qd.q_matmul(x, wq.T)
     with pytest.raises(TypeError, match=f"q_matmul expects float data, got {name}"):
         qd.q_matmul(wq, x.T)
-    with pytest.raises(TypeError, match=f"q_matmul expects float data, got {name}"):
+    with pytest.raises(TypeError, match=f"linear expects float data, got {name}"):
         qd.linear(x, wq)
 
 def test_matmul_operator(device, rng):

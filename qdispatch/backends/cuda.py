@@ -25,11 +25,9 @@ from .cpu import _as_2d_block
 try:
     from .. import _cuda
     _IMPORT_ERROR = None
-    CudaOutOfMemoryError = _cuda.CudaOutOfMemoryError
 except ImportError as exc:  # built without CUDA
     _cuda = None
     _IMPORT_ERROR = exc
-    CudaOutOfMemoryError = None
 
 REBUILD = ("To rebuild with it: QDISPATCH_CUDA=1 pip install --force-reinstall --no-deps <qdispatch's source "
            "tree or sdist>, with the CUDA toolkit 12.0 or newer (nvcc) on PATH, in /usr/local/cuda or where "

@@ -1,0 +1,144 @@
+"""The mistakes a new user makes first get an error (or a warning) that names the fix,
+and the conveniences they reach for work."""
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import qdispatch as qd
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(5)
+
+
+@pytest.fixture
+def w(rng):
+    return qd.quantize(rng.standard_normal((8, 16)).astype(np.float32), qd.QuantScheme("q8s", axis=0))
+
+
+def test_a_linear_layout_weight_passed_to_q_matmul_is_told_to_transpose(rng, w):
+    x = rng.standard_normal((2, 16)).astype(np.float32)
+    with pytest.raises(qd.ShapeError, match=r"rhs\.T fits \(or qdispatch\.linear\(x, w\)"):
+        qd.q_matmul(x, w)
+    with pytest.raises(qd.ShapeError) as caught:  # no hint where the transpose would not fit either
+        qd.q_matmul(rng.standard_normal((2, 5)).astype(np.float32), w)
+    assert ".T fits" not in str(caught.value)
+    with pytest.raises(qd.ShapeError, match=r"b\.T fits$"):
+        qd.int_matmul(np.ones((2, 3), np.int8), np.ones((4, 3), np.int8))
+
+
+def test_linear_names_itself_for_integer_x(w):
+    with pytest.raises(qd.ArgumentTypeError, match="^linear expects float data, got int8"):
+        qd.linear(np.ones((2, 16), np.int8), w)
+
+
+def test_activation_scheme_with_two_qtensors_is_refused(rng, device):
+    a = qd.quantize(rng.standard_normal((3, 16)).astype(np.float32), "q8s", device=device)
+    b = qd.quantize(rng.standard_normal((16, 4)).astype(np.float32), "q8s", device=device)
+    with pytest.raises(qd.ArgumentError, match="both operands are QTensors already"):
+        qd.q_matmul(a, b, activation_scheme="q8s")
+
+
+@pytest.mark.parametrize("scheme", ["q8s", qd.QuantScheme("q4s", axis=0, store="packed_u32")])  # the fused W8A8 kernel, and not
+def test_a_nan_in_activations_quantized_on_the_fly_says_so(rng, device, scheme):
+    w = qd.quantize(rng.standard_normal((8, 16)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device=device)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    x[1, 5] = np.nan
+    with pytest.raises(qd.NonFiniteError) as caught:
+        qd.linear(x, w, activation_scheme=scheme)
+    message = str(caught.value)
+    assert message.startswith(f"activation_scheme={scheme!r} quantizes the float operand on the fly (W8A8)")
+    assert "nan at position (1, 5)" in message
+    out = qd.linear(x, w).numpy()  # weight-only: the NaN stays in its row, as the message says
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+
+
+def test_qtensor_indexing_points_at_a_way_that_works(w):
+    with pytest.raises(qd.ArgumentTypeError, match=r"q\.dequantize\(\)\.numpy\(\)\[\.\.\.\]"):
+        w[[1, 3]]
+    assert w.dequantize().numpy()[[1, 3]].shape == (2, 16)
+
+
+def test_a_qtensor_refuses_dlpack_with_the_fix(w):
+    with pytest.raises(qd.DLPackExportError, match=r"export q\.dequantize\(\)"):
+        np.from_dlpack(w)
+    assert w.__dlpack_device__() == (1, 0)
+
+
+def test_a_qtensor_refuses_torch_from_dlpack_with_the_fix(w):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(qd.DLPackExportError, match=r"export q\.dequantize\(\)"):
+        torch.from_dlpack(w)
+
+
+def test_astype_converts_float_dtypes_on_the_device(rng, device):
+    t = qd.tensor(rng.standard_normal((3, 4)).astype(np.float32), device=device)
+    half = t.astype("float16")
+    assert half.dtype == "float16" and half.device == t.device
+    assert np.array_equal(half.numpy(), t.numpy().astype(np.float16))
+    assert t.astype(np.float32) is t
+    assert np.array_equal(t.astype("bfloat16").numpy(), qd.tensor(t.numpy(), dtype="bfloat16").numpy())
+    with pytest.raises(qd.ArgumentTypeError, match="only float32, float16 and bfloat16 convert"):
+        t.astype("int8")
+    with pytest.raises(qd.ArgumentTypeError, match="Unsupported dtype"):
+        t.astype(None)
+
+
+def test_a_dtype_given_as_a_device_is_pointed_to_astype(rng):
+    t = qd.tensor(np.ones(3, np.float32))
+    with pytest.raises(qd.ArgumentError, match=r"'float16' is a dtype: t\.astype\('float16'\) converts a Tensor"):
+        t.to("float16")
+    with pytest.raises(qd.ArgumentError) as caught:
+        t.to("tpu")
+    assert "astype" not in str(caught.value)
+
+
+def test_out_of_memory_is_exported_and_a_memory_error():
+    assert issubclass(qd.CudaOutOfMemoryError, qd.KernelError)
+    assert issubclass(qd.CudaOutOfMemoryError, MemoryError)
+
+
+def test_load_of_a_gguf_file_names_the_gguf_reader(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
+    with pytest.raises(qd.SerializationError, match=r"is a GGUF file, not a safetensors file: read it with "
+                                                    r"qdispatch\.gguf\.load"):
+        qd.load(str(path))
+
+
+def test_importing_an_unbuilt_copy_says_what_it_is(tmp_path):
+    package = os.path.dirname(qd.__file__)
+    shutil.copytree(package, tmp_path / "qdispatch", ignore=shutil.ignore_patterns("*.so", "*.pyd", "lib"))
+    done = subprocess.run([sys.executable, "-c", "import qdispatch"], cwd=tmp_path, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode != 0
+    assert "ImportError: qdispatch's compiled modules are missing from" in done.stderr
+    assert "pip install ." in done.stderr
+
+
+def _encoder_layer(torch):
+    return torch.nn.TransformerEncoderLayer(32, 4, 64)
+
+
+def test_quantize_linears_warns_when_it_quantizes_nothing():
+    torch = pytest.importorskip("torch")
+    from qdispatch.torch import quantize_embeddings, quantize_linears
+    scheme = qd.QuantScheme("q8s", axis=0)
+    with pytest.warns(UserWarning, match=r"quantized nothing in TransformerEncoderLayer: its Linear layers "
+                                         r"\(linear1, linear2, self_attn\.out_proj\) are read as tensors"):
+        quantize_linears(_encoder_layer(torch), scheme)
+    with pytest.warns(UserWarning, match="quantized nothing in ReLU: it holds no nn.Linear"):
+        quantize_linears(torch.nn.Sequential(torch.nn.ReLU())[0], scheme)
+    with pytest.warns(UserWarning, match="quantize_embeddings quantized nothing in Sequential: it holds no "
+                                         "nn.Embedding"):
+        quantize_embeddings(torch.nn.Sequential(torch.nn.Linear(4, 4)), scheme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), scheme, skip=["0"])  # the user's choice
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), scheme)
