@@ -149,6 +149,59 @@ def test_qq_rounds_each_group_as_the_reference(isa):
     np.testing.assert_array_equal(product("cpu"), expect)
 
 
+# weights scaled in groups along K that are no whole SIMD units (8-bit values come 4 a
+# unit, 4-bit 8 and 2-bit 16): [N, K] and its scheme, K-groups of 1, 2, 3, 4 and 10
+SHORT_GROUP_WEIGHTS = [((40, 64), qd.QuantScheme("q8s", axis=1)),
+                       ((17, 42), qd.QuantScheme("q8f", block=(1, 3))),
+                       ((33, 64), qd.QuantScheme("q4s", block=4, store="packed_u32")),
+                       ((20, 60), qd.QuantScheme("q2f", block=(4, 10), store="packed_u32")),
+                       ((16, 96), qd.QuantScheme("q2s", block=(1, 2), store="packed_u32"))]
+
+
+@pytest.mark.parametrize("shape, w_scheme", SHORT_GROUP_WEIGHTS, ids=[repr(s) for _, s in SHORT_GROUP_WEIGHTS])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_qq_with_short_scale_groups_matches_the_reference(isa, rng, shape, w_scheme, threads):
+    """Bit for bit, on the vector kernels as on the scalar one, at row counts that
+    fill tiles and leave tails, through qq, W8A8 and a [K, N] weight."""
+    wq, wr = both(rng.standard_normal(shape).astype(np.float32), w_scheme)
+    qd.set_num_threads(threads)
+    try:
+        for m in (1, 2, 3, 5, 33):
+            x = rng.standard_normal((m, shape[1])).astype(np.float32)
+            for a_scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f"),
+                             qd.QuantScheme("q8s", block=(1, shape[1] // 2))):
+                xq, xr = both(x, a_scheme)
+                np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(xr, wr.T).numpy())
+            np.testing.assert_array_equal(qd.linear(x, wq, activation_scheme="q8s").numpy(),
+                                          qd.linear(x, wr, activation_scheme="q8s").numpy())
+        w_kn = rng.standard_normal(shape[::-1]).astype(np.float32)  # [K, N] scaled per row of K
+        kq, kr = both(w_kn, qd.QuantScheme("q8s", axis=0))
+        np.testing.assert_array_equal(qd.q_matmul(x, kq, activation_scheme="q8s").numpy(),
+                                      qd.q_matmul(x, kr, activation_scheme="q8s").numpy())
+    finally:
+        qd.set_num_threads(0)
+
+
+def test_qq_short_groups_round_each_group_as_the_reference(isa):
+    """A group of one value: k = 0 gives -3, k = 1 gives 3 * (1 + 2**-23), which rounds
+    to 3 + 2**-21, so the sum is 2**-21 (a fused multiply-add: 3 * 2**-23)."""
+    a = np.zeros((1, 8), np.int8)
+    a[0, :2] = -3, 3
+    w = np.zeros((16, 8), np.int8)
+    w[:, :2] = 1
+    w_scales = np.ones((1, 8), np.float32)
+    w_scales[0, 1] = 1 + 2.0 ** -23
+
+    def product(device):
+        aq = qd.qtensor_from_parts(a, np.float32(1), qd.QuantScheme("q8s"), device=device)
+        wq = qd.qtensor_from_parts(w, w_scales, qd.QuantScheme("q8s", axis=1), device=device)
+        return qd.q_matmul(aq, wq.T).numpy()
+
+    expect = product("reference")
+    assert np.all(expect == np.float32(2.0 ** -21))
+    np.testing.assert_array_equal(product("cpu"), expect)
+
+
 def test_quantize_is_bit_identical_to_the_reference(isa, rng):
     x = rng.standard_normal((33, 96)).astype(np.float32)
     for scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"),

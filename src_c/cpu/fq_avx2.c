@@ -121,6 +121,83 @@ QD_INLINE void fq_tile_short_groups(const qd_fq_tile *t, const int bits, const i
     }
 }
 
+/* A unit's ku int8 activations (rows are zero-padded to whole units) as floats,
+ * 8 a vector: converted once, not once a row and k-step. */
+QD_INLINE void load_activations(const int8_t *a, int ku, __m256 out[2])
+{
+    __m128i bytes;
+    if (ku == 4) {
+        int32_t four;
+        memcpy(&four, a, sizeof four);
+        bytes = _mm_cvtsi32_si128(four);
+    } else {
+        bytes = ku == 8 ? _mm_loadl_epi64((const __m128i *)a) : _mm_loadu_si128((const __m128i *)a);
+    }
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    out[1] = ku == 16 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))) : out[0];
+}
+
+/* qq whose scale groups are no whole units (a weight scaled per row of K, say): the
+ * same chains over the int8 activations as floats.  Products and group sums are
+ * whole numbers below 2^24 (qd_qq_short_groups), so float32 holds them exactly, in
+ * any order; each group then adds its sum times the scale product as the reference
+ * does, a multiply and an add (no FMA), column by column in order of K. */
+QD_INLINE void qq_tile_short_groups(const qd_qq_tile *t, const int bits, const int mr)
+{
+    const int ku = QD_KU(bits);
+    const uint8_t *wp = t->panel;
+    __m256 acc[FQ_MR][2], part[FQ_MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++)
+            acc[r][h] = part[r][h] = _mm256_setzero_ps();
+    int64_t g = 0, left = t->group_k;
+    for (int64_t k0 = 0; k0 < t->k; k0 += ku, wp += QD_UNIT_BYTES) {
+        __m256i v_lo, v_hi;
+        load_unit(wp, bits, &v_lo, &v_hi);
+        __m256 a_unit[FQ_MR][2];
+        for (int r = 0; r < mr; r++)
+            load_activations(t->a + r * t->lda + k0, ku, a_unit[r]);
+#pragma GCC unroll 16
+        for (int i = 0; i < ku; i++) {
+            if (k0 + i == t->k)  /* the panel's zero padding: no group's */
+                break;
+            const __m256 w_lo = dequant(v_lo, bits, i), w_hi = dequant(v_hi, bits, i);
+            for (int r = 0; r < mr; r++) {
+                const __m256 ab = _mm256_permutevar8x32_ps(a_unit[r][i / 8], _mm256_set1_epi32(i % 8));
+                part[r][0] = _mm256_fmadd_ps(ab, w_lo, part[r][0]);
+                part[r][1] = _mm256_fmadd_ps(ab, w_hi, part[r][1]);
+            }
+            if (--left == 0) {
+                const float *w_scale = t->w_scale + (g / t->w_ratio) * QD_NR;
+                const __m256 s_lo = _mm256_loadu_ps(w_scale), s_hi = _mm256_loadu_ps(w_scale + 8);
+                for (int r = 0; r < mr; r++) {
+                    const __m256 a_scale = _mm256_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+                    acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(part[r][0], _mm256_mul_ps(a_scale, s_lo)));
+                    acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(part[r][1], _mm256_mul_ps(a_scale, s_hi)));
+                    part[r][0] = part[r][1] = _mm256_setzero_ps();
+                }
+                g++;
+                left = t->group_k;
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float row[QD_NR];
+        _mm256_storeu_ps(row, acc[r][0]);
+        _mm256_storeu_ps(row + 8, acc[r][1]);
+        memcpy(t->out + r * t->ldo, row, (size_t)t->nr * sizeof(float));
+    }
+}
+
+#define QQ_SHORT_CASE(MR) qq_tile_short_groups(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
+QD_DEFINE_QQ_TILE(qq_tile_short_groups_avx2, QQ_SHORT_CASE)
+
+const qd_kernels qd_kernels_qq_short_groups_avx2 = {
+    .qq_tile = qq_tile_short_groups_avx2,
+    .qq_mr = FQ_MR,
+    .qq_np = 1,
+};
+
 #define FQ_CASE(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 #define FQ_SHORT_CASE(MR) fq_tile_short_groups(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)

@@ -219,5 +219,6 @@ const qd_kernels qd_kernels_amx = {
     .qq_np = AMX_NP,
     .fq_mr = QD_FQ_MR_ZMM,
     .fq_short_groups = 1,
+    .qq_short_groups = &qd_kernels_qq_short_groups_avx2,
     .needs_rowsum = 1,   /* the VNNI kernel's, for the calls handed on */
 };

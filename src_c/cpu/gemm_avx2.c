@@ -75,5 +75,6 @@ const qd_kernels qd_kernels_avx2 = {
     .qq_mr = QD_YMM_QQ_MR,
     .fq_mr = QD_FQ_MR_YMM,
     .fq_short_groups = 1,
+    .qq_short_groups = &qd_kernels_qq_short_groups_avx2,
     .needs_rowsum = 1,
 };

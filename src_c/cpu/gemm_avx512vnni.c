@@ -83,5 +83,6 @@ const qd_kernels qd_kernels_avx512vnni = {
     .qq_np = QQ_NP,
     .fq_mr = QD_FQ_MR_ZMM,
     .fq_short_groups = 1,
+    .qq_short_groups = &qd_kernels_qq_short_groups_avx2,
     .needs_rowsum = 1,
 };

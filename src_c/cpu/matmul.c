@@ -102,8 +102,9 @@ static qd_status plan_qq(qq_plan *pl, const int8_t *a, int64_t M, int64_t K, con
     const int64_t group = out_i32 ? K : exact_group(gcd64(a_block_k, w->block_k), ku);
     const int64_t ngroups = K / group;
     const qd_kernels *kern = qd_kernels_for(qd_isa_active());
-    if (ngroups > 1 && group % ku != 0)
-        kern = &qd_kernels_scalar;
+    if (qd_fq_short_groups(ngroups, group, w->bits))  /* vector kernels sum whole units a group */
+        kern = kern->qq_short_groups && qd_qq_short_groups(ngroups, group, w->bits) ? kern->qq_short_groups
+                                                                                   : &qd_kernels_scalar;
     *pl = (qq_plan){
         .kern = kern, .w = w, .a = a, .a_scales = a_scales, .M = M, .K = K,
         .a_block_k = a_block_k, .group = group, .ngroups = ngroups,

@@ -117,6 +117,13 @@ static inline int qd_fq_short_groups(int64_t ngroups, int64_t group_k, int bits)
     return ngroups > 1 && group_k % QD_KU(bits) != 0;
 }
 
+/* qq's likewise, where a group's sum stays exact in float32: |a * w| <= 2^14 a term,
+ * so fewer than 2^10 terms keep every partial sum a whole number below 2^24. */
+static inline int qd_qq_short_groups(int64_t ngroups, int64_t group_k, int bits)
+{
+    return qd_fq_short_groups(ngroups, group_k, bits) && group_k < 1024;
+}
+
 typedef struct qd_kernels {
     void (*qq_tile)(const qd_qq_tile *t);
     void (*fq_tile)(const qd_fq_tile *t);
@@ -125,6 +132,8 @@ typedef struct qd_kernels {
     int fq_mr;
     int fq_short_groups;        /* fq_tile takes scale groups that are no whole units */
     int needs_rowsum;           /* qq_tile reads a_rowsum */
+    /* qq for scale groups that are no whole units (qd_qq_short_groups); NULL: scalar */
+    const struct qd_kernels *qq_short_groups;
 } qd_kernels;
 
 extern const qd_kernels qd_kernels_scalar;
@@ -133,6 +142,7 @@ extern const qd_kernels qd_kernels_avx2;
 extern const qd_kernels qd_kernels_avxvnni;
 extern const qd_kernels qd_kernels_avx512vnni;
 extern const qd_kernels qd_kernels_amx;
+extern const qd_kernels qd_kernels_qq_short_groups_avx2;
 #endif
 #if defined(__aarch64__)
 extern const qd_kernels qd_kernels_neon;
