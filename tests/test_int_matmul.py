@@ -23,6 +23,18 @@ def test_against_python_ints(device, rng, m, k, n):
     np.testing.assert_array_equal(out.numpy(), python_int_matmul(a, b))
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (3, 33, 17), (17, 100, 5), (2, 7, 300)])
+def test_a_weight_in_linear_layout_seen_transposed(device, rng, m, k, n):
+    """b = w.T for an int8 w [N, K]: a view that the cpu backend packs from w's rows."""
+    a = rng.integers(-128, 128, size=(m, k), dtype=np.int8)
+    w = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
+    for b in (w.T, qd.tensor(w, device=device).T):
+        np.testing.assert_array_equal(qd.int_matmul(qd.tensor(a, device=device), b).numpy(), python_int_matmul(a, w.T))
+    half = k // 2 or 1  # columns of w: a strided view, copied as before
+    np.testing.assert_array_equal(qd.int_matmul(a[:, :half], w[:, :half].T).numpy(),
+                                  python_int_matmul(a[:, :half], w[:, :half].T))
+
+
 @pytest.mark.parametrize("size", EDGE)
 def test_tile_and_tail_sizes(device, rng, size):
     for m, k, n in [(size, 33, 17), (3, size, 5), (2, 31, size)]:

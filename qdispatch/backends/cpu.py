@@ -257,8 +257,12 @@ class CpuBackend(HostBackend):
 
     # ---- kernels ----
     def int_matmul(self, a, b):
-        return _cpu.int_matmul(np.ascontiguousarray(a, dtype=np.int8),
-                               np.ascontiguousarray(b, dtype=np.int8))
+        a = np.ascontiguousarray(a, dtype=np.int8)
+        if b.dtype == np.int8 and b.size and not b.flags.c_contiguous and b.T.flags.c_contiguous:
+            # an [N, K] weight seen as [K, N] (w.T): packed from its own rows, which the
+            # panels keep, not copied through numpy's transpose first (90x the product)
+            return _cpu.int_matmul_packed(a, _cpu.PackedWeights(b.T, np.ones((1, 1), np.float32), *b.T.shape))
+        return _cpu.int_matmul(a, np.ascontiguousarray(b, dtype=np.int8))
 
     def qq_matmul(self, lhs, rhs):
         if quantmath.groups_past_int32(lhs.layout.logical_block(lhs.transposed)[-1],
