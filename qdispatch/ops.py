@@ -184,14 +184,24 @@ def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype="float32"):
         return backend.from_host(np.zeros(out_shape, DTYPES[dtype]), lhs.index)
     if not batch:
         return kernel(lhs, rhs)
-    if not isinstance(lhs, QTensor) and len(rhs.shape) == 2:
-        K = lhs.shape[-1]
-        rows = math.prod(lhs.shape[:-1])
-        flat = Tensor(backend.reshape(lhs.payload, (rows, K)), lhs.dtype, (rows, K), lhs.kind, lhs.index)
-        return backend.reshape(kernel(flat, rhs), out_shape)
+    if len(rhs.shape) == 2:
+        flat = _as_rows(backend, lhs, quantized_rhs=isinstance(rhs, QTensor))
+        if flat is not None:
+            return backend.reshape(kernel(flat, rhs), out_shape)
     results = [kernel(_batch_item(backend, lhs, idx), _batch_item(backend, rhs, idx))
                for idx in itertools.product(*(range(n) for n in batch))]
     return backend.stack(results, out_shape)
+
+
+def _as_rows(backend, lhs, quantized_rhs):
+    """lhs [..., M, K] as one matrix of its rows, sharing its memory, where one product
+    gives every row what a product per batch item would: a dense lhs, or a QTensor
+    whose scales fold with it times a QTensor (exact integer sums, whatever the rows)."""
+    if not isinstance(lhs, QTensor):
+        K = lhs.shape[-1]
+        rows = math.prod(lhs.shape[:-1])
+        return Tensor(backend.reshape(lhs.payload, (rows, K)), lhs.dtype, (rows, K), lhs.kind, lhs.index)
+    return backend.qtensor_rows(lhs) if quantized_rhs else None
 
 
 def _batch_item(backend, t, idx):

@@ -8,6 +8,7 @@ import pytest
 
 import qdispatch as qd
 from helpers import rel_err
+from qdispatch._core import get_backend
 
 W_SCHEMES = [
     qd.QuantScheme("q8s", axis=0),                              # per output channel of w[N, K]
@@ -95,6 +96,26 @@ def test_batch_dims_broadcast(device, rng):
     out = qd.q_matmul(aq, bq)
     assert out.shape == (2, 3, 4, 6)
     assert rel_err(deq64(aq) @ deq64(bq), out.numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("scheme, folds", [
+    (qd.QuantScheme("q8s", block=(1, 1, 32)), True), (qd.QuantScheme("q8f"), True),
+    (qd.QuantScheme("q8s", block=(1, 3, 16)), True), (qd.QuantScheme("q8s", block=(2, 3, 64)), True),
+    (qd.QuantScheme("q4s", block=(2, 1, 32), store="packed_u32"), False)], ids=repr)
+def test_a_batched_quantized_lhs_gives_each_item_what_it_gives_alone(device, rng, monkeypatch, scheme, folds):
+    """A batch whose scales fold into rows (per token, per tensor, blocks of whole
+    items) runs as one product, the others item by item; the same bits either way."""
+    aq = qd.quantize(rng.standard_normal((4, 3, 64)).astype(np.float32), scheme, device=device)
+    wq = qd.quantize(rng.standard_normal((64, 24)).astype(np.float32), qd.QuantScheme("q8s", axis=1), device=device)
+    backend = type(get_backend(aq.kind))
+    calls = []
+    kernel = backend.qq_matmul
+    monkeypatch.setattr(backend, "qq_matmul", lambda self, a, b: calls.append(a.shape) or kernel(self, a, b))
+    out = qd.q_matmul(aq, wq).numpy()
+    assert out.shape == (4, 3, 24)
+    assert calls == ([(12, 64)] if folds else [(3, 64)] * 4)
+    monkeypatch.setattr(backend, "qtensor_rows", lambda self, q: None)  # item by item, as before
+    np.testing.assert_array_equal(out, qd.q_matmul(aq, wq).numpy())
 
 
 def test_vector_lhs_and_rhs(device, rng):

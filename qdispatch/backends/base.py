@@ -52,6 +52,12 @@ class Backend:
             storage = q.storage.cache.setdefault(key, self.qstorage_item(q.storage, index, scale_index))
         return QTensor(storage, layout, q.transposed, q.kind, q.index)
 
+    def qtensor_rows(self, q):
+        """q [..., M, K] as one 2-D QTensor of rows sharing its storage (its layout's
+        as_rows), or None where its blocks span the leading dims, q is transposed or
+        this backend can't view its storage so."""
+        return None
+
     def qstorage_item(self, storage, index, scale_index):
         """Storage of the item at leading `index` of `storage` (its scales at
         `scale_index` of the scale grid), sharing its memory."""

@@ -14,6 +14,7 @@ import numpy as np
 from .. import quantmath
 from .._core import BackendKind, register_backend
 from ..errors import ArgumentError, ArgumentTypeError, BackendUnavailableError
+from ..layout import as_2d_block
 from ..scheme import index_of
 from .host import HostBackend
 
@@ -36,22 +37,6 @@ try:
 except ImportError as exc:
     _cpu = None
     _IMPORT_ERROR = exc
-
-
-def _as_2d_block(shape, block):
-    """(rows, cols, block_rows, block_cols) when an N-d blocking is a 2-D
-    blocking of the tensor viewed as [prod(shape[:-1]), shape[-1]], else None."""
-    if len(shape) == 1:
-        return 1, shape[0], 1, block[0]
-    lead, lead_block = shape[:-1], block[:-1]
-    # Leading block dims must be 1...1, then one partial dim, then full dims.
-    j = 0
-    while j < len(lead) and lead_block[j] == 1:
-        j += 1
-    if any(lead_block[i] != lead[i] for i in range(j + 1, len(lead))):
-        return None
-    block_rows = math.prod(lead_block[j:]) if j < len(lead) else 1  # math's: numpy's costs a microsecond
-    return math.prod(lead), shape[-1], block_rows, block[-1]
 
 
 _MOST_THREADS = 2**31 - 1  # the C library's thread count is an int
@@ -177,7 +162,7 @@ class CpuBackend(HostBackend):
 
     def quantize(self, payload, layout, index, weight=True):
         x = np.ascontiguousarray(payload, dtype=np.float32)
-        flat = _as_2d_block(layout.shape, layout.block)
+        flat = as_2d_block(layout.shape, layout.block)
         if flat is None:  # an N-d blocking C does not take: the numpy spec, same bits
             values, scales, _ = quantmath.quantize_array(payload, layout.scheme)
             return self.qstorage_from_host(values, scales, layout, index, weight=weight)
@@ -234,7 +219,7 @@ class CpuBackend(HostBackend):
         store = storage.cache.get("as rows", False)
         if store is not False:
             return store
-        flat = _as_2d_block(layout.shape, layout.block) if layout.shape and math.prod(layout.shape) else None
+        flat = as_2d_block(layout.shape, layout.block) if layout.shape and math.prod(layout.shape) else None
         if flat is not None:
             rows, cols, br, bc = flat
             values = storage.values

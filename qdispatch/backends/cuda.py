@@ -19,8 +19,8 @@ import numpy as np
 from .. import quantmath
 from .._core import BackendKind, Tensor, register_backend
 from ..errors import ArgumentError, DLPackExportError, KernelError, NonFiniteError, ScaleOverflowError
+from ..layout import as_2d_block
 from .base import Backend
-from .cpu import _as_2d_block
 
 try:
     from .. import _cuda
@@ -242,7 +242,7 @@ class CudaBackend(Backend):
         return values, _cuda.to_host(storage.scales)
 
     def quantize(self, payload, layout, index):
-        flat = _as_2d_block(layout.shape, layout.block)
+        flat = as_2d_block(layout.shape, layout.block)
         if flat is None:  # an N-d blocking the kernel does not take: the numpy spec, same bits
             values, scales, _ = quantmath.quantize_array(_cuda.to_host(payload), layout.scheme)
             return self.qstorage_from_host(values, scales, layout, index)
@@ -332,7 +332,7 @@ class CudaBackend(Backend):
             values, bits, scales, tiled = self._rows_source(q)
             return _cuda.dequantize(values, bits, *q.shape, scales, *layout.logical_block(q.transposed), dtype,
                                     tiled=tiled)
-        flat = _as_2d_block(layout.shape, layout.block)
+        flat = as_2d_block(layout.shape, layout.block)
         if flat is None:
             values, scales = self.qstorage_to_host(q.storage, layout)
             out = quantmath.dequantize_array(values, scales, layout.block)
