@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._core import QTensor
-from .errors import ArgumentError, ArgumentTypeError, QuantSchemeError, ShapeError
+from .errors import ArgumentError, ArgumentTypeError, QuantSchemeError, SerializationError, ShapeError
 from .scheme import QuantScheme, _whole_number
 from .tensor_api import qtensor_from_parts, qtensor_host
 
@@ -110,6 +110,48 @@ def load(B, scales, K, N, bits, block_size, zero_points=None, device=None):
     scheme = QuantScheme(f"q{bits}f", block=(1, int(group)), store="native" if bits == 8 else "packed_u32",
                          scale_dtype=SCALE_DTYPES[scales.dtype])
     return qtensor_from_parts(values, grid, scheme, device=device)
+
+
+def load_model(path, device=None):
+    """{node name: QTensor} for every MatMulNBits node of the ONNX model at `path` whose
+    weight inputs are initializers (external data files beside it are read too), each
+    as `load` makes it.  Needs the onnx package (pip install 'qdispatch[onnx]')."""
+    onnx = _onnx()
+    from onnx import helper, numpy_helper
+    try:
+        model = onnx.load(str(path))
+    except OSError:  # the file system's own errors, as they are
+        raise
+    except Exception as exc:  # protobuf's DecodeError and the like: no ONNX model
+        raise SerializationError(f"{path} is no ONNX model onnx can read: {exc}") from None
+    initializers = {t.name: t for t in model.graph.initializer}
+    weights = {}
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+            continue
+        name = node.name or node.output[0]
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        inputs = list(node.input) + [""] * 5
+        if inputs[4]:  # g_idx: a permutation of K's rows, no block layout
+            raise SerializationError(f"MatMulNBits node {name!r} has a g_idx input (act-order weights), "
+                                     f"which qdispatch's block schemes can't hold")
+        missing = [i for i in inputs[1:3] + [inputs[3]] if i and i not in initializers]
+        if missing:
+            raise SerializationError(f"MatMulNBits node {name!r} reads {', '.join(missing)} from the graph, "
+                                     f"not from initializers: only constant weights load")
+        weights[name] = load(numpy_helper.to_array(initializers[inputs[1]]),
+                             numpy_helper.to_array(initializers[inputs[2]]),
+                             attributes["K"], attributes["N"], attributes.get("bits", 4), attributes["block_size"],
+                             numpy_helper.to_array(initializers[inputs[3]]) if inputs[3] else None, device)
+    return weights
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError:
+        raise ImportError("Reading ONNX models needs the onnx package: pip install 'qdispatch[onnx]'") from None
+    return onnx
 
 
 def _block_size_for(asked, block_k, K, scheme):

@@ -158,3 +158,57 @@ def test_onnxruntime_float16_model(rng):
     weight = matmulnbits.export(q, dtype="float16")
     identity = np.eye(64, dtype=np.float16)
     assert np.array_equal(_run_matmulnbits(weight, identity).T, q.dequantize("float16").numpy())
+
+
+def _model_of(nodes, initializers):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    graph = helper.make_graph(nodes, "model", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes],
+                              initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()])
+    return onnx, helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                          helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_load_model_reads_every_matmulnbits_node(rng, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    q4 = qd.quantize(rng.standard_normal((32, 64)).astype(np.float32), qd.QuantScheme("q4f", block=32, store="packed_u32"))
+    q8 = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0))
+    w4, w8 = matmulnbits.export(q4), matmulnbits.export(q8)
+    nodes = [helper.make_node("MatMulNBits", ["A", "B4", "S4", "Z4"], ["Y4"], name="up", domain="com.microsoft",
+                              **w4.attributes),
+             helper.make_node("MatMulNBits", ["A", "B8", "S8"], ["Y8"], domain="com.microsoft", **w8.attributes),
+             helper.make_node("Relu", ["A"], ["R"])]
+    _, model = _model_of(nodes, {"B4": w4.B, "S4": w4.scales, "Z4": np.full(32, 0x88, np.uint8),
+                                 "B8": w8.B, "S8": w8.scales})
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="m.data", size_threshold=0)
+    weights = matmulnbits.load_model(tmp_path / "m.onnx", device="cpu")
+    assert sorted(weights) == ["Y8", "up"]  # a node without a name goes by its output
+    assert np.array_equal(weights["up"].dequantize().numpy(), q4.dequantize().numpy())
+    assert np.array_equal(weights["Y8"].dequantize().numpy(), q8.dequantize().numpy())
+    assert weights["up"].device == "cpu"
+
+
+def test_load_model_refuses_what_it_cannot_hold(rng, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    w = matmulnbits.export(qd.quantize(rng.standard_normal((16, 64)).astype(np.float32),
+                                       qd.QuantScheme("q4f", block=32, store="packed_u32")))
+    act_order = helper.make_node("MatMulNBits", ["A", "B", "S", "", "G"], ["Y"], domain="com.microsoft", **w.attributes)
+    _, model = _model_of([act_order], {"B": w.B, "S": w.scales, "G": np.zeros(64, np.int32)})
+    onnx.save(model, str(tmp_path / "g.onnx"))
+    with pytest.raises(qd.SerializationError, match="g_idx input"):
+        matmulnbits.load_model(tmp_path / "g.onnx")
+    computed = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], name="computed", domain="com.microsoft",
+                                **w.attributes)
+    _, model = _model_of([computed], {"S": w.scales})
+    onnx.save(model, str(tmp_path / "c.onnx"))
+    with pytest.raises(qd.SerializationError, match="'computed' reads B from the graph"):
+        matmulnbits.load_model(tmp_path / "c.onnx")
+    (tmp_path / "junk.onnx").write_bytes(b"not a model" * 10)
+    with pytest.raises(qd.SerializationError, match="no ONNX model"):
+        matmulnbits.load_model(tmp_path / "junk.onnx")
+    with pytest.raises(OSError):
+        matmulnbits.load_model(tmp_path / "missing.onnx")
