@@ -374,6 +374,19 @@ def test_a_few_tokens_quantized_are_not_packed_until_a_product_takes_them_as_wei
     np.testing.assert_allclose(as_weight, qd.q_matmul(y, ref.T).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_kn_weight_scaled_per_column_packs_at_its_first_product_as_it_reads(rng):
+    """A scale per column is a [K, N] weight's per output channel: packed as [N, K] it
+    would carry a scale per value, for an orientation q_matmul(x, w) never reads."""
+    w = rng.standard_normal((128, 48)).astype(np.float32)  # [K, N]
+    wq = qd.quantize(w, qd.QuantScheme("q8s", axis=1), device="cpu")
+    assert not wq.storage.cache
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    ref = qd.quantize(w, qd.QuantScheme("q8s", axis=1), device="reference")
+    np.testing.assert_array_equal(qd.q_matmul(x, wq, activation_scheme="q8s").numpy(),
+                                  qd.q_matmul(x, ref, activation_scheme="q8s").numpy())
+    assert [key for key in wq.storage.cache if key[0] == "panels"] == [("panels", True)]
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["w", "w.T"])
 def test_a_batched_weights_items_are_packed_once(rng, monkeypatch, transposed):
     """Each item of a 3-D weight was sliced into a fresh storage on every call, so

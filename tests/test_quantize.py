@@ -352,3 +352,86 @@ def test_empty_and_scalar_inputs_are_shape_errors():
         qd.quantize(np.zeros((0, 4), np.float32), "q8s")
     with pytest.raises(qd.ShapeError):
         qd.quantize(np.float32(1.0), "q8s")
+
+
+# ---- blocks a few columns wide: the cpu backend sweeps their rows -------------
+
+needs_cpu = pytest.mark.skipif("cpu" not in qd.available_backends(), reason="cpu backend not built")
+NARROW_LAYOUTS = [
+    ((33, 17), dict(axis=1)), ((33, 17), dict(axis=0)), ((1, 5), dict(axis=1)), ((1, 5), dict(axis=0)),
+    ((64, 1), dict(axis=1)), ((64, 1), dict(axis=0)), ((3, 5, 7), dict(axis=-1)), ((2, 4, 33), dict(axis=-1)),
+    ((64, 17), dict(block=(32, 1))), ((16, 34), dict(block=(8, 2))), ((12, 33), dict(block=(4, 3))),
+    ((8, 45), dict(block=(2, 15))), ((8, 48), dict(block=(1, 16))),
+    # 65536 values or more: two threads share the columns (or the bands of blocks)
+    ((256, 257), dict(axis=1)), ((130, 1100), dict(block=(2, 2))), ((64, 1035), dict(block=(4, 3))),
+    ((4, 32, 520), dict(axis=-1)),
+]
+
+
+@pytest.fixture(params=[1, 2])
+def cpu_threads(request):
+    before = qd.get_num_threads()
+    qd.set_num_threads(request.param)
+    yield request.param
+    qd.set_num_threads(before)
+
+
+def narrow_data(rng, shape, value):
+    """Columns of magnitudes far apart, one of rounding ties (scale 1 where a block
+    holds the half range), an all-zero one and two of subnormals (1e-44: the scale
+    underflows to 0 and is rounded up)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= (10.0 ** rng.uniform(-3, 3, shape[-1])).astype(np.float32)
+    lo, hi, _ = VALUE_RANGES[value]
+    flat = x.reshape(-1, shape[-1])
+    ties = np.array([(hi - lo) / 2, 0.5, -(hi - lo) / 2, -1.5, 2.5, -0.5], np.float32)
+    special = [np.resize(ties, len(flat)), 0.0, np.float32(1e-40) * flat[:, 2 % shape[-1]],
+               np.float32(1e-44) * np.sign(flat[:, 3 % shape[-1]])]
+    for c, column in enumerate(special[:shape[-1]]):
+        flat[:, c] = column
+    return x
+
+
+def assert_cpu_quantizes_as_reference(x, scheme):
+    cpu, ref = (qd.quantize(x, scheme, device=d) for d in ("cpu", "reference"))
+    np.testing.assert_array_equal(cpu.values, ref.values)
+    cpu_scales, ref_scales = (qd.tensor_api.qtensor_host(q)[1] for q in (cpu, ref))
+    np.testing.assert_array_equal(cpu_scales.view(np.uint32), ref_scales.view(np.uint32))
+
+
+def assert_cpu_fails_as_reference(x, scheme):
+    with pytest.raises(qd.QDispatchError) as want:
+        qd.quantize(x, scheme, device="reference")
+    with pytest.raises(qd.QDispatchError) as got:
+        qd.quantize(x, scheme, device="cpu")
+    assert (type(got.value), str(got.value)) == (type(want.value), str(want.value))
+
+
+@needs_cpu
+@pytest.mark.parametrize("shape,gran", NARROW_LAYOUTS)
+def test_narrow_blocks_quantize_as_the_reference(isa, cpu_threads, rng, shape, gran):
+    for value in ALL_VALUES:
+        x = narrow_data(rng, shape, value)
+        for scale_dtype in ("f32", "f16", "bf16"):
+            assert_cpu_quantizes_as_reference(x, scheme_for(value, scale_dtype=scale_dtype, **gran))
+
+
+@needs_cpu
+@pytest.mark.parametrize("shape,gran", [((33, 17), dict(axis=1)), ((16, 34), dict(block=(8, 2))),
+                                        ((256, 257), dict(axis=1)), ((64, 1035), dict(block=(4, 3)))])
+def test_narrow_blocks_report_errors_as_the_reference(isa, cpu_threads, rng, shape, gran):
+    rows, cols = shape
+    for bad in ({(rows // 2, cols // 2): np.nan},
+                {(rows - 1, 0): np.nan, (0, cols - 1): -np.inf},   # the first in flat order is named
+                {(0, 0): 1e30, (rows - 1, cols - 1): np.inf},     # NaN or Inf wins over an overflowing scale
+                {(rows - 1, 1): 1e30, (0, cols - 1): -1e30}):  # the first overflowing block
+        x = rng.standard_normal(shape).astype(np.float32)
+        for at, v in bad.items():
+            x[at] = v
+        for value in ("q8s", "q4f"):
+            for scale_dtype in ("f32", "f16", "bf16"):
+                scheme = scheme_for(value, scale_dtype=scale_dtype, **gran)
+                if np.isfinite(x).all() and scale_dtype != "f16":
+                    assert_cpu_quantizes_as_reference(x, scheme)  # 1e30 / 63.5 fits float32 and bfloat16
+                else:
+                    assert_cpu_fails_as_reference(x, scheme)

@@ -149,11 +149,14 @@ class CpuBackend(HostBackend):
     # ---- quantized storage ----
     def qstorage_from_host(self, values, scales, layout, index, weight=True):
         storage = super().qstorage_from_host(values, scales, layout, index)
-        if weight and len(layout.shape) == 2 and layout.shape[0] >= _PANEL_ROWS:
+        if weight and len(layout.shape) == 2 and layout.shape[0] >= _PANEL_ROWS and layout.block[-1] > 1:
             # a weight: pack its [N, K] panels now, once.  Fewer rows than one panel's
             # are a few tokens' activations far more often (quantized for a qq product,
             # which reads them as rows): packing a 1 x 4096 one took half of its quantize
-            # call.  Such a weight packs at its first product, one panel.
+            # call.  A scale per column is a [K, N] weight's per output channel far more
+            # often: as [N, K] panels it would carry a scale per value (80 MiB for a 4096^2
+            # weight of 16 MiB, and 40 ms), for the other orientation than its product
+            # reads.  Such weights pack at their first product, as that product reads them.
             self._panels(storage, layout, transposed_pack=False, values=values)
         return storage
 

@@ -150,10 +150,14 @@ extern const qd_kernels qd_kernels_neon;
 
 /* Quantize kernels of one ISA.  absmax_bits: the largest |x| as float bits, at
  * or above 0x7F800000 when x holds NaN or Inf.  quantize: q = clamp(rint(x /
- * scale), lo, hi) by the pinned formula (x finite). */
+ * scale), lo, hi) by the pinned formula (x finite).  The _each forms serve blocks
+ * a few columns wide, a row at a time: m[i] = max(m[i], |x[i]| as bits), and
+ * quantize with scale[i] for x[i]. */
 typedef struct qd_quant_kernels {
     uint32_t (*absmax_bits)(const float *x, int64_t n);
     void (*quantize)(const float *x, int64_t n, float lo, float hi, float scale, int8_t *q);
+    void (*absmax_each)(const float *x, int64_t n, uint32_t *m);
+    void (*quantize_each)(const float *x, int64_t n, float lo, float hi, const float *scale, int8_t *q);
 } qd_quant_kernels;
 
 extern const qd_quant_kernels qd_quant_kernels_base;

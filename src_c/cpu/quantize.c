@@ -3,6 +3,7 @@
  * IEEE division by the stored scale, round half to even, clamp. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include "qd_internal.h"
 #include "half_convert.h"
 
@@ -57,6 +58,13 @@ static int store_scale_rounded_up(float scale, int scale_dtype, float *stored)
     return isfinite(s);
 }
 
+/* The stored scale of a block whose |x| peaks at amax (float bits, finite);
+ * returns 0 when it overflows the dtype. */
+static int block_scale(uint32_t amax, int lo, int hi, int scale_dtype, float *stored)
+{
+    return store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, stored);
+}
+
 static int64_t first_non_finite(const float *x, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
@@ -81,12 +89,69 @@ static int quantize_block(const qd_quant_kernels *kern, const float *x, int64_t 
     if (amax >= NON_FINITE_BITS)
         return 1;
     float stored;
-    *overflow = !store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, &stored);
+    *overflow = !block_scale(amax, lo, hi, scale_dtype, &stored);
     if (*overflow)
         return 0;
     *scale = stored;
     for (int64_t r = r0; r < r0 + block_rows; r++)
         kern->quantize(x + r * cols + c0, block_cols, (float)lo, (float)hi, stored, q + r * cols + c0);
+    return 0;
+}
+
+/* Blocks narrower than this (a scale per column, say) are swept a row at a time:
+ * a block at a time, each of their rows would be a kernel call of a few floats.
+ * Not blocks as wide as the matrix (per tensor on few columns, say): the other
+ * branches share their rows among threads, where one sweep would take them all. */
+#define NARROW_COLS 16
+/* Columns one sweep covers at most: its maxima and scales are stack arrays. */
+#define SWEEP_COLS 512
+
+/* Columns a sweep covers: a whole number of blocks, at most SWEEP_COLS, and fewer
+ * when there are not enough bands of blocks to give every thread a sweep. */
+static int64_t sweep_width(int64_t cols, int64_t block_cols, int64_t grid_rows, int threads)
+{
+    const int64_t per_band = (threads + grid_rows - 1) / grid_rows;
+    int64_t width = (cols + per_band - 1) / per_band;
+    width = width < SWEEP_COLS ? width : SWEEP_COLS;
+    width -= width % block_cols;
+    return width > block_cols ? width : block_cols;
+}
+
+/* The blocks of one band (block_rows rows from r0) over columns c0 .. c0+n-1, narrow
+ * blocks: the maxima of the columns (rows read contiguously), those of the blocks,
+ * their scales spread back over the columns, then each row quantized against them.
+ * Returns 1 when the blocks hold NaN or Inf (it wins over an overflowing scale, so
+ * every block is looked at); *first_overflow: the grid index of the first block
+ * whose scale overflows. */
+static int quantize_sweep(const qd_quant_kernels *kern, const float *x, int64_t cols, int64_t r0, int64_t c0,
+                          int64_t n, int64_t block_rows, int64_t block_cols, int lo, int hi, int scale_dtype,
+                          float *scales, int64_t *first_overflow, int8_t *q)
+{
+    uint32_t col_max[SWEEP_COLS];
+    float col_scale[SWEEP_COLS];
+    memset(col_max, 0, (size_t)n * sizeof *col_max);
+    for (int64_t r = r0; r < r0 + block_rows; r++)
+        kern->absmax_each(x + r * cols + c0, n, col_max);
+    const int64_t b0 = (r0 / block_rows) * (cols / block_cols) + c0 / block_cols;
+    int64_t overflow_at = INT64_MAX;
+    for (int64_t b = 0; b < n / block_cols; b++) {
+        uint32_t amax = 0;
+        for (int64_t c = b * block_cols; c < (b + 1) * block_cols; c++)
+            amax = col_max[c] > amax ? col_max[c] : amax;
+        if (amax >= NON_FINITE_BITS)
+            return 1;
+        if (!block_scale(amax, lo, hi, scale_dtype, &scales[b0 + b])) {
+            overflow_at = overflow_at == INT64_MAX ? b0 + b : overflow_at;
+            continue;
+        }
+        for (int64_t c = b * block_cols; c < (b + 1) * block_cols; c++)
+            col_scale[c] = scales[b0 + b];
+    }
+    *first_overflow = overflow_at;
+    if (overflow_at != INT64_MAX)
+        return 0;
+    for (int64_t r = r0; r < r0 + block_rows; r++)
+        kern->quantize_each(x + r * cols + c0, n, (float)lo, (float)hi, col_scale, q + r * cols + c0);
     return 0;
 }
 
@@ -117,7 +182,21 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
     int64_t overflow_at = -1;
     int not_finite = 0;
 
-    if (nblocks >= 4 * threads) {
+    if (block_cols < NARROW_COLS && block_cols < cols) {
+        const int64_t width = sweep_width(cols, block_cols, grid_rows, threads);
+        const int64_t per_band = (cols + width - 1) / width, sweeps = grid_rows * per_band;
+        int64_t first_overflow = INT64_MAX;
+        QD_PARALLEL_FOR(threads, sweeps, reduction(|: not_finite) reduction(min: first_overflow),
+        for (int64_t i = 0; i < sweeps; i++) {
+            const int64_t c0 = (i % per_band) * width, n = cols - c0 < width ? cols - c0 : width;
+            int64_t overflow = INT64_MAX;
+            not_finite |= quantize_sweep(kern, x, cols, (i / per_band) * block_rows, c0, n, block_rows,
+                                         block_cols, lo, hi, scale_dtype, scales, &overflow, q);
+            first_overflow = overflow < first_overflow ? overflow : first_overflow;
+        });
+        if (first_overflow != INT64_MAX)
+            overflow_at = first_overflow;
+    } else if (nblocks >= 4 * threads) {
         /* the first overflowing block, as a min reduction (a named critical section
          * would be a symbol that the library exports) */
         int64_t first_overflow = INT64_MAX;
@@ -149,8 +228,7 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
                 amax = seg_max[r * grid_cols + gc] > amax ? seg_max[r * grid_cols + gc] : amax;
             if (amax >= NON_FINITE_BITS)
                 not_finite = 1;
-            else if (!store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, &scales[b]) &&
-                     overflow_at < 0)
+            else if (!block_scale(amax, lo, hi, scale_dtype, &scales[b]) && overflow_at < 0)
                 overflow_at = b;
         }
         free(seg_max);

@@ -30,22 +30,43 @@ static uint32_t absmax_bits(const float *x, int64_t n)
     return qd_absmax_bits_tail(x, i, n, m);
 }
 
+static void absmax_each(const float *x, int64_t n, uint32_t *m)
+{
+    const __m128i mask = _mm_set1_epi32(0x7FFFFFFF);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const __m128i a = _mm_and_si128(_mm_loadu_si128((const __m128i *)(x + i)), mask);
+        _mm_storeu_si128((__m128i *)(m + i), max_epi32(_mm_loadu_si128((const __m128i *)(m + i)), a));
+    }
+    qd_absmax_each_tail(x, i, n, m);
+}
+
+/* Four scales from scale + i * step: a broadcast (step 0) or a load (step 1). */
+static inline __m128 scales4(const float *scale, int64_t i, int64_t step)
+{
+    return step ? _mm_loadu_ps(scale + i) : _mm_set1_ps(*scale);
+}
+
 static inline __m128i quantize4(const float *x, __m128 s, __m128 lo, __m128 hi)
 {
     const __m128 y = _mm_div_ps(_mm_loadu_ps(x), s);
     return _mm_cvtps_epi32(_mm_max_ps(_mm_min_ps(y, hi), lo));
 }
 
-static void quantize(const float *x, int64_t n, float lo, float hi, float scale, int8_t *q)
+/* One loop for both kernels: step is a constant after inlining. */
+static inline void quantize_steps(const float *x, int64_t n, float lo, float hi, const float *scale,
+                                  int64_t step, int8_t *q)
 {
-    const __m128 s = _mm_set1_ps(scale), vlo = _mm_set1_ps(lo), vhi = _mm_set1_ps(hi);
+    const __m128 vlo = _mm_set1_ps(lo), vhi = _mm_set1_ps(hi);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m128i a = _mm_packs_epi32(quantize4(x + i, s, vlo, vhi), quantize4(x + i + 4, s, vlo, vhi));
-        const __m128i b = _mm_packs_epi32(quantize4(x + i + 8, s, vlo, vhi), quantize4(x + i + 12, s, vlo, vhi));
-        _mm_storeu_si128((__m128i *)(q + i), _mm_packs_epi16(a, b));
+        __m128i v[4];
+        for (int j = 0; j < 4; j++)
+            v[j] = quantize4(x + i + 4 * j, scales4(scale, i + 4 * j, step), vlo, vhi);
+        _mm_storeu_si128((__m128i *)(q + i), _mm_packs_epi16(_mm_packs_epi32(v[0], v[1]),
+                                                             _mm_packs_epi32(v[2], v[3])));
     }
-    qd_quantize_tail(x, i, n, lo, hi, scale, q);
+    qd_quantize_tail(x, i, n, lo, hi, scale, step, q);
 }
 #else
 static uint32_t absmax_bits(const float *x, int64_t n)
@@ -53,10 +74,26 @@ static uint32_t absmax_bits(const float *x, int64_t n)
     return qd_absmax_bits_tail(x, 0, n, 0);
 }
 
-static void quantize(const float *x, int64_t n, float lo, float hi, float scale, int8_t *q)
+static void absmax_each(const float *x, int64_t n, uint32_t *m)
 {
-    qd_quantize_tail(x, 0, n, lo, hi, scale, q);
+    qd_absmax_each_tail(x, 0, n, m);
+}
+
+static inline void quantize_steps(const float *x, int64_t n, float lo, float hi, const float *scale,
+                                  int64_t step, int8_t *q)
+{
+    qd_quantize_tail(x, 0, n, lo, hi, scale, step, q);
 }
 #endif
 
-const qd_quant_kernels qd_quant_kernels_base = {absmax_bits, quantize};
+static void quantize(const float *x, int64_t n, float lo, float hi, float scale, int8_t *q)
+{
+    quantize_steps(x, n, lo, hi, &scale, 0, q);
+}
+
+static void quantize_each(const float *x, int64_t n, float lo, float hi, const float *scale, int8_t *q)
+{
+    quantize_steps(x, n, lo, hi, scale, 1, q);
+}
+
+const qd_quant_kernels qd_quant_kernels_base = {absmax_bits, quantize, absmax_each, quantize_each};

@@ -1,6 +1,6 @@
 /* Scalar pieces shared by the quantize kernel files: the per-element formula
  * (used for tails and on machines without a SIMD version) and the absmax
- * reduction over float bits. */
+ * reductions over float bits. */
 #ifndef QD_QUANTIZE_COMMON_H
 #define QD_QUANTIZE_COMMON_H
 
@@ -24,11 +24,12 @@ static inline int8_t qd_quantize_one(float x, float scale, float lo, float hi)
     return (int8_t)qd_round_half_even(y);
 }
 
+/* scale[i * scale_step]: one scale for all (step 0) or a scale per element (step 1). */
 static inline void qd_quantize_tail(const float *x, int64_t i, int64_t n, float lo, float hi,
-                                    float scale, int8_t *q)
+                                    const float *scale, int64_t scale_step, int8_t *q)
 {
     for (; i < n; i++)
-        q[i] = qd_quantize_one(x[i], scale, lo, hi);
+        q[i] = qd_quantize_one(x[i], scale[i * scale_step], lo, hi);
 }
 
 /* |x| as bits: finite values order as unsigned integers, and Inf and NaN sort
@@ -47,6 +48,15 @@ static inline uint32_t qd_absmax_bits_tail(const float *x, int64_t i, int64_t n,
         m = a > m ? a : m;
     }
     return m;
+}
+
+/* m[i] = max(m[i], |x[i]|) as bits: the maxima of columns, a row at a time. */
+static inline void qd_absmax_each_tail(const float *x, int64_t i, int64_t n, uint32_t *m)
+{
+    for (; i < n; i++) {
+        const uint32_t a = qd_abs_bits(x[i]);
+        m[i] = a > m[i] ? a : m[i];
+    }
 }
 
 #endif
