@@ -76,51 +76,6 @@ QD_INLINE void fq_tile_impl(const qd_fq_tile *t, const int bits, const int mr)
         memcpy(t->out + r * t->ldo, acc[r], (size_t)t->nr * sizeof(float));
 }
 
-/* Scale groups that are no whole units (a [K, N] weight with a scale per row of K,
- * say): one chain per row and half, scaled into the accumulator as each group ends. */
-QD_INLINE void fq_tile_short_groups(const qd_fq_tile *t, const int bits, const int mr)
-{
-    const int ku = QD_KU(bits);
-    const uint8_t *wp = t->panel;
-    __m256 acc[FQ_MR][2], part[FQ_MR][2];
-    for (int r = 0; r < mr; r++)
-        for (int h = 0; h < 2; h++)
-            acc[r][h] = part[r][h] = _mm256_setzero_ps();
-    const float *scale = t->w_scale;
-    int64_t left = t->group_k;  /* k-steps of the group that are still to come */
-    for (int64_t k0 = 0; k0 < t->k; k0 += ku, wp += QD_UNIT_BYTES) {
-        __m256i v_lo, v_hi;
-        load_unit(wp, bits, &v_lo, &v_hi);
-#pragma GCC unroll 16
-        for (int i = 0; i < ku; i++) {
-            if (k0 + i == t->k)  /* the panel's zero padding: no group's */
-                break;
-            const __m256 w_lo = dequant(v_lo, bits, i), w_hi = dequant(v_hi, bits, i);
-            for (int r = 0; r < mr; r++) {
-                const __m256 xb = _mm256_broadcast_ss(t->x + r * t->ldx + k0 + i);
-                part[r][0] = _mm256_fmadd_ps(xb, w_lo, part[r][0]);
-                part[r][1] = _mm256_fmadd_ps(xb, w_hi, part[r][1]);
-            }
-            if (--left == 0) {
-                const __m256 s_lo = _mm256_loadu_ps(scale), s_hi = _mm256_loadu_ps(scale + 8);
-                for (int r = 0; r < mr; r++) {
-                    acc[r][0] = _mm256_fmadd_ps(part[r][0], s_lo, acc[r][0]);
-                    acc[r][1] = _mm256_fmadd_ps(part[r][1], s_hi, acc[r][1]);
-                    part[r][0] = part[r][1] = _mm256_setzero_ps();
-                }
-                scale += QD_NR;
-                left = t->group_k;
-            }
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        float row[QD_NR];
-        _mm256_storeu_ps(row, acc[r][0]);
-        _mm256_storeu_ps(row + 8, acc[r][1]);
-        memcpy(t->out + r * t->ldo, row, (size_t)t->nr * sizeof(float));
-    }
-}
-
 /* A unit's ku int8 activations (rows are zero-padded to whole units) as floats,
  * 8 a vector: converted once, not once a row and k-step. */
 QD_INLINE void load_activations(const int8_t *a, int ku, __m256 out[2])
@@ -137,59 +92,70 @@ QD_INLINE void load_activations(const int8_t *a, int ku, __m256 out[2])
     out[1] = ku == 16 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))) : out[0];
 }
 
-/* qq whose scale groups are no whole units (a weight scaled per row of K, say): the
- * same chains over the int8 activations as floats.  Products and group sums are
- * whole numbers below 2^24 (qd_qq_short_groups), so float32 holds them exactly, in
- * any order; each group then adds its sum times the scale product as the reference
- * does, a multiply and an add (no FMA), column by column in order of K. */
-QD_INLINE void qq_tile_short_groups(const qd_qq_tile *t, const int bits, const int mr)
+/* Scale groups that are no whole units (a [K, N] weight with a scale per row of K,
+ * say): one chain per row and half, folded into the accumulator as each group ends.
+ * fq (ft) chains x * w and scales each group's sum with an FMA.  qq (qt) chains its
+ * int8 activations as floats: products and group sums are whole numbers below 2^24
+ * (qd_qq_short_groups), exact in float32 in any order, and each sum times its scale
+ * product is added as the reference adds it, a multiply and an add.  One of ft and
+ * qt is NULL: each call site compiles to its own kernel. */
+QD_INLINE void short_groups(const qd_fq_tile *ft, const qd_qq_tile *qt, const int bits, const int mr)
 {
     const int ku = QD_KU(bits);
-    const uint8_t *wp = t->panel;
-    __m256 acc[FQ_MR][2], part[FQ_MR][2];
+    const uint8_t *wp = qt ? qt->panel : ft->panel;
+    const int64_t K = qt ? qt->k : ft->k, group_k = qt ? qt->group_k : ft->group_k;
+    __m256 acc[FQ_MR][2], part[FQ_MR][2], a_unit[FQ_MR][2];
     for (int r = 0; r < mr; r++)
         for (int h = 0; h < 2; h++)
-            acc[r][h] = part[r][h] = _mm256_setzero_ps();
-    int64_t g = 0, left = t->group_k;
-    for (int64_t k0 = 0; k0 < t->k; k0 += ku, wp += QD_UNIT_BYTES) {
+            acc[r][h] = part[r][h] = a_unit[r][h] = _mm256_setzero_ps();
+    int64_t g = 0, left = group_k;
+    for (int64_t k0 = 0; k0 < K; k0 += ku, wp += QD_UNIT_BYTES) {
         __m256i v_lo, v_hi;
         load_unit(wp, bits, &v_lo, &v_hi);
-        __m256 a_unit[FQ_MR][2];
-        for (int r = 0; r < mr; r++)
-            load_activations(t->a + r * t->lda + k0, ku, a_unit[r]);
+        for (int r = 0; qt && r < mr; r++)
+            load_activations(qt->a + r * qt->lda + k0, ku, a_unit[r]);
 #pragma GCC unroll 16
         for (int i = 0; i < ku; i++) {
-            if (k0 + i == t->k)  /* the panel's zero padding: no group's */
+            if (k0 + i == K)  /* the panel's zero padding: no group's */
                 break;
             const __m256 w_lo = dequant(v_lo, bits, i), w_hi = dequant(v_hi, bits, i);
             for (int r = 0; r < mr; r++) {
-                const __m256 ab = _mm256_permutevar8x32_ps(a_unit[r][i / 8], _mm256_set1_epi32(i % 8));
-                part[r][0] = _mm256_fmadd_ps(ab, w_lo, part[r][0]);
-                part[r][1] = _mm256_fmadd_ps(ab, w_hi, part[r][1]);
+                const __m256 xb = qt ? _mm256_permutevar8x32_ps(a_unit[r][i / 8], _mm256_set1_epi32(i % 8))
+                                     : _mm256_broadcast_ss(ft->x + r * ft->ldx + k0 + i);
+                part[r][0] = _mm256_fmadd_ps(xb, w_lo, part[r][0]);
+                part[r][1] = _mm256_fmadd_ps(xb, w_hi, part[r][1]);
             }
-            if (--left == 0) {
-                const float *w_scale = t->w_scale + (g / t->w_ratio) * QD_NR;
-                const __m256 s_lo = _mm256_loadu_ps(w_scale), s_hi = _mm256_loadu_ps(w_scale + 8);
-                for (int r = 0; r < mr; r++) {
-                    const __m256 a_scale = _mm256_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+            if (--left)
+                continue;
+            const float *w_scale = qt ? qt->w_scale + (g / qt->w_ratio) * QD_NR : ft->w_scale + g * QD_NR;
+            const __m256 s_lo = _mm256_loadu_ps(w_scale), s_hi = _mm256_loadu_ps(w_scale + 8);
+            for (int r = 0; r < mr; r++) {
+                if (qt) {
+                    const __m256 a_scale = _mm256_set1_ps(qt->a_scale[r * qt->a_scale_ld + g / qt->a_ratio]);
                     acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(part[r][0], _mm256_mul_ps(a_scale, s_lo)));
                     acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(part[r][1], _mm256_mul_ps(a_scale, s_hi)));
-                    part[r][0] = part[r][1] = _mm256_setzero_ps();
+                } else {
+                    acc[r][0] = _mm256_fmadd_ps(part[r][0], s_lo, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(part[r][1], s_hi, acc[r][1]);
                 }
-                g++;
-                left = t->group_k;
+                part[r][0] = part[r][1] = _mm256_setzero_ps();
             }
+            g++;
+            left = group_k;
         }
     }
+    float *out = qt ? qt->out : ft->out;
+    const int64_t ldo = qt ? qt->ldo : ft->ldo;
+    const int nr = qt ? qt->nr : ft->nr;
     for (int r = 0; r < mr; r++) {
         float row[QD_NR];
         _mm256_storeu_ps(row, acc[r][0]);
         _mm256_storeu_ps(row + 8, acc[r][1]);
-        memcpy(t->out + r * t->ldo, row, (size_t)t->nr * sizeof(float));
+        memcpy(out + r * ldo, row, (size_t)nr * sizeof(float));
     }
 }
 
-#define QQ_SHORT_CASE(MR) qq_tile_short_groups(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
+#define QQ_SHORT_CASE(MR) short_groups(NULL, t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_DEFINE_QQ_TILE(qq_tile_short_groups_avx2, QQ_SHORT_CASE)
 
 const qd_kernels qd_kernels_qq_short_groups_avx2 = {
@@ -199,7 +165,7 @@ const qd_kernels qd_kernels_qq_short_groups_avx2 = {
 };
 
 #define FQ_CASE(MR) fq_tile_impl(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
-#define FQ_SHORT_CASE(MR) fq_tile_short_groups(t, bits, (MR) > FQ_MR ? FQ_MR : (MR))
+#define FQ_SHORT_CASE(MR) short_groups(t, NULL, bits, (MR) > FQ_MR ? FQ_MR : (MR))
 QD_INLINE void fq_tile_bits(const qd_fq_tile *t, const int bits)
 {
     if (qd_fq_short_groups(t->ngroups, t->group_k, bits)) {
