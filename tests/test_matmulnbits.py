@@ -92,6 +92,12 @@ def test_default_zero_points_are_accepted_and_others_refused(rng):
         matmulnbits.load(*w, zero_points=np.full(5, 0x88, np.uint8))
 
 
+def _load_with(**changes):
+    """matmulnbits.load of a 4 x 64 weight of 4 bits in blocks of 32, with `changes`."""
+    args = dict(B=np.zeros(128, np.uint8), scales=np.ones(8, np.float32), K=64, N=4, bits=4, block_size=32)
+    return matmulnbits.load(**{**args, **changes})
+
+
 @pytest.mark.parametrize("make, error, words", [
     (lambda q: matmulnbits.export(np.ones((4, 32), np.float32)), qd.ArgumentTypeError, "takes a QTensor"),
     (lambda q: matmulnbits.export(qd.quantize(np.ones((2, 4, 32), np.float32), "q8s")), qd.ShapeError, "2-D"),
@@ -104,20 +110,13 @@ def test_default_zero_points_are_accepted_and_others_refused(rng):
     (lambda q: matmulnbits.export(q, block_size=24), qd.ArgumentError, "powers of two"),
     (lambda q: matmulnbits.export(q, dtype="bfloat16"), qd.ArgumentTypeError, "float32 or float16"),
     (lambda q: matmulnbits.export(q, dtype="float16"), qd.ArgumentError, "no float16 values"),
-    (lambda q: matmulnbits.load(np.zeros(10, np.uint8), np.ones(8, np.float32), 64, 4, 4, 32),
-     qd.ShapeError, "128 bytes"),
-    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.ones(8, np.float64), 64, 4, 4, 32),
-     qd.ShapeError, "float32 or float16"),
-    (lambda q: matmulnbits.load(np.zeros(128, np.int8), np.ones(8, np.float32), 64, 4, 4, 32),
-     qd.ShapeError, "must be uint8"),
-    (lambda q: matmulnbits.load(np.zeros(96, np.uint8), np.ones(8, np.float32), 64, 4, 3, 32),
-     qd.ArgumentError, "2, 4 or 8 bits"),
-    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.ones(8, np.float32), 64, 4, 4, 8),
-     qd.ArgumentError, "16 or more"),
-    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.ones(8, np.float32), 64.5, 4, 4, 32),
-     qd.ArgumentTypeError, "K must be a positive int"),
-    (lambda q: matmulnbits.load(np.zeros(128, np.uint8), np.full(8, np.nan, np.float32), 64, 4, 4, 32),
-     qd.NonFiniteError, "scale"),
+    (lambda q: _load_with(B=np.zeros(10, np.uint8)), qd.ShapeError, "128 bytes"),
+    (lambda q: _load_with(scales=np.ones(8, np.float64)), qd.ShapeError, "float32 or float16"),
+    (lambda q: _load_with(B=np.zeros(128, np.int8)), qd.ShapeError, "must be uint8"),
+    (lambda q: _load_with(B=np.zeros(96, np.uint8), bits=3), qd.ArgumentError, "2, 4 or 8 bits"),
+    (lambda q: _load_with(block_size=8), qd.ArgumentError, "16 or more"),
+    (lambda q: _load_with(K=64.5), qd.ArgumentTypeError, "K must be a positive int"),
+    (lambda q: _load_with(scales=np.full(8, np.nan, np.float32)), qd.NonFiniteError, "scale"),
 ])
 def test_refusals_say_what_to_do(make, error, words):
     q = qd.quantize(np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32),
