@@ -5,7 +5,7 @@ Arrays must be C-contiguous numpy arrays of the stated dtype; inputs may be
 read-only (memory-mapped files, np.frombuffer), as the kernels only read them.
 Every kernel runs with the GIL released.  A non-OK status from C becomes an exception."""
 import numpy as np
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
 
 from qdispatch.qdispatch_c cimport *
 from qdispatch.errors import ArgumentError, ArgumentTypeError
@@ -169,6 +169,52 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
                                          tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)))
     _check(st, "quantize")
     return q, scales
+
+
+# ---- the packed_u32 store ----------------------------------------------------
+
+def pack_u32(values, int bits):
+    """int8 values [..., n] -> their packed_u32 store [..., ceil(n / (32 / bits))]:
+    quantmath.pack_u32's words, in C."""
+    values = np.ascontiguousarray(values, dtype=np.int8)
+    lead, cols = _rows_of(values.shape)
+    words = np.empty(lead + (-(-cols // (32 // bits)),), dtype=np.uint32)
+    if words.size == 0:
+        return words
+    cdef const int8_t[::1] qv = values.reshape(-1)
+    cdef uint32_t[::1] wv = words.reshape(-1)
+    cdef int64_t rows = values.size // cols, n = cols
+    cdef qd_status st
+    with nogil:
+        st = qd_pack_u32(&qv[0], rows, n, bits, &wv[0])
+    _check(st, f"pack_u32 of {values.shape} in {bits} bits")
+    return words
+
+
+def unpack_u32(words, int bits, int64_t n):
+    """pack_u32's inverse: the store [..., words] of a last dim of n values -> int8 [..., n]."""
+    words = np.ascontiguousarray(words, dtype=np.uint32)
+    lead, row_words = _rows_of(words.shape)
+    if row_words != -(-n // (32 // bits)):
+        raise _shape_error(f"{row_words} words a row hold no {n} values of {bits} bits")
+    values = np.empty(lead + (n,), dtype=np.int8)
+    if values.size == 0:
+        return values
+    cdef const uint32_t[::1] wv = words.reshape(-1)
+    cdef int8_t[::1] qv = values.reshape(-1)
+    cdef int64_t rows = values.size // n
+    cdef qd_status st
+    with nogil:
+        st = qd_unpack_u32(&wv[0], rows, n, bits, &qv[0])
+    _check(st, f"unpack_u32 of {words.shape} in {bits} bits")
+    return values
+
+
+def _rows_of(shape):
+    """(leading dims, last dim) of an array's shape (np.ascontiguousarray gives at least
+    one dim; this module indexes without wraparound: no negative indices)."""
+    last = len(shape) - 1
+    return tuple(shape[:last]), shape[last]
 
 
 # ---- dequantize -------------------------------------------------------------

@@ -67,6 +67,8 @@ cdef extern from "qdispatch.h" nogil:
     qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
                               int64_t block_rows, int64_t block_cols, int scale_dtype,
                               float *scales, int8_t *q, int64_t *bad_index) noexcept
+    qd_status qd_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits, uint32_t *words) noexcept
+    qd_status qd_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits, int8_t *q) noexcept
 
     ctypedef enum qd_float_dtype:
         QD_FLOAT32

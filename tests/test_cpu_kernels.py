@@ -452,3 +452,64 @@ def test_f32_to_f16_rounds_as_numpy_at_every_exponent_and_rounding_point(rng):
     with np.errstate(over="ignore", invalid="ignore"):
         np.testing.assert_array_equal(got[~nan], x[~nan].astype(np.float16).view(np.uint16))
     np.testing.assert_array_equal(got[nan], ((bits[nan] >> 16) & 0x8000) | 0x7E00)
+
+
+# ---- the packed_u32 store in C --------------------------------------------------
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("shape", [(1,), (5,), (3, 17), (2, 3, 33), (64, 1000), (2, 300, 520)])
+def test_pack_u32_gives_the_references_words_and_back(rng, bits, shape):
+    from qdispatch import quantmath
+    values = rng.integers(-128, 128, shape, dtype=np.int8)  # out of range too: the low bits are kept
+    words = _cpu.pack_u32(values, bits)
+    np.testing.assert_array_equal(words, quantmath.pack_u32(values, bits))
+    lo = -(1 << (bits - 1))
+    in_range = rng.integers(lo, -lo, shape, dtype=np.int8)
+    back = _cpu.unpack_u32(quantmath.pack_u32(in_range, bits), bits, shape[-1])
+    np.testing.assert_array_equal(back, in_range)
+    np.testing.assert_array_equal(_cpu.unpack_u32(words, bits, shape[-1]),
+                                  quantmath.unpack_u32(words, bits, shape[-1]))
+
+
+def test_unpack_u32_refuses_a_word_count_that_does_not_fit():
+    with pytest.raises(qd.ShapeError, match="3 words a row hold no 40 values of 4 bits"):
+        _cpu.unpack_u32(np.zeros((2, 3), np.uint32), 4, 40)
+
+
+def test_the_c_pack_entry_points_check_their_arguments():
+    import ctypes
+    import os
+    lib = ctypes.CDLL(os.path.join(qd.get_library_dir(), "libqdispatch.so"))
+    for f in (lib.qd_pack_u32, lib.qd_unpack_u32):
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    q, words = np.zeros(64, np.int8), np.zeros(16, np.uint32)
+
+    def pack(rows, cols, bits, q_at=q.ctypes.data, words_at=words.ctypes.data):
+        return lib.qd_pack_u32(q_at, rows, cols, bits, words_at)
+
+    def unpack(rows, cols, bits, q_at=q.ctypes.data, words_at=words.ctypes.data):
+        return lib.qd_unpack_u32(words_at, rows, cols, bits, q_at)
+
+    ok, null, shape, argument, scheme = 0, 1, 2, 3, 4
+    for call in (pack, unpack):
+        assert call(2, 32, 4) == ok
+        assert call(2, 32, 4, q_at=0) == null and call(2, 32, 4, words_at=0) == null
+        assert call(2, 32, 3) == scheme and call(2, 32, 16) == scheme
+        assert call(0, 32, 4) == shape and call(2, -1, 4) == shape
+        assert call(2, 32, 4, q_at=words.ctypes.data) == argument  # the two overlap
+        assert call(2 ** 62, 2 ** 62, 4) == argument  # sizes past memory
+
+
+@pytest.mark.skipif(not built_with_openmp(), reason="built without OpenMP: one thread everywhere")
+def test_pack_u32_is_the_same_on_any_thread_count(rng):
+    values = rng.integers(-8, 8, (512, 4100), dtype=np.int8)
+    try:
+        qd.set_num_threads(1)
+        one = _cpu.pack_u32(values, 4), _cpu.unpack_u32(_cpu.pack_u32(values, 4), 4, 4100)
+        qd.set_num_threads(2)
+        two = _cpu.pack_u32(values, 4), _cpu.unpack_u32(_cpu.pack_u32(values, 4), 4, 4100)
+    finally:
+        qd.set_num_threads(0)
+    np.testing.assert_array_equal(one[0], two[0])
+    np.testing.assert_array_equal(one[1], values)
+    np.testing.assert_array_equal(two[1], values)

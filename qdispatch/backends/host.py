@@ -20,6 +20,10 @@ class HostQStorage:
 
 
 class HostBackend(Backend):
+    # The packed_u32 store's codec: numpy's, the spec (the cpu backend runs it in C)
+    pack_u32 = staticmethod(quantmath.pack_u32)
+    unpack_u32 = staticmethod(quantmath.unpack_u32)
+
     def unavailable_reason(self, index=0):
         if index != 0:
             return f"The {self.name} backend has one device, '{self.name}'; there is no {self.name}:{index}"
@@ -34,13 +38,13 @@ class HostBackend(Backend):
     def qstorage_from_host(self, values, scales, layout, index):
         values = np.ascontiguousarray(values, dtype=np.int8)
         if layout.scheme.store == "packed_u32":
-            values = quantmath.pack_u32(values, layout.bits)
+            values = self.pack_u32(values, layout.bits)
         return HostQStorage(values, np.ascontiguousarray(scales, dtype=np.float32))
 
     def qstorage_to_host(self, storage, layout):
         values = storage.values
         if layout.scheme.store == "packed_u32":
-            values = quantmath.unpack_u32(values, layout.bits, layout.shape[-1])
+            values = self.unpack_u32(values, layout.bits, layout.shape[-1])
         return values, storage.scales
 
     def quantize(self, payload, layout, index):
@@ -77,7 +81,7 @@ class HostBackend(Backend):
         else:
             values, scales = q.storage.values[rows], q.storage.scales
             if q.layout.scheme.store == "packed_u32":
-                values = quantmath.unpack_u32(values, q.layout.bits, q.shape[-1])
+                values = self.unpack_u32(values, q.layout.bits, q.shape[-1])
         # each row's scales broadcast over their blocks (no repeated scale array): the
         # same float32 products as dequantize_array
         n, D = values.shape

@@ -135,6 +135,14 @@ qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t
                              const float *scales, int64_t block_rows, int64_t block_cols,
                              const int64_t *ids, int64_t n, void *out, int out_dtype);
 
+/* The packed_u32 store of `bits`-bit values (2, 4 or 8), as QTensors keep it: each row
+ * of `cols` int8 values becomes ceil(cols / (32 / bits)) uint32 words, 32 / bits values
+ * a word, lowest bits first, the last word zero-padded.  Packing keeps each value's low
+ * `bits` bits (two's complement; values out of range wrap); unpacking sign-extends them.
+ * q and words must not overlap. */
+qd_status qd_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits, uint32_t *words);
+qd_status qd_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits, int8_t *q);
+
 /* ---- packed weights ----
  * Made only by qd_pack_weights: the functions that take them return QD_ERR_ARGUMENT
  * for memory that qd_pack_weights did not fill (zeroed memory, say). */
