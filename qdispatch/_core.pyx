@@ -36,7 +36,7 @@ class BackendKind(IntEnum):
 
 KIND_NAMES = {int(k): k.name.lower() for k in BackendKind}
 _KIND_BY_NAME = {v: k for k, v in KIND_NAMES.items()}
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "int32")
+_FLOAT_DTYPE_NAMES = ("float32", "float16", "bfloat16")  # what Tensor.astype converts between
 # Transfers under transfer="auto" move data towards the faster backend.
 _SPEED_RANK = {QD_BACKEND_REFERENCE: 0, QD_BACKEND_CPU: 1, QD_BACKEND_CUDA: 2}
 
@@ -120,7 +120,7 @@ cdef class Device:
         name, _, idx = spec.strip().lower().partition(":")
         if name not in _KIND_BY_NAME:
             # t.to("float16") is torch's way to change a dtype
-            hint = f" ({spec!r} is a dtype: t.astype({spec!r}) converts a Tensor)" if name in _DTYPE_NAMES else ""
+            hint = f" ({spec!r} is a dtype: t.astype({name!r}) converts a Tensor)" if name in _FLOAT_DTYPE_NAMES else ""
             raise ArgumentError(f"Unknown device {spec!r}: expected 'reference', 'cpu', 'cuda' or 'cuda:N'{hint}")
         if idx and not (idx.isascii() and idx.isdigit() and int(idx) < 2**31):  # a C int; '²' is a digit too
             raise ArgumentError(f"Bad device index in {spec!r}: expected e.g. 'cuda:0'")
@@ -657,6 +657,9 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     if not isinstance(w, QTensor):
         raise ArgumentTypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
     _check_linear_shapes(getattr(x, "shape", None), (<QTensor>w).shape)
+    if isinstance(x, QTensor) and activation_scheme is not None:  # in linear's words, not q_matmul's
+        raise ArgumentError(f"linear got activation_scheme={activation_scheme!r}, but x is a QTensor already: it "
+                            f"quantizes a float x on the fly; leave it out")
     x = _operand(x, <TensorBase>w, "linear")  # as q_matmul takes it: a GPU tensor of torch's stays on its GPU
     if not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")

@@ -47,36 +47,49 @@ def error_report(reference, approx):
                          f"{got.shape}: pass the approximation of exactly the reference's values")
     if want.size == 0:
         raise ShapeError(f"error_report has nothing to compare: both arrays are empty (shape {want.shape})")
-    diff = got - want
-    max_abs_error = float(np.max(np.abs(diff)))
-    # Scaled by the largest magnitude, so that squares of values near float64's range stay finite;
-    # every figure but max_abs_error is a ratio, which the scale leaves as it is.
-    scale = max(float(np.max(np.abs(want))), float(np.max(np.abs(got))))
-    if scale > 0:
-        want, got, diff = want / scale, got / scale, diff / scale
-    signal, noise = float(np.dot(want.ravel(), want.ravel())), float(np.dot(diff.ravel(), diff.ravel()))
+    with np.errstate(over="ignore"):
+        diff = got - want
+    # a difference past float64's range is taken at half size (its max_abs_error is inf)
+    diff_scale = 1.0 if np.isfinite(diff).all() else 2.0
+    if diff_scale != 1:
+        diff = got * 0.5 - want * 0.5
+    max_abs_error = float(np.max(np.abs(diff))) * diff_scale
+    # Each norm as its largest element times the root of a sum of squares of at most 1:
+    # no square overflows or underflows on the way, whatever the values' size.
+    (noise_max, noise_sum), (signal_max, signal_sum) = _norm_parts(diff), _norm_parts(want)
     return ErrorReport(
-        sqnr_db=_ratio_db(signal, noise),
-        relative_error=math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf),
+        sqnr_db=_ratio_db(signal_max, signal_sum, noise_max, noise_sum) - 20 * math.log10(diff_scale),
+        relative_error=(noise_max / signal_max) * diff_scale * math.sqrt(noise_sum / signal_sum) if signal_max
+        else (0.0 if noise_max == 0 else math.inf),
         cosine=_cosine(want.ravel(), got.ravel()),
         max_abs_error=max_abs_error,
         size=int(want.size),
     )
 
 
-def _ratio_db(signal, noise):
-    if noise == 0:
+def _norm_parts(v):
+    """(m, s) with ||v|| = m * sqrt(s): m the largest |v|, s the sum of (v / m)^2."""
+    m = float(np.max(np.abs(v)))
+    if m == 0:
+        return 0.0, 0.0
+    scaled = v.ravel() / m
+    return m, float(np.dot(scaled, scaled))
+
+
+def _ratio_db(signal_max, signal_sum, noise_max, noise_sum):
+    """10 log10(||signal||^2 / ||noise||^2), in logs: the ratio itself may pass float64's range."""
+    if noise_max == 0:
         return math.inf
-    if signal == 0:
+    if signal_max == 0:
         return -math.inf
-    return 10 * math.log10(signal / noise)
+    return 20 * (math.log10(signal_max) - math.log10(noise_max)) + 10 * math.log10(signal_sum / noise_sum)
 
 
 def _cosine(a, b):
-    norms = math.sqrt(float(np.dot(a, a))) * math.sqrt(float(np.dot(b, b)))
-    if norms == 0:  # an all-zero array agrees only with another
-        return 1.0 if not (a.any() or b.any()) else 0.0
-    return min(1.0, max(-1.0, float(np.dot(a, b)) / norms))
+    (a_max, a_sum), (b_max, b_sum) = _norm_parts(a), _norm_parts(b)
+    if a_max == 0 or b_max == 0:  # an all-zero array agrees only with another
+        return 1.0 if a_max == b_max else 0.0
+    return min(1.0, max(-1.0, float(np.dot(a / a_max, b / b_max)) / math.sqrt(a_sum * b_sum)))
 
 
 def _float64_values(obj, role):

@@ -1552,7 +1552,8 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
                     kept.add(id(child))
     _refuse_unknown_names(names, layer_names, kind)
     places = [place for place in found if id(place[3]) not in kept]
-    if not places and not kept:  # a model left wholly in float must not pass for a quantized one
+    done = any(isinstance(m, quantized_class) for m in model.modules())  # quantized by an earlier call
+    if not places and not kept and not done:  # a model left wholly in float must not pass for a quantized one
         fused = sorted(layer_names - {name for name, _, _, _ in found})
         warnings.warn(f"quantize_{kind.__name__.lower()}s quantized nothing in {type(model).__name__}: " + (
             f"its {kind.__name__} layers ({', '.join(fused)}) are read as tensors by torch's fused layers and "

@@ -43,9 +43,12 @@ def test_activation_scheme_with_two_qtensors_is_refused(rng, device):
     b = qd.quantize(rng.standard_normal((16, 4)).astype(np.float32), "q8s", device=device)
     with pytest.raises(qd.ArgumentError, match="both operands are QTensors already"):
         qd.q_matmul(a, b, activation_scheme="q8s")
+    with pytest.raises(qd.ArgumentError, match="^linear got activation_scheme='q8s', but x is a QTensor already"):
+        qd.linear(a, b.T, activation_scheme="q8s")
 
 
-@pytest.mark.parametrize("scheme", ["q8s", qd.QuantScheme("q4s", axis=0, store="packed_u32")])  # the fused W8A8 kernel, and not
+# the fused W8A8 kernel, and quantize then qq
+@pytest.mark.parametrize("scheme", ["q8s", qd.QuantScheme("q4s", axis=0, store="packed_u32")])
 def test_a_nan_in_activations_quantized_on_the_fly_says_so(rng, device, scheme):
     w = qd.quantize(rng.standard_normal((8, 16)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device=device)
     x = rng.standard_normal((3, 16)).astype(np.float32)
@@ -94,9 +97,12 @@ def test_a_dtype_given_as_a_device_is_pointed_to_astype(rng):
     t = qd.tensor(np.ones(3, np.float32))
     with pytest.raises(qd.ArgumentError, match=r"'float16' is a dtype: t\.astype\('float16'\) converts a Tensor"):
         t.to("float16")
-    with pytest.raises(qd.ArgumentError) as caught:
-        t.to("tpu")
-    assert "astype" not in str(caught.value)
+    with pytest.raises(qd.ArgumentError, match=r"'FLOAT16' is a dtype: t\.astype\('float16'\)"):
+        t.to("FLOAT16")
+    for not_float in ("tpu", "int8"):  # astype converts float dtypes only: no hint that would fail
+        with pytest.raises(qd.ArgumentError) as caught:
+            t.to(not_float)
+        assert "astype" not in str(caught.value)
 
 
 def test_out_of_memory_is_exported_and_a_memory_error():
@@ -141,4 +147,5 @@ def test_quantize_linears_warns_when_it_quantizes_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), scheme, skip=["0"])  # the user's choice
-        quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), scheme)
+        model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 4)), scheme)
+        quantize_linears(model, scheme)  # quantized already: nothing left to say

@@ -79,7 +79,8 @@ def test_a_transposed_weight_exports_as_seen(rng):
 
 
 def test_default_zero_points_are_accepted_and_others_refused(rng):
-    q = qd.quantize(rng.standard_normal((3, 48)).astype(np.float32), qd.QuantScheme("q4f", block=16, store="packed_u32"))
+    q = qd.quantize(rng.standard_normal((3, 48)).astype(np.float32),
+                    qd.QuantScheme("q4f", block=16, store="packed_u32"))
     w = matmulnbits.export(q)  # 3 blocks a row: packed zero points take 2 bytes a row
     packed_default = np.full((3, 2), 0x88, np.uint8)
     packed_default[:, 1] = 0x08  # the high nibble past the last block is padding

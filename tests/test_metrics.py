@@ -28,7 +28,8 @@ def test_figures_match_float64_arithmetic(rng):
 
 def test_a_quantized_tensor_is_compared_by_its_dequantized_values(device, rng):
     w = rng.standard_normal((64, 96)).astype(np.float32)
-    for scheme, floor_db in ((qd.QuantScheme("q8s", axis=0), 38), (qd.QuantScheme("q4s", block=32, store="packed_u32"), 18)):
+    for scheme, floor_db in ((qd.QuantScheme("q8s", axis=0), 38),
+                             (qd.QuantScheme("q4s", block=32, store="packed_u32"), 18)):
         q = qd.quantize(w, scheme, device=device)
         report = qd.error_report(w, q)
         assert report == qd.error_report(w, q.dequantize().numpy())
@@ -76,6 +77,17 @@ def test_values_near_float64s_range_stay_finite():
     assert report.max_abs_error == pytest.approx(3e294, rel=1e-6)
     tiny = np.array([1e-310, 2e-310])  # subnormal: their squares would be 0
     assert qd.error_report(tiny, tiny * 0.5).relative_error == pytest.approx(0.5)
+
+
+def test_differences_far_below_or_past_the_values_are_measured():
+    """A difference 1e-300 the size of the signal is no agreement, and one past
+    float64's range still has a relative size."""
+    small = qd.error_report([1e300, 1.0], [1e300, 2.0])
+    assert small.sqnr_db == pytest.approx(6000) and small.relative_error == pytest.approx(1e-300)
+    assert small.cosine == 1.0 and small.max_abs_error == 1.0
+    past = qd.error_report(np.array([1e308, -1e308]), np.array([1e308, 1e308]))
+    assert past.relative_error == pytest.approx(math.sqrt(2)) and past.max_abs_error == math.inf
+    assert past.sqnr_db == pytest.approx(-10 * math.log10(2)) and past.cosine == pytest.approx(0.0, abs=1e-15)
 
 
 def test_scalars_and_lists():
