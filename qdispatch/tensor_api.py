@@ -9,7 +9,7 @@ import numpy as np
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, dlpack_bfloat16_bits, get_backend
 from .errors import (ArgumentError, ArgumentTypeError, BackendUnavailableError, NonFiniteError, OutOfRangeError,
-                     QuantSchemeError, ShapeError, UnsupportedIndexError, WrongBackendError)
+                     QDispatchError, QuantSchemeError, ShapeError, UnsupportedIndexError, WrongBackendError)
 from .layout import QLayout, swap_last2
 from .scheme import _whole_number, as_scheme
 
@@ -468,7 +468,24 @@ def _quantize(x, scheme, device, weight):
     if x.dtype != "float32":
         payload = backend.cast(payload, x.dtype, "float32")
     quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
+    swapped = _swapped_view(payload)
+    if swapped is not None:  # W.T of a row-major W: quantized in W's order, as W's transpose (no copy of W.T)
+        stored = QLayout(layout.logical_scheme(True), swap_last2(layout.shape), swap_last2(layout.block))
+        try:
+            return QTensor(quantizer(swapped, stored, x.index), stored, True, x.kind, x.index)
+        except QDispatchError:
+            pass  # its positions would be W's: quantized as given below, the error names x's
     return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
+
+
+def _swapped_view(payload):
+    """A host payload with its last two dims swapped, where that is row-major and the
+    payload is not (a transposed view); None otherwise."""
+    if isinstance(payload, np.ndarray) and payload.ndim >= 2 and not payload.flags.c_contiguous:
+        swapped = np.swapaxes(payload, -1, -2)
+        if swapped.flags.c_contiguous:
+            return swapped
+    return None
 
 
 def _float_host_data(x, op="quantize"):

@@ -435,3 +435,35 @@ def test_narrow_blocks_report_errors_as_the_reference(isa, cpu_threads, rng, sha
                     assert_cpu_quantizes_as_reference(x, scheme)  # 1e30 / 63.5 fits float32 and bfloat16
                 else:
                     assert_cpu_fails_as_reference(x, scheme)
+
+
+# ---- a transposed view (W.T of a row-major W) ---------------------------------
+
+TRANSPOSED_SCHEMES = [qd.QuantScheme("q8s", axis=1), qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f"),
+                      qd.QuantScheme("q4s", block=(32, 1), store="packed_u32"),
+                      qd.QuantScheme("q4f", block=(1, 16), store="packed_u32", scale_dtype="f16"),
+                      qd.QuantScheme("q2s", block=(8, 4), store="packed_u32")]
+
+
+@pytest.mark.parametrize("scheme", TRANSPOSED_SCHEMES, ids=repr)
+def test_a_transposed_view_quantizes_as_its_copy(device, rng, scheme):
+    """W.T is quantized in W's own order, kept as a transpose: the values, scales and
+    products of the copy np.ascontiguousarray(W.T)."""
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    view, copy = qd.quantize(w.T, scheme, device=device), qd.quantize(np.ascontiguousarray(w.T), scheme, device=device)
+    assert view.transposed and view.shape == copy.shape == (64, 48) and view.scheme == copy.scheme
+    np.testing.assert_array_equal(view.values, copy.values)
+    np.testing.assert_array_equal(view.scales, copy.scales)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_array_equal(qd.q_matmul(x, view, activation_scheme="q8s").numpy(),
+                                  qd.q_matmul(x, copy, activation_scheme="q8s").numpy())
+    batched = rng.standard_normal((2, 64, 48)).astype(np.float32).swapaxes(-1, -2)
+    np.testing.assert_array_equal(qd.quantize(batched, "q8s", device=device).values,
+                                  qd.quantize(np.ascontiguousarray(batched), "q8s", device=device).values)
+
+
+def test_a_transposed_view_names_bad_values_where_they_are(device):
+    w = np.ones((6, 5), np.float32)
+    w[1, 4] = np.nan  # at (4, 1) of w.T
+    with pytest.raises(qd.NonFiniteError, match=r"position \(4, 1\)"):
+        qd.quantize(w.T, qd.QuantScheme("q8s", axis=1), device=device)
