@@ -44,7 +44,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import quantmath
+from . import packing, quantmath
 from ._core import QTensor, Tensor
 from .errors import ArgumentTypeError, NotFoundError, QDispatchError, SerializationError
 from .layout import QLayout, swap_last2
@@ -190,7 +190,7 @@ def encode_qtensor(name, q, op="save"):
     scheme = q.layout.scheme
     values, scales, _, _ = qtensor_stored(q)
     if scheme.store == "packed_u32":
-        values = quantmath.pack_u32(values, scheme.bits)
+        values = packing.pack_u32(values, scheme.bits)
     return values, encode_scales(name, scales, scheme.scale_dtype, op)
 
 
@@ -200,8 +200,8 @@ def decode_qtensor(name, values, raw_scales, scheme, layout):
     are refused."""
     if scheme.store == "packed_u32":
         words = values
-        values = quantmath.unpack_u32(words, scheme.bits, layout.shape[-1])
-        if not np.array_equal(quantmath.pack_u32(values, scheme.bits), words):
+        values = packing.unpack_u32(words, scheme.bits, layout.shape[-1])
+        if not np.array_equal(packing.pack_u32(values, scheme.bits), words):
             raise SerializationError(
                 f"Tensor {name!r}: packed words have bits set outside their {layout.shape[-1]} values")
     scales = (quantmath.bf16_bits_to_f32(raw_scales) if scheme.scale_dtype == "bf16"
