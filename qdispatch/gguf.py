@@ -90,8 +90,11 @@ def _encode_q8_0(values):
 
 
 def _decode_q4_0(blocks):
-    nibbles = np.concatenate([blocks & 0x0F, blocks >> 4], axis=1)  # low nibbles first
-    return nibbles.astype(np.int8) - np.int8(8)
+    nibbles = np.empty((blocks.shape[0], BLOCK), np.uint8)  # low nibbles first, in place: no temporaries
+    np.bitwise_and(blocks, 0x0F, out=nibbles[:, :BLOCK // 2])
+    np.right_shift(blocks, 4, out=nibbles[:, BLOCK // 2:])
+    np.subtract(nibbles, 8, out=nibbles)  # n - 8 modulo 256: the int8 value's bits
+    return nibbles.view(np.int8)
 
 
 def _encode_q4_0(values):

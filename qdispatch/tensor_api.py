@@ -718,8 +718,8 @@ def _qtensor_keeping(values, scales, scheme, device):
         raise ArgumentTypeError(f"values must be int8, got {values.dtype}")
     layout = QLayout.for_shape(scheme, values.shape)
     lo, hi = scheme.qrange
-    outside = (values < lo) | (values > hi)
-    if outside.any():
+    if values.min() < lo or values.max() > hi:  # two passes without temporaries: the common case is in range
+        outside = (values < lo) | (values > hi)
         first = np.unravel_index(int(np.argmax(outside)), values.shape)
         raise QuantSchemeError(
             f"values outside {scheme.value}'s range [{lo}, {hi}]: {int(values[first])} at position "
