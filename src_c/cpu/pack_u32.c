@@ -67,34 +67,37 @@ static inline void unpack_row(const uint32_t *words, int64_t cols, int bits, int
         q[c + i] = field(words[w], i, bits);
 }
 
-#define ROWS_IN_PARALLEL(rows, cols, BODY)                                                 \
-    QD_PARALLEL_FOR(qd_threads_for((rows) * (cols) / (1 << 20) + 1), rows, ,              \
-    for (int64_t r = 0; r < (rows); r++) { BODY; })
-
-qd_status qd_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits, uint32_t *words)
+/* Every row one way or the other (`pack`), `bits` a constant in each case of the
+ * switch, so that the row loops unroll.  q and words are only read on their way in. */
+static qd_status convert(int pack, int8_t *q, int64_t rows, int64_t cols, int bits, uint32_t *words)
 {
     const qd_status st = check_store(q, words, rows, cols, bits);
     if (st != QD_OK)
         return st;
     const int64_t ld = row_words(cols, bits);
+#define CONVERT_ROWS(BITS)                                                                          \
+    QD_PARALLEL_FOR(qd_threads_for(rows * cols / (1 << 20) + 1), rows, ,                            \
+    for (int64_t r = 0; r < rows; r++) {                                                            \
+        if (pack)                                                                                   \
+            pack_row(q + r * cols, cols, BITS, words + r * ld);                                     \
+        else                                                                                        \
+            unpack_row(words + r * ld, cols, BITS, q + r * cols);                                   \
+    })
     switch (bits) {
-    case 2: ROWS_IN_PARALLEL(rows, cols, pack_row(q + r * cols, cols, 2, words + r * ld)); break;
-    case 4: ROWS_IN_PARALLEL(rows, cols, pack_row(q + r * cols, cols, 4, words + r * ld)); break;
-    default: ROWS_IN_PARALLEL(rows, cols, pack_row(q + r * cols, cols, 8, words + r * ld)); break;
+    case 2: CONVERT_ROWS(2); break;
+    case 4: CONVERT_ROWS(4); break;
+    default: CONVERT_ROWS(8); break;
     }
+#undef CONVERT_ROWS
     return QD_OK;
+}
+
+qd_status qd_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits, uint32_t *words)
+{
+    return convert(1, (int8_t *)q, rows, cols, bits, words);
 }
 
 qd_status qd_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits, int8_t *q)
 {
-    const qd_status st = check_store(q, words, rows, cols, bits);
-    if (st != QD_OK)
-        return st;
-    const int64_t ld = row_words(cols, bits);
-    switch (bits) {
-    case 2: ROWS_IN_PARALLEL(rows, cols, unpack_row(words + r * ld, cols, 2, q + r * cols)); break;
-    case 4: ROWS_IN_PARALLEL(rows, cols, unpack_row(words + r * ld, cols, 4, q + r * cols)); break;
-    default: ROWS_IN_PARALLEL(rows, cols, unpack_row(words + r * ld, cols, 8, q + r * cols)); break;
-    }
-    return QD_OK;
+    return convert(0, q, rows, cols, bits, (uint32_t *)words);
 }
