@@ -522,9 +522,9 @@ cdef class QTensor(TensorBase):
         return object.__hash__(self)
 
     def __reduce__(self):
-        # pickle and copy: the stored values and scales, rebuilt on the same device
-        from . import tensor_api
-        return tensor_api.qtensor_from_stored, tensor_api.qtensor_stored(self) + (str(self.device),)
+        # pickle and copy: the store as a file keeps it, rebuilt on the same device
+        from . import io
+        return io.qtensor_unpickled, io.qtensor_reduced(self)
 
 
 # ---- dispatch -----------------------------------------------------------------

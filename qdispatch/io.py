@@ -212,6 +212,22 @@ def decode_qtensor(name, values, raw_scales, scheme, layout):
     return values, scales
 
 
+def qtensor_reduced(q):
+    """QTensor.__reduce__'s arguments: q's store as a file keeps it (4- and 2-bit
+    values in their packed words, scales in their dtype: half or less the bytes of
+    int8 values and float32 scales), its storage shape, scheme, orientation and device."""
+    values, scales = encode_qtensor("a pickled QTensor", q, op="pickle")
+    return values, scales, tuple(q.layout.shape), q.layout.scheme, bool(q.transposed), str(q.device)
+
+
+def qtensor_unpickled(values, raw_scales, shape, scheme, transposed, device):
+    """The QTensor qtensor_reduced took apart.  (Pickles made before kept int8 values
+    and float32 scales: tensor_api.qtensor_from_stored still rebuilds those.)"""
+    layout = QLayout.for_shape(scheme, shape)
+    values, scales = decode_qtensor("a pickled QTensor", np.asarray(values), np.asarray(raw_scales), scheme, layout)
+    return qtensor_from_stored(values, scales, scheme, transposed, device)
+
+
 def stored_shapes(scheme, layout):
     """The shapes of a QTensor's two entries, in storage orientation: its values
     (int8, or uint32 words packed along the last dim) and its scale grid."""

@@ -822,6 +822,22 @@ def test_pickle_and_deepcopy_keep_values_device_and_scheme(device, rng, copier):
     assert again(qd.Device.parse(device)) == device
 
 
+def test_a_pickled_qtensor_keeps_its_store_as_a_file_does(device, rng):
+    """4-bit values in their packed words and f16 scales as f16: 4096 values of q4 in
+    blocks of 32 pickle to about 2 KiB + 256 B, not 4 KiB + 512 B; pickles made before,
+    of int8 values and float32 scales, still load."""
+    import pickle
+    from qdispatch import tensor_api
+    q = qd.quantize(rng.standard_normal((64, 64)).astype(np.float32),
+                    qd.QuantScheme("q4f", block=32, store="packed_u32", scale_dtype="f16"), device=device)
+    assert len(pickle.dumps(q)) < 4096 // 2 + 128 * 2 + 1024
+    twin = pickle.loads(pickle.dumps(q))
+    np.testing.assert_array_equal(twin.values, q.values)
+    np.testing.assert_array_equal(twin.scales, q.scales)
+    old_style = tensor_api.qtensor_from_stored(*tensor_api.qtensor_stored(q), device)
+    np.testing.assert_array_equal(old_style.dequantize().numpy(), q.dequantize().numpy())
+
+
 def test_bfloat16_from_uint16_is_bit_patterns(device):
     """numpy has no bfloat16: uint16 data with dtype="bfloat16" holds its bit
     patterns (as files and numpy code keep it); other integers are numbers."""
