@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import packing
 from ._core import QTensor
 from .errors import ArgumentError, ArgumentTypeError, QuantSchemeError, SerializationError, ShapeError
 from .scheme import QuantScheme, _whole_number
@@ -67,11 +68,10 @@ def export(w, block_size=None, dtype="float32"):
         raise ArgumentError(f"Can't give {scheme!r} scales as float16: some are no float16 values (they would "
                             f"round); use dtype='float32' (and float32 activations), or quantize with "
                             f"scale_dtype='f16'")
-    zero_point = 1 << (scheme.bits - 1)
-    codes = np.full((N, k_blocks * block_size), zero_point, dtype=np.uint8)  # padding past K: value 0
-    codes[:, :K] = values.astype(np.int16) + zero_point
+    padded = np.zeros((N, k_blocks * block_size), dtype=np.int8)  # padding past K: value 0
+    padded[:, :K] = values
     return MatMulNBitsWeight(
-        B=_pack(codes, scheme.bits).reshape(N, k_blocks, block_size * scheme.bits // 8),
+        B=_code_bytes(padded, scheme.bits).reshape(N, k_blocks, block_size * scheme.bits // 8),
         scales=np.ascontiguousarray(scales.reshape(-1), dtype=scale_type),
         K=K, N=N, bits=scheme.bits, block_size=block_size)
 
@@ -103,8 +103,7 @@ def load(B, scales, K, N, bits, block_size, zero_points=None, device=None):
     zero_point = 1 << (bits - 1)
     if zero_points is not None:
         _check_default_zero_points(np.asarray(zero_points), zero_point, bits, N, k_blocks)
-    codes = _unpack(B.reshape(N, -1), bits)[:, :K]
-    values = (codes.astype(np.int16) - zero_point).astype(np.int8)
+    values = _values_of(B.reshape(N, -1), bits, K)
     group = np.gcd(K, block_size)  # qdispatch's blocks divide K: the scales repeat over the smaller ones
     grid = np.repeat(scales.reshape(N, k_blocks).astype(np.float32), block_size // group, axis=1)[:, :K // group]
     scheme = QuantScheme(f"q{bits}f", block=(1, int(group)), store="native" if bits == 8 else "packed_u32",
@@ -195,7 +194,8 @@ def _check_default_zero_points(zero_points, zero_point, bits, N, k_blocks):
         if zero_points.size != N * row_bytes:
             raise ShapeError(f"uint8 zero_points hold {row_bytes} bytes a row for {k_blocks} blocks of {bits} bits, "
                              f"{N * row_bytes} in all; got shape {zero_points.shape}")
-        zero_points = _unpack(zero_points.reshape(N, row_bytes), bits)[:, :k_blocks]
+        values = _values_of(zero_points.reshape(N, row_bytes), bits, k_blocks)
+        zero_points = values.astype(np.int16) + zero_point  # the codes
     elif zero_points.size != N * k_blocks:
         raise ShapeError(f"zero_points in A's type hold one per block, {N * k_blocks}; got shape {zero_points.shape}")
     if not (zero_points == zero_point).all():
@@ -204,19 +204,22 @@ def _check_default_zero_points(zero_points, zero_point, bits, N, k_blocks):
                             f"* scale and quantize the float weight with qd.quantize")
 
 
-def _pack(codes, bits):
-    """uint8 codes [rows, n] -> bytes, `8 // bits` codes a byte, lowest bits first."""
-    per_byte = 8 // bits
-    codes = codes.reshape(codes.shape[0], -1, per_byte).astype(np.uint8)
-    packed = np.zeros(codes.shape[:2], dtype=np.uint8)
-    for i in range(per_byte):
-        packed |= codes[:, :, i] << np.uint8(i * bits)
-    return packed
+# A code is its value plus the zero point 2^(bits - 1): in `bits` bits, the value's two's
+# complement field with its top bit flipped.  So code bytes are the packed_u32 store's
+# words, little-endian, with that bit flipped in every field, and the store's codec serves.
+_TOP_BITS = {2: 0xAAAAAAAA, 4: 0x88888888, 8: 0x80808080}
 
 
-def _unpack(packed, bits):
-    """_pack's inverse: bytes [rows, n] -> uint8 codes [rows, n * 8 // bits]."""
-    per_byte = 8 // bits
-    mask = np.uint8((1 << bits) - 1)
-    codes = np.stack([(packed >> np.uint8(i * bits)) & mask for i in range(per_byte)], axis=-1)
-    return codes.reshape(packed.shape[0], -1)
+def _code_bytes(values, bits):
+    """int8 values [rows, n] (n a whole number of words) -> their code bytes, lowest bits first."""
+    words = packing.pack_u32(values, bits) ^ np.uint32(_TOP_BITS[bits])
+    return words.astype("<u4").view(np.uint8).reshape(values.shape[0], -1)
+
+
+def _values_of(code_bytes, bits, n):
+    """_code_bytes' inverse for rows of any length: the first n values of each row."""
+    rows, width = code_bytes.shape
+    whole = np.zeros((rows, -(-width // 4) * 4), dtype=np.uint8)  # rows padded to whole words
+    whole[:, :width] = code_bytes
+    words = whole.view("<u4").astype(np.uint32) ^ np.uint32(_TOP_BITS[bits])
+    return packing.unpack_u32(words, bits, words.shape[1] * (32 // bits))[:, :n]
