@@ -271,8 +271,8 @@ def _leading_index(shape, key):
     given = key
     key = key if isinstance(key, tuple) else (key,)
     if any(k is None for k in key):
-        raise UnsupportedIndexError(f"Index None (np.newaxis) is not supported: a Tensor view keeps its axes; add one "
-                                    f"with t.numpy()[...] or reshape the data first")
+        raise UnsupportedIndexError("Index None (np.newaxis) is not supported: a Tensor view keeps its axes; add one "
+                                    "with t.numpy()[...] or reshape the data first")
     ellipses = sum(k is Ellipsis for k in key)
     if ellipses > 1:
         raise UnsupportedIndexError("An index can only have a single ellipsis ('...'), as in numpy")

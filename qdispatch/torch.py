@@ -103,8 +103,8 @@ def _shared(x, device):
         t = _from_torch_cuda(x, _current_raw_stream(x.get_device()))
         return t if device is None else t.to(device)
     if x.is_meta:
-        raise BackendUnavailableError(f"a tensor on torch device 'meta' has no values to share: load or "
-                                      f"initialize it first (e.g. with load_state_dict or to_empty)")
+        raise BackendUnavailableError("a tensor on torch device 'meta' has no values to share: load or "
+                                      "initialize it first (e.g. with load_state_dict or to_empty)")
     return tensor_api.import_dlpack(x.detach(), device=device)
 
 

@@ -5,7 +5,6 @@ import contextlib
 import os
 import struct
 import threading
-import warnings
 
 import numpy as np
 import pytest
