@@ -263,7 +263,11 @@ def _plan(name, obj):
             raise ArgumentTypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
         return ({"kind": "array", "dtype": code, "shape": list(obj.shape)}, [(name, code, obj.shape)],
                 lambda: [_little_endian(obj)])
-    raise ArgumentTypeError(f"Can't save {name!r} of type {type(obj).__name__}: expected {SAVABLE}")
+    hint = ""
+    if isinstance(obj, dict) and name.endswith("._extra_state"):  # a state_dict() of qdispatch.torch's layers
+        hint = ("; a model's state_dict() with QLinear or QEmbedding layers saves with "
+                "qdispatch.torch.save_model(model, path) (or torch.save(model.state_dict(), path))")
+    raise ArgumentTypeError(f"Can't save {name!r} of type {type(obj).__name__}: expected {SAVABLE}{hint}")
 
 
 def _entry_keys(name, record):

@@ -865,6 +865,11 @@ def _check_parts(state, owner, what, dtypes, shapes=(None, None), hint=""):
 
 _OP_LAYERS = weakref.WeakValueDictionary()  # handle -> QLinear or QEmbedding
 _op_handles = itertools.count(1)
+# A number for each weight a layer is given.  The graph's backward finds the layer by
+# its handle, not the weight its forward used (eager calls keep that weight): the
+# forward's number, passed along as a tensor, lets the backward refuse a weight
+# replaced in between rather than take its gradient from other values.
+_weight_versions = itertools.count(1)
 
 
 def _take_op_handle(module):
@@ -894,33 +899,43 @@ def _define_ops():
         return False
 
     @torch.library.custom_op("qdispatch::qlinear", mutates_args=())
-    def qlinear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    def qlinear(x: torch.Tensor, handle: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The product, and the number of the weight it used (see _weight_versions)."""
         layer = _op_layer(handle)
-        w, act = layer.weight.T, layer.activation_scheme
+        w, act, version = layer.weight.T, layer.activation_scheme, layer._weight_version
 
         def product():  # the eager call's checks, then its product without autograd (the op's backward is below)
             layer._refuse_unloaded()
             _check_operands(x, w, act)
             return _matmul(x, w, act)
-        return layer._named_errors(x, product)
+        return layer._named_errors(x, product), torch.tensor(version, dtype=torch.int64)
 
     @qlinear.register_fake
     def _(x, handle):  # the product's shape and dtype; x the layer can't take raises when the graph runs,
-        return x.new_empty((*x.shape[:-1], _op_layer(handle).out_features))  # the eager call's error
+        return (x.new_empty((*x.shape[:-1], _op_layer(handle).out_features)),  # the eager call's error
+                x.new_empty((), dtype=torch.int64))
 
     @torch.library.custom_op("qdispatch::qlinear_input_grad", mutates_args=())
-    def qlinear_input_grad(dy: torch.Tensor, handle: int) -> torch.Tensor:
-        return _matmul(dy, _op_layer(handle).weight)
+    def qlinear_input_grad(dy: torch.Tensor, handle: int, version: torch.Tensor) -> torch.Tensor:
+        layer = _op_layer(handle)
+        if layer._weight_version != int(version):
+            raise KernelError(f"this {type(layer).__name__}'s weight was replaced between a compiled forward "
+                              f"and its backward, which would take the gradient from the new weight: run "
+                              f"backward() before replacing the weight (or loading a checkpoint), or run the "
+                              f"layer uncompiled, whose backward keeps the forward's weight")
+        return _matmul(dy, layer.weight)
 
     @qlinear_input_grad.register_fake
-    def _(dy, handle):
+    def _(dy, handle, version):
         return dy.new_empty((*dy.shape[:-1], _op_layer(handle).in_features))
 
     def setup_context(ctx, inputs, output):
         ctx.handle = inputs[1]
+        ctx.save_for_backward(output[1])
 
-    def backward(ctx, dy):  # dX = dY @ dequantize(W), as QMatmul's; the weight takes none
-        return torch.ops.qdispatch.qlinear_input_grad(dy, ctx.handle), None
+    def backward(ctx, dy, _):  # dX = dY @ dequantize(W), as QMatmul's; the weight takes none
+        version, = ctx.saved_tensors
+        return torch.ops.qdispatch.qlinear_input_grad(dy, ctx.handle, version), None
 
     qlinear.register_autograd(backward, setup_context=setup_context)
 
@@ -1021,6 +1036,7 @@ class _QuantizedModule(torch.nn.Module):
         super().__setattr__(name, value)
         if name == "weight" and isinstance(value, QTensor):
             _hold(self, value)
+            super().__setattr__("_weight_version", next(_weight_versions))
 
     def _check_weight(self, value):
         """Once the layer is made (its sizes set), its weight stays a QTensor of its shape."""
@@ -1060,7 +1076,9 @@ class _QuantizedModule(torch.nn.Module):
         super()._apply(fn, *args, **kwargs)
         if self.weight is self._unloaded:
             self._unloaded = weight
+        version = self._weight_version
         self.weight = weight
+        self._weight_version = version  # the same values, moved
         self._moved(probe)
         return self
 
@@ -1287,7 +1305,7 @@ class QLinear(_QuantizedModule):
         # In a compiled graph the op makes the eager call's checks as the graph runs: raised
         # while tracing they would end a fullgraph compile as torch's Unsupported.
         if _is_compiling() and _in_graph(self, x):
-            y = torch.ops.qdispatch.qlinear(_autocast(x) if _any_autocast() else x, self._op_handle)
+            y, _ = torch.ops.qdispatch.qlinear(_autocast(x) if _any_autocast() else x, self._op_handle)
             if self._holds_no_values:  # the op raises before y is used; the bias on meta would fail the trace
                 return y
         else:
@@ -1558,6 +1576,8 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
         warnings.warn(f"quantize_{kind.__name__.lower()}s quantized nothing in {type(model).__name__}: " + (
             f"its {kind.__name__} layers ({', '.join(fused)}) are read as tensors by torch's fused layers and "
             f"stay in float" if fused else f"it holds no nn.{kind.__name__}"), UserWarning, stacklevel=3)
+    if done:
+        _warn_left_as_they_were(model, kind, quantized_class, scheme, device, options)
     _refuse_own_forward([(name, child) for name, _, _, child in places], kind, quantized_class)
     quantized = {}  # id(layer) -> its quantized layer
     for name, _, _, child in places:
@@ -1566,6 +1586,32 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     for _, parent, child_name, child in places:
         setattr(parent, child_name, quantized[id(child)])
     return model
+
+
+def _warn_left_as_they_were(model, kind, quantized_class, scheme, device, options):
+    """Layers an earlier call quantized are left as they are: a warning when this
+    call asked for something else of them (a scheme, a device, options), which
+    would otherwise pass for done."""
+    target = None if device is None else tensor_api.backend_for(device)[0]
+    asked = {key: value for key, value in (options or {}).items() if value is not None}
+    differing, first = 0, None
+    for name, layer in model.named_modules():
+        if not isinstance(layer, quantized_class):
+            continue
+        had = [f"scheme {layer.weight.scheme}"] if layer.weight.scheme != scheme else []
+        if target is not None and layer.weight.device != target:
+            had.append(f"its weight on {str(layer.weight.device)!r}")
+        had += [f"{key}={getattr(layer, key)!r}" for key, value in asked.items() if getattr(layer, key) != value]
+        if had:
+            differing += 1
+            first = first or (name or type(model).__name__, had)
+    if differing:
+        what = kind.__name__
+        warnings.warn(
+            f"quantize_{what.lower()}s left {differing} {quantized_class.__name__} layer(s) quantized earlier as "
+            f"they were ({first[0]!r} has {', '.join(first[1])}): it quantizes float nn.{what} layers only. For "
+            f"another scheme or options, quantize the float model; to move a layer's weight, assign "
+            f"layer.weight = layer.weight.to(device)", UserWarning, stacklevel=4)
 
 
 # torch.nn.utils' old weight_norm and spectral_norm: hook class -> (what made it, what folds it in)

@@ -149,3 +149,32 @@ def test_quantize_linears_warns_when_it_quantizes_nothing():
         quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)), scheme, skip=["0"])  # the user's choice
         model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 4)), scheme)
         quantize_linears(model, scheme)  # quantized already: nothing left to say
+        quantize_linears(model, scheme, device=str(model[0].weight.device))
+
+
+def test_quantize_linears_says_it_left_earlier_layers_as_they_were():
+    """A second call that asks for another scheme, device or activation scheme of
+    layers an earlier call quantized changes nothing; it did so silently."""
+    torch = pytest.importorskip("torch")
+    from qdispatch.torch import quantize_linears
+    scheme = qd.QuantScheme("q8s", axis=0)
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)),
+                             scheme, device="reference")
+    weights = [model[0].weight, model[2].weight]
+    for kwargs, said in [({"scheme": qd.QuantScheme("q4s", axis=0, store="packed_u32")}, "'0' has scheme"),
+                         ({"scheme": scheme, "device": "cpu"}, "'0' has its weight on 'reference'"),
+                         ({"scheme": scheme, "activation_scheme": "q8s"}, "'0' has activation_scheme=None")]:
+        with pytest.warns(UserWarning, match=rf"quantize_linears left 2 QLinear layer\(s\) quantized earlier as "
+                                             rf"they were \({said}.*quantizes float nn.Linear layers only"):
+            quantize_linears(model, **kwargs)
+        assert model[0].weight is weights[0] and model[2].weight is weights[1]
+
+
+def test_saving_a_quantized_models_state_dict_names_save_model(tmp_path):
+    torch = pytest.importorskip("torch")
+    from qdispatch.torch import quantize_linears
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 4)), qd.QuantScheme("q8s", axis=0))
+    with pytest.raises(qd.ArgumentTypeError, match=r"Can't save '0._extra_state' of type dict: .*"
+                                                   r"qdispatch.torch.save_model\(model, path\)"):
+        qd.save(tmp_path / "model.safetensors", model.state_dict())
+    assert not os.path.exists(tmp_path / "model.safetensors")

@@ -1533,6 +1533,30 @@ def test_torch_compile_keeps_cpu_qlinears_in_its_graph(act, dtype):
 
 
 @needs_custom_ops
+def test_a_compiled_backward_refuses_a_weight_replaced_after_its_forward():
+    """The graph's backward finds the layer, not the forward's weight: a weight
+    replaced in between is refused (it gave the new weight's gradient), a move of
+    the same values is not, and the next forward takes the new weight's gradient."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    scheme = QuantScheme("q8s", axis=0)
+    layer = QLinear.from_linear(torch.nn.Linear(16, 8), scheme, device=DEVICES[-1])
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 16, requires_grad=True)
+    y = compiled(x)
+    layer.to(torch.float32)  # moves nothing: the weight keeps its number
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, to_torch(layer.weight.dequantize()).sum(0).expand(2, 16))
+    y = compiled(x)
+    layer.weight = qd.quantize(torch.randn(8, 16), scheme, device=DEVICES[-1])
+    with pytest.raises(qd.KernelError, match="weight was replaced between a compiled forward and its backward"):
+        y.sum().backward()
+    x.grad = None
+    compiled(x).sum().backward()
+    torch.testing.assert_close(x.grad, to_torch(layer.weight.dequantize()).sum(0).expand(2, 16))
+
+
+@needs_custom_ops
 def test_a_compiled_qlinear_raises_the_eager_error_and_each_copy_is_its_own():
     torch._dynamo.reset()
     torch.manual_seed(0)
