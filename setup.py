@@ -109,8 +109,10 @@ class BuildExt(build_ext):
         self.compiler.create_static_lib(objects, "qdispatch", output_dir=lib_dir)
         self.compiler.link_shared_object(
             objects, os.path.join(lib_dir, "libqdispatch.so"), **cuda_link,
-            # -Bsymbolic: its own functions call each other, whatever else the process loaded
-            extra_postargs=cpu_build.openmp_flags() + ["-Wl,-soname,libqdispatch.so", "-Wl,-Bsymbolic"])
+            # -Bsymbolic: its own functions call each other, whatever else the process loaded;
+            # nodelete: dlclose would unload the OpenMP runtime under its idle worker threads
+            extra_postargs=cpu_build.openmp_flags() + ["-Wl,-soname,libqdispatch.so", "-Wl,-Bsymbolic",
+                                                       "-Wl,-z,nodelete"])
         shutil.copy(os.path.join(INCLUDE, "qdispatch.h"), inc_dir)
 
     def write_build_config(self):

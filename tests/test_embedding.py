@@ -114,6 +114,47 @@ def test_every_declared_function_links(c_compiler, shell_env, tmp_path, link):
               tmp_path, shell_env)
 
 
+@pytest.mark.parametrize("std", ["-std=c99", "-std=gnu99"])
+def test_the_header_compiles_cleanly_under_strict_warnings(c_compiler, shell_env, tmp_path, std):
+    """Python's own CFLAGS may hold -Werror=declaration-after-statement, which a
+    Cython extension that includes the header inherits: its inline size helpers
+    declared a variable after a statement."""
+    (tmp_path / "strict.c").write_text("#include <qdispatch.h>\nint main(void) { return qd_abi_version() < 0; }\n")
+    run_shell(f"{c_compiler} {std} -pedantic -Wall -Wextra -Wdeclaration-after-statement -Wshadow -Werror "
+              f"-fsyntax-only $(qdispatch config --cflags) strict.c", tmp_path, shell_env)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="dlopen's libdl and ELF's nodelete")
+def test_the_shared_library_survives_dlclose_after_threaded_calls(c_compiler, shell_env, tmp_path):
+    """A host that loads the library as a plugin and unloads it: dlclose took the
+    OpenMP runtime with it while its idle worker threads still ran (a crash)."""
+    library = os.path.join(qd.get_library_dir(), "libqdispatch.so")
+    (tmp_path / "plugin.c").write_text(textwrap.dedent(f"""\
+        #include <dlfcn.h>
+        #include <stdint.h>
+        #include <stdio.h>
+        #include <unistd.h>
+        typedef int (*matmul_fn)(const int8_t *, int64_t, int64_t, const int8_t *, int64_t, int32_t *);
+        static int8_t a[256 * 256], b[256 * 256];
+        static int32_t c[256 * 256];
+        int main(void) {{
+            for (int round = 0; round < 3; round++) {{
+                void *lib = dlopen("{library}", RTLD_NOW | RTLD_LOCAL);
+                if (!lib) {{ printf("%s\\n", dlerror()); return 1; }}
+                ((void (*)(int))dlsym(lib, "qd_set_num_threads"))(2);
+                a[round] = 1; b[round * 256] = 3;
+                const int status = ((matmul_fn)dlsym(lib, "qd_int_matmul_s8"))(a, 256, 256, b, 256, c);
+                printf("%d %d ", status, c[0]);
+                dlclose(lib);
+                usleep(50000);  /* the worker threads wake up meanwhile */
+            }}
+            return 0;
+        }}
+        """))
+    out = run_shell(f"{c_compiler} plugin.c -o plugin -ldl && ./plugin", tmp_path, shell_env).split()
+    assert out == ["0", "3", "0", "6", "0", "9"]
+
+
 def test_the_cython_declarations_cover_the_header():
     """`cimport qdispatch` declared only the CPU functions: the CUDA half of the header,
     which a library built without CUDA holds as stubs, was missing."""
@@ -179,6 +220,33 @@ def c_program_output(c_compiler, shell_env, tmp_path, body):
         "int main(void) {\n" + textwrap.dedent(body) + "\n    return 0;\n}\n")
     return run_shell(f"{c_compiler} prog.c $(qdispatch config --cflags --libs) -lm -o prog && ./prog",
                      tmp_path, shell_env).split()
+
+
+def test_float16_conversion_rounds_to_nearest_even_in_any_rounding_mode(c_compiler, shell_env, tmp_path):
+    """Results in float16's subnormal range were rounded by a float add, so by the
+    caller's rounding mode: the header promises nearest even, as numpy gives."""
+    values = np.array([1e-8, 3e-8, -1e-7, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -26, 6.1e-5, -5.9e-8], np.float32)
+    want = " ".join(f"{b:04x}" for b in values.astype(np.float16).view(np.uint16))
+    literals = ", ".join(f"{float(v)!r}f" for v in values)
+    (tmp_path / "modes.c").write_text(textwrap.dedent(f"""\
+        #include <fenv.h>
+        #include <stdio.h>
+        #include <qdispatch.h>
+        int main(void) {{
+            const float values[] = {{{literals}}};
+            const int modes[] = {{FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO, FE_TONEAREST}};
+            for (int m = 0; m < 4; m++) {{
+                uint16_t bits[{len(values)}];
+                fesetround(modes[m]);
+                if (qd_convert_f32_to_f16(values, {len(values)}, bits) != QD_OK) return 1;
+                for (int i = 0; i < {len(values)}; i++) printf("%04x%s", bits[i], i + 1 < {len(values)} ? " " : "\\n");
+            }}
+            return 0;
+        }}
+        """))
+    out = run_shell(f"{c_compiler} modes.c $(qdispatch config --cflags --libs) -lm -o modes && ./modes",
+                    tmp_path, shell_env)
+    assert out.splitlines() == [want] * 4
 
 
 def test_packed_weights_not_made_by_pack_are_refused(c_compiler, shell_env, tmp_path):

@@ -28,9 +28,14 @@ static inline uint16_t qd_f32_to_f16_bits(float f)
     const int32_t absx = (int32_t)(x & 0x7FFFFFFFu);
     /* at or past 65536: Inf, or NaN (below, 65520 and up carry into Inf themselves) */
     const uint32_t special = absx > 0x7F800000 ? 0x7E00u : 0x7C00u;
-    /* below 2^-14, a half subnormal: adding 0.5 rounds it (to nearest even) into
-     * the mantissa's low bits, as the default rounding mode does every add */
-    const uint32_t tiny = qd_f32_bits(qd_bits_f32((uint32_t)absx) + 0.5f) - 0x3F000000u;
+    /* below 2^-14, a half subnormal: |f| / 2^-24 rounded to nearest even, in integers
+     * (a float add would round as the caller's rounding mode says); a float32
+     * subnormal, shifted as one of exponent 0, rounds to 0 as it should */
+    const uint32_t mant = ((uint32_t)absx & 0x7FFFFFu) | 0x800000u;
+    const int32_t drop = 126 - (absx >> 23);  /* bits below 2^-24: 14 and up where selected */
+    const uint32_t shift = (uint32_t)(drop < 1 ? 1 : drop > 31 ? 31 : drop);  /* every lane's shift defined */
+    const uint32_t kept = mant >> shift, rest = mant << (32 - shift);  /* rest: the dropped bits, at the top */
+    const uint32_t tiny = kept + (rest > 0x80000000u - (kept & 1u));  /* past half, or half and odd */
     /* normal: exponent rebased 127 -> 15, then round to nearest even at bit 13; a
      * carry into the exponent is right */
     const uint32_t normal = ((uint32_t)absx + 0xC8000FFFu + (((uint32_t)absx >> 13) & 1u)) >> 13;

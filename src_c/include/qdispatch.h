@@ -295,9 +295,9 @@ static inline int64_t qd_cuda_tiles_size(int64_t row_groups, int64_t k_tiles, in
     return row_groups * k_tiles * tile_bytes;
 }
 static inline int64_t qd_cuda_fq_tiles_bytes(int64_t N, int64_t K, int bits) {
+    const int64_t tile_k = bits > 0 ? 16 * (16 / bits) : 0;  /* 512-byte tiles of 16 rows */
     if ((bits != 8 && bits != 4 && bits != 2) || N <= 0 || K <= 0)
         return 0;
-    const int64_t tile_k = 16 * (16 / bits);  /* 512-byte tiles of 16 rows */
     return qd_cuda_tiles_size(N / 16 + (N % 16 != 0), K / tile_k + (K % tile_k != 0), 512);
 }
 static inline int64_t qd_cuda_fq_scale_tiles_bytes(int64_t N, int64_t K, int64_t block_k) {
