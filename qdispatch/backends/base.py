@@ -54,9 +54,22 @@ class Backend:
 
     def qtensor_rows(self, q):
         """q [..., M, K] as one 2-D QTensor of rows sharing its storage (its layout's
-        as_rows), or None where its blocks span the leading dims, q is transposed or
-        this backend can't view its storage so."""
-        return None
+        as_rows), or None where its blocks span the leading dims or q is transposed."""
+        from .._core import QTensor
+        rows = None if q.transposed else q.layout.as_rows()
+        if rows is None:
+            return None
+        storage = q.storage.cache.get("rows")
+        if storage is None:  # views made once: what a backend derives from them is kept with them
+            values = q.storage.values
+            storage = q.storage.cache.setdefault("rows", self.qstorage_view(
+                self.reshape(values, (rows.shape[0],) + tuple(values.shape[-1:])),
+                self.reshape(q.storage.scales, rows.grid)))
+        return QTensor(storage, rows, False, q.kind, q.index)
+
+    def qstorage_view(self, values, scales):
+        """Storage over `values` and a scale grid that view another storage's memory."""
+        raise NotImplementedError
 
     def qstorage_item(self, storage, index, scale_index):
         """Storage of the item at leading `index` of `storage` (its scales at

@@ -347,6 +347,13 @@ class CudaBackend(Backend):
     def qstorage_item(self, storage, index, scale_index):
         return CudaQStorage(self.index(storage.values, index), self.index(storage.scales, scale_index), owns=False)
 
+    def qtensor_rows(self, q):
+        # a store released to its tiles would be read back into a copy, kept with the view
+        return super().qtensor_rows(q) if q.storage.holds_values else None
+
+    def qstorage_view(self, values, scales):
+        return CudaQStorage(values, scales, owns=False)
+
     # ---- operand forms for the kernels ----
     def _k_rows(self, q, k_last):
         """(int8 [rows, ld] with K along rows, padded; float32 scales [rows/b, K/bk]) for a

@@ -90,17 +90,8 @@ class HostBackend(Backend):
             out *= scales[rows // br][:, :, None]
         return self.cast(out.reshape(n, D), "float32", dtype)
 
-    def qtensor_rows(self, q):
-        from .._core import QTensor
-        rows = None if q.transposed else q.layout.as_rows()
-        if rows is None:
-            return None
-        storage = q.storage.cache.get("rows")
-        if storage is None:  # numpy views, made once: what a backend derives from them is kept with them
-            values = q.storage.values
-            storage = q.storage.cache.setdefault("rows", HostQStorage(
-                values.reshape((rows.shape[0],) + values.shape[-1:]), q.storage.scales.reshape(rows.grid)))
-        return QTensor(storage, rows, False, q.kind, q.index)
+    def qstorage_view(self, values, scales):
+        return HostQStorage(values, scales)
 
     def qstorage_item(self, storage, index, scale_index):
         # values packed along the last dim index by their leading dims as they are
