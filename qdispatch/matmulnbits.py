@@ -14,9 +14,10 @@ import numpy as np
 
 from . import packing
 from ._core import QTensor
-from .errors import ArgumentError, ArgumentTypeError, QuantSchemeError, SerializationError, ShapeError
+from .errors import (ArgumentError, ArgumentTypeError, QDispatchError, QuantSchemeError, SerializationError,
+                     ShapeError)
 from .scheme import QuantScheme, _whole_number
-from .tensor_api import qtensor_from_parts, qtensor_host
+from .tensor_api import qtensor_from_parts, qtensor_host, tensor
 
 BITS = (2, 4, 8)
 SCALE_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
@@ -112,37 +113,82 @@ def load(B, scales, K, N, bits, block_size, zero_points=None, device=None):
 
 
 def load_model(path, device=None):
-    """{node name: QTensor} for every MatMulNBits node of the ONNX model at `path` whose
-    weight inputs are initializers (external data files beside it are read too), each
-    as `load` makes it.  Needs the onnx package (pip install 'qdispatch[onnx]')."""
+    """{node name: QTensor} for every MatMulNBits node of the ONNX model at `path`
+    (those in subgraphs, an If's branches say, included) whose weight inputs are
+    initializers (external data files beside it are read too), each as `load`
+    makes it; a node that adds a bias input gives it too, as a float Tensor under
+    "<node name>.bias".  Needs the onnx package (pip install 'qdispatch[onnx]')."""
     onnx = _onnx()
-    from onnx import helper, numpy_helper
     try:
         model = onnx.load(str(path))
     except OSError:  # the file system's own errors, as they are
         raise
     except Exception as exc:  # protobuf's DecodeError and the like: no ONNX model
         raise SerializationError(f"{path} is no ONNX model onnx can read: {exc}") from None
-    initializers = {t.name: t for t in model.graph.initializer}
-    weights = {}
-    for index, node in enumerate(model.graph.node):
+    if not model.HasField("graph"):  # an empty file parses as a model without one
+        raise SerializationError(f"{path} holds no ONNX graph: is it an ONNX model?")
+    loaded = {}
+    for node, initializers in _nodes_with_initializers(model.graph, {}):
         if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
             continue
         name = node.name or node.output[0]
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        inputs = list(node.input) + [""] * 5
-        if inputs[4]:  # g_idx: a permutation of K's rows, no block layout
-            raise SerializationError(f"MatMulNBits node {name!r} has a g_idx input (act-order weights), "
-                                     f"which qdispatch's block schemes can't hold")
-        missing = [i for i in inputs[1:3] + [inputs[3]] if i and i not in initializers]
-        if missing:
-            raise SerializationError(f"MatMulNBits node {name!r} reads {', '.join(missing)} from the graph, "
-                                     f"not from initializers: only constant weights load")
-        weights[name] = load(numpy_helper.to_array(initializers[inputs[1]]),
-                             numpy_helper.to_array(initializers[inputs[2]]),
-                             attributes["K"], attributes["N"], attributes.get("bits", 4), attributes["block_size"],
-                             numpy_helper.to_array(initializers[inputs[3]]) if inputs[3] else None, device)
-    return weights
+        try:
+            parts = _node_parts(name, node, initializers, device)
+        except SerializationError:
+            raise
+        except (QDispatchError, ValueError, TypeError, KeyError) as exc:  # a node or initializer that lies
+            raise SerializationError(f"Can't load MatMulNBits node {name!r} from {path}: {exc}") from exc
+        for key, value in parts.items():
+            if key in loaded:
+                raise SerializationError(f"{path} has two MatMulNBits weights named {key!r}: name its nodes apart")
+            loaded[key] = value
+    return loaded
+
+
+def _nodes_with_initializers(graph, outer):
+    """(node, the initializers it sees) for every node of `graph` and of the
+    subgraphs its nodes hold, in order; a subgraph sees its outer graphs' too."""
+    from onnx import AttributeProto
+    initializers = dict(outer, **{t.name: t for t in graph.initializer})
+    for node in graph.node:
+        yield node, initializers
+        for attribute in node.attribute:
+            inner = ([attribute.g] if attribute.type == AttributeProto.GRAPH else
+                     attribute.graphs if attribute.type == AttributeProto.GRAPHS else [])
+            for subgraph in inner:
+                yield from _nodes_with_initializers(subgraph, initializers)
+
+
+def _node_parts(name, node, initializers, device):
+    """{name: its weight's QTensor} for one MatMulNBits node, and its bias, if any."""
+    from onnx import helper, numpy_helper
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    absent = [key for key in ("K", "N", "block_size") if key not in attributes]
+    if absent:
+        raise SerializationError(f"MatMulNBits node {name!r} lacks the attribute(s) {', '.join(absent)}, which "
+                                 f"the op requires")
+    inputs = list(node.input) + [""] * 6  # A, B, scales, zero_points, g_idx, bias
+    if inputs[4]:  # g_idx: a permutation of K's rows, no block layout
+        raise SerializationError(f"MatMulNBits node {name!r} has a g_idx input (act-order weights), "
+                                 f"which qdispatch's block schemes can't hold")
+    if not inputs[1] or not inputs[2]:
+        raise SerializationError(f"MatMulNBits node {name!r} has no B or no scales input, which the op requires")
+    missing = [i for i in inputs[1:4] + [inputs[5]] if i and i not in initializers]
+    if missing:
+        raise SerializationError(f"MatMulNBits node {name!r} reads {', '.join(missing)} from the graph, not "
+                                 f"from initializers: only constant weights load")
+
+    def array(i):
+        return numpy_helper.to_array(initializers[inputs[i]])
+    parts = {name: load(array(1), array(2), attributes["K"], attributes["N"], attributes.get("bits", 4),
+                        attributes["block_size"], array(3) if inputs[3] else None, device)}
+    if inputs[5]:
+        bias = array(5)
+        if bias.shape != (attributes["N"],) or bias.dtype not in SCALE_DTYPES:
+            raise SerializationError(f"MatMulNBits node {name!r} has a bias of {bias.dtype} {bias.shape}, "
+                                     f"expected float32 or float16 ({attributes['N']},)")
+        parts[name + ".bias"] = tensor(bias, device=device)
+    return parts
 
 
 def _onnx():

@@ -210,5 +210,68 @@ def test_load_model_refuses_what_it_cannot_hold(rng, tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"not a model" * 10)
     with pytest.raises(qd.SerializationError, match="no ONNX model"):
         matmulnbits.load_model(tmp_path / "junk.onnx")
+    for content in (b"", b"\x08\x07"):  # they parse, as models without a graph: {} passed for none found
+        (tmp_path / "empty.onnx").write_bytes(content)
+        with pytest.raises(qd.SerializationError, match="holds no ONNX graph"):
+            matmulnbits.load_model(tmp_path / "empty.onnx")
+
+
+def test_load_model_turns_every_lying_node_into_a_serialization_error(rng, tmp_path):
+    """A node without its attributes was a KeyError, B's dims past its bytes and a
+    scales initializer of another type numpy's ValueErrors."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+    w = matmulnbits.export(qd.quantize(rng.standard_normal((16, 64)).astype(np.float32),
+                                       qd.QuantScheme("q4f", block=32, store="packed_u32")))
+    cases = {"no attributes": (helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], name="n", domain="com.microsoft"),
+                               "lacks the attribute\\(s\\) K, N, block_size"),
+             "no scales": (helper.make_node("MatMulNBits", ["A", "B", ""], ["Y"], name="n", domain="com.microsoft",
+                                            **w.attributes), "has no B or no scales input")}
+    for what, (node, words) in cases.items():
+        _, model = _model_of([node], {"B": w.B, "S": w.scales})
+        onnx.save(model, str(tmp_path / "m.onnx"))
+        with pytest.raises(qd.SerializationError, match=words):
+            matmulnbits.load_model(tmp_path / "m.onnx")
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], name="n", domain="com.microsoft", **w.attributes)
+    for lie in ("dims", "data_type"):
+        _, model = _model_of([node], {"B": w.B, "S": w.scales})
+        initializer = {t.name: t for t in model.graph.initializer}
+        if lie == "dims":
+            initializer["B"].dims[0] = 1 << 40
+        else:
+            initializer["S"].data_type = TensorProto.DOUBLE
+        onnx.save(model, str(tmp_path / "m.onnx"))
+        with pytest.raises(qd.SerializationError, match="Can't load MatMulNBits node 'n' from"):
+            matmulnbits.load_model(tmp_path / "m.onnx")
+
+
+def test_load_model_finds_nodes_in_subgraphs_and_gives_their_bias(rng, tmp_path):
+    """Nodes in an If's branches were skipped ({}), and a node's bias input dropped:
+    a layer rebuilt from the weight alone gave other outputs than the model."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    q = qd.quantize(rng.standard_normal((4, 64)).astype(np.float32), qd.QuantScheme("q4f", block=32, store="packed_u32"))
+    w, bias = matmulnbits.export(q), rng.standard_normal(4).astype(np.float32)
+
+    def branch(name, inputs):
+        node = helper.make_node("MatMulNBits", inputs, [f"Y_{name}"], name=name, domain="com.microsoft",
+                                **w.attributes)
+        return helper.make_graph([node], name, [], [helper.make_tensor_value_info(f"Y_{name}", TensorProto.FLOAT,
+                                                                                  [None, 4])])
+    choice = helper.make_node("If", ["c"], ["Y"], then_branch=branch("then", ["A", "B", "S"]),
+                              else_branch=branch("else", ["A", "B", "S", "", "", "bias"]))
+    graph = helper.make_graph([choice], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, 64]),
+                                              helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 4])],
+                              [numpy_helper.from_array(w.B, "B"), numpy_helper.from_array(w.scales, "S"),
+                               numpy_helper.from_array(bias, "bias")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                      helper.make_opsetid("com.microsoft", 1)]),
+              str(tmp_path / "m.onnx"))
+    loaded = matmulnbits.load_model(tmp_path / "m.onnx")
+    assert sorted(loaded) == ["else", "else.bias", "then"]
+    assert np.array_equal(loaded["then"].dequantize().numpy(), q.dequantize().numpy())
+    assert np.array_equal(loaded["else"].dequantize().numpy(), q.dequantize().numpy())
+    assert np.array_equal(loaded["else.bias"].numpy(), bias)
     with pytest.raises(OSError):
         matmulnbits.load_model(tmp_path / "missing.onnx")
