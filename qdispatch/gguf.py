@@ -181,8 +181,11 @@ def _load_tensor(path, gguf, file, t, device):
             f"QTensors hold at least one value; remove it from the file or store it as F32")
     scheme, block_bytes, decode, _ = _QUANT_TYPES[kind]
     scales, payload = _split_blocks(raw, block_bytes, file.swapped)
-    if not np.all(np.isfinite(scales)):
-        raise SerializationError(f"Tensor {t.name!r} in {path} has NaN or Inf scales: the file is corrupted")
+    if not np.all(np.isfinite(scales)):  # gguf's own quantizer writes inf for blocks past float16's range
+        bad = "NaN" if np.isnan(scales).any() else "Inf"
+        raise SerializationError(
+            f"Tensor {t.name!r} in {path} has {bad} scales (values past float16's range, or damage), and a QTensor's "
+            f"scales are finite: requantize it from finite floats, or load the others with names=[...]")
     grid = shape[:-1] + (shape[-1] // BLOCK,)
     return qtensor_from_parts(decode(payload).reshape(shape), scales.reshape(grid), scheme, device=device)
 

@@ -68,7 +68,7 @@ _MAX_HEADER = 100_000_000  # bytes, as the safetensors library reads: a larger c
 _NUMPY_OF = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64,
 }
 _CODE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF.items() if k != "BF16"}
 _SCALE_CODES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
@@ -455,8 +455,10 @@ def _without_repeats(pairs):
 
 def _metadata(path, header):
     """The records of a file's tensors, each checked to have the fields its kind needs."""
-    meta = header.get(_METADATA, {})
-    if not isinstance(meta, dict):  # null, 0 or "" too: safetensors refuses them, and they hid qdispatch's records
+    meta = header.get(_METADATA)
+    if meta is None and not any(key.endswith(_SUFFIXES) for key in header):
+        meta = {}  # null: none, as safetensors reads it, in a file with no QTensor's parts to lose records of
+    if not isinstance(meta, dict):  # 0 or "" too: safetensors refuses them, and they hid qdispatch's records
         raise SerializationError(
             f"{path} has a corrupted safetensors header: its __metadata__ is {brief(meta)}, not a JSON object")
     version = meta.get(_VERSION_KEY)

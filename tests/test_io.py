@@ -490,6 +490,25 @@ def test_a_metadata_that_is_no_json_object_is_refused(tmp_path, metadata):
         qd.load(tmp_path / "w.st")
 
 
+def test_a_null_metadata_of_a_plain_file_is_none(tmp_path):
+    """safetensors reads "__metadata__": null as no metadata; where no QTensor's
+    parts lost their records by it, so does load (it refused the file)."""
+    qd.save(tmp_path / "x.st", {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    rewrite_metadata(tmp_path / "x.st", lambda h: h.update({"__metadata__": None}))
+    np.testing.assert_array_equal(qd.load(tmp_path / "x.st", device="reference")["x"].numpy(),
+                                  np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_complex64_entries_load_as_numpy_arrays(tmp_path):
+    """safetensors' C64, as torch writes complex64: refused, where the README says
+    entries of other dtypes load as numpy arrays."""
+    z = (np.arange(4) + 1j * np.arange(4)[::-1]).astype(np.complex64)
+    qd.save(tmp_path / "z.st", {"z": z})
+    loaded = qd.load(tmp_path / "z.st")["z"]
+    assert loaded.dtype == np.complex64
+    np.testing.assert_array_equal(loaded, z)
+
+
 def test_a_header_in_another_encoding_than_utf8_is_refused(tmp_path):
     """json guessed the encoding: a UTF-16 header, or one after a byte-order mark,
     loaded, where safetensors readers refuse it."""
