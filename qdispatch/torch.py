@@ -965,6 +965,7 @@ class _QuantizedModule(torch.nn.Module):
     # The zeros a layer on torch's meta device was given, until a checkpoint replaces
     # them: a call before that would compute with values no one gave it.
     _unloaded = None
+    _weight_version = 0  # set with each weight (see _weight_versions); a pickle of an older release has none
 
     def __init__(self, weight, dims, made_by):
         """weight: a 2-D QTensor [dims]; `made_by` says how one quantizes a float layer."""
