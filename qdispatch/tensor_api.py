@@ -142,6 +142,8 @@ def tensor(data, device=None, dtype=None):
         if host is None:
             return _as_dtype(from_dlpack(data, device=device), dtype)
         data = host  # converted to dtype as numpy data is, not first to a dtype of qdispatch's own
+    if dtype in ("float16", "bfloat16") and isinstance(data, np.ndarray) and data.dtype == np.float32:
+        return _as_dtype(tensor(data, device), dtype)  # the backend's cast (C on cpu), not numpy's
     arr, name = _host_array(data, dtype)
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return Tensor(backend.from_host(arr, dev.index), name, tuple(arr.shape), dev.kind, dev.index)
@@ -628,7 +630,9 @@ def qtensor_values(q):
 def qtensor_scales(q):
     """Per tensor: a 0-d array; per axis: one scale per index; per block: the grid
     (a copy, as for the values)."""
-    scales = np.array(qtensor_host(q)[1])
+    scales = np.array(get_backend(q.kind).qstorage_scales_to_host(q.storage))  # packed values stay packed
+    if q.transposed:
+        scales = np.swapaxes(scales, -1, -2)
     scheme = q.scheme
     if scheme.granularity == "tensor":
         return scales.reshape(())

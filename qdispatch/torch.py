@@ -54,6 +54,7 @@ from . import policy, quantmath, tensor_api
 from ._core import BackendKind, Device, QTensor, Tensor
 from ._core import q_matmul as _qd_matmul
 from .io import brief, decode_qtensor, encode_qtensor, reading as read_stored, save as save_tensors, stored_shapes
+from .backends.host import HostQStorage
 from .layout import QLayout, swap_last2
 from .errors import (NOT_IN_CUDA_GRAPHS, ArgumentError, ArgumentTypeError, BackendMismatchError,
                      BackendUnavailableError, DeviceMismatchError, KernelError, NonFiniteError, QDispatchError,
@@ -734,14 +735,16 @@ def _stored_dtypes(scheme):
             _STORED_DTYPES[scheme.scale_dtype])
 
 
-def _to_torch_stored(a):
-    """A torch copy of a stored part: a host weight's stored arrays are its storage,
-    which an edit of the state dict must not reach."""
+def _to_torch_stored(a, held):
+    """A stored part as a torch tensor: a copy where it shares memory with `held` (a
+    host weight's storage arrays, which an edit of the state dict must not reach),
+    else the fresh array itself (packed words, converted scales: no second copy)."""
+    make = torch.tensor if any(np.may_share_memory(a, h) for h in held) else torch.from_numpy
     if a.dtype == np.uint32:
-        return torch.tensor(a.view(np.int32))
+        return make(a.view(np.int32))
     if a.dtype == np.uint16:  # bfloat16 bits
-        return torch.tensor(a.view(np.int16)).view(torch.bfloat16)
-    return torch.tensor(a)
+        return make(a.view(np.int16)).view(torch.bfloat16)
+    return make(a)
 
 
 def _from_torch_stored(t):
@@ -763,7 +766,9 @@ def _stored_weight(w, on_meta=False):
         values, scales = (torch.empty(shape, dtype=dtype, device="meta")
                           for shape, dtype in zip(stored_shapes(scheme, w.layout), _stored_dtypes(scheme)))
     else:
-        values, scales = (_to_torch_stored(part) for part in encode_qtensor("weight", w, op="put in a state_dict"))
+        held = (w.storage.values, w.storage.scales) if isinstance(w.storage, HostQStorage) else ()
+        values, scales = (_to_torch_stored(part, held)
+                          for part in encode_qtensor("weight", w, op="put in a state_dict"))
     return {"format": _STATE_FORMAT, "qvalues": values, "qscales": scales,
             "scheme": scheme.to_record(), "shape": list(w.shape), "transposed": bool(w.transposed)}
 

@@ -9,6 +9,7 @@ import pytest
 
 import qdispatch as qd
 from helpers import run_python
+from qdispatch._core import get_backend
 
 
 def test_host_tensor_shares_memory_with_numpy(device):
@@ -267,6 +268,36 @@ def test_scales_shape_per_granularity(rng):
     assert qd.quantize(x, "q8s", device="reference").scales.shape == ()
     assert qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="reference").scales.shape == (8,)
     assert qd.quantize(x, qd.QuantScheme("q8s", block=32), device="reference").scales.shape == (8, 2)
+
+
+def test_scales_leave_packed_values_packed(device, rng, monkeypatch):
+    """.scales unpacked every value first (2 ms for a 4096^2 int4 tensor, against
+    0.06 for int8); the grid is the same, transposed with the tensor."""
+    q = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32),
+                    qd.QuantScheme("q4s", block=(2, 32), store="packed_u32"), device=device)
+    want = q.scales
+    backend = type(get_backend(q.kind))
+    monkeypatch.setattr(backend, "qstorage_to_host", lambda *args: pytest.fail("the values were unpacked"))
+    np.testing.assert_array_equal(q.scales, want)
+    np.testing.assert_array_equal(q.T.scales, want.T)
+    assert want.shape == (8, 2)
+
+
+def test_float32_data_converts_to_16_bits_in_the_backend(device, rng, monkeypatch):
+    """qd.tensor(x, dtype="bfloat16") rounded in numpy whatever the device (10x the
+    cpu backend's own cast); the same bits as astype on the device."""
+    x = np.concatenate([rng.standard_normal(1000).astype(np.float32) * 1e3,
+                        np.array([0.0, -0.0, np.inf, -np.inf, 6e4, 7e4, 1e-8, 3.4e38], np.float32)])
+    for dtype in ("bfloat16", "float16"):
+        want = qd.tensor(x, device=device).astype(dtype).numpy()
+        if device != "reference":
+            monkeypatch.setattr(qd.quantmath, "f32_to_bf16_bits", lambda a: pytest.fail("numpy rounded"))
+        got = qd.tensor(x, dtype=dtype, device=device)
+        monkeypatch.undo()
+        assert got.dtype == dtype and got.device == device
+        np.testing.assert_array_equal(got.numpy(), want)
+        scalar = qd.tensor(np.float32(1.5), device=device).astype(dtype)  # the C cast gave a 0-d payload 1 dim
+        assert scalar.shape == () and float(scalar.numpy()) == 1.5
 
 
 def test_values_and_scales_are_copies(device, rng):

@@ -796,15 +796,22 @@ def test_qlinear_loaded_from_a_state_dict_owns_its_weight(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_qlinear_state_dict_is_a_copy_of_its_weight(device):
+@pytest.mark.parametrize("scheme", [SCHEMES[0], QuantScheme("q8s", axis=0),
+                                    QuantScheme("q4f", block=16, store="packed_u32", scale_dtype="f16")], ids=repr)
+def test_qlinear_state_dict_is_a_copy_of_its_weight(device, scheme):
+    """Parts the state dict shares with no one (packed words, converted scales) go
+    to torch without a copy; those that would share the weight's storage are copied."""
     torch.manual_seed(0)
-    layer = QLinear.from_linear(torch.nn.Linear(16, 8), SCHEMES[0], device=device)
-    values = layer.weight.values
+    layer = QLinear.from_linear(torch.nn.Linear(16, 8), scheme, device=device)
+    values, scales = layer.weight.values, layer.weight.scales
     x = torch.randn(3, 16)
     expected = layer(x)
-    layer.state_dict()["_extra_state"]["qvalues"].zero_()
+    state = layer.state_dict()["_extra_state"]
+    state["qvalues"].zero_()
+    state["qscales"].zero_()
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
     np.testing.assert_array_equal(layer.weight.values, values)
+    np.testing.assert_array_equal(layer.weight.scales, scales)
 
 
 def test_qlinear_deepcopy_and_pickle(tmp_path):

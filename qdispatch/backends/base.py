@@ -28,6 +28,10 @@ class Backend:
         """Storage for int8 `values` (storage orientation) and a float32 scale grid."""
         raise NotImplementedError
 
+    def qstorage_scales_to_host(self, storage):
+        """The float32 scale grid of `storage` on the host (its values left where they are)."""
+        raise NotImplementedError
+
     def qstorage_to_host(self, storage, layout):
         """(int8 values, float32 scale grid) exactly as they were stored."""
         raise NotImplementedError

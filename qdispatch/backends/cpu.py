@@ -213,7 +213,8 @@ class CpuBackend(HostBackend):
         convert = _CONVERSIONS.get((src, dst))
         if convert is None or (dst != "bfloat16" and np.size(payload) < _C_CAST_FROM):
             return super().cast(payload, src, dst)
-        return convert(np.asarray(payload))
+        payload = np.asarray(payload)
+        return convert(payload).reshape(payload.shape)  # the C call's array is flat for a 0-d payload
 
     # ---- dequantize ----
     def _store_as_rows(self, storage, layout):

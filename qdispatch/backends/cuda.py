@@ -235,6 +235,9 @@ class CudaBackend(Backend):
         return CudaQStorage(self.from_host(values, index),
                             self.from_host(np.asarray(scales, dtype=np.float32), index))
 
+    def qstorage_scales_to_host(self, storage):
+        return _cuda.to_host(storage.scales)
+
     def qstorage_to_host(self, storage, layout):
         values = _cuda.to_host(storage.values)
         if layout.scheme.store == "packed_u32":

@@ -41,6 +41,9 @@ class HostBackend(Backend):
             values = self.pack_u32(values, layout.bits)
         return HostQStorage(values, np.ascontiguousarray(scales, dtype=np.float32))
 
+    def qstorage_scales_to_host(self, storage):
+        return storage.scales
+
     def qstorage_to_host(self, storage, layout):
         values = storage.values
         if layout.scheme.store == "packed_u32":
