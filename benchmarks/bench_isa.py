@@ -3,6 +3,7 @@ int4 weights, W8A8, int_matmul): one group per shape, path and thread count, eac
 forced in turn, in the same run.  extra_info holds GOP/s and the ratio to
 `avx512vnni` (where it runs), the kernels the newer ISAs are measured against."""
 import functools
+import os
 
 import pytest
 
@@ -36,6 +37,13 @@ def _built(case, budget_bytes):
     return bench.build(case, budget_bytes=budget_bytes)
 
 
+def _isa_in_force():
+    """The ISA to go back to after a case: the one QDISPATCH_ISA forced (auto dropped it,
+    so the suites after this one, and the run's machine_info, ran at another), else auto."""
+    forced = os.environ.get("QDISPATCH_ISA") and qd.info()["backends"]["cpu"].get("isa")
+    return forced or "auto"
+
+
 def test_isa(benchmark, isa_case, rotation_budget_bytes):
     case, isa = isa_case
     reason = case.skip_reason()
@@ -44,6 +52,7 @@ def test_isa(benchmark, isa_case, rotation_budget_bytes):
     benchmark.group = f"{case.group}-isa"
     with bench.thread_limit(case.threads):
         b = _built(case, rotation_budget_bytes)
+        before = _isa_in_force()
         qd.set_isa(isa)
         try:
             expected = bench.expected_results(case)
@@ -51,7 +60,7 @@ def test_isa(benchmark, isa_case, rotation_budget_bytes):
                 bench.check_result(case, call(), copy=i, expected=expected)
             benchmark(b.fn)
         finally:
-            qd.set_isa("auto")
+            qd.set_isa(before)
     if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
         return
     gops = bench.metrics(case, b, benchmark.stats.stats.min)["gops"]

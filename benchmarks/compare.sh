@@ -15,7 +15,9 @@ set -euo pipefail
 # Run from benchmarks/: `python -m` puts the working folder first on sys.path, and at the
 # source root that is the unbuilt package, not the installed one.
 cd "$(dirname "$0")"
-args=(. -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup)"
+# --rootdir: the cases' full names are the baseline's (benchmarks/bench_cpu.py::...) wherever
+# this folder sits; pytest-benchmark pairs runs by them
+args=(. --rootdir=.. -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup)"
       --bench-shapes 1x1024x1024,16x1024x1024 --bench-threads 1 --bench-bandwidth-mb 256
       --benchmark-max-time=0.25)
 if [[ "${1:-}" == "--save" ]]; then
@@ -65,8 +67,9 @@ python -m pytest "${args[@]}" --benchmark-compare --benchmark-compare-fail=min:2
 python - "$run" <<'PY' || status=1
 import glob, json, sys
 from pytest_benchmark.utils import get_machine_id
-base = {b["name"] for b in json.load(open(sorted(glob.glob(f"baseline/{get_machine_id()}/*_baseline.json"))[-1]))["benchmarks"]}
-ran = {b["name"] for b in json.load(open(sys.argv[1]))["benchmarks"]} if open(sys.argv[1]).read(1) else set()
+# by full name, as pytest-benchmark pairs them: a case of the same name under another path was not compared
+base = {b["fullname"] for b in json.load(open(sorted(glob.glob(f"baseline/{get_machine_id()}/*_baseline.json"))[-1]))["benchmarks"]}
+ran = {b["fullname"] for b in json.load(open(sys.argv[1]))["benchmarks"]} if open(sys.argv[1]).read(1) else set()
 if not base <= ran:
     left = sorted(base - ran)
     sys.exit(f"compare.sh: {len(left)} of the baseline's {len(base)} cases were not run, so they were not "
