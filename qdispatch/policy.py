@@ -3,6 +3,7 @@ context variable), and the process-wide default backend and batch invariance."""
 import contextlib
 import contextvars
 import os
+import threading
 
 import numpy as np
 
@@ -13,6 +14,9 @@ from .info import available_backends
 TRANSFER_MODES = ("error", "to_lhs", "to_rhs", "auto")
 _transfer = contextvars.ContextVar("qdispatch_transfer", default="error")
 _default_device = None
+# Held while the default is chosen or set: a thread's first default lookup must not
+# overwrite a set_default_backend that ran while it was choosing.
+_default_lock = threading.RLock()
 
 
 def _check_mode(mode):
@@ -46,20 +50,25 @@ def set_default_backend(device):
     reason = get_backend(dev.kind).unavailable_reason(dev.index)
     if reason:
         raise BackendUnavailableError(reason)
-    _default_device = dev
+    with _default_lock:
+        _default_device = dev
 
 
 def default_device():
     """Where quantize and tensor put host data when no device is given: the one
     set_default_backend named, else QDISPATCH_BACKEND, else 'cpu' ('reference' in a build without it)."""
     global _default_device
-    if _default_device is None:
-        env = os.environ.get("QDISPATCH_BACKEND")
-        if env:
-            _set_default_from_env(env)
-        else:
-            _default_device = _best_host()
-    return _default_device
+    dev = _default_device
+    if dev is not None:
+        return dev
+    with _default_lock:
+        if _default_device is None:
+            env = os.environ.get("QDISPATCH_BACKEND")
+            if env:
+                _set_default_from_env(env)
+            else:
+                _default_device = _best_host()
+        return _default_device
 
 
 def _set_default_from_env(env):

@@ -1,8 +1,11 @@
 """Mixed devices: typed errors that name both sides, and the transfer policies."""
+import threading
+
 import numpy as np
 import pytest
 
 import qdispatch as qd
+from qdispatch import policy
 from qdispatch._core import get_backend
 from helpers import run_python
 
@@ -82,7 +85,6 @@ def test_every_transfer_policy(operands):
 
 def test_a_transfer_policy_holds_for_the_thread_that_enters_it(operands):
     import asyncio
-    import threading
     xq, wt = operands
     seen = []
     def other_thread():
@@ -188,6 +190,32 @@ def test_default_backend(monkeypatch):
         qd.set_default_backend("cpu")
     with pytest.raises(ValueError, match="Unknown device"):
         qd.set_default_backend("tpu")
+
+
+def test_a_default_set_while_another_thread_first_chooses_one_holds(monkeypatch):
+    # thread A's first lookup is choosing the default when set_default_backend runs
+    # in thread B: B's choice must be the one that stays, not A's
+    choosing, go = threading.Event(), threading.Event()
+    best_host = policy._best_host
+
+    def slow_best_host():
+        choosing.set()
+        go.wait(5)
+        return best_host()
+
+    monkeypatch.setattr(policy, "_default_device", None)
+    monkeypatch.setattr(policy, "_best_host", slow_best_host)
+    first = threading.Thread(target=qd.default_device)
+    first.start()
+    assert choosing.wait(5)
+    setter = threading.Thread(target=qd.set_default_backend, args=("reference",))
+    setter.start()
+    setter.join(0.2)  # it waits for the choice in progress
+    go.set()
+    first.join(5)
+    setter.join(5)
+    assert qd.default_device() == "reference"
+    assert qd.tensor(np.ones(2, np.float32)).device == "reference"
 
 
 @pytest.mark.skipif("cuda" in qd.available_backends(), reason="cuda is built and present")
