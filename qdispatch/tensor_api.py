@@ -268,6 +268,34 @@ _BASIC_INDEXING = ("a Tensor takes integers on its leading axes, then at most on
                    "copy it to numpy with t.numpy()[...], or index a torch or CuPy view of it (DLPack)")
 
 
+def _slice_indices(k, n):
+    """slice k's (start, stop, step) over an axis of n, its bounds checked as numpy does."""
+    try:
+        return k.indices(n)
+    except TypeError:  # Python's, naming no argument
+        raise ArgumentTypeError(f"Slice {k!r} has bounds that are not integers: slice bounds and steps are "
+                                f"integers or None, as in numpy") from None
+
+
+def _without_whole_trailing_axes(shape, key):
+    """key less its trailing entries that take whole axes (t[i, :], t[i, 0:n],
+    t[i, ...]): they add nothing to the view."""
+    from_end = any(k is Ellipsis for k in key)  # entries after an ellipsis index axes counted from the last
+    dropped = 0
+    while key:
+        k = key[-1]
+        if k is Ellipsis:
+            from_end = False
+        elif not isinstance(k, slice):
+            break
+        else:
+            n = shape[len(shape) - 1 - dropped if from_end else len(key) - 1]
+            if _slice_indices(k, n) != (0, n, 1):
+                break
+        key, dropped = key[:-1], dropped + 1
+    return key
+
+
 def _leading_index(shape, key):
     """(integers, (start, stop) or None) for a key that keeps t's trailing axes whole."""
     given = key
@@ -280,16 +308,15 @@ def _leading_index(shape, key):
         raise UnsupportedIndexError("An index can only have a single ellipsis ('...'), as in numpy")
     if len(key) - ellipses > len(shape):  # counted before whole axes are dropped, as numpy counts
         raise UnsupportedIndexError(f"Too many indices ({len(key) - ellipses}) for a Tensor of shape {shape}")
-    while key and (key[-1] is Ellipsis or (isinstance(key[-1], slice) and key[-1] == slice(None))):
-        key = key[:-1]  # whole trailing axes add nothing
+    key = _without_whole_trailing_axes(shape, key)
     ints, rows = [], None
     for axis, k in enumerate(key):
         if isinstance(k, slice):
             if axis != len(key) - 1:
                 raise UnsupportedIndexError(f"A slice may only be followed by whole axes: {_BASIC_INDEXING}")
-            if k.step not in (None, 1):
+            start, stop, step = _slice_indices(k, shape[axis])
+            if step != 1:
                 raise UnsupportedIndexError(f"Slice step {k.step} is not supported: {_BASIC_INDEXING}")
-            start, stop, _ = k.indices(shape[axis])
             rows = (start, max(start, stop))
         elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
             n = shape[axis]

@@ -761,7 +761,10 @@ def test_numpy_style_size_bytes_numbers_and_copies(device):
 
 
 INDEX_KEYS = [1, -1, slice(1, 3), slice(None, 2), slice(-2, None), slice(3, 1), (2, slice(1, 4)), (0, 3),
-              (slice(1, 3), slice(None)), (1, Ellipsis), np.int64(2)]
+              (slice(1, 3), slice(None)), (1, Ellipsis), np.int64(2),
+              # slices that take whole axes however they are written (they were refused after a slice)
+              (slice(1, 3), slice(0, 5), slice(None, None, 1)), (1, slice(0, 99)), (Ellipsis, slice(0, 6)),
+              (slice(1, 3), Ellipsis, slice(None, 6, 1)), (slice(np.int64(1), np.int64(3)), slice(-5, None))]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
@@ -813,6 +816,15 @@ def test_indexing_beyond_views_says_what_works(device, key, match):
         t[key]
     if "not supported" in match or "step" in match:
         assert "t.numpy()[...]" in str(info.value)
+
+
+@pytest.mark.parametrize("key", [slice(1.5, None), slice("a", None), (slice(None), slice(0, 2.0)),
+                                 slice(0, 2, 1.0)])
+def test_a_slice_bound_that_is_no_integer_is_a_typed_error(device, key):
+    t = qd.tensor(np.zeros((3, 4), np.float32), device=device)
+    with pytest.raises(qd.ArgumentTypeError, match=r"bounds that are not integers: slice bounds and steps are "
+                                                   r"integers or None"):
+        t[key]  # it was Python's TypeError, no QDispatchError
 
 
 def test_an_element_of_a_vector_is_named_as_it_was_asked_for(device):
