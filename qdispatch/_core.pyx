@@ -6,6 +6,7 @@ nowhere else).  Every tensor stores it in a C field, and the dispatcher checks
 that two operands share a device with two C integer compares before it looks
 the backend up in a C-indexed table."""
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
+from cpython.object cimport Py_EQ, Py_NE
 
 import math
 import sys
@@ -513,6 +514,9 @@ cdef class QTensor(TensorBase):
     def __richcmp__(self, other, int op):
         # Against data (an array, a Tensor, a number) the default said False, as if values had
         # been compared; between QTensors it stays identity, a weight's handle, so `w in seen` works.
+        # Ordering has no such meaning against anything (Python's own TypeError said so untyped).
+        if op not in (Py_EQ, Py_NE):
+            raise ArgumentTypeError(QTENSOR_NOT_COMPARED)
         if isinstance(other, (TensorBase, int, float)) or hasattr(other, "__array__"):
             if not isinstance(other, QTensor):
                 raise ArgumentTypeError(QTENSOR_NOT_COMPARED)

@@ -157,7 +157,7 @@ def numpy_of(obj):
         if not obj.is_cpu:
             return None
         obj = obj.detach().resolve_conj().resolve_neg()  # what DLPack can't carry: a gradient, lazy views
-    elif int(obj.__dlpack_device__()[0]) not in (1, 3) or _is_bf16(obj):  # kDLCPU, kDLCUDAHost
+    elif isinstance(obj, QTensor) or dlpack_device(obj)[0] not in (_KDL_CPU, _KDL_CUDA_HOST) or _is_bf16(obj):
         return None
     try:
         return np.from_dlpack(obj)
@@ -371,12 +371,40 @@ def from_dlpack(obj, device=None):
     return import_dlpack(obj, device)
 
 
+QTENSOR_IS_NO_DATA = ("A QTensor is no float or integer data to take in: its float values are q.dequantize() "
+                      "(quantize those to requantize it), its stored parts q.values and q.scales")
+
+# DLPack's device types that qdispatch doesn't serve, for the error that names one
+_DLPACK_DEVICE_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host",
+                        12: "an extension device", 13: "CUDA managed", 14: "oneAPI", 15: "WebGPU",
+                        16: "Hexagon", 17: "MAIA"}
+_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST = 1, 2, 3
+
+
+def dlpack_device(obj):
+    """obj.__dlpack_device__() as (device type, index) ints, or a typed error
+    naming what a producer gave instead."""
+    said = obj.__dlpack_device__()
+    try:
+        kind, index = (int(v) for v in said)
+    except (TypeError, ValueError):  # "cpu", (1,), (1, None): not DLPack's pair
+        raise ArgumentTypeError(f"{type(obj).__name__}.__dlpack_device__() gave {said!r}, not DLPack's "
+                                f"(device type, device index) pair of integers: the object does not speak "
+                                f"DLPack; pass a numpy array or a torch or CuPy tensor") from None
+    return kind, index
+
+
 def import_dlpack(obj, device=None):
     """from_dlpack by the protocol alone."""
-    kind, index = obj.__dlpack_device__()
-    if int(kind) in (1, 3):  # kDLCPU, kDLCUDAHost: host memory
+    if isinstance(obj, QTensor):  # it speaks DLPack only to say it can't
+        raise ArgumentTypeError(QTENSOR_IS_NO_DATA)
+    kind, index = dlpack_device(obj)
+    if kind in (_KDL_CPU, _KDL_CUDA_HOST):  # host memory
         try:
             arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
+        except (TypeError, ValueError) as exc:  # numpy's words for what is no capsule
+            raise ArgumentTypeError(f"from_dlpack can't read this {type(obj).__name__}: its __dlpack__ gave no "
+                                    f"DLPack tensor numpy reads ({exc})") from None
         except (BufferError, RuntimeError) as exc:
             # "Unsupported dtype" for a type numpy lacks (float8, complex32) comes as a
             # RuntimeError or, from some numpy and torch versions, a BufferError, which
@@ -388,6 +416,11 @@ def import_dlpack(obj, device=None):
                                     f"{getattr(obj, 'dtype', 'unknown')} ({exc}): convert it to float32, float16 or "
                                     f"bfloat16 first") from None
         return host_view(arr, device, "bfloat16" if _is_bf16(obj) else None)
+    if kind != _KDL_CUDA:
+        where = _DLPACK_DEVICE_NAMES.get(kind, "an unknown device")
+        raise ArgumentTypeError(f"This {type(obj).__name__}'s memory is on DLPack device type {kind} ({where}), "
+                                f"which qdispatch does not serve: it takes host (CPU) and CUDA memory; copy the "
+                                f"data to the host first")
     backend = get_backend("cuda")
     reason = backend.unavailable_reason(int(index))
     if reason:

@@ -61,6 +61,57 @@ def test_from_dlpack_of_data_dlpack_cannot_carry_says_what_to_do():
     np.testing.assert_array_equal(qd.tensor(a).numpy(), a)
 
 
+def test_a_qtensor_given_as_data_says_where_its_values_are(rng):
+    """It said "from_dlpack can't view this QTensor without a copy: copy it in with
+    qdispatch.tensor(...)", which was the call that failed."""
+    w = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), "q8s")
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    for take in (qd.tensor, qd.quantize, qd.from_dlpack, lambda q: qd.linear(x, w, bias=q)):
+        with pytest.raises(qd.ArgumentTypeError, match=r"A QTensor is no float or integer data to take in: its "
+                                                       r"float values are q.dequantize\(\)"):
+            take(w)
+
+
+class _Producer:
+    """A DLPack producer that says what it is told to."""
+    def __init__(self, device, capsule=5):
+        self.device, self.capsule = device, capsule
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, **kwargs):
+        return self.capsule
+
+
+@pytest.mark.parametrize("take", [qd.from_dlpack, qd.tensor, lambda p: qd.quantize(p, "q8s"),
+                                  lambda p: qd.tensor(p, dtype="float32")])
+@pytest.mark.parametrize("device,match", [
+    # numpy's ValueErrors, untyped: "PyCapsule_GetPointer called with invalid ...", "too many values to unpack"
+    ((1, 0), r"can't read this _Producer: its __dlpack__ gave no DLPack tensor numpy reads"),
+    ("cpu", r"_Producer.__dlpack_device__\(\) gave 'cpu', not DLPack's \(device type, device index\) pair"),
+    ((1,), r"gave \(1,\), not DLPack's"),
+    # every device but the CPU was taken for CUDA: "rebuild with QDISPATCH_CUDA=1"
+    ((10, 0), r"memory is on DLPack device type 10 \(ROCm\), which qdispatch does not serve: it takes host "
+              r"\(CPU\) and CUDA memory"),
+    ((8, 0), r"device type 8 \(Metal\)"), ((99, 0), r"device type 99 \(an unknown device\)"),
+])
+def test_a_producer_that_breaks_dlpack_is_a_typed_error(take, device, match):
+    with pytest.raises(qd.ArgumentTypeError, match=match):
+        take(_Producer(device))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(stream=5), qd.ArgumentError, r"__dlpack__ of a host Tensor: .*stream=None"),  # numpy's RuntimeError
+    (dict(dl_device=(2, 0)), qd.DLPackExportError, r"A host Tensor can't be exported so: "),  # a bare BufferError
+    (dict(max_version="x"), qd.ArgumentTypeError, r"__dlpack__ of a host Tensor: max_version"),
+    (dict(copy="maybe"), qd.ArgumentError, r"__dlpack__ of a host Tensor: "),
+])
+def test_dlpack_export_arguments_numpy_refuses_are_typed_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        qd.tensor(np.zeros(3, np.float32), device="reference").__dlpack__(**kwargs)
+
+
 def test_a_tensor_with_negative_strides_is_not_shared_through_dlpack():
     """torch's DLPack import aborts the process on negative strides, so such a Tensor
     refuses (a BufferError, the protocol's word) unless a copy is asked for."""
@@ -698,8 +749,10 @@ def test_tensors_compare_value_by_value_as_numpy(device):
     b = qd.tensor(a, dtype="bfloat16", device=device)
     np.testing.assert_array_equal(b == t, np.ones((2, 2), bool))
     q = qd.quantize(a, "q8s", device=device)
-    for compare in (lambda: t == q, lambda: a == q, lambda: q == 1.0, lambda: q < 1):
-        with pytest.raises(TypeError, match="QTensors are not compared value by value"):
+    # ordering between QTensors, or with None, was Python's untyped TypeError
+    for compare in (lambda: t == q, lambda: a == q, lambda: q == 1.0, lambda: q < 1, lambda: q < q,
+                    lambda: q >= None, lambda: None < q, lambda: q > "a"):
+        with pytest.raises(qd.ArgumentTypeError, match="QTensors are not compared value by value"):
             compare()
     twin = qd.quantize(a, "q8s", device=device)  # between QTensors, identity: a weight is a handle
     assert q == q and q != twin and q in [twin, q] and twin not in [q] and q != None  # noqa: E711

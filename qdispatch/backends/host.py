@@ -4,7 +4,7 @@ import numpy as np
 
 from .. import quantmath
 from .._core import dlpack_as_bfloat16
-from ..errors import DLPackExportError
+from ..errors import ArgumentError, ArgumentTypeError, DLPackExportError
 from .base import Backend
 
 
@@ -142,7 +142,14 @@ class HostBackend(Backend):
             raise DLPackExportError("A Tensor over read-only memory is not shared through DLPack, as torch would "
                                     "take it as writable: ask for a copy (copy=True; qdispatch.torch.to_torch "
                                     "copies it), or copy it first (qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
-        capsule = payload.__dlpack__(*args, **kwargs)
+        try:
+            capsule = payload.__dlpack__(*args, **kwargs)
+        except BufferError as exc:  # numpy's words for a device or copy it can't give
+            raise DLPackExportError(f"A host Tensor can't be exported so: {exc}") from None
+        except TypeError as exc:
+            raise ArgumentTypeError(f"__dlpack__ of a host Tensor: {exc}") from None
+        except (RuntimeError, ValueError) as exc:  # stream=5: numpy's RuntimeError
+            raise ArgumentError(f"__dlpack__ of a host Tensor: {exc}") from None
         if t.dtype == "bfloat16":  # numpy exports the payload's bits as uint16
             return dlpack_as_bfloat16(capsule)
         return capsule
