@@ -660,11 +660,14 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     for q_matmul (activation_scheme="q8s": one scale per row of x, W8A8)."""
     if not isinstance(w, QTensor):
         raise ArgumentTypeError(f"linear expects a QTensor weight, got {type(w).__name__}: quantize it first")
-    _check_linear_shapes(getattr(x, "shape", None), (<QTensor>w).shape)
     if isinstance(x, QTensor) and activation_scheme is not None:  # in linear's words, not q_matmul's
         raise ArgumentError(f"linear got activation_scheme={activation_scheme!r}, but x is a QTensor already: it "
                             f"quantizes a float x on the fly; leave it out")
     x = _operand(x, <TensorBase>w, "linear")  # as q_matmul takes it: a GPU tensor of torch's stays on its GPU
+    _check_linear_shapes((<TensorBase>x).shape, (<QTensor>w).shape)
+    if isinstance(x, Tensor) and (<Tensor>x).dtype not in ("float32", "float16", "bfloat16"):
+        raise ArgumentTypeError(f"linear expects float data, got {(<Tensor>x).dtype}: convert it to float32 first "
+                                f"(or quantize it; int_matmul gives exact int8 products)")
     if not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
     # Without a bias the product is the result: the kernel writes out_dtype itself.
@@ -675,11 +678,14 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     return ops_module().add_bias(out, bias, out_dtype, transfer)
 
 
-cdef _check_linear_shapes(object x_shape, tuple w_shape):
+cdef _check_linear_shapes(tuple x_shape, tuple w_shape):
     """In linear's own terms: q_matmul's error would name w.T, which the caller never wrote."""
     if len(w_shape) < 2:
         raise ShapeError(f"linear's weight w must be [out_features, in_features], got a QTensor of shape {w_shape}")
-    if x_shape is not None and len(x_shape) >= 1 and x_shape[-1] != w_shape[-1]:
+    if len(x_shape) == 0:
+        raise ShapeError(f"linear's x must be a vector of {w_shape[-1]} features or rows of them, got a single "
+                         f"number (shape ())")
+    if x_shape[-1] != w_shape[-1]:
         raise ShapeError(f"linear's x has {x_shape[-1]} features (shape {tuple(x_shape)}) but its weight w "
                          f"[out_features, in_features] takes {w_shape[-1]} (shape {w_shape}): x @ w.T needs "
                          f"x's last dim to be w's")

@@ -86,8 +86,10 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
                             "float vectors (a QTensor holds at least 2 dims)")
     fused = None
     # An empty product runs no kernel, so there is nothing to quantize on the fly
-    # (and quantize refuses empty data).
-    if activation_scheme is not None and not _is_empty(ls, rs, batch):
+    # (and quantize refuses empty data); a scheme that is none is refused all the same.
+    if activation_scheme is not None and _is_empty(ls, rs, batch):
+        as_scheme(activation_scheme)
+    elif activation_scheme is not None:
         if not lq and rq:
             fused = fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls, rhs)
         if fused is None:
@@ -220,8 +222,14 @@ def _batch_item(backend, t, idx):
 def int_matmul(backend, a, b):
     for side, t in (("a", a), ("b", b)):
         if not isinstance(t, Tensor) or t.dtype != "int8":
-            got = "a QTensor" if isinstance(t, QTensor) else getattr(t, "dtype", type(t).__name__)
-            raise ArgumentTypeError(f"int_matmul's {side} must be int8 data, got {got}: use q_matmul for QTensors")
+            if isinstance(t, QTensor):
+                got, fix = "a QTensor", "use q_matmul for QTensors"
+            elif getattr(t, "dtype", None) in FLOAT_DTYPES:
+                got, fix = t.dtype, "it multiplies integers exactly; for float data quantize it and use q_matmul"
+            else:
+                got = getattr(t, "dtype", type(t).__name__)
+                fix = "convert integers that fit to int8 first (qdispatch.tensor(data, dtype='int8'))"
+            raise ArgumentTypeError(f"int_matmul's {side} must be int8 data, got {got}: {fix}")
     a, b, row, col = _vectors_as_matrices(backend, a, b)
     ls, rs, batch = _shapes(a, b, "int_matmul", ("a", "b"), "vectors")
     out_shape = batch + (ls[-2], rs[-1])

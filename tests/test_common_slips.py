@@ -36,6 +36,31 @@ def test_a_linear_layout_weight_passed_to_q_matmul_is_told_to_transpose(rng, w):
 def test_linear_names_itself_for_integer_x(w):
     with pytest.raises(qd.ArgumentTypeError, match="^linear expects float data, got int8"):
         qd.linear(np.ones((2, 16), np.int8), w)
+    for dtype in ("int8", "int32"):  # a Tensor of integers: "q_matmul's float lhs must be ..."
+        with pytest.raises(qd.ArgumentTypeError, match=f"^linear expects float data, got {dtype}"):
+            qd.linear(qd.tensor(np.ones((2, 16)), dtype=dtype), w)
+
+
+def test_linear_of_a_number_names_its_x():
+    # it said "q_matmul multiplies matrices ...; got shapes () and (16, 8)": w.T's shape, not w's
+    w = qd.quantize(np.ones((8, 16), np.float32), "q8s")
+    for x in (3.0, np.float32(3.0), qd.tensor(np.float32(3.0))):
+        with pytest.raises(qd.ShapeError, match=r"^linear's x must be a vector of 16 features or rows of them, "
+                                                r"got a single number \(shape \(\)\)"):
+            qd.linear(x, w)
+
+
+def test_int_matmul_of_data_not_int8_says_what_to_do():
+    # "use q_matmul for QTensors" where no QTensor was given
+    a = np.ones((2, 3), np.int8)
+    with pytest.raises(qd.ArgumentTypeError, match=r"b must be int8 data, got int32: convert integers that fit "
+                                                   r"to int8 first \(qdispatch.tensor\(data, dtype='int8'\)\)"):
+        qd.int_matmul(a, qd.tensor(np.ones((3, 2), np.int32), dtype="int32"))
+    with pytest.raises(qd.ArgumentTypeError, match=r"a must be int8 data, got float32: it multiplies integers "
+                                                   r"exactly; for float data quantize it and use q_matmul"):
+        qd.int_matmul(qd.tensor(np.ones((2, 3), np.float32)), a.T)
+    with pytest.raises(qd.ArgumentTypeError, match=r"b must be int8 data, got a QTensor: use q_matmul"):
+        qd.int_matmul(a, qd.quantize(np.ones((3, 2), np.float32), "q8s"))
 
 
 def test_activation_scheme_with_two_qtensors_is_refused(rng, device):

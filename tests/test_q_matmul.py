@@ -250,6 +250,11 @@ def test_activation_scheme_on_an_empty_product(device, rng):
         with pytest.raises(qd.ShapeError, match=re.escape(f"q_matmul's product has shape {shape[:-1] + (8,)}, "
                                                           "with no values for requantize= to quantize")):
             qd.q_matmul(np.zeros(shape, np.float32), wq.T, activation_scheme="q8s", requantize="q8s")
+    # a scheme that is none is refused as on a product with values (it was taken silently)
+    with pytest.raises(qd.QuantSchemeError, match="bogus"):
+        qd.q_matmul(np.zeros((0, 16), np.float32), wq.T, activation_scheme="bogus")
+    with pytest.raises(qd.QuantSchemeError, match="Expected a QuantScheme or a value name like 'q8s', got 5"):
+        qd.q_matmul(np.zeros((0, 16), np.float32), wq.T, activation_scheme=5)
 
 
 def test_linear_with_bias(device, rng):
