@@ -100,7 +100,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
                     rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs,
                                                                          tokens_are_columns=True))
             except NonFiniteError as exc:
-                raise _on_the_fly_error(exc, activation_scheme) from None
+                raise on_the_fly_error(exc, activation_scheme) from None
             lq = rq = True
     kernel_dtype = "float32"  # what the kernel writes
     if fused is not None:
@@ -125,7 +125,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
             try:
                 check_finite(np.asarray(lhs.numpy(), np.float32))
             except NonFiniteError as exc:
-                raise _on_the_fly_error(exc, activation_scheme) from None
+                raise on_the_fly_error(exc, activation_scheme) from None
         raise
     if row or col:
         out_shape = _without_vector_dims(out_shape, row, col)
@@ -147,7 +147,7 @@ def _is_empty(ls, rs, batch):
     return 0 in batch + (ls[-2], ls[-1], rs[-1])
 
 
-def _on_the_fly_error(exc, activation_scheme):
+def on_the_fly_error(exc, activation_scheme):
     """quantize's NonFiniteError, said of the call that quantized for the caller."""
     return NonFiniteError(f"activation_scheme={activation_scheme!r} quantizes the float operand on the fly (W8A8), "
                           f"which failed: {exc}; a product without activation_scheme (weight-only) keeps a NaN or "

@@ -59,7 +59,7 @@ from .layout import QLayout, swap_last2
 from .errors import (NOT_IN_CUDA_GRAPHS, ArgumentError, ArgumentTypeError, BackendMismatchError,
                      BackendUnavailableError, DeviceMismatchError, KernelError, NonFiniteError, QDispatchError,
                      QuantSchemeError, SerializationError, ShapeError)
-from .ops import activation_scheme_for, fused_w8a8
+from .ops import activation_scheme_for, fused_w8a8, on_the_fly_error
 from .scheme import QuantScheme, as_scheme
 
 __all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "QEmbedding", "quantize_embeddings",
@@ -272,7 +272,10 @@ def _cpu_product(x, w, act):
     try:
         out = kernel(xs if xs.ndim == 2 else xs.reshape(-1, K), w)
     except NonFiniteError:
-        quantmath.check_finite(xs)  # the one-pass kernel only says that x holds NaN or Inf: name where, as qd.q_matmul does
+        try:  # the one-pass kernel only says that x holds NaN or Inf: name where, as qd.q_matmul does
+            quantmath.check_finite(xs)
+        except NonFiniteError as exc:
+            raise on_the_fly_error(exc, act) from None
         raise
     y = torch.from_numpy(out if xs.ndim == 2 else out.reshape(*x.shape[:-1], N))
     return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -1560,7 +1563,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
         _refuse_unknown_names(names, {""}, kind)
         if keep("", model):
             return model
-        _refuse_own_forward([("", model)], kind, quantized_class)
+        _refuse_unquantizable([("", model)], kind, quantized_class)
         return _quantized_layer("", model, quantized_class, scheme, device, {}, options)
     ties = _tied_weights(_module(model, f"quantize_{kind.__name__.lower()}s"))
     found, kept = [], set()  # (name, parent, attribute, layer) of the replaceable layers; ids kept
@@ -1584,7 +1587,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
             f"stay in float" if fused else f"it holds no nn.{kind.__name__}"), UserWarning, stacklevel=3)
     if done:
         _warn_left_as_they_were(model, kind, quantized_class, scheme, device, options)
-    _refuse_own_forward([(name, child) for name, _, _, child in places], kind, quantized_class)
+    _refuse_unquantizable([(name, child) for name, _, _, child in places], kind, quantized_class)
     quantized = {}  # id(layer) -> its quantized layer
     for name, _, _, child in places:
         if id(child) not in quantized:
@@ -1647,13 +1650,19 @@ def _refuse_unknown_names(names, layer_names, kind):
                             f"{kind.__name__}s are {sorted(layer_names)}")
 
 
-def _refuse_own_forward(named_layers, kind, quantized_class):
-    """ValueError naming the layers whose class overrides kind's forward: the quantized
-    layer would drop what that forward does."""
+def _refuse_unquantizable(named_layers, kind, quantized_class):
+    """ArgumentError naming the layers whose class overrides kind's forward (the
+    quantized layer would drop what that forward does), or whose weight a lazy layer
+    has not sized yet; before any layer is replaced."""
     own = [name for name, layer in named_layers if type(layer).forward is not kind.forward]
     if own:
         raise ArgumentError(f"layers {own} are subclasses of nn.{kind.__name__} with a forward of their own, which "
                             f"{quantized_class.__name__} would not run: keep them in float with skip={own}")
+    lazy = [name for name, layer in named_layers
+            if isinstance(getattr(layer, "weight", None), torch.nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ArgumentError(f"layers {lazy} are lazy (nn.Lazy{kind.__name__}) and have no weight yet: run the model "
+                            f"on an input once, which sizes them, then quantize it")
 
 
 def _skip_names(skip):

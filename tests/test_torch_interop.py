@@ -95,7 +95,10 @@ def test_every_form_of_host_x_gives_qdispatchs_product(device, form, dtype, act)
 def test_w8a8_names_where_x_is_not_finite(device):
     x = torch.randn(2, 3, 16)
     x[1, 2, 5] = float("nan")
-    with pytest.raises(qd.NonFiniteError, match=re.escape("nan at position (1, 2, 5)")):
+    # and says so as qd.q_matmul does (the cpu route gave quantize's words alone)
+    with pytest.raises(qd.NonFiniteError, match=re.escape("activation_scheme='q8s' quantizes the float operand on "
+                                                          "the fly (W8A8), which failed: ") + ".*" +
+                       re.escape("nan at position (1, 2, 5)")):
         q_matmul(x, weight((16, 24), SCHEMES[0], device), "q8s")
 
 
@@ -964,6 +967,21 @@ def test_a_linear_with_a_forward_of_its_own_is_not_replaced_silently():
     assert isinstance(model[0], QLinear) and type(model[1]) is _Scaled
     with pytest.raises(ValueError, match="forward of their own"):
         quantize_linears(_Scaled(16, 8), QuantScheme("q8s", axis=0))
+
+
+def test_a_lazy_linear_not_sized_yet_is_named_and_nothing_is_replaced():
+    """torch's "Attempted to use an uninitialized parameter", untyped and naming no layer."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LazyLinear(3))
+    for target in (model, model[1]):
+        with pytest.raises(qd.ArgumentError, match=r"layers \['(1)?'\] are lazy \(nn.LazyLinear\) and have no weight "
+                                                   r"yet: run the model on an input once"):
+            quantize_linears(target, "q8s")
+    assert type(model[0]) is torch.nn.Linear  # nothing replaced
+    x = torch.randn(2, 4)
+    expected = model(x)  # sizes the lazy layer
+    quantize_linears(model, "q8s")
+    assert all(isinstance(layer, QLinear) for layer in model)
+    assert torch.allclose(model(x), expected, rtol=0.05, atol=0.05)
 
 
 def test_a_frozen_bias_stays_frozen():
