@@ -441,17 +441,16 @@ def test_half_conversions(rng):
 def test_f32_to_f16_rounds_as_numpy_at_every_exponent_and_rounding_point(rng):
     """Every sign, exponent and top mantissa bits, with low bits at the rounding points
     of a normal half (and random ones, for the subnormal halves' other points): the
-    library's conversion (branch-free, so that it vectorizes) gives numpy's bits, and
-    NaN gives the quiet NaN with its sign."""
+    library's conversion (branch-free, so that it vectorizes) gives numpy's bits, NaNs'
+    too: their payload's top 10 bits, a NaN still where those are 0 (it gave one quiet
+    NaN of each sign)."""
     high = np.arange(1 << 19, dtype=np.uint32) << np.uint32(13)
     lows = [0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF] + list(rng.integers(0, 1 << 13, 2))
     bits = (high[:, None] | np.array(lows, np.uint32)).reshape(-1)
     x = bits.view(np.float32)
     got = _cpu.f32_to_f16(x).view(np.uint16)
-    nan = np.isnan(x)
     with np.errstate(over="ignore", invalid="ignore"):
-        np.testing.assert_array_equal(got[~nan], x[~nan].astype(np.float16).view(np.uint16))
-    np.testing.assert_array_equal(got[nan], ((bits[nan] >> 16) & 0x8000) | 0x7E00)
+        np.testing.assert_array_equal(got, x.astype(np.float16).view(np.uint16))
 
 
 # ---- the packed_u32 store in C --------------------------------------------------

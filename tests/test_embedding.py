@@ -320,6 +320,39 @@ def test_outputs_that_overlap_inputs_are_refused(c_compiler, shell_env, tmp_path
     assert out == ["3"] * 5 + ["0"]
 
 
+def test_pack_weights_into_its_own_inputs_changes_nothing(c_compiler, shell_env, tmp_path):
+    """*out in w (or in the scales) was set to NULL before any check: the weights (or
+    scales) were zeroed there, and packing went on, QD_OK, from the changed values."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        _Alignas(8) int8_t w[64];
+        _Alignas(8) float s[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+        for (int i = 0; i < 64; i++) w[i] = (int8_t)(i + 1);
+        printf("%d ", qd_pack_weights(w, 4, 16, 8, NULL, 1, 16, (qd_packed_weights **)w));
+        printf("%d ", qd_pack_weights(w, 4, 16, 8, s, 1, 8, (qd_packed_weights **)(s + 2)));
+        int same = 1;
+        for (int i = 0; i < 64; i++) same &= w[i] == i + 1;
+        for (int i = 0; i < 8; i++) same &= s[i] == i + 1;
+        printf("%d", same);
+    """)
+    assert out == ["3", "3", "1"]
+
+
+def test_dequantize_rows_refuses_misaligned_arrays(c_compiler, shell_env, tmp_path):
+    """An out (or packed values) off its dtype's alignment was written (read) through a
+    typed pointer: undefined behaviour, which UBSan reports."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        _Alignas(16) int8_t v[16] = {1, 2, 3, 4, 5, 6, 7, 8};
+        _Alignas(16) char buf[64];
+        float s[2] = {1, 1};
+        for (int dtype = QD_FLOAT32; dtype <= QD_BFLOAT16; dtype++)
+            printf("%d %d ", qd_dequantize_rows(v, 0, 2, 4, s, 1, 4, NULL, 2, buf + 1, dtype),
+                   qd_dequantize_rows(v, 0, 2, 4, s, 1, 4, NULL, 2, buf + (dtype == QD_FLOAT32 ? 4 : 2), dtype));
+        printf("%d %d", qd_dequantize_rows(v + 1, 4, 2, 8, s, 1, 8, NULL, 2, buf, QD_FLOAT32),
+               qd_dequantize_rows(v + 4, 4, 2, 8, s, 1, 8, NULL, 2, buf, QD_FLOAT32));
+    """)
+    assert out == ["3", "0"] * 3 + ["3", "0"]
+
+
 def built_with_cuda():
     from qdispatch._build_config import BUILD_CONFIG
     return BUILD_CONFIG["cuda"] is not None

@@ -36,6 +36,10 @@ qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t
     const qd_status st = check_rows(bits, rows, cols, block_rows, block_cols, ids, n, out_dtype);
     if (st != QD_OK || n == 0)
         return st;
+    /* the kernels read packed words as uint32 and write out as its dtype: misaligned
+     * pointers would be undefined behaviour there */
+    if ((bits && (uintptr_t)values % 4) || (uintptr_t)out % dtype_size(out_dtype))
+        return QD_ERR_ARGUMENT;
     const int64_t per_word = bits ? 32 / bits : 1;
     const int64_t words_per_row = (cols + per_word - 1) / per_word;
     const size_t value_bytes = (size_t)(rows * (bits ? words_per_row * 4 : cols));

@@ -26,8 +26,11 @@ static inline uint16_t qd_f32_to_f16_bits(float f)
     /* |f|'s bits fit int32: signed compares, which every SIMD ISA has */
     const uint32_t x = qd_f32_bits(f), sign = (x >> 16) & 0x8000u;
     const int32_t absx = (int32_t)(x & 0x7FFFFFFFu);
-    /* at or past 65536: Inf, or NaN (below, 65520 and up carry into Inf themselves) */
-    const uint32_t special = absx > 0x7F800000 ? 0x7E00u : 0x7C00u;
+    /* at or past 65536: Inf, or NaN (below, 65520 and up carry into Inf themselves); a
+     * NaN keeps its payload's top 10 bits, and stays a NaN where those are 0, as numpy
+     * (the reference) converts it */
+    const uint32_t payload = ((uint32_t)absx & 0x7FFFFFu) >> 13;
+    const uint32_t special = absx > 0x7F800000 ? 0x7C00u | payload | (payload == 0) : 0x7C00u;
     /* below 2^-14, a half subnormal: |f| / 2^-24 rounded to nearest even, in integers
      * (a float add would round as the caller's rounding mode says); a float32
      * subnormal, shifted as one of exponent 0, rounds to 0 as it should */

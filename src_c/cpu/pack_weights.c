@@ -103,13 +103,30 @@ static int pack_panel(const int8_t *w, int64_t N, int64_t K, int bits, int64_t p
 }
 #endif
 
+/* Whether *out's slot lies in w or the scales, where their dims are sound (other
+ * dims are an error found after). */
+static int out_in_inputs(qd_packed_weights *const *out, const int8_t *w, int64_t N, int64_t K,
+                         const float *scales, int64_t block_n, int64_t block_k)
+{
+    if (N <= 0 || K <= 0 || !qd_dims_fit(N, K, sizeof(float)))
+        return 0;
+    if (w && qd_overlap(out, sizeof *out, w, (size_t)(N * K)))
+        return 1;
+    if (!scales || block_n <= 0 || block_k <= 0 || N % block_n || K % block_k)
+        return 0;
+    return qd_overlap(out, sizeof *out, scales, (size_t)((N / block_n) * (K / block_k)) * sizeof(float));
+}
+
 qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
                           const float *scales, int64_t block_n, int64_t block_k,
                           qd_packed_weights **out)
 {
-    if (out)
-        *out = NULL;   /* on every error, so a caller may free *out unconditionally */
-    if (!w || !out)
+    if (!out)
+        return QD_ERR_NULL;
+    if (out_in_inputs(out, w, N, K, scales, block_n, block_k))
+        return QD_ERR_ARGUMENT;   /* the NULL below would change an input */
+    *out = NULL;   /* on every other error, so a caller may free *out unconditionally */
+    if (!w)
         return QD_ERR_NULL;
     if (bits != 8 && bits != 4 && bits != 2)
         return QD_ERR_SCHEME;

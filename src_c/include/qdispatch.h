@@ -129,8 +129,9 @@ typedef enum qd_float_dtype { QD_FLOAT32 = 0, QD_FLOAT16 = 1, QD_BFLOAT16 = 2 } 
  * packed_u32 store of `bits`-bit values (2, 4 or 8): 32/bits values a uint32, lowest
  * bits first, each row a whole number of words.  scales: [rows/block_rows,
  * cols/block_cols] float32.  ids NULL: every row in turn (n must be rows), the whole
- * matrix.  An id outside [0, rows) is QD_ERR_ARGUMENT, before anything is written.
- * n = 0 writes nothing (out may be NULL). */
+ * matrix.  An id outside [0, rows) is QD_ERR_ARGUMENT, before anything is written, and
+ * so are packed values not aligned to 4 bytes and an out not aligned to its dtype's
+ * size.  n = 0 writes nothing (out may be NULL). */
 qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                              const float *scales, int64_t block_rows, int64_t block_cols,
                              const int64_t *ids, int64_t n, void *out, int out_dtype);
@@ -150,7 +151,8 @@ typedef struct qd_packed_weights qd_packed_weights;
 
 /* w: [N, K] int8 (nn.Linear layout), values in range for `bits` (8, 4 or 2);
  * scales: [N/block_n, K/block_k] float32 (may be NULL: all ones).  *out is NULL
- * after any error. */
+ * after any error but one: an out inside w or scales is QD_ERR_ARGUMENT, written to
+ * nothing. */
 qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
                           const float *scales, int64_t block_n, int64_t block_k,
                           qd_packed_weights **out);
