@@ -666,8 +666,8 @@ def linear(x, w, bias=None, *, out_dtype="float32", transfer=None, activation_sc
     x = _operand(x, <TensorBase>w, "linear")  # as q_matmul takes it: a GPU tensor of torch's stays on its GPU
     _check_linear_shapes((<TensorBase>x).shape, (<QTensor>w).shape)
     if isinstance(x, Tensor) and (<Tensor>x).dtype not in ("float32", "float16", "bfloat16"):
-        raise ArgumentTypeError(f"linear expects float data, got {(<Tensor>x).dtype}: convert it to float32 first "
-                                f"(or quantize it; int_matmul gives exact int8 products)")
+        from . import tensor_api  # the words linear uses for integer numpy data
+        raise tensor_api._not_float_error((<Tensor>x).dtype, "linear")
     if not same_device(<TensorBase>x, <TensorBase>w):  # named as linear's
         x, w = _reconcile("linear", <TensorBase>x, <TensorBase>w, transfer, "x", "w")
     # Without a bias the product is the result: the kernel writes out_dtype itself.

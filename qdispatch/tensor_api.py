@@ -157,7 +157,7 @@ def numpy_of(obj):
         if not obj.is_cpu:
             return None
         obj = obj.detach().resolve_conj().resolve_neg()  # what DLPack can't carry: a gradient, lazy views
-    elif isinstance(obj, QTensor) or dlpack_device(obj)[0] not in (_KDL_CPU, _KDL_CUDA_HOST) or _is_bf16(obj):
+    elif isinstance(obj, QTensor) or dlpack_device(obj)[0] not in _HOST_DLPACK_TYPES or _is_bf16(obj):
         return None
     try:
         return np.from_dlpack(obj)
@@ -191,6 +191,14 @@ def as_host_operand(x, other, float_for=None):
     return tensor(x)
 
 
+_KDL_CUDA = 2
+_HOST_DLPACK_TYPES = (1, 3)  # kDLCPU, kDLCUDAHost: memory numpy reads
+# DLPack's device types that qdispatch doesn't serve, for the error that names one
+_DLPACK_DEVICE_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host",
+                        12: "an extension device", 13: "CUDA managed", 14: "oneAPI", 15: "WebGPU",
+                        16: "Hexagon", 17: "MAIA"}
+
+
 def in_device_memory(obj):
     """Whether `obj` is another library's tensor in GPU memory (torch's, CuPy's)."""
     torch = sys.modules.get("torch")
@@ -199,7 +207,7 @@ def in_device_memory(obj):
     if isinstance(obj, np.ndarray) or not hasattr(obj, "__dlpack_device__"):
         return False
     try:
-        return int(obj.__dlpack_device__()[0]) not in (1, 3)  # kDLCPU, kDLCUDAHost
+        return dlpack_device(obj)[0] not in _HOST_DLPACK_TYPES
     except Exception:  # a producer that can't say: from_dlpack will
         return False
 
@@ -374,13 +382,6 @@ def from_dlpack(obj, device=None):
 QTENSOR_IS_NO_DATA = ("A QTensor is no float or integer data to take in: its float values are q.dequantize() "
                       "(quantize those to requantize it), its stored parts q.values and q.scales")
 
-# DLPack's device types that qdispatch doesn't serve, for the error that names one
-_DLPACK_DEVICE_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host",
-                        12: "an extension device", 13: "CUDA managed", 14: "oneAPI", 15: "WebGPU",
-                        16: "Hexagon", 17: "MAIA"}
-_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST = 1, 2, 3
-
-
 def dlpack_device(obj):
     """obj.__dlpack_device__() as (device type, index) ints, or a typed error
     naming what a producer gave instead."""
@@ -399,7 +400,7 @@ def import_dlpack(obj, device=None):
     if isinstance(obj, QTensor):  # it speaks DLPack only to say it can't
         raise ArgumentTypeError(QTENSOR_IS_NO_DATA)
     kind, index = dlpack_device(obj)
-    if kind in (_KDL_CPU, _KDL_CUDA_HOST):  # host memory
+    if kind in _HOST_DLPACK_TYPES:
         try:
             arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
         except (TypeError, ValueError) as exc:  # numpy's words for what is no capsule
