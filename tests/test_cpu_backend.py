@@ -748,12 +748,14 @@ def test_c_library_matches_the_package_and_its_header():
     assert CPU_INFO["library"] == {"version": qd.__version__, "abi": header_abi}
 
 
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("n", [100, 3000], ids=["numpy's size", "C's size"])
-def test_casts_between_float_dtypes_are_the_references(rng, n):
+def test_casts_between_float_dtypes_are_the_references(rng, n, backend):
     """The cpu backend casts with C's conversions from 1024 values on (bfloat16 at any
-    size): the reference's bits for every value, overflow to Inf, subnormal halves,
-    signed zeros and NaNs with their payloads among them (C's float16 NaN was one
-    quiet NaN of each sign, whatever the payload: numpy's below 1024 values)."""
+    size), the cuda backend with its kernels: the reference's bits for every value,
+    overflow to Inf, subnormal halves, signed zeros and NaNs with their payloads among
+    them (C's and CUDA's float16 NaN was one quiet NaN whatever the payload: numpy's
+    below 1024 values)."""
     x = (rng.standard_normal(n) * rng.choice([1e-7, 1e-5, 1.0, 1e3, 7e4], n)).astype(np.float32)
     x[:8] = [0.0, -0.0, np.inf, -np.inf, 65520.0, -6e-8, 3e-8, np.nan]
     x[8] = -np.nan
@@ -762,7 +764,7 @@ def test_casts_between_float_dtypes_are_the_references(rng, n):
         for dst in ("float32", "float16", "bfloat16"):
             if src == dst or "float32" not in (src, dst):
                 continue
-            got, want = (qd.tensor(qd.tensor(x, device=dev, dtype=src), dtype=dst) for dev in ("cpu", "reference"))
+            got, want = (qd.tensor(qd.tensor(x, device=dev, dtype=src), dtype=dst) for dev in (backend, "reference"))
             assert got.dtype == want.dtype == dst
             g = np.asarray(got.to("cpu").payload)
             w = np.asarray(want.to("reference").payload)

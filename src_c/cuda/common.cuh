@@ -150,11 +150,25 @@ qd_status launch(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cud
 
 __host__ __device__ inline bool half_dtype(int dtype) { return dtype == QD_CUDA_F16 || dtype == QD_CUDA_BF16; }
 
-// The bits of v as float16 or bfloat16 (dtype), rounded to nearest even.  A bfloat16
-// NaN keeps a canonical quiet pattern, as the host conversion does.
+// The bits of v as float16 or bfloat16 (dtype), rounded to nearest even.  A float16
+// NaN keeps its payload's top 10 bits (a NaN still where those are 0) and its sign, as
+// numpy and the host conversion give it (the hardware's gives one NaN for all); a
+// bfloat16 NaN is the canonical quiet pattern, as the host conversion's.
 __device__ inline unsigned short bits16_from_f32(int dtype, float v) {
-    if (dtype == QD_CUDA_F16) return __half_as_ushort(__float2half_rn(v));
+    if (dtype == QD_CUDA_F16) {
+        if (!isnan(v)) return __half_as_ushort(__float2half_rn(v));
+        const uint32_t x = __float_as_uint(v), payload = (x & 0x7FFFFFu) >> 13;
+        return (unsigned short)((x >> 16 & 0x8000u) | 0x7C00u | payload | (payload == 0));
+    }
     return isnan(v) ? 0x7FC0 : __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// A float16's value as float32; a NaN keeps its sign and payload, as numpy's and the
+// host conversion do (written out: the hardware's conversion need not keep them).
+__device__ inline float f32_from_f16(__half h) {
+    const uint32_t b = __half_as_ushort(h);
+    if ((b & 0x7FFFu) <= 0x7C00u) return __half2float(h);
+    return __uint_as_float((b & 0x8000u) << 16 | 0x7F800000u | (b & 0x3FFu) << 13);
 }
 
 // Element i of a float32 / float16 / bfloat16 array `dst` set from a float, as
