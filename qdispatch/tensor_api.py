@@ -517,28 +517,36 @@ def quantize_activation(x, scheme):
 
 def _quantize(x, scheme, device, weight):
     scheme = as_scheme(scheme)
+    data = w = None
     if not isinstance(x, Tensor):  # a torch Parameter crosses by its values (from_torch)
-        x = tensor(_float_host_data(x), device=device)
+        data = _float_host_data(x)
+        w = _swapped_view(data)  # W.T given: W crosses (a device gets W's bytes, not a copy of W.T)
+        x = tensor(data if w is None else w, device=device)
     elif device is not None:
         x = x.to(device)
     if x.dtype not in FLOAT_DTYPES:
         raise _not_float_error(x.dtype)
-    if len(x.shape) == 0 or 0 in x.shape:
-        raise ShapeError(f"Can't quantize a tensor of shape {x.shape}: it needs at least one dim and one value")
-    layout = QLayout.for_shape(scheme, x.shape)
+    shape = x.shape if w is None else swap_last2(x.shape)
+    if len(shape) == 0 or 0 in shape:
+        raise ShapeError(f"Can't quantize a tensor of shape {shape}: it needs at least one dim and one value")
+    layout = QLayout.for_shape(scheme, shape)
     backend = get_backend(x.kind)
-    payload = x.payload
-    if x.dtype != "float32":
-        payload = backend.cast(payload, x.dtype, "float32")
     quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
-    swapped = _swapped_view(payload)
+    payload = _float32_payload(x)
+    swapped = payload if w is not None else _swapped_view(payload)
     if swapped is not None:  # W.T of a row-major W: quantized in W's order, as W's transpose (no copy of W.T)
         stored = QLayout(layout.logical_scheme(True), swap_last2(layout.shape), swap_last2(layout.block))
         try:
             return QTensor(quantizer(swapped, stored, x.index), stored, True, x.kind, x.index)
         except QDispatchError:
             pass  # its positions would be W's: quantized as given below, the error names x's
+    if w is not None:  # x holds W: W.T itself, quantized as given
+        payload = _float32_payload(tensor(data, device=x.device))
     return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
+
+
+def _float32_payload(x):
+    return x.payload if x.dtype == "float32" else get_backend(x.kind).cast(x.payload, x.dtype, "float32")
 
 
 def _swapped_view(payload):
