@@ -151,6 +151,15 @@ def test_a_quantized_contender_is_held_to_its_noise_per_output():
     moved[1, 7] += 20 * sigma[1, 7]
     with pytest.raises(bench.WrongResultError, match=r"fbgemm gave a wrong output: 1 of 256 .* at \(1, 7\)"):
         bench.assert_matches(case, "output", moved, expected)
+    moved[1, 7] = np.nan  # within no tolerance, though no comparison with it is true
+    with pytest.raises(bench.WrongResultError, match=r"fbgemm gave a wrong output: 1 of 256 .* at \(1, 7\): nan"):
+        bench.assert_matches(case, "output", moved, expected)
+
+
+@pytest.mark.parametrize("text", ["0x64x64", "1x0x64", "1x64x0", "-1x64x64"])
+def test_a_shape_with_no_values_is_refused(text):
+    with pytest.raises(ValueError, match=r"has a dimension <= 0"):
+        bench.Shape.parse(text)
 
 
 def test_each_contender_does_its_paths_job():

@@ -42,6 +42,23 @@ def test_config_points_at_the_installed_header_and_library():
     assert any(f.startswith("-L") and os.path.exists(os.path.join(f[2:], "libqdispatch.so")) for f in flags)
     for libs in (["--libs"], ["--libs", "--static"]):  # link flags alone: no include path among them
         assert not any(f.startswith("-I") for f in run_module("config", *libs).split())
+    assert run_module("config") == run_module("config", "--cflags", "--libs")  # neither named: both
+
+
+def test_static_link_flags_bring_the_openmp_runtime_the_kernels_were_built_with():
+    flags = run_module("config", "--libs", "--static").split()
+    assert os.path.exists(flags[0]) and flags[0].endswith("libqdispatch.a")
+    assert ("-fopenmp" in flags) == (not qd.info()["build"].get("openmp_left_out"))
+
+
+def test_info_says_why_a_backend_is_unavailable():
+    lines = run_module("info").splitlines()
+    for name, entry in qd.info()["backends"].items():
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"  {name:9s} "))
+        if entry["available"]:
+            assert lines[at].startswith(f"  {name:9s} available")
+        else:
+            assert lines[at] == f"  {name:9s} unavailable" and lines[at + 1].strip() == entry["reason"]
 
 
 def test_bench_refuses_a_bad_shape_in_one_line():

@@ -155,6 +155,15 @@ def test_transfer_never_changes_a_value(rng):
     np.testing.assert_array_equal(t.to("cpu").numpy(), t.numpy())
 
 
+def test_moving_to_the_device_a_tensor_is_on_is_no_copy(device, rng):
+    """As torch's .to: the tensor itself (a weight's panels and cached tiles stay
+    shared), under any spelling of its device."""
+    q = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), "q8s", device=device)
+    t = qd.tensor(rng.standard_normal((3, 5)).astype(np.float32), device=device)
+    for spelling in (device, q.device, qd.Device(device)):
+        assert q.to(spelling) is q and t.to(spelling) is t
+
+
 def test_device_index_mismatch_is_its_own_error():
     payload = np.ones((2, 4), np.float32)
     a = qd.Tensor(payload, "float32", (2, 4), int(qd.BackendKind.REFERENCE), 0)

@@ -99,3 +99,18 @@ def test_the_error_classes_are_exported_and_documented():
     for cls in classes:
         assert getattr(qd, cls.__name__) is cls and cls.__name__ in qd.__all__
         assert issubclass(cls, qd.QDispatchError) and cls.__doc__
+
+
+@pytest.mark.parametrize("cls, parents", [
+    (qd.ScaleOverflowError, (qd.QuantSchemeError, ValueError)),
+    (qd.CudaOutOfMemoryError, (qd.KernelError, MemoryError, RuntimeError)),
+    (qd.ArgumentTypeError, (TypeError,)),
+    (qd.ArgumentError, (ValueError,)),
+    (qd.NotFoundError, (KeyError,)),
+    (qd.DLPackExportError, (BufferError,)),
+], ids=lambda v: v.__name__ if isinstance(v, type) else "")
+def test_the_errors_subclass_what_the_readme_says(cls, parents):
+    """`except qd.QuantSchemeError` catches a scale overflow, `except MemoryError` a GPU
+    out of memory: callers rely on the README's hierarchy, so a class may not leave it."""
+    for parent in parents:
+        assert issubclass(cls, parent), f"{cls.__name__} is no {parent.__name__}"

@@ -381,9 +381,12 @@ def test_truncated_file_names_the_tensor(saved):
         qd.load(saved)
 
 
-def test_truncated_header(saved):
-    saved.write_bytes(saved.read_bytes()[:40])
-    with pytest.raises(SerializationError, match="truncated"):
+@pytest.mark.parametrize("short", [None, 1, 8], ids=["40 bytes", "1 byte short", "8 bytes short"])
+def test_truncated_header(saved, short):
+    raw = saved.read_bytes()
+    end = 40 if short is None else 8 + int.from_bytes(raw[:8], "little") - short  # the header's end, less `short`
+    saved.write_bytes(raw[:end])
+    with pytest.raises(SerializationError, match=r"truncated or not a safetensors file: its header claims \d+ bytes"):
         qd.load(saved)
 
 

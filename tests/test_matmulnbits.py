@@ -61,6 +61,8 @@ def test_block_size_choice_and_float16_scales(rng):
     per_row = qd.quantize(w, qd.QuantScheme("q4s", axis=0, store="packed_u32"))
     assert matmulnbits.export(per_row).block_size == 64  # none divides 100: the largest within it
     assert matmulnbits.export(per_row, block_size=16).block_size == 16
+    divides = qd.quantize(rng.standard_normal((8, 96)).astype(np.float32), qd.QuantScheme("q4s", axis=0, store="packed_u32"))
+    assert matmulnbits.export(divides).block_size == 32  # cuts K = 96 evenly, where 64 would pad it
     per_block = qd.quantize(rng.standard_normal((8, 384)).astype(np.float32),
                             qd.QuantScheme("q4s", block=96, store="packed_u32", scale_dtype="f16"))
     exported = matmulnbits.export(per_block, dtype="float16")
@@ -117,6 +119,8 @@ def _load_with(**changes):
     (lambda q: _load_with(B=np.zeros(96, np.uint8), bits=3), qd.ArgumentError, "2, 4 or 8 bits"),
     (lambda q: _load_with(block_size=8), qd.ArgumentError, "16 or more"),
     (lambda q: _load_with(K=64.5), qd.ArgumentTypeError, "K must be a positive int"),
+    (lambda q: _load_with(N=0), qd.ArgumentTypeError, "N must be a positive int"),
+    (lambda q: _load_with(zero_points=np.full(7, 8, np.float32)), qd.ShapeError, "one per block, 8; got shape \\(7,\\)"),
     (lambda q: _load_with(scales=np.full(8, np.nan, np.float32)), qd.NonFiniteError, "scale"),
 ])
 def test_refusals_say_what_to_do(make, error, words):

@@ -121,3 +121,12 @@ def test_torch_tensors(rng):
     assert qd.error_report(x, as_bf16) == qd.error_report(x, as_bf16.float().numpy())
     with pytest.raises(qd.ArgumentTypeError):
         qd.error_report(torch.ones(2, dtype=torch.complex64), np.ones(2))
+
+
+def test_cosine_stays_within_minus_one_and_one():
+    """Parallel arrays whose sums round the ratio just past 1 (or -1) give 1 (-1): a
+    cosine past them would break acos() and any check of `cosine <= 1`."""
+    for seed in range(50):  # seeds 17, 20 and 33 round past 1 unclamped
+        a = np.random.default_rng(seed).standard_normal(3).astype(np.float32)
+        b = a * np.float32(1.1)
+        assert qd.error_report(a, b).cosine <= 1.0 and qd.error_report(a, -b).cosine >= -1.0

@@ -201,6 +201,20 @@ def test_activation_scheme_takes_the_qq_path(device, rng):
     assert rel_err(x.astype(np.float64) @ deq64(wq).T, out.numpy()) < 0.03
 
 
+@pytest.mark.parametrize("act", [qd.QuantScheme("q8s", block=(1, 32), scale_dtype="f16"),
+                                 qd.QuantScheme("q8f", block=(1, 64), scale_dtype="bf16"),
+                                 qd.QuantScheme("q8s", block=(2, 32))], ids=repr)
+def test_activation_schemes_the_one_pass_kernel_does_not_take_are_kept(device, rng, act):
+    """W8A8 with 16-bit activation scales, or blocks spanning rows, quantizes x in
+    exactly that scheme: the reference's bits (the one-pass W8A8 kernel's float32
+    scales of single rows would give others)."""
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    x[1] *= 1000  # rows 0 and 1 share their blocks of two rows
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device=device)
+    np.testing.assert_array_equal(qd.q_matmul(x, wq.T, activation_scheme=act).numpy(),
+                                  qd.q_matmul(x, wq.to("reference").T, activation_scheme=act).numpy())
+
+
 def test_activation_scheme_scales_each_row_of_each_batch(device, rng):
     """A value name quantizes every row on its own: row m of one batch shares no
     scale with row m of another (a batch 1000x larger used to zero the other)."""

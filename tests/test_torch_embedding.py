@@ -93,6 +93,8 @@ def test_ids_must_be_integers_on_the_tables_device_and_inside_it():
         q(torch.tensor([1.0]))
     with pytest.raises(TypeError, match="got list"):
         q([1, 2])
+    with pytest.raises(TypeError, match="got torch.bool"):  # a mask, not ids: True would read row 1
+        q(torch.tensor([True, False]))
     with pytest.raises(TypeError, match=r"QEmbedding expects a dense torch tensor, got layout torch.sparse_coo: "
                                         r"convert it with x.to_dense\(\) first"):
         q(torch.tensor([1, 2]).to_sparse())  # was torch's "reshape is not implemented for sparse tensors"

@@ -528,6 +528,9 @@ def test_w8a8_refuses_float64_and_bad_schemes():
         quantize_linears(model, SCHEMES[0], activation_scheme=QuantScheme("q8s", block=16))
     assert all(isinstance(layer, torch.nn.Linear) for layer in model)  # left as they were
     QLinear(w.T, activation_scheme=QuantScheme("q8s", block=(2, 8)))  # rows of x in pairs: fine for even batches
+    per_channel = QLinear(w.T, activation_scheme=QuantScheme("q8s", axis=2))  # an x of three dims or more
+    x = torch.randn(2, 3, 16)
+    assert torch.equal(per_channel(x), q_matmul(x, w, activation_scheme=QuantScheme("q8s", axis=2)))
 
 
 def test_w8a8_under_vmap_quantizes_each_sample_alone():
