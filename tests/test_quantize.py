@@ -102,12 +102,17 @@ def test_all_zero_groups_get_scale_one(device):
     np.testing.assert_array_equal(q.dequantize().numpy()[0], 0)
 
 
+@pytest.mark.parametrize("scheme", ["q8s", qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", axis=1),
+                                    qd.QuantScheme("q8s", block=32), qd.QuantScheme("q8f", block=(3, 16)),
+                                    qd.QuantScheme("q8s", block=4)], ids=repr)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_nan_and_inf_are_rejected_with_their_position(device, bad):
-    x = np.ones((3, 8), np.float32)
-    x[2, 5] = bad
-    with pytest.raises(qd.NonFiniteError, match=r"position \(2, 5\)"):
-        qd.quantize(x, "q8s", device=device)
+def test_nan_and_inf_are_rejected_with_their_position(device, bad, scheme):
+    """On every path of the kernels (a scale per tensor, row, column, wide and narrow
+    blocks): an Inf is no scale overflow, it is named where it is."""
+    x = np.ones((3, 64), np.float32)
+    x[2, 37] = bad
+    with pytest.raises(qd.NonFiniteError, match=r"position \(2, 37\)"):
+        qd.quantize(x, scheme, device=device)
 
 
 def test_float64_data_past_float32s_range_is_named_as_it_is(device):
