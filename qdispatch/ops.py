@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ._core import QTensor, Tensor, get_backend
-from .errors import ArgumentError, ArgumentTypeError, NonFiniteError, ShapeError
+from .errors import ArgumentError, ArgumentTypeError, NonFiniteError, QuantSchemeError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
 from .tensor_api import (DTYPES, FLOAT_DTYPES, check_dtype, in_device_memory, numpy_of, quantize,
@@ -90,18 +90,22 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
     if activation_scheme is not None and _is_empty(ls, rs, batch):
         as_scheme(activation_scheme)
     elif activation_scheme is not None:
-        if not lq and rq:
-            fused = fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls, rhs)
-        if fused is None:
-            try:
+        try:
+            if not lq and rq:
+                fused = fused_w8a8(backend, activation_scheme_for(activation_scheme, ls), ls, rhs)
+            if fused is None:
                 if not lq:
                     lhs = quantize_activation(lhs, activation_scheme_for(activation_scheme, ls))
                 if not rq:
                     rhs = quantize_activation(rhs, activation_scheme_for(activation_scheme, rs,
                                                                          tokens_are_columns=True))
-            except NonFiniteError as exc:
-                raise on_the_fly_error(exc, activation_scheme) from None
-            lq = rq = True
+                lq = rq = True
+        except NonFiniteError as exc:
+            raise on_the_fly_error(exc, activation_scheme, _vector_note(row, col, ls, rs)) from None
+        except QuantSchemeError as exc:  # its shapes and positions are the matrix's a vector became
+            if row or col:
+                raise type(exc)(f"{exc}{_vector_note(row, col, ls, rs, positions=False)}") from None
+            raise
     kernel_dtype = "float32"  # what the kernel writes
     if fused is not None:
         kernel = lambda x, w: fused(_as_f32(backend, x), w)
@@ -125,7 +129,7 @@ def q_matmul(backend, lhs, rhs, out_dtype, requantize, activation_scheme):
             try:
                 check_finite(np.asarray(lhs.numpy(), np.float32))
             except NonFiniteError as exc:
-                raise on_the_fly_error(exc, activation_scheme) from None
+                raise on_the_fly_error(exc, activation_scheme, _vector_note(row, col, ls, rs)) from None
         raise
     if row or col:
         out_shape = _without_vector_dims(out_shape, row, col)
@@ -147,11 +151,21 @@ def _is_empty(ls, rs, batch):
     return 0 in batch + (ls[-2], ls[-1], rs[-1])
 
 
-def on_the_fly_error(exc, activation_scheme):
+def on_the_fly_error(exc, activation_scheme, note=""):
     """quantize's NonFiniteError, said of the call that quantized for the caller."""
     return NonFiniteError(f"activation_scheme={activation_scheme!r} quantizes the float operand on the fly (W8A8), "
-                          f"which failed: {exc}; a product without activation_scheme (weight-only) keeps a NaN or "
-                          f"Inf in the rows it is in")
+                          f"which failed: {exc}{note}; a product without activation_scheme (weight-only) keeps a NaN "
+                          f"or Inf in the rows it is in")
+
+
+def _vector_note(row, col, ls, rs, positions=True):
+    """What a quantize error's shapes (and positions) mean where a float vector was
+    quantized as a one-row (one-column) matrix; empty where none was."""
+    if not (row or col):
+        return ""
+    side, kind, shape, at = ("lhs", "row", ls, "(0, i)") if row else ("rhs", "column", rs, "(i, 0)")
+    return f" (the float vector {side} is quantized as the {kind} {tuple(shape)}" + (
+        f": position {at} is its value i)" if positions else ")")
 
 
 def fused_w8a8(backend, scheme, x_shape, w):

@@ -255,6 +255,28 @@ def test_activation_scheme_names_a_non_finite_activation_by_its_position(device,
         qd.q_matmul(x, wq.T, activation_scheme="q8s")
 
 
+def test_activation_scheme_errors_on_a_float_vector_say_how_it_was_quantized(device, rng):
+    """A vector is quantized as a one-row (lhs) or one-column (rhs) matrix: the error's
+    position (0, 5) or shape (1, 64) is that matrix's, and the message says so."""
+    wq = qd.quantize(rng.standard_normal((16, 64)).astype(np.float32), "q8s", device=device)
+    v = rng.standard_normal(64).astype(np.float32)
+    v[5] = np.nan
+    for spec in ("q8s", qd.QuantScheme("q8s", block=32)):
+        with pytest.raises(qd.NonFiniteError, match=re.escape("position (0, 5): remove NaN/Inf first (for example "
+                                                              "np.nan_to_num) (the float vector lhs is quantized as "
+                                                              "the row (1, 64): position (0, i) is its value i)")):
+            qd.q_matmul(v, wq.T, activation_scheme=spec)
+    with pytest.raises(qd.NonFiniteError, match=re.escape("position (5, 0): remove NaN/Inf first (for example "
+                                                          "np.nan_to_num) (the float vector rhs is quantized as the "
+                                                          "column (64, 1): position (i, 0) is its value i)")):
+        qd.q_matmul(wq, v, activation_scheme="q8s")
+    with pytest.raises(qd.QuantSchemeError, match=re.escape("(the float vector lhs is quantized as the row (1, 64))")):
+        qd.q_matmul(np.ones(64, np.float32), wq.T, activation_scheme=qd.QuantScheme("q8s", block=48))
+    with pytest.raises(qd.QuantSchemeError) as matrix:  # a matrix x gets no such words
+        qd.q_matmul(np.ones((1, 64), np.float32), wq.T, activation_scheme=qd.QuantScheme("q8s", block=48))
+    assert "vector" not in str(matrix.value)
+
+
 def test_activation_scheme_on_an_empty_product(device, rng):
     wq = qd.quantize(rng.standard_normal((8, 16)).astype(np.float32), "q8s", device=device)
     for shape in ((0, 16), (0, 3, 16)):
