@@ -417,6 +417,15 @@ def test_bad_arguments_are_clear():
         main(["bench", "--paths", "qq_int9"])
 
 
+def test_count_takes_whole_numbers_from_one():
+    """The parser of --repeat, --bandwidth-mb and --rotation-mb on its own: a count it let
+    through would start a full run in the test below, not fail it."""
+    assert bench.count("1") == 1 and bench.count("12") == 12
+    for text in ("0", "-2", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="is no count: give a whole number of at least 1"):
+            bench.count(text)
+
+
 @pytest.mark.parametrize("option,value,message", [
     ("--threads", "1,0", "argument --threads: 0 is no count: give a whole number of at least 1"),
     ("--threads", "-1", "argument --threads: -1 is no count"),
