@@ -13,7 +13,7 @@ from ._core import QTensor, Tensor, get_backend
 from .errors import ArgumentError, ArgumentTypeError, NonFiniteError, QuantSchemeError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
-from .tensor_api import (DTYPES, FLOAT_DTYPES, check_dtype, in_device_memory, numpy_of, quantize,
+from .tensor_api import (DTYPES, FLOAT_DTYPES, check_dtype, float32_payload, in_device_memory, numpy_of, quantize,
                          quantize_activation, tensor)
 
 
@@ -189,7 +189,7 @@ def _fq_input(backend, t):
 
 
 def _as_f32(backend, t, transpose=False):
-    payload = t.payload if t.dtype == "float32" else backend.cast(t.payload, t.dtype, "float32")
+    payload = float32_payload(t)
     return backend.transpose2(payload) if transpose else payload
 
 

@@ -532,7 +532,7 @@ def _quantize(x, scheme, device, weight):
     layout = QLayout.for_shape(scheme, shape)
     backend = get_backend(x.kind)
     quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
-    payload = _float32_payload(x)
+    payload = float32_payload(x)
     swapped = payload if w is not None else _swapped_view(payload)
     if swapped is not None:  # W.T of a row-major W: quantized in W's order, as W's transpose (no copy of W.T)
         stored = QLayout(layout.logical_scheme(True), swap_last2(layout.shape), swap_last2(layout.block))
@@ -541,11 +541,12 @@ def _quantize(x, scheme, device, weight):
         except QDispatchError:
             pass  # its positions would be W's: quantized as given below, the error names x's
     if w is not None:  # x holds W: W.T itself, quantized as given
-        payload = _float32_payload(tensor(data, device=x.device))
+        payload = float32_payload(tensor(data, device=x.device))
     return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
 
 
-def _float32_payload(x):
+def float32_payload(x):
+    """Tensor x's payload as float32 on its own backend (itself when it is float32)."""
     return x.payload if x.dtype == "float32" else get_backend(x.kind).cast(x.payload, x.dtype, "float32")
 
 
