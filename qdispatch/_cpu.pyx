@@ -129,6 +129,11 @@ def get_num_threads():
     return qd_get_num_threads()
 
 
+def thread_cap():
+    """0, or the threads the kernels fell back to when the system refused more."""
+    return qd_thread_cap()
+
+
 def forked_child():
     """Whether this process was forked after the kernels' library was loaded (its
     kernels then run on one thread: OpenMP's threads do not survive fork)."""

@@ -49,6 +49,7 @@ cdef extern from "qdispatch.h" nogil:
 
     void qd_set_num_threads(int n) noexcept
     int qd_get_num_threads() noexcept
+    int qd_thread_cap() noexcept
     int qd_forked_child() noexcept
 
     ctypedef enum qd_value:

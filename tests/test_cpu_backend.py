@@ -536,6 +536,44 @@ def test_parallel_loops_of_any_size_keep_one_team_of_threads():
     assert out.stdout.strip() == "[]", f"threads started after the first calls: {out.stdout.strip()}"
 
 
+THREADS_REFUSED = """
+import resource
+import numpy as np, qdispatch as qd
+
+rng = np.random.default_rng(0)
+x = rng.standard_normal((128, 1024)).astype(np.float32)
+w = qd.quantize(rng.standard_normal((1024, 1024)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
+qd.set_num_threads(1)
+want = qd.q_matmul(x, w.T).numpy()  # packs the weight, on this thread alone
+# room for one thread's stack and a half, then a team of four: OpenMP would end the process
+stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + stack * 3 // 2, resource.RLIM_INFINITY))
+qd.set_num_threads(4)
+got = qd.q_matmul(x, w.T).numpy()
+print(np.array_equal(got, want), qd.get_num_threads(), qd.info()["backends"]["cpu"].get("threads_note", ""))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's address-space limit")
+@pytest.mark.skipif(not built_with_openmp(), reason="built without OpenMP: one thread everywhere")
+@pytest.mark.skipif("asan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="AddressSanitizer maps memory as it goes: a limit on it stops the sanitizer, not OpenMP")
+def test_threads_the_system_refuses_leave_the_kernels_on_those_it_started():
+    """GNU OpenMP ends the process ("Thread creation failed") when the system refuses
+    one of a team's threads, as a container's limit on tasks does.  The kernels run on
+    the threads that could start, with the bits of one thread, and `info` says so."""
+    import resource
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    if stack == resource.RLIM_INFINITY or not 1 << 20 <= stack <= 1 << 30:
+        pytest.skip("the thread stack size follows the stack limit only when that is set")
+    out = run_python("-c", THREADS_REFUSED)
+    assert out.returncode == 0, out.stderr
+    same, threads, note = out.stdout.strip().split(" ", 2)
+    assert same == "True" and 1 <= int(threads) < 4, out.stdout
+    assert note.startswith(f"the system let only {threads} threads start"), note
+
+
 ROUNDED_UPWARD = """
 import ctypes, ctypes.util, platform
 import numpy as np, qdispatch as qd

@@ -145,6 +145,9 @@ class CpuBackend(HostBackend):
             d[setting] = None  # none runs: not the ISA or thread count the library fell back to
         if _cpu.forked_child():
             d["threads_note"] = FORKED_ONE_THREAD
+        elif _cpu.thread_cap():
+            d["threads_note"] = (f"the system let only {_cpu.thread_cap()} threads start (a limit on tasks or "
+                                 f"memory), so the cpu kernels run on that many; qd.set_num_threads tries again")
         d["library"] = _cpu.library_version()
         return d
 

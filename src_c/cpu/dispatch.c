@@ -7,7 +7,7 @@
 #include <omp.h>
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
-#define QD_WATCHES_FORKS 1 /* see qd_forked_child */
+#define QD_POSIX_THREADS 1 /* for qd_forked_child and team_that_starts */
 #endif
 #endif
 #include "qd_internal.h"
@@ -195,18 +195,79 @@ static int processors(void)
 #endif
 }
 
+#ifdef QD_POSIX_THREADS
+/* GNU OpenMP ends the process when the system refuses one of a team's threads (a
+ * container's limit on tasks, RLIMIT_NPROC, no address space for a stack). So before
+ * a calling thread's first team of a size, the threads that team needs are started
+ * here and let go at once; when the system refuses some, every team takes one more
+ * thread than it let start, until the setting changes. The probe counts none of the
+ * threads the caller's earlier teams left waiting, so near the limit it caps early
+ * rather than late; threads started with the default stack size, as GNU OpenMP's are
+ * unless OMP_STACKSIZE is set. */
+static int setting_changes;              /* qd_set_num_threads calls */
+static int team_cap;                     /* 0, or the most threads a team may have */
+static __thread int team_started = 1;    /* this thread's largest team that could start... */
+static __thread int team_started_at = -1; /* ...at this count of setting changes */
+
+static void *no_work(void *arg)
+{
+    return arg;
+}
+
+/* How many of `wanted` threads the system lets start now; each ends at once. */
+static int threads_that_start(int wanted)
+{
+    pthread_t *ids = malloc((size_t)wanted * sizeof *ids);
+    int started = 0;
+    if (ids) {
+        while (started < wanted && pthread_create(&ids[started], NULL, no_work, NULL) == 0)
+            started++;
+        for (int i = 0; i < started; i++)
+            pthread_join(ids[i], NULL);
+        free(ids);
+    }
+    return started;
+}
+
+/* n, or fewer where the system would not start a team of n for this thread. */
+static int team_that_starts(int n)
+{
+    const int changes = __atomic_load_n(&setting_changes, __ATOMIC_RELAXED);
+    const int cap = __atomic_load_n(&team_cap, __ATOMIC_RELAXED);
+    if (cap > 0 && n > cap)
+        n = cap;
+    if (team_started_at != changes) {
+        team_started = 1;
+        team_started_at = changes;
+    }
+    if (n <= team_started || omp_in_parallel())
+        return n;
+    const int started = 1 + threads_that_start(n - 1);
+    if (started < n) {
+        n = started;
+        __atomic_store_n(&team_cap, n, __ATOMIC_RELAXED);
+    }
+    team_started = n;
+    return n;
+}
+#endif
+
 void qd_set_num_threads(int n)
 {
     /* capped here, once a setting, not once a product */
     const int cap = THREADS_PER_PROC_MAX * processors();
     __atomic_store_n(&thread_setting, n <= 0 ? 0 : n < cap ? n : cap, __ATOMIC_RELAXED);
+#ifdef QD_POSIX_THREADS
+    __atomic_store_n(&team_cap, 0, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&setting_changes, 1, __ATOMIC_RELAXED);
+#endif
 }
 
 /* GNU OpenMP's team of threads does not survive fork(): in the child, the first
  * parallel loop of more than one thread waits forever for threads that are gone.
  * So a process forked after this library was loaded runs its loops on its own
  * thread; workers that want threads start by spawn, not fork. */
-#ifdef QD_WATCHES_FORKS
+#ifdef QD_POSIX_THREADS
 static int forked;
 
 static void note_fork_in_child(void)
@@ -222,8 +283,17 @@ __attribute__((constructor)) static void watch_forks(void)
 
 int qd_forked_child(void)
 {
-#ifdef QD_WATCHES_FORKS
+#ifdef QD_POSIX_THREADS
     return forked;
+#else
+    return 0;
+#endif
+}
+
+int qd_thread_cap(void)
+{
+#ifdef QD_POSIX_THREADS
+    return __atomic_load_n(&team_cap, __ATOMIC_RELAXED);
 #else
     return 0;
 #endif
@@ -235,7 +305,11 @@ int qd_get_num_threads(void)
     if (qd_forked_child())
         return 1;
     const int n = __atomic_load_n(&thread_setting, __ATOMIC_RELAXED);
+#ifdef QD_POSIX_THREADS
+    return team_that_starts(n > 0 ? n : processors());
+#else
     return n > 0 ? n : processors();
+#endif
 #else
     return 1; /* built without OpenMP: the parallel loops run on the calling thread */
 #endif

@@ -92,9 +92,15 @@ void qd_isa_reset(void);
 /* n <= 0 restores the default (the number of processors the process may run on,
  * counted at the first call that needs it); n above 4 per processor
  * counts as 4 per processor.  A library built without OpenMP runs on one thread: it
- * accepts n, and qd_get_num_threads() returns 1. */
+ * accepts n, and qd_get_num_threads() returns 1.  Where the system refuses threads (a
+ * container's limit on tasks, say), the kernels run on as many as it let start, which
+ * qd_get_num_threads() then returns, until the next qd_set_num_threads: OpenMP would
+ * end the process. */
 void qd_set_num_threads(int n);
 int qd_get_num_threads(void);
+/* 0, or the threads the kernels fell back to when the system refused more: the most
+ * it let a team start since the last qd_set_num_threads. */
+int qd_thread_cap(void);
 /* 1 in a process forked after the library was loaded: OpenMP's threads do not survive
  * fork(), so there the kernels run on one thread, whatever qd_set_num_threads said.
  * A build without OpenMP runs on one thread anyway, watches no forks and returns 0. */
