@@ -537,7 +537,7 @@ def test_parallel_loops_of_any_size_keep_one_team_of_threads():
 
 
 THREADS_REFUSED = """
-import resource
+import os, resource
 import numpy as np, qdispatch as qd
 
 rng = np.random.default_rng(0)
@@ -546,7 +546,7 @@ w = qd.quantize(rng.standard_normal((1024, 1024)).astype(np.float32), qd.QuantSc
 qd.set_num_threads(1)
 want = qd.q_matmul(x, w.T).numpy()  # packs the weight, on this thread alone
 # room for one thread's stack and a half, then a team of four: OpenMP would end the process
-stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+stack = int(os.environ["STACK_BYTES"])
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (used + stack * 3 // 2, resource.RLIM_INFINITY))
 qd.set_num_threads(4)
@@ -559,15 +559,22 @@ print(np.array_equal(got, want), qd.get_num_threads(), qd.info()["backends"]["cp
 @pytest.mark.skipif(not built_with_openmp(), reason="built without OpenMP: one thread everywhere")
 @pytest.mark.skipif("asan" in os.environ.get("LD_PRELOAD", ""),
                     reason="AddressSanitizer maps memory as it goes: a limit on it stops the sanitizer, not OpenMP")
-def test_threads_the_system_refuses_leave_the_kernels_on_those_it_started():
+@pytest.mark.parametrize("stack_setting", [None, " 24 m ", "GOMP_STACKSIZE=20480"])
+def test_threads_the_system_refuses_leave_the_kernels_on_those_it_started(stack_setting):
     """GNU OpenMP ends the process ("Thread creation failed") when the system refuses
     one of a team's threads, as a container's limit on tasks does.  The kernels run on
-    the threads that could start, with the bits of one thread, and `info` says so."""
+    the threads that could start, with the bits of one thread, and `info` says so; the
+    threads tried first get the stacks OpenMP would give (OMP_STACKSIZE, GOMP_STACKSIZE)."""
     import resource
-    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
-    if stack == resource.RLIM_INFINITY or not 1 << 20 <= stack <= 1 << 30:
-        pytest.skip("the thread stack size follows the stack limit only when that is set")
-    out = run_python("-c", THREADS_REFUSED)
+    if stack_setting is None:
+        env = {"STACK_BYTES": str(resource.getrlimit(resource.RLIMIT_STACK)[0])}
+        if not 1 << 20 <= int(env["STACK_BYTES"]) <= 1 << 30:  # unlimited, say
+            pytest.skip("the default thread stack follows the stack limit only when that is set")
+    elif stack_setting.startswith("GOMP_STACKSIZE="):
+        env = {"GOMP_STACKSIZE": stack_setting.split("=")[1], "STACK_BYTES": str(20 << 20)}
+    else:
+        env = {"OMP_STACKSIZE": stack_setting, "STACK_BYTES": str(24 << 20)}
+    out = run_python("-c", THREADS_REFUSED, **env)
     assert out.returncode == 0, out.stderr
     same, threads, note = out.stdout.strip().split(" ", 2)
     assert same == "True" and 1 <= int(threads) < 4, out.stdout

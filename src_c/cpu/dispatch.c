@@ -1,6 +1,7 @@
 /* ISA selection, the per-ISA kernel tables, thread count and status strings. */
 #define _POSIX_C_SOURCE 200112L
 #include <ctype.h>
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -202,8 +203,7 @@ static int processors(void)
  * here and let go at once; when the system refuses some, every team takes one more
  * thread than it let start, until the setting changes. The probe counts none of the
  * threads the caller's earlier teams left waiting, so near the limit it caps early
- * rather than late; threads started with the default stack size, as GNU OpenMP's are
- * unless OMP_STACKSIZE is set. */
+ * rather than late. */
 static int setting_changes;              /* qd_set_num_threads calls */
 static int team_cap;                     /* 0, or the most threads a team may have */
 static __thread int team_started = 1;    /* this thread's largest team that could start... */
@@ -214,18 +214,57 @@ static void *no_work(void *arg)
     return arg;
 }
 
-/* How many of `wanted` threads the system lets start now; each ends at once. */
+/* A stack size as GNU OpenMP reads OMP_STACKSIZE: kilobytes, or a number with a
+ * B, K, M or G suffix, spaces around; 0 if `text` is no such size. */
+static size_t stack_size_named(const char *text)
+{
+    char *end;
+    while (isspace((unsigned char)*text))
+        text++;
+    errno = 0;
+    const unsigned long long value = strtoull(text, &end, 10);
+    if (errno || end == text || *text == '-')
+        return 0;
+    while (isspace((unsigned char)*end))
+        end++;
+    int shift = 10;
+    if (*end) {
+        const char unit = (char)tolower((unsigned char)*end++);
+        shift = unit == 'b' ? 0 : unit == 'k' ? 10 : unit == 'm' ? 20 : unit == 'g' ? 30 : -1;
+        while (isspace((unsigned char)*end))
+            end++;
+        if (shift < 0 || *end)
+            return 0;
+    }
+    if (value > (unsigned long long)SIZE_MAX >> shift)
+        return 0;
+    return (size_t)value << shift;
+}
+
+/* How many of `wanted` threads the system lets start now, each with the stack GNU
+ * OpenMP gives its own (OMP_STACKSIZE, else GOMP_STACKSIZE, else the default); each
+ * ends at once. */
 static int threads_that_start(int wanted)
 {
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
+        return 0;
+    const char *named = getenv("OMP_STACKSIZE");
+    size_t stack = named ? stack_size_named(named) : 0;
+    if (!stack && (named = getenv("GOMP_STACKSIZE")) != NULL)
+        stack = stack_size_named(named);
+    if (stack)
+        pthread_attr_setstacksize(&attr, stack);  /* a size it refuses, OpenMP ignores too */
     pthread_t *ids = malloc((size_t)wanted * sizeof *ids);
     int started = 0;
     if (ids) {
-        while (started < wanted && pthread_create(&ids[started], NULL, no_work, NULL) == 0)
+        while (started < wanted && pthread_create(&ids[started], &attr, no_work, NULL) == 0)
             started++;
         for (int i = 0; i < started; i++)
             pthread_join(ids[i], NULL);
         free(ids);
     }
+    pthread_attr_destroy(&attr);
     return started;
 }
 
