@@ -980,7 +980,12 @@ class _QuantizedModule(torch.nn.Module):
         super().__init__()
         name = type(self).__name__
         if not isinstance(weight, QTensor):
-            raise ArgumentTypeError(f"{name} needs a QTensor weight, got {type(weight).__name__}: use {made_by}")
+            sized = ""
+            if isinstance(weight, int):  # sizes, as torch's layers take them
+                float_kind = f"nn.{self._float_kind.__name__}"
+                sized = (f"; for an empty layer of given sizes, to load a checkpoint into, quantize an {float_kind} "
+                         f"built on torch's meta device ({float_kind}(..., device='meta'))")
+            raise ArgumentTypeError(f"{name} needs a QTensor weight, got {type(weight).__name__}: use {made_by}{sized}")
         if len(weight.shape) != 2:
             raise ShapeError(f"{name} needs a 2-D weight [{dims}], got {weight.shape}")
         self.weight = weight

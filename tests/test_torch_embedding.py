@@ -153,6 +153,9 @@ def test_construction_checks():
     w = qd.quantize(np.ones((4, 8), np.float32), PER_ROW)
     with pytest.raises(TypeError, match="QEmbedding needs a QTensor weight, got Tensor: use QEmbedding.from_embedding"):
         QEmbedding(torch.ones(4, 8))
+    with pytest.raises(TypeError, match=r"got int: .*; for an empty layer of given sizes, .* an nn.Embedding built "
+                                        r"on torch's meta device \(nn.Embedding\(\.\.\., device='meta'\)\)"):
+        QEmbedding(100, 16)
     with pytest.raises(qd.ShapeError, match=r"2-D weight \[num_embeddings, embedding_dim\]"):
         QEmbedding(qd.quantize(np.ones((2, 4, 8), np.float32), QuantScheme("q8s", block=8)))
     with pytest.raises(TypeError, match="dtype must be torch.float32, float16, bfloat16 or float64, got torch.int64"):

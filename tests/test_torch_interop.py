@@ -625,8 +625,13 @@ def test_qlinear_gradcheck_and_no_bias():
 
 
 def test_qlinear_bad_input():
-    with pytest.raises(TypeError, match="from_linear"):
+    with pytest.raises(TypeError, match="from_linear") as refused:
         QLinear(torch.randn(4, 4))
+    assert "meta" not in str(refused.value)
+    # sizes, as nn.Linear takes them: the way to an empty layer to load into
+    with pytest.raises(TypeError, match=r"got int: use QLinear.from_linear\(linear, scheme\) .*; for an empty "
+                                        r"layer of given sizes, .* an nn.Linear built on torch's meta device"):
+        QLinear(64, 32)
     with pytest.raises(TypeError, match="from_linear needs an nn.Linear, got ReLU"):
         QLinear.from_linear(torch.nn.ReLU(), SCHEMES[0])
     with pytest.raises(ShapeError, match=r"\(6,\)"):
