@@ -130,6 +130,14 @@ def test_refusals_say_what_to_do(make, error, words):
         make(q)
 
 
+def _model(graph):
+    """`graph` as a model of opset 21 and com.microsoft's ops, at IR version 10: onnx writes
+    its newest by default, which an older ONNX Runtime refuses ("Unsupported model IR version")."""
+    from onnx import helper
+    return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21),
+                                                                  helper.make_opsetid("com.microsoft", 1)])
+
+
 def _run_matmulnbits(weight, A):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
@@ -140,7 +148,7 @@ def _run_matmulnbits(weight, A):
                               [helper.make_tensor_value_info("Y", float_type, [A.shape[0], weight.N])],
                               initializer=[numpy_helper.from_array(weight.B, "B"),
                                            numpy_helper.from_array(weight.scales, "scales")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = _model(graph)
     onnx.checker.check_model(model)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {"A": A})[0]
@@ -170,8 +178,7 @@ def _model_of(nodes, initializers):
     graph = helper.make_graph(nodes, "model", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, 64])],
                               [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes],
                               initializer=[numpy_helper.from_array(v, k) for k, v in initializers.items()])
-    return onnx, helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                          helper.make_opsetid("com.microsoft", 1)])
+    return onnx, _model(graph)
 
 
 def test_load_model_reads_every_matmulnbits_node(rng, tmp_path):
@@ -269,9 +276,7 @@ def test_load_model_finds_nodes_in_subgraphs_and_gives_their_bias(rng, tmp_path)
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 4])],
                               [numpy_helper.from_array(w.B, "B"), numpy_helper.from_array(w.scales, "S"),
                                numpy_helper.from_array(bias, "bias")])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                      helper.make_opsetid("com.microsoft", 1)]),
-              str(tmp_path / "m.onnx"))
+    onnx.save(_model(graph), str(tmp_path / "m.onnx"))
     loaded = matmulnbits.load_model(tmp_path / "m.onnx")
     assert sorted(loaded) == ["else", "else.bias", "then"]
     assert np.array_equal(loaded["then"].dequantize().numpy(), q.dequantize().numpy())
