@@ -19,7 +19,9 @@ F16_MAX = float(np.finfo(np.float16).max)
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     wide = np.asarray(bits, dtype=np.uint16).astype(np.uint32)
-    return np.asarray(wide << 16).view(np.float32)  # the shift makes a 0-d array a scalar
+    # the shift makes a 0-d array a scalar; a uint32 count keeps it uint32 (numpy 1.x made
+    # a scalar shifted by a Python int the smallest type that held its value)
+    return np.asarray(wide << np.uint32(16)).view(np.float32)
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, dlpack_bfloat16_bits, get_backend
+from .backends.host import NUMPY_DLPACK_1
 from .errors import (ArgumentError, ArgumentTypeError, BackendUnavailableError, NonFiniteError, OutOfRangeError,
                      QDispatchError, QuantSchemeError, ShapeError, UnsupportedIndexError, WrongBackendError)
 from .layout import QLayout, swap_last2
@@ -402,7 +403,10 @@ def import_dlpack(obj, device=None):
     kind, index = dlpack_device(obj)
     if kind in _HOST_DLPACK_TYPES:
         try:
-            arr = np.from_dlpack(obj) if not _is_bf16(obj) else _bf16_from_dlpack(obj)
+            if _is_bf16(obj):
+                arr = _bf16_from_dlpack(obj)
+            else:
+                arr = _ndarray_from_dlpack(obj) if isinstance(obj, np.ndarray) else np.from_dlpack(obj)
         except (TypeError, ValueError) as exc:  # numpy's words for what is no capsule
             raise ArgumentTypeError(f"from_dlpack can't read this {type(obj).__name__}: its __dlpack__ gave no "
                                     f"DLPack tensor numpy reads ({exc})") from None
@@ -447,7 +451,14 @@ def _is_bf16(obj):
     return "bfloat16" in str(getattr(obj, "dtype", ""))
 
 
-_NUMPY_READS_VERSIONED = np.lib.NumpyVersion(np.__version__) >= "2.1.0"  # DLPack 1.0 capsules
+def _ndarray_from_dlpack(a):
+    """np.from_dlpack(a) of an ndarray, as numpy 2.1 and later give it, with their
+    errors: numpy before 2.1 refused read-only arrays."""
+    if a.dtype.kind not in "biufc":
+        raise BufferError("DLPack only supports signed/unsigned integers, float and complex dtypes.")
+    if not a.dtype.isnative:
+        raise BufferError("DLPack only supports native byte order.")
+    return a.view(np.ndarray)
 
 
 class _Retyped:
@@ -467,7 +478,7 @@ def _bf16_from_dlpack(obj):
     """The uint16 bits of a host producer's bfloat16 values, in place: its capsule
     retyped, since numpy has no bfloat16 to take it as."""
     capsule = None
-    if _NUMPY_READS_VERSIONED:  # a versioned capsule says whether the memory is writable
+    if NUMPY_DLPACK_1:  # a versioned capsule says whether the memory is writable
         with contextlib.suppress(TypeError):  # TypeError: a producer older than DLPack 1.0
             capsule = obj.__dlpack__(max_version=(1, 0))
     if capsule is None:  # numpy makes an unversioned capsule's memory read-only

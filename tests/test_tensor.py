@@ -10,6 +10,7 @@ import pytest
 import qdispatch as qd
 from helpers import run_python
 from qdispatch._core import get_backend
+from qdispatch.backends import host as host_backend
 
 
 def test_host_tensor_shares_memory_with_numpy(device):
@@ -22,6 +23,7 @@ def test_host_tensor_shares_memory_with_numpy(device):
     assert np.asarray(t)[0, 0] == 42
 
 
+@pytest.mark.skipif(np.lib.NumpyVersion(np.__version__) < "2.0.0", reason="numpy 1.x's asarray takes no copy=")
 def test_asarray_copy_false_refuses_a_conversion_as_numpy_does(device):
     """numpy 2 hands __array__ its copy= argument: False promises a view, so a dtype
     change (or bfloat16, which the host reads as float32) must refuse, not copy."""
@@ -107,9 +109,43 @@ def test_a_producer_that_breaks_dlpack_is_a_typed_error(take, device, match):
     (dict(max_version="x"), qd.ArgumentTypeError, r"__dlpack__ of a host Tensor: max_version"),
     (dict(copy="maybe"), qd.ArgumentError, r"__dlpack__ of a host Tensor: "),
 ])
-def test_dlpack_export_arguments_numpy_refuses_are_typed_errors(kwargs, error, match):
+@pytest.mark.parametrize("numpy_takes_them", [True, False])
+def test_dlpack_export_arguments_numpy_refuses_are_typed_errors(monkeypatch, numpy_takes_them, kwargs, error, match):
+    """numpy_takes_them=False: as with numpy before 2.1, which takes stream alone, so
+    that qdispatch checks the protocol's later arguments itself."""
+    _numpy_dlpack(monkeypatch, numpy_takes_them)
     with pytest.raises(error, match=match):
         qd.tensor(np.zeros(3, np.float32), device="reference").__dlpack__(**kwargs)
+
+
+def _numpy_dlpack(monkeypatch, numpy_takes_them):
+    """The host backend's export as with a numpy that takes max_version, dl_device and copy, or not."""
+    if numpy_takes_them and not host_backend.NUMPY_DLPACK_1:
+        pytest.skip("this numpy's __dlpack__ takes stream alone")
+    monkeypatch.setattr(host_backend, "NUMPY_DLPACK_1", numpy_takes_them)
+
+
+@pytest.mark.parametrize("numpy_takes_them", [True, False])
+def test_dlpack_export_takes_the_protocols_arguments(monkeypatch, numpy_takes_them):
+    """A versioned consumer's arguments on any numpy: before 2.1 numpy's __dlpack__
+    refused them as unexpected keywords (torch then fell back, other consumers failed)."""
+    _numpy_dlpack(monkeypatch, numpy_takes_them)
+    a = np.arange(6, dtype=np.float32)
+    t = qd.tensor(a, device="reference")
+
+    class Exported:  # what t.__dlpack__ gave for these arguments, for np.from_dlpack
+        def __init__(self, **kwargs):
+            self.capsule = t.__dlpack__(**kwargs)
+
+        def __dlpack__(self, **_):
+            return self.capsule
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    assert np.shares_memory(np.from_dlpack(Exported(max_version=(1, 0), dl_device=(1, 0), copy=False)), a)
+    copied = np.from_dlpack(Exported(stream=None, copy=True))
+    assert not np.shares_memory(copied, a) and np.array_equal(copied, a)
 
 
 def test_a_tensor_with_negative_strides_is_not_shared_through_dlpack():
@@ -138,7 +174,9 @@ def test_a_tensor_over_read_only_memory_is_not_shared_through_dlpack(tmp_path):
         if np.lib.NumpyVersion(np.__version__) >= "2.1.0":  # from_dlpack's copy=
             copied = np.from_dlpack(t, copy=True)
             np.testing.assert_array_equal(copied, data)
-            assert copied.flags.writeable and not np.shares_memory(copied, data)
+            assert not np.shares_memory(copied, data)
+            # writable, as a copy is, unless numpy reads all memory so (2.1 did)
+            assert copied.flags.writeable or not np.from_dlpack(np.zeros(1)).flags.writeable
     np.from_dlpack(qd.tensor(np.zeros(3, np.float32)))  # writable memory is shared as before
 
 

@@ -7,6 +7,10 @@ from .._core import dlpack_as_bfloat16
 from ..errors import ArgumentError, ArgumentTypeError, DLPackExportError
 from .base import Backend
 
+# numpy 2.1 reads and writes DLPack 1.0: versioned capsules, and __dlpack__'s max_version,
+# dl_device and copy; numpy before it takes stream alone
+NUMPY_DLPACK_1 = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
+
 
 class HostQStorage:
     """Values in the scheme's store plus a float32 scale grid.  `cache` holds
@@ -143,7 +147,7 @@ class HostBackend(Backend):
                                     "take it as writable: ask for a copy (copy=True; qdispatch.torch.to_torch "
                                     "copies it), or copy it first (qdispatch.tensor(t.numpy().copy(), dtype=t.dtype))")
         try:
-            capsule = payload.__dlpack__(*args, **kwargs)
+            capsule = _exported(payload, kwargs).__dlpack__(*args, **kwargs)
         except BufferError as exc:  # numpy's words for a device or copy it can't give
             raise DLPackExportError(f"A host Tensor can't be exported so: {exc}") from None
         except TypeError as exc:
@@ -156,3 +160,22 @@ class HostBackend(Backend):
 
     def dlpack_device(self, t):
         return (1, 0)  # kDLCPU
+
+
+def _exported(payload, kwargs):
+    """The array to export.  dl_device and copy are taken out of `kwargs` and applied
+    here, as numpy 2.2 applies them, on every numpy: 2.1 refused another device as a
+    ValueError and left its copies of read-only memory read-only, and numpy before 2.1
+    takes stream alone, so max_version is checked here too, and the capsule is then
+    unversioned whatever it says, which the protocol allows."""
+    dl_device = kwargs.pop("dl_device", None)
+    if dl_device is not None and tuple(dl_device) != (1, 0):
+        raise BufferError(f"dl_device={dl_device!r}: a host Tensor is on the CPU, (1, 0), and is exported there")
+    copy = kwargs.pop("copy", None)
+    if copy is not None and not isinstance(copy, bool):
+        raise ValueError(f"copy must be True, False or None, got {copy!r}")
+    if not NUMPY_DLPACK_1:
+        max_version = kwargs.pop("max_version", None)
+        if max_version is not None and not (isinstance(max_version, tuple) and len(max_version) == 2):
+            raise TypeError(f"max_version must be None or a (major, minor) tuple, got {max_version!r}")
+    return payload.copy() if copy else payload
