@@ -49,7 +49,8 @@ from ._core import QTensor, Tensor
 from .errors import ArgumentTypeError, NotFoundError, QDispatchError, SerializationError
 from .layout import QLayout, swap_last2
 from .scheme import QuantScheme
-from .tensor_api import backend_for, qtensor_from_stored, qtensor_stored, tensor, tensor_stored
+from .tensor_api import (backend_for, numpy_from_dlpack, qtensor_from_stored, qtensor_stored, tensor,
+                         tensor_stored)
 
 FORMAT_VERSION = 3   # what this qdispatch writes at most and reads
 _FIRST_WITH_ALIASES = 2
@@ -310,7 +311,7 @@ def _ours(name, obj, caller):
     if getattr(obj, "requires_grad", False):  # torch exports no such tensor (a Parameter): its values
         obj = obj.detach()
     try:
-        return np.from_dlpack(obj)
+        return numpy_from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError):
         pass
     given = str(getattr(obj, "dtype", "?"))

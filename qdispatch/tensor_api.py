@@ -150,6 +150,16 @@ def tensor(data, device=None, dtype=None):
     return Tensor(backend.from_host(arr, dev.index), name, tuple(arr.shape), dev.kind, dev.index)
 
 
+def numpy_from_dlpack(obj):
+    """np.from_dlpack(obj) in numpy's own dtypes.  numpy 2.5 reads bfloat16 and float8
+    in the dtypes a library such as ml_dtypes registers (onnx and JAX import it),
+    which nothing here takes: such data is refused, as older numpy refused it."""
+    arr = np.from_dlpack(obj)
+    if arr.dtype.isbuiltin != 1:  # 2: a dtype another library registered
+        raise RuntimeError(f"Unsupported dtype in DLTensor: {arr.dtype} is none of numpy's own")
+    return arr
+
+
 def numpy_of(obj):
     """The numpy view of a DLPack producer's host memory, in its own dtype; None where
     it is on a GPU or of a dtype numpy lacks (bfloat16, float8), which from_dlpack takes."""
@@ -161,7 +171,7 @@ def numpy_of(obj):
     elif isinstance(obj, QTensor) or dlpack_device(obj)[0] not in _HOST_DLPACK_TYPES or _is_bf16(obj):
         return None
     try:
-        return np.from_dlpack(obj)
+        return numpy_from_dlpack(obj)
     except (BufferError, RuntimeError, TypeError, ValueError):
         return None
 
@@ -406,7 +416,7 @@ def import_dlpack(obj, device=None):
             if _is_bf16(obj):
                 arr = _bf16_from_dlpack(obj)
             else:
-                arr = _ndarray_from_dlpack(obj) if isinstance(obj, np.ndarray) else np.from_dlpack(obj)
+                arr = _ndarray_from_dlpack(obj) if isinstance(obj, np.ndarray) else numpy_from_dlpack(obj)
         except (TypeError, ValueError) as exc:  # numpy's words for what is no capsule
             raise ArgumentTypeError(f"from_dlpack can't read this {type(obj).__name__}: its __dlpack__ gave no "
                                     f"DLPack tensor numpy reads ({exc})") from None

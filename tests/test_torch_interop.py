@@ -575,6 +575,28 @@ def test_a_qlinear_keeps_its_shape():
     assert layer.weight.shape == (6, 10) and layer.in_features == 10
 
 
+def test_dtypes_another_library_gave_numpy_are_taken_as_numpy_refused_them(monkeypatch, tmp_path):
+    """numpy 2.5 reads bfloat16 and float8 by DLPack in ml_dtypes' dtypes once that is
+    imported (onnx and JAX import it): saving a torch bfloat16 tensor then said "Can't
+    save array 'h' of dtype bfloat16", and float8 got words meant for numpy data."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    numpy_reads = np.from_dlpack
+
+    def as_numpy_2_5_reads(obj, *args, **kwargs):
+        name = str(getattr(obj, "dtype", "")).removeprefix("torch.")
+        if name in ("bfloat16", "float8_e4m3fn"):
+            return np.zeros(tuple(obj.shape), getattr(ml_dtypes, name))
+        return numpy_reads(obj, *args, **kwargs)
+
+    monkeypatch.setattr(np, "from_dlpack", as_numpy_2_5_reads)
+    halves = torch.randn(2, 32, dtype=torch.bfloat16)
+    qd.save(tmp_path / "t.safetensors", {"h": halves})
+    assert torch.equal(to_torch(qd.load(tmp_path / "t.safetensors")["h"]), halves)
+    for take in (qd.from_dlpack, qd.tensor):
+        with pytest.raises(TypeError, match="of dtype torch.float8_e4m3fn .*convert it to float32, float16 or bfloat16"):
+            take(torch.zeros(4, 32, dtype=torch.float8_e4m3fn))
+
+
 def test_torch_tensors_save_and_export_as_they_are(tmp_path):
     """qdispatch.save and gguf.export read a torch tensor's values (by DLPack), as the
     safetensors library would save them."""
