@@ -17,7 +17,7 @@ def test_minus_m_cuda_selects_the_device_fixtures_cuda_cases(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
     for marks, selected, left_out in (("cuda", "test_on[cuda]", "test_on[reference]"),
                                       ("not cuda", "test_on[reference]", "test_on[cuda]")):
-        out = run_python("-P", "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-m", marks,
+        out = run_python("-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-m", marks,
                          str(tmp_path))
         assert out.returncode == 0, out.stdout + out.stderr
         assert selected in out.stdout and left_out not in out.stdout, out.stdout

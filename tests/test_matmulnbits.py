@@ -150,7 +150,12 @@ def _run_matmulnbits(weight, A):
                                            numpy_helper.from_array(weight.scales, "scales")])
     model = _model(graph)
     onnx.checker.check_model(model)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's own exception types
+        if weight.attributes["bits"] == 2 and "Only 4b and 8b" in str(exc):
+            pytest.skip(f"onnxruntime {ort.__version__} runs no 2-bit MatMulNBits")
+        raise
     return session.run(None, {"A": A})[0]
 
 
