@@ -151,9 +151,17 @@ def tensor(data, device=None, dtype=None):
 
 
 def numpy_from_dlpack(obj):
-    """np.from_dlpack(obj) in numpy's own dtypes.  numpy 2.5 reads bfloat16 and float8
-    in the dtypes a library such as ml_dtypes registers (onnx and JAX import it),
-    which nothing here takes: such data is refused, as older numpy refused it."""
+    """np.from_dlpack(obj) as numpy 2.1-2.4 give it, on any numpy: an ndarray is viewed
+    as it is (numpy before 2.1 refused read-only ones), with numpy's errors for what
+    DLPack can't carry; and only numpy's own dtypes are taken: numpy 2.5 reads bfloat16
+    and float8 in the dtypes a library such as ml_dtypes registers (onnx and JAX
+    import it), which nothing here takes."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biufc":
+            raise BufferError("DLPack only supports signed/unsigned integers, float and complex dtypes.")
+        if not obj.dtype.isnative:
+            raise BufferError("DLPack only supports native byte order.")
+        return obj.view(np.ndarray)
     arr = np.from_dlpack(obj)
     if arr.dtype.isbuiltin != 1:  # 2: a dtype another library registered
         raise RuntimeError(f"Unsupported dtype in DLTensor: {arr.dtype} is none of numpy's own")
@@ -413,10 +421,7 @@ def import_dlpack(obj, device=None):
     kind, index = dlpack_device(obj)
     if kind in _HOST_DLPACK_TYPES:
         try:
-            if _is_bf16(obj):
-                arr = _bf16_from_dlpack(obj)
-            else:
-                arr = _ndarray_from_dlpack(obj) if isinstance(obj, np.ndarray) else numpy_from_dlpack(obj)
+            arr = _bf16_from_dlpack(obj) if _is_bf16(obj) else numpy_from_dlpack(obj)
         except (TypeError, ValueError) as exc:  # numpy's words for what is no capsule
             raise ArgumentTypeError(f"from_dlpack can't read this {type(obj).__name__}: its __dlpack__ gave no "
                                     f"DLPack tensor numpy reads ({exc})") from None
@@ -459,16 +464,6 @@ def host_view(arr, device=None, dtype=None):
 
 def _is_bf16(obj):
     return "bfloat16" in str(getattr(obj, "dtype", ""))
-
-
-def _ndarray_from_dlpack(a):
-    """np.from_dlpack(a) of an ndarray, as numpy 2.1 and later give it, with their
-    errors: numpy before 2.1 refused read-only arrays."""
-    if a.dtype.kind not in "biufc":
-        raise BufferError("DLPack only supports signed/unsigned integers, float and complex dtypes.")
-    if not a.dtype.isnative:
-        raise BufferError("DLPack only supports native byte order.")
-    return a.view(np.ndarray)
 
 
 class _Retyped:
