@@ -376,8 +376,8 @@ def test_the_gemm_fits_each_gpus_shared_memory_and_refuses_misaligned_operands(c
     failed. The depth now follows the device's limit. And the C API took operands that
     were not 16-byte aligned, whose copies fault and end the CUDA context: now
     QD_ERR_ARGUMENT, before any CUDA call."""
-    run_host_cuda_program(cuda_build, tmp_path, "gemm_host_rules.cu", "gemm_s8_sm90.cu", "runtime.cu",
-                          "elementwise.cu")
+    run_host_cuda_program(cuda_build, tmp_path, "gemm_host_rules.cu", "gemm_s8_sm90.cu", "qq_fine_groups.cu",
+                          "runtime.cu", "elementwise.cu")
 
 
 def test_cuda_failures_map_to_the_documented_statuses(cuda_build, tmp_path):

@@ -211,7 +211,6 @@ QQ_OFF_STEP_PAIRS = [  # K blocks of x [M, K] and w [N, K] whose common divisor 
     (qd.QuantScheme("q8s", block=48), qd.QuantScheme("q8s", block=32)),        # G = 16, blocks of 3 and 2 slots
     (qd.QuantScheme("q8s", block=40), qd.QuantScheme("q8f", block=24)),        # G = 8: 4x the bytes
     (qd.QuantScheme("q8s", block=(2, 8)), qd.QuantScheme("q8s", axis=0)),      # G = 8, two rows to a scale
-    (qd.QuantScheme("q8s", block=4), qd.QuantScheme("q8s", block=32)),         # G = 4: one thread per output
 ]
 
 
@@ -228,6 +227,48 @@ def test_qq_blocks_off_the_mma_steps(rng, a_scheme, w_scheme, out_dtype):
     out = qd.q_matmul(xq, wq.T, out_dtype=out_dtype)
     assert out.dtype == out_dtype and out.shape == (M, N)
     np.testing.assert_array_equal(out.numpy(), qd.q_matmul(ref(xq), ref(wq).T, out_dtype=out_dtype).numpy())
+
+
+QQ_FINE_GROUP_CASES = [  # x [M, K] and w [N, K] whose K blocks share fewer than 8 values; M, K
+    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", axis=1), 130, 1000),  # w per input channel: G = 1
+    (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8s", axis=1), 1, 4096),     # ... one row (decode)
+    (qd.QuantScheme("q8f", axis=1), qd.QuantScheme("q8s", axis=0), 130, 960),    # x per input channel
+    (qd.QuantScheme("q8s", block=(2, 6)), qd.QuantScheme("q8s", block=10), 130, 960),  # G = 2, two rows a scale
+    (qd.QuantScheme("q8s", block=3), qd.QuantScheme("q8f", block=(8, 9)), 130, 963),   # G = 3, 8 rows a scale
+    (qd.QuantScheme("q8s", block=4), qd.QuantScheme("q8s", block=32), 130, 960),       # G = 4
+    (qd.QuantScheme("q8s", block=5), qd.QuantScheme("q8s", axis=0), 65, 960),          # G = 5
+    (qd.QuantScheme("q8s", block=12), qd.QuantScheme("q8s", block=18), 130, 1008),     # G = 6
+    (qd.QuantScheme("q8s", block=7), qd.QuantScheme("q8s", axis=0), 17, 1001),         # G = 7
+]
+
+
+@pytest.mark.parametrize("a_scheme,w_scheme,M,K", QQ_FINE_GROUP_CASES, ids=repr)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_qq_groups_finer_than_8_values(rng, a_scheme, w_scheme, M, K, out_dtype):
+    """K blocks whose common divisor G is below 8 (a weight scaled per input
+    channel): each group's products are summed exactly on the float units, scaled
+    and added in order of K as the reference does, bit for bit. Tiles of 64 have
+    tails in M and N, and K ends part way through a slice of groups (G = 1, 3, 7)."""
+    N = 200
+    xq = qd.quantize(rng.standard_normal((M, K)).astype(np.float32), a_scheme, device="cuda")
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), w_scheme, device="cuda")
+    out = qd.q_matmul(xq, wq.T, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.shape == (M, N)
+    np.testing.assert_array_equal(out.numpy(), qd.q_matmul(ref(xq), ref(wq).T, out_dtype=out_dtype).numpy())
+
+
+def test_qq_per_input_channel_at_the_extremes(rng):
+    """Products at their largest, -128 * -128, and the largest negative ones, with a
+    scale of its own for each K on both sides: the group sums and their running
+    total, bit for bit."""
+    M, K, N = 70, 777, 90
+    scheme = qd.QuantScheme("q8f", axis=1)
+    a = np.where(np.arange(M * K).reshape(M, K) % 3 == 0, 127, -128).astype(np.int8)
+    b = np.full((N, K), -128, np.int8)
+    b[1::2, ::2] = 127
+    xq = qd.qtensor_from_parts(a, rng.uniform(0.5, 2.0, K).astype(np.float32), scheme, device="cuda")
+    wq = qd.qtensor_from_parts(b, rng.uniform(0.5, 2.0, K).astype(np.float32), scheme, device="cuda")
+    np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(ref(xq), ref(wq).T).numpy())
 
 
 @pytest.mark.parametrize("K", [262080, 140000], ids=["whole-parts", "a-part-left-over"])

@@ -19,6 +19,7 @@
 #include "gemm_s8.cuh"
 #include "gemm_s8_sm90.cuh"
 #include "mma_s8.cuh"
+#include "qq_fine_groups.cuh"
 
 namespace {
 
@@ -35,8 +36,10 @@ constexpr int GROUP_M = 8;    // tile rows visited together, for L2 reuse of B
 constexpr int KSTEP = 32;     // K bytes per mma
 constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
 // K groups of at least this many values that fall off the mma steps are spread to
-// whole steps (qq_spread: at most 4x the bytes); finer ones run qq_simple_kernel.
+// whole steps (qq_spread: at most 4x the bytes); finer ones run on the float units
+// (qq_fine_groups.cu).
 constexpr int64_t MIN_SPREAD_GROUP = KSTEP / 4;
+static_assert(FINE_GROUP_MAX + 1 == MIN_SPREAD_GROUP, "every group is spread or fine");
 
 template <int OPS>
 __device__ __forceinline__ void mma_step(typename Sums<OPS>::type (&c)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -225,8 +228,8 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
             }
 }
 
-// Any K grouping: one thread per output, exact int32 per group.  For blockings
-// whose groups do not fall on the tensor-core kernel's 32-wide K steps.
+// Any K grouping: one thread per output, exact int32 per group.  For groups too
+// long for qq_fine_groups whose spread operands do not fit in memory.
 __global__ void qq_simple_kernel(const int8_t *a, const int8_t *bt, int M, int N, int64_t K,
                                  int64_t ld, Scales sc, int64_t G, void *out, int out_dtype) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)M * N;
@@ -437,7 +440,8 @@ extern "C" qd_status qd_cuda_qq_matmul(const int8_t *a, const int8_t *bt, int64_
             return launch_gemm<ONE_GROUP>(a, bt, M, N, K, ld, out, out_dtype, sc, stream);
         return launch_gemm<GROUPED>(a, bt, M, N, K, ld, out, out_dtype, sc, stream);
     }
-    if (G >= MIN_SPREAD_GROUP && ceil_div(G, KSTEP) <= MAX_GROUP_STEPS) {  // a slot's sums stay one group
+    if (G < MIN_SPREAD_GROUP) return qd::qq_fine_groups(a, bt, M, N, K, ld, sc, G, out, out_dtype, as_stream(stream));
+    if (ceil_div(G, KSTEP) <= MAX_GROUP_STEPS) {  // a slot's sums stay one group
         const qd_status spread = qq_spread(a, bt, M, N, K, ld, a_scales, a_block_m, a_block_k, b_scales,
                                            b_block_n, b_block_k, G, out, out_dtype, stream);
         if (spread != QD_ERR_NO_MEMORY) return spread;
