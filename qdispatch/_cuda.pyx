@@ -1055,6 +1055,49 @@ cdef int _fq_launch(void *px, int xd, int64_t m, int64_t ldx, DeviceArray tiles,
     return _status(st, "fq_matmul")
 
 
+def fq_values(DeviceArray x, DeviceArray w, DeviceArray scales, int64_t K, int64_t block_n, int64_t block_k,
+              str out_dtype="float32"):
+    """x [M, ldx] (float32/float16/bfloat16) @ (w * scales)^T -> out_dtype [M, N], w the
+    weight's int8 values [N, ldw], scales [N/block_n, K/block_k]: any blocking along K."""
+    cdef int device = x.buffer.device
+    cdef int previous = _switch_device(device)
+    try:
+        out = DeviceArray(DeviceBuffer.allocate(x.shape[0] * w.shape[0] * ITEMSIZE[out_dtype], device), 0,
+                          (x.shape[0], w.shape[0]), out_dtype)
+        _fq_values_launch(P(x), DTYPES[x.dtype], x.shape[0], x.shape[1], w, scales, K, block_n, block_k,
+                          P(out), DTYPES[out_dtype], NULL)
+    finally:
+        _restore_device(previous, device)
+    return out
+
+
+def fq_values_into(uintptr_t x, str x_dtype, int64_t m, int64_t ldx, DeviceArray w, DeviceArray scales,
+                   int64_t K, int64_t block_n, int64_t block_k, uintptr_t out, str out_dtype, uintptr_t stream):
+    """fq_values on memory another library owns, queued on its `stream` (which may be
+    capturing a CUDA graph): x [m, ldx], out [m, N] dense.  Nothing here allocates or
+    synchronizes."""
+    cdef int device = w.buffer.device
+    cdef int previous = _switch_device(device)
+    try:
+        _fq_values_launch(<void *>x, DTYPES[x_dtype], m, ldx, w, scales, K, block_n, block_k, <void *>out,
+                          DTYPES[out_dtype], <void *>stream)
+    finally:
+        _restore_device(previous, device)
+
+
+cdef int _fq_values_launch(void *px, int xd, int64_t m, int64_t ldx, DeviceArray w, DeviceArray scales,
+                           int64_t K, int64_t block_n, int64_t block_k, void *po, int od,
+                           void *stream) except -1:
+    cdef void *pw = P(w)
+    cdef void *ps = P(scales)
+    cdef int64_t n = w.shape[0], ldw = w.shape[1]
+    cdef qd_status st
+    with nogil:
+        st = qd_cuda_fq_values(px, xd, m, ldx, <int8_t *>pw, n, K, ldw, <float *>ps, block_n, block_k, po, od,
+                               stream)
+    return _status(st, "fq_values")
+
+
 # ---- DLPack --------------------------------------------------------------------
 
 _DL_CODES = {"float32": (kDLFloat, 32), "float16": (kDLFloat, 16), "bfloat16": (kDLBfloat, 16),

@@ -174,6 +174,9 @@ cdef extern from "qdispatch.h" nogil:
     qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
                               int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
                               int out_dtype, void *stream) noexcept
+    qd_status qd_cuda_fq_values(const void *x, int x_dtype, int64_t M, int64_t ldx, const int8_t *w, int64_t N,
+                                int64_t K, int64_t ldw, const float *scales, int64_t block_n, int64_t block_k,
+                                void *out, int out_dtype, void *stream) noexcept
     int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) noexcept
     int qd_cuda_fq_wide_supported() noexcept
     void qd_cuda_set_batch_invariant(int on) noexcept

@@ -324,7 +324,8 @@ def _capturing(index, stream):
 
 def _matmul_captured(x, w, stream):
     """x @ w while torch captures a CUDA graph: the kernels an eager call runs (the
-    decode kernel, or at many rows the GEMM), queued on torch's capturing stream,
+    decode kernel, or at many rows the GEMM; for weights blocked along K too finely
+    for the decode tiles, the float units' kernel), queued on torch's capturing stream,
     reading x in place into an output and temporaries torch allocates there.  Nothing
     crosses, allocates on our side or waits, so the capture holds it.  Eager calls
     keep crossing: a capsule for the output costs less host time than torch.empty."""
@@ -333,13 +334,9 @@ def _matmul_captured(x, w, stream):
     call = backend.fq_prepared(w, lay_out=False)
     if call is None:
         raise KernelError(f"torch is capturing a CUDA graph on {x.device}, and this {w.shape} weight has "
-                          f"not been multiplied yet: its first product lays out its tiles, which "
-                          f"synchronizes. Run the model once before capturing (torch's warm-up does).")
-    if call is False:
-        raise KernelError(f"torch is capturing a CUDA graph on {x.device}, and this weight's blocking along "
-                          f"K ({w.layout.logical_block(w.transposed)[0]}) runs on the host, which a graph "
-                          f"can't hold: run it outside the captured region, or quantize with a block of 16 "
-                          f"or more along K")
+                          f"not been multiplied yet: its first product lays out its operands for the "
+                          f"kernels, which allocates and synchronizes. Run the model once before capturing "
+                          f"(torch's warm-up does).")
     K, N = w.shape
     x2 = _dense(x.detach().reshape(-1, K))
     rows = x2.shape[0]

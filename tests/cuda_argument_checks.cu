@@ -25,6 +25,16 @@ int main() {
            qd_cuda_fq_matmul(aligned, QD_CUDA_F32, M, K, aligned + 4096, off + 8192, 8, N, K, K, aligned + 16384,
                              QD_CUDA_F32, nullptr),
            QD_ERR_ARGUMENT);
+    expect("fq_values, misaligned weight rows",
+           qd_cuda_fq_values(aligned, QD_CUDA_F32, M, K, reinterpret_cast<const int8_t *>(off + 4096), N, K, K,
+                             reinterpret_cast<const float *>(aligned + 8192), 1, 1, aligned + 16384, QD_CUDA_F32,
+                             nullptr),
+           QD_ERR_ARGUMENT);
+    expect("fq_values, weight rows not 16 bytes apart",
+           qd_cuda_fq_values(aligned, QD_CUDA_F32, M, K, reinterpret_cast<const int8_t *>(aligned + 4096), N, K,
+                             K + 4, reinterpret_cast<const float *>(aligned + 8192), 1, 1, aligned + 20480,
+                             QD_CUDA_F32, nullptr),
+           QD_ERR_ARGUMENT);
     int64_t bad = -1;
     expect("quantize, misaligned scratch",
            qd_cuda_quantize_f32(reinterpret_cast<const float *>(aligned), 2, 32, 0, 1, 32, 0,

@@ -376,7 +376,7 @@ def test_the_gemm_fits_each_gpus_shared_memory_and_refuses_misaligned_operands(c
     failed. The depth now follows the device's limit. And the C API took operands that
     were not 16-byte aligned, whose copies fault and end the CUDA context: now
     QD_ERR_ARGUMENT, before any CUDA call."""
-    run_host_cuda_program(cuda_build, tmp_path, "gemm_host_rules.cu", "gemm_s8_sm90.cu", "qq_fine_groups.cu",
+    run_host_cuda_program(cuda_build, tmp_path, "gemm_host_rules.cu", "gemm_s8_sm90.cu", "float_units.cu",
                           "runtime.cu", "elementwise.cu")
 
 
@@ -387,11 +387,12 @@ def test_cuda_failures_map_to_the_documented_statuses(cuda_build, tmp_path):
 
 
 def test_cuda_entry_points_refuse_misaligned_pointers(cuda_build, tmp_path):
-    """The decode call's weight tiles and scale tiles (16-byte copies) and quantize's
-    scratch (64-bit atomics) were taken at any address: a fault that ends the CUDA
-    context where the other entry points return QD_ERR_ARGUMENT."""
+    """The decode call's weight tiles and scale tiles (16-byte copies), quantize's
+    scratch (64-bit atomics) and fq_values's weight rows (4-byte reads) taken at any
+    address would be a fault that ends the CUDA context where the other entry points
+    return QD_ERR_ARGUMENT."""
     run_host_cuda_program(cuda_build, tmp_path, "cuda_argument_checks.cu", "fq_matmul.cu", "fq_wide_sm90.cu",
-                          "gemm_s8_sm90.cu", "quantize.cu", "runtime.cu", "elementwise.cu")
+                          "gemm_s8_sm90.cu", "float_units.cu", "quantize.cu", "runtime.cu", "elementwise.cu")
 
 
 # ---- the C kernel library (build_support/cpu.py) ----

@@ -448,6 +448,48 @@ def test_fq_batch_invariant(rng, batch_invariant, scheme, x_dtype, K, N):
     assert rel_err(expect, full[:4]) < FQ_TOL  # float32 out, from the same x values
 
 
+FQ_VALUES_SCHEMES = [  # weight blockings along K that the decode tiles can't take (no multiple of 16)
+    qd.QuantScheme("q8s", axis=1),                          # a scale per input channel (stored [N, K])
+    qd.QuantScheme("q8f", block=8),
+    qd.QuantScheme("q8s", block=(4, 24)),                   # four rows to a scale
+    qd.QuantScheme("q4s", block=8, store="packed_u32"),
+    qd.QuantScheme("q2f", block=(2, 40), store="packed_u32"),
+]
+
+
+@pytest.mark.parametrize("scheme", FQ_VALUES_SCHEMES, ids=repr)
+@pytest.mark.parametrize("M", [1, 16, 65, 300])
+def test_fq_blockings_too_fine_for_the_tiles_run_on_the_gpu(monkeypatch, rng, scheme, M):
+    """They went to the host: every call copied the weight there, dequantized it and
+    multiplied in numpy. Now the float units multiply the weight's int8 values,
+    each dequantized as it loads: within fq's tolerance for every x dtype, and with
+    batch invariance on a row's result the same bits whatever rows come with it.
+    K = 960 and N = 200 leave tails in the 64 x 64 output tiles (past 64 rows), the
+    few-rows kernel's 512-value chunks and its blocks of 32 weight rows."""
+    from qdispatch.backends import cuda as cuda_backend
+    K, N = 960, 200
+    wq = qd.quantize(rng.standard_normal((N, K)).astype(np.float32), scheme, device="cuda")
+    w_ref = ref(wq)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    monkeypatch.setattr(cuda_backend.CudaBackend, "qstorage_to_host",
+                        lambda *a: pytest.fail("the weight went to the host"))
+    for dtype in ("float32", "float16", "bfloat16"):
+        xt = qd.tensor(x, device="cuda", dtype=dtype)
+        out = qd.q_matmul(xt, wq.T)
+        expect = qd.q_matmul(qd.tensor(x, device="reference", dtype=dtype), w_ref.T).numpy()
+        assert out.shape == (M, N) and out.dtype == "float32" and out.device == "cuda:0"
+        assert rel_err(expect, out.numpy()) < FQ_TOL
+        assert_rounded_once(out.numpy(), qd.q_matmul(xt, wq.T, out_dtype=dtype), dtype)
+        qd.set_batch_invariant(True)  # past 64 rows the tiles would run: a row's bits could differ
+        try:
+            whole = qd.q_matmul(xt, wq.T).numpy()
+            np.testing.assert_array_equal(qd.q_matmul(xt[M - 1:], wq.T).numpy(), whole[M - 1:])
+        finally:
+            qd.set_batch_invariant(False)
+        if M <= 64:
+            np.testing.assert_array_equal(whole, out.numpy())
+
+
 @pytest.mark.parametrize("scheme,transposed", [
     (qd.QuantScheme("q8s", axis=0), True), (qd.QuantScheme("q4f", block=32, store="packed_u32"), True),
     (qd.QuantScheme("q2s", block=16, store="packed_u32"), True),

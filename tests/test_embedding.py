@@ -421,6 +421,8 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
             qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, f + 32, bf, NULL),
             qd_cuda_fq_gemm(d, e, bf, 4, 16, 64, (int64_t)1 << 60, (float *)f, 1, 64, g, f32, NULL),
             qd_cuda_fq_gemm(d, e, bf, 2, 16, 64, 64, (float *)f, 1, 64, e + 256, f32, NULL),
+            qd_cuda_fq_values(d, bf, huge, 64, (int8_t *)e, 16, 64, 64, (float *)f, 1, 1, g, f32, NULL),
+            qd_cuda_fq_values(d, bf, 2, 64, (int8_t *)e, 16, 64, 64, (float *)f, 1, 1, e + 512, f32, NULL),
             /* no ids: every row, so n must be the rows' count (QD_ERR_SHAPE) */
             qd_cuda_dequantize_rows(d, 0, 4, 4, (float *)e, 1, 4, NULL, 3, f, bf, NULL),
             qd_cuda_fq_dequantize_rows(d, 4, 16, 64, (float *)e, 1, 64, NULL, 15, f, f32, NULL),
@@ -438,12 +440,13 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
             qd_cuda_fq_dequantize_rows(d, 4, 16, 64, (float *)e, 1, 64, (int64_t *)g, 2, d + 512, bf, NULL),
             qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)(d + 32), 2, 4, 16, 16, (int32_t *)(d + 96), NULL),
             qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, d + 256, bf, NULL),
+            qd_cuda_fq_values(d, bf, 2, 64, (int8_t *)e, 16, 64, 64, (float *)f, 1, 1, d + 256, bf, NULL),
         };
         for (size_t i = 0; i < sizeof side_by_side / sizeof side_by_side[0]; i++)
             printf("%d ", side_by_side[i]);
     """)
-    assert out[:out.index("|")] == ["3"] * 43 + ["2"] * 2
-    assert out[out.index("|") + 1:] in ([], ["11"] * 7)
+    assert out[:out.index("|")] == ["3"] * 45 + ["2"] * 2
+    assert out[out.index("|") + 1:] in ([], ["11"] * 8)
 
 
 @pytest.mark.skipif(not built_with_cuda(), reason="the library was built without CUDA kernels")
@@ -478,6 +481,7 @@ def test_cuda_entry_points_give_the_headers_status_for_each_fault(c_compiler, sh
         qd_status shape[] = {
             qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)e, past_int, 4, 16, 16, (int32_t *)f, NULL),
             qd_cuda_fq_matmul(d, bf, 1, 64, e, f, 4, past_int, 64, 64, g, bf, NULL),
+            qd_cuda_fq_values(d, bf, past_int, 64, (int8_t *)e, 16, 64, 64, (float *)f, 1, 1, g, bf, NULL),
         };
         for (size_t i = 0; i < sizeof argument / sizeof argument[0]; i++)
             printf("%d ", argument[i]);
@@ -488,7 +492,7 @@ def test_cuda_entry_points_give_the_headers_status_for_each_fault(c_compiler, sh
         for (size_t i = 0; i < sizeof shape / sizeof shape[0]; i++)
             printf("%d ", shape[i]);
     """)
-    assert out == ["3"] * 7 + ["|"] + ["4"] * 5 + ["|"] + ["2"] * 2
+    assert out == ["3"] * 7 + ["|"] + ["4"] * 5 + ["|"] + ["2"] * 3
 
 
 def test_converting_nothing_takes_no_arrays(c_compiler, shell_env, tmp_path):

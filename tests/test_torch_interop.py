@@ -1287,7 +1287,8 @@ def test_cuda_model_built_empty_loads_float_and_quantized_checkpoints(tmp_path):
 
 GRAPH_SCHEMES = {"int8 per channel": QuantScheme("q8s", axis=0),
                  "int4 block 128": QuantScheme("q4s", block=(1, 128), store="packed_u32"),
-                 "int4 block 32": QuantScheme("q4f", block=(1, 32), store="packed_u32")}
+                 "int4 block 32": QuantScheme("q4f", block=(1, 32), store="packed_u32"),
+                 "int8 blocks of 8": QuantScheme("q8f", block=(1, 8))}  # on the float units: too fine for tiles
 
 
 def _cuda_qlinear(K, N, scheme, seed=0):
@@ -1366,7 +1367,6 @@ def test_cuda_graph_replays_beside_eager_calls_on_another_stream():
 
 _CAPTURE_REFUSALS = {
     "not run yet": (qd.KernelError, "not been multiplied yet.*Run the model once before capturing"),
-    "blocks of 8 along K": (qd.KernelError, r"blocking along K \(8\) runs on the host"),
     "weight on the CPU": (qd.BackendMismatchError,
                           r"lhs is on 'cuda:0', rhs is on 'cpu'.*capturing a CUDA graph on cuda:0.*before capturing"),
     "weight on another GPU": (qd.DeviceMismatchError,
@@ -1378,21 +1378,19 @@ _CAPTURE_REFUSALS = {
 @pytest.mark.parametrize("case", list(_CAPTURE_REFUSALS))
 def test_cuda_graph_capture_refuses_what_it_cannot_hold(case):
     """A weight not multiplied yet (its first product lays out its tiles, and
-    synchronizes), blocked along K too finely for the kernels (the host runs it), or
-    on another device than x (a graph can't hold the move; the mismatch error comes
-    first, as an eager call raises it): a clear error, torch's capture ends cleanly,
-    and the layer works after."""
+    synchronizes), or on another device than x (a graph can't hold the move; the
+    mismatch error comes first, as an eager call raises it): a clear error, torch's
+    capture ends cleanly, and the layer works after."""
     _needs_cuda()
     if case == "weight on another GPU" and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    scheme = QuantScheme("q8f", block=(1, 8)) if case == "blocks of 8 along K" else GRAPH_SCHEMES["int4 block 32"]
-    layer = _cuda_qlinear(256, 128, scheme)
+    layer = _cuda_qlinear(256, 128, GRAPH_SCHEMES["int4 block 32"])
     x = torch.randn(2, 256, device="cuda:0")
     graph, doubled = torch.cuda.CUDAGraph(), torch.empty_like(x)
     error, says = _CAPTURE_REFUSALS[case]
     with torch.no_grad():
         if case != "not run yet":
-            layer(x)  # warmed up (blocked by 8 along K: still on the host)
+            layer(x)  # warmed up
         if case.startswith("weight on"):
             layer.weight = layer.weight.to("cpu" if case == "weight on the CPU" else "cuda:1")
         with pytest.raises(error, match=says):

@@ -3,7 +3,7 @@
 // Build and run from the repo root (H100/H200):
 //   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
 //     -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
-//     benchmarks/cuda/check_gemm_sm90.cu src_c/cuda/gemm_s8_sm90.cu src_c/cuda/qq_fine_groups.cu \
+//     benchmarks/cuda/check_gemm_sm90.cu src_c/cuda/gemm_s8_sm90.cu src_c/cuda/float_units.cu \
 //     src_c/cuda/elementwise.cu src_c/cuda/runtime.cu \
 //     -o build/check_gemm_sm90 && build/check_gemm_sm90
 //

@@ -9,7 +9,7 @@
 //   mkdir -p build && nvcc -O3 -std=c++17 -DQD_WITH_CUDA --expt-relaxed-constexpr \
 //     -gencode=arch=compute_90a,code=sm_90a -Isrc_c/include -Isrc_c/cuda \
 //     benchmarks/cuda/time_qq_blocks.cu src_c/cuda/gemm_s8.cu src_c/cuda/gemm_s8_sm90.cu \
-//     src_c/cuda/qq_fine_groups.cu src_c/cuda/elementwise.cu src_c/cuda/runtime.cu \
+//     src_c/cuda/float_units.cu src_c/cuda/elementwise.cu src_c/cuda/runtime.cu \
 //     -o build/time_qq_blocks && build/time_qq_blocks
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -13,6 +13,7 @@ read back from the tiles whenever something else needs it."""
 import math
 import os
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
@@ -90,6 +91,16 @@ def _in_store(q, layout):
         q = _cuda.pack_u32(q, layout.bits)
         return q.view(layout.shape[:-1] + (q.shape[-1],))
     return q.view(layout.shape)
+
+
+class _ValuesOperands(NamedTuple):
+    """fq's weight operands where its blocking along K is too fine for the decode
+    tiles: int8 values [N, ld] and float32 scales [N/bn, K/bk], for _cuda.fq_values."""
+    values: object
+    scales: object
+    K: int
+    bn: int
+    bk: int
 
 
 class _StoreFromTiles:
@@ -433,8 +444,8 @@ class CudaBackend(Backend):
 
     def fq_matmul(self, x, w, out_dtype="float32"):
         call = self.fq_prepared(w)
-        if call is False:
-            return self.cast(self._fq_on_host(self.cast(x, x.dtype, "float32"), w), "float32", out_dtype)
+        if isinstance(call[0], _ValuesOperands):
+            return _cuda.fq_values(x, *call[0], out_dtype)
         if self.fq_runs_as_gemm(call, x.shape[0], x.dtype):
             if x.dtype != "float32":
                 x = _cuda.aligned_rows(x)  # the GEMM reads whole 16-byte pieces of rows
@@ -465,7 +476,9 @@ class CudaBackend(Backend):
         order).  Nothing here allocates or waits, so a CUDA graph can capture it; it
         takes the decode kernel or the GEMM as fq_matmul does, so the two agree bit
         for bit."""
-        if self.fq_runs_as_gemm(call, rows, x_dtype):
+        if isinstance(call[0], _ValuesOperands):
+            _cuda.fq_values_into(x, x_dtype, rows, ldx, *call[0], out, x_dtype, stream)
+        elif self.fq_runs_as_gemm(call, rows, x_dtype):
             self._fq_gemm_into(call, x, x_dtype, rows, ldx, out, x_dtype, stream, scratch)
         else:
             _cuda.fq_matmul_into(x, x_dtype, rows, ldx, *call[0], out, x_dtype, stream)
@@ -492,13 +505,15 @@ class CudaBackend(Backend):
     def _fq_call(self, w):
         """fq_matmul's weight arguments for w: those of the decode kernel (the tiled
         weights are laid out here, once), the rows from which the GEMM takes over,
-        and its scales [N/bn, K/bk] with bn; or False when w's blocking along K
-        needs the host."""
+        and its scales [N/bn, K/bk] with bn.  A blocking along K that the tiles can't
+        take (no multiple of 16 values) gets the int8 values and scales that
+        _cuda.fq_values reads instead, and never the GEMM."""
         K, N = w.shape
         bk, bn = w.layout.logical_block(w.transposed)
         bits = w.layout.bits
         if not _cuda.fq_supported(bits, K, bk):
-            return False
+            values, scales = self._k_rows(w, k_last=False)
+            return _ValuesOperands(values, scales, K, bn, bk), (float("inf"), float("inf")), scales, bn
         values, scales = self._k_major(w, k_last=False, cache=False)
         tiles = _cuda.fq_tile_weights(values, K, bits)
         # The tiles hold every value: the store can go (see the module's docstring).
@@ -510,14 +525,6 @@ class CudaBackend(Backend):
         gemm_rows = tuple(float("inf") if rows is None else rows
                           for rows in (fq_gemm_min_rows(bk, K, bits, wide), fq_gemm_min_rows(bk, K, bits)))
         return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), gemm_rows, scales, bn)
-
-    def _fq_on_host(self, x, w):
-        """Blockings along K finer than the kernels' 16-value chunks: the reference math."""
-        values, scales = self.qstorage_to_host(w.storage, w.layout)
-        if w.transposed:
-            values, scales = values.T, scales.T
-        deq = quantmath.dequantize_array(values, scales, w.layout.logical_block(w.transposed))
-        return self.from_host((_cuda.to_host(x) @ deq).astype(np.float32), x.device)
 
     # ---- dense helpers the dispatcher uses ----
     def cast(self, payload, src, dst):

@@ -70,4 +70,7 @@ qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int
 qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
                           int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
                           int out_dtype, void *stream) UNAVAILABLE
+qd_status qd_cuda_fq_values(const void *x, int x_dtype, int64_t M, int64_t ldx, const int8_t *w, int64_t N,
+                            int64_t K, int64_t ldw, const float *scales, int64_t block_n, int64_t block_k,
+                            void *out, int out_dtype, void *stream) UNAVAILABLE
 #endif

@@ -171,6 +171,15 @@ __device__ inline float f32_from_f16(__half h) {
     return __uint_as_float((b & 0x8000u) << 16 | 0x7F800000u | (b & 0x3FFu) << 13);
 }
 
+// Element i of a float32 / float16 / bfloat16 array `src` as a float (exact).
+__device__ inline float load_as_f32(const void *src, int dtype, int64_t i) {
+    switch (dtype) {
+        case QD_CUDA_F16: return f32_from_f16(static_cast<const __half *>(src)[i]);
+        case QD_CUDA_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(src)[i]);
+        default: return static_cast<const float *>(src)[i];
+    }
+}
+
 // Element i of a float32 / float16 / bfloat16 array `dst` set from a float, as
 // bits16_from_f32 rounds.
 __device__ inline void store_from_f32(void *dst, int dtype, int64_t i, float v) {

@@ -15,14 +15,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ float load_as_f32(const void *src, int dtype, int64_t i) {
-    switch (dtype) {
-        case QD_CUDA_F16: return qd::f32_from_f16(static_cast<const __half *>(src)[i]);
-        case QD_CUDA_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(src)[i]);
-        default: return static_cast<const float *>(src)[i];
-    }
-}
-
+using qd::load_as_f32;
 using qd::store_from_f32;
 
 __global__ void cast_kernel(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n) {

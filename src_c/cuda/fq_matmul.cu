@@ -817,9 +817,6 @@ qd_status stream_scratch(DeviceState &d, cudaStream_t s, size_t floats, StreamSc
     return QD_OK;
 }
 
-// Whether the decode launches cut K the same way for every M (see the top of the file).
-std::atomic<bool> batch_invariant{false};
-
 // How a launch cuts K: kw warps per band, splits over blocks, tiles per split and
 // per warp (0: a split's tiles spread evenly over its kw warps).
 struct Cut {
@@ -983,10 +980,6 @@ qd_status fq_slice(Operand op, void *out, int out_dtype, int bits, bool invarian
 
 }  // namespace
 
-extern "C" void qd_cuda_set_batch_invariant(int on) { batch_invariant.store(on != 0); }
-
-extern "C" int qd_cuda_batch_invariant(void) { return batch_invariant.load() ? 1 : 0; }
-
 extern "C" int qd_cuda_fq_wide_supported(void) { return qd::gemm_s8_sm90_usable() ? 1 : 0; }
 
 extern "C" int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k) {
@@ -1070,7 +1063,7 @@ extern "C" qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, in
                static_cast<const float2 *>(scale_tiles), (unsigned)(K / block_k), (unsigned)block_k,
                (unsigned)ceil_div(block_k, 16)};  // one block along K: never counted
     cudaStream_t s = qd::as_stream(stream);
-    const bool invariant = batch_invariant.load(std::memory_order_relaxed);
+    const bool invariant = qd_cuda_batch_invariant();
     if (!invariant && x_dtype != QD_CUDA_F32 && M >= WIDE_MIN_M && M <= WIDE_MAX_M && qd::gemm_s8_sm90_usable()) {
         // Rows for more than one decode launch: on Hopper one launch (fq_wide_sm90.cu)
         DeviceState *d = nullptr;

@@ -19,7 +19,7 @@
 #include "gemm_s8.cuh"
 #include "gemm_s8_sm90.cuh"
 #include "mma_s8.cuh"
-#include "qq_fine_groups.cuh"
+#include "float_units.cuh"
 
 namespace {
 
@@ -37,7 +37,7 @@ constexpr int KSTEP = 32;     // K bytes per mma
 constexpr int64_t MAX_GROUP_STEPS = QD_INT_MATMUL_MAX_K / KSTEP;  // int32 stays exact
 // K groups of at least this many values that fall off the mma steps are spread to
 // whole steps (qq_spread: at most 4x the bytes); finer ones run on the float units
-// (qq_fine_groups.cu).
+// (float_units.cu).
 constexpr int64_t MIN_SPREAD_GROUP = KSTEP / 4;
 static_assert(FINE_GROUP_MAX + 1 == MIN_SPREAD_GROUP, "every group is spread or fine");
 

@@ -1,4 +1,6 @@
-// Availability and the text of the last CUDA failure.
+// Availability, the text of the last CUDA failure, and the process's setting of
+// batch invariance (which the fq kernels read).
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 
@@ -6,6 +8,8 @@
 
 namespace {
 thread_local char last_error[256] = "";
+// Whether fq's launches cut K the same way for every M (fq_matmul.cu, float_units.cu).
+std::atomic<bool> batch_invariant{false};
 }
 
 namespace qd {
@@ -28,3 +32,7 @@ extern "C" int qd_cuda_available(void) {
 }
 
 extern "C" const char *qd_cuda_last_error(void) { return last_error; }
+
+extern "C" void qd_cuda_set_batch_invariant(int on) { batch_invariant.store(on != 0); }
+
+extern "C" int qd_cuda_batch_invariant(void) { return batch_invariant.load(std::memory_order_relaxed) ? 1 : 0; }

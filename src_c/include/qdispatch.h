@@ -360,15 +360,28 @@ qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int
 qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, int64_t N, int64_t K,
                           int64_t ld, const float *scales, int64_t block_n, int64_t block_k, void *out,
                           int out_dtype, void *stream);
+/* Weight-only product for any blocking along K, from the weight's int8 values as
+ * stored: out[M, N] = x[M, K] @ (w * scales)^T, each weight value dequantized as
+ * qd_cuda_dequantize gives it, float32 sums on the float units (not the tensor cores).
+ * For blockings qd_cuda_fq_matmul does not take (a scale per input channel, blocks of
+ * 8).  Up to 64 rows, and any M with batch invariance on, run in launches of 16 rows
+ * whose results do not depend on the rows they come with.  x: [M, ldx] of x_dtype
+ * (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16); w [N, ldw] int8, K-contiguous, 16-byte
+ * aligned, ldw % 16 == 0; scales [N/block_n, K/block_k] float32 (row-major);
+ * out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Nothing is allocated, so a CUDA
+ * graph can capture the call. */
+qd_status qd_cuda_fq_values(const void *x, int x_dtype, int64_t M, int64_t ldx, const int8_t *w, int64_t N,
+                            int64_t K, int64_t ldw, const float *scales, int64_t block_n, int64_t block_k,
+                            void *out, int out_dtype, void *stream);
 /* 1 if qd_cuda_fq_matmul takes this weight blocking (bits 8, 4 or 2; block_k a
- * multiple of 16, or one block along K). */
+ * multiple of 16, or one block along K); qd_cuda_fq_values takes every other. */
 int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
 /* 1 if, on the current device, qd_cuda_fq_matmul runs more than 40 rows of 16-bit x
  * in one launch that streams the weights once per 64 rows (an H100/H200 and a build
  * with sm_90a code; batch invariance off), 0 if it runs them in launches of 32. */
 int qd_cuda_fq_wide_supported(void);
-/* Batch invariance of qd_cuda_fq_matmul, for the whole process (0 by default).
- * Off: K is cut the fastest way for each M, so a row's last bits may depend on the
+/* Batch invariance of qd_cuda_fq_matmul and qd_cuda_fq_values, for the whole process
+ * (0 by default).  Off: K is cut the fastest way for each M, so a row's last bits may depend on the
  * rows it comes with.  On: slices of 16 rows, K cut as for 16 rows whatever M, and the parts' sums
  * are added in one order, so each row's result is the same bit for bit in any batch;
  * large weights at few rows then take longer.  Launches already queued keep the

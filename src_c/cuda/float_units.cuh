@@ -1,11 +1,13 @@
-// qq with scale groups along K of 1 to 7 values, on the float units (qq_fine_groups.cu).
+// Products whose scale blocks along K are too fine for the tensor-core kernels, on
+// the float units (float_units.cu): qq's here, fq's through qd_cuda_fq_values.
 #pragma once
 #include "common.cuh"
 #include "gemm_s8.cuh"
 
 namespace qd {
 
-// Groups of at most this many values (products summed below 2^24, exact in float32).
+// qq blocks along K of at most this many values (products summed below 2^24, exact
+// in float32) run here.
 constexpr int64_t FINE_GROUP_MAX = 7;
 
 // out [M, N] = a [M, ld] x bt [N, ld]^T over K, in groups of G (1 <= G <= FINE_GROUP_MAX)
