@@ -8,7 +8,8 @@ than from the 50 MB L2.  Contenders: `torch._int_mm` (cuBLASLt int8) raw and
 followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
 to benchmarks/results/cuda_h200.json (batched decode: cuda_h200_batched.json;
 prefill-sized fq: cuda_h200_prefill.json; decode layers in CUDA graphs:
-cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json)
+cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json;
+fq with weight blocks too fine for the decode tiles: cuda_h200_fq_fine_blocks.json)
 with the GPU's name and clocks."""
 import contextlib
 import json
@@ -35,6 +36,7 @@ PREFILL_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_prefill.json")
 BATCHED_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_batched.json")
 GRAPH_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_graphs.json")
 QQ_BLOCK_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_qq_blocks.json")
+FINE_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_fq_fine_blocks.json")
 L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
 QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
 FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
@@ -367,6 +369,29 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
                              "torch_bf16_matmul": host_us(torch_fn, tb)},
         "speedup_vs_bf16": bf16 / ours, "kernel_speedup_vs_bf16": bf16 / kernel, "rel_err": err})
     benchmark.pedantic(every_set, (ours_fn, sets), rounds=3, iterations=1)
+
+
+FINE_WEIGHTS = [  # blockings along K that the decode tiles can't take: the float units multiply them
+    ("int8_per_input_channel", qd.QuantScheme("q8s", axis=1)),
+    ("int4_blocks_of_8", qd.QuantScheme("q4s", block=8, store="packed_u32")),
+]
+
+
+@pytest.mark.parametrize("M,K,N", FQ_SHAPES + [(64, 4096, 4096)])
+@pytest.mark.parametrize("wname,scheme", FINE_WEIGHTS)
+def test_fq_blocks_too_fine_for_the_tiles(benchmark, M, K, N, wname, scheme):
+    """bf16 x @ dequantize(w).T -> bf16 for weights blocked along K in no multiple of
+    16 values (qd_cuda_fq_values, on the float units), against bf16 torch.matmul."""
+    sets = _decode_sets(M, K, N, scheme)
+    torch_fn, tb = _torch_bf16_sets(M, K, N)
+    ms = gpu_ms_each({"qdispatch": (_fq, sets), "torch_bf16_matmul": (torch_fn, tb)})
+    x, w = sets[0]
+    err = assert_fq_close(f"fq_fine_{wname} {M}x{K}x{N} qdispatch", x, w, _fq(x, w))
+    figures = {"qdispatch": ms["qdispatch"], "torch_bf16_matmul": ms["torch_bf16_matmul"]}
+    record(benchmark, f"fq_fine_{wname}", (M, K, N), figures, {
+        "weight_bytes": w.nbytes, "weight_GBps": w.nbytes / ms["qdispatch"] / 1e6,
+        "speedup_vs_bf16": ms["torch_bf16_matmul"] / ms["qdispatch"], "rel_err": err}, results=FINE_RESULTS)
+    benchmark.pedantic(every_set, (_fq, sets), rounds=3, iterations=1)
 
 
 @contextlib.contextmanager

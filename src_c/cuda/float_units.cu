@@ -193,15 +193,18 @@ qd_status launch_tiles(const void *a, int64_t lda, const int8_t *bt, int64_t ldb
 // fq at up to FEW_ROWS rows of x: a warp takes 4 weight rows (outputs) for all of
 // them, its lanes 4 adjacent values of K in each 128 (one 4-byte load a weight
 // row), the block's x staged CHUNK values of K at a time in shared memory as
-// floats.  Each lane sums its values in order of K, and the lanes' sums meet by
-// shuffles in a fixed order: a row's result does not depend on the others.
-constexpr int FEW_ROWS = 16, FEW_WARPS = 8, W_ROWS = 4, CHUNK = 512;
+// floats, with each value's block of scales along K.  A chunk's weight words are
+// loaded before the staging, so that their trip to memory overlaps it.  Each lane
+// sums its values in order of K, and the lanes' sums meet by shuffles in a fixed
+// order: a row's result does not depend on the others.
+constexpr int FEW_ROWS = 16, FEW_WARPS = 8, W_ROWS = 4, CHUNK = 512, STEPS = CHUNK / 128;
 
 template <int X, int MR>  // MR: rows of x staged, at least M
 __global__ void __launch_bounds__(FEW_WARPS * 32)
 few_rows_kernel(const void *__restrict__ x, int64_t ldx, const int8_t *__restrict__ w, int64_t ldw, int M, int N,
                 int K, Scales sc, void *out, int out_dtype) {
     __shared__ __align__(16) float xs[MR][CHUNK];
+    __shared__ __align__(16) unsigned k_block[CHUNK];  // the scale block along K of each value
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n0 = (blockIdx.x * FEW_WARPS + warp) * W_ROWS;
     const int8_t *row[W_ROWS];
@@ -212,31 +215,48 @@ few_rows_kernel(const void *__restrict__ x, int64_t ldx, const int8_t *__restric
         row[r] = w + (int64_t)n * ldw;
         first_scale[r] = n / sc.b_bn * sc.b_ld;
     }
+    const bool rows_share_scales = first_scale[0] == first_scale[W_ROWS - 1];  // one scale row for all four
     const unsigned bk = (unsigned)sc.b_bk, last = (unsigned)sc.b_ld - 1;
     float acc[MR][W_ROWS] = {};
     for (int k0 = 0; k0 < K; k0 += CHUNK) {
+        uint32_t words[STEPS][W_ROWS];
+#pragma unroll
+        for (int q = 0; q < STEPS; ++q) {
+            const int k = k0 + 128 * q + 4 * lane;
+            const uint32_t keep = K - k >= 4 ? ~0u : K > k ? (1u << (8 * (K - k))) - 1 : 0u;  // bytes past K: zero
+#pragma unroll
+            for (int r = 0; r < W_ROWS; ++r)
+                words[q][r] = keep ? *reinterpret_cast<const uint32_t *>(row[r] + k) & keep : 0u;
+        }
         __syncthreads();  // the chunk before is read
         for (int i = threadIdx.x; i < MR * CHUNK; i += FEW_WARPS * 32) {  // rows past M repeat row M - 1
             const int m = i / CHUNK, c = i % CHUNK;
             xs[m][c] = k0 + c < K ? qd::load_as_f32(x, X, min(m, M - 1) * ldx + k0 + c) : 0.0f;
         }
+        for (int c = threadIdx.x; c < CHUNK; c += FEW_WARPS * 32) k_block[c] = min((unsigned)(k0 + c) / bk, last);
         __syncthreads();
 #pragma unroll
-        for (int q = 0; q < CHUNK / 128; ++q) {
-            const int k = k0 + 128 * q + 4 * lane;
-            if (k >= K) break;
-            const uint32_t keep = K - k >= 4 ? ~0u : (1u << (8 * (K - k))) - 1;  // bytes past K: zero
-            float wf[W_ROWS][4];
+        for (int q = 0; q < STEPS; ++q) {
+            if (k0 + 128 * q + 4 * lane >= K) break;
+            const uint4 b4 = *reinterpret_cast<const uint4 *>(&k_block[128 * q + 4 * lane]);
+            const unsigned block[4] = {b4.x, b4.y, b4.z, b4.w};
+            float scale[W_ROWS][4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const unsigned block = min((unsigned)(k + i) / bk, last);
+                if (rows_share_scales) {
+                    const float v = sc.b[first_scale[0] + block[i]];
 #pragma unroll
-                for (int r = 0; r < W_ROWS; ++r) {
-                    const uint32_t word = *reinterpret_cast<const uint32_t *>(row[r] + k) & keep;
-                    // dequantized as dequantize rounds it
-                    wf[r][i] = __fmul_rn((float)(int8_t)(word >> (8 * i)), sc.b[first_scale[r] + block]);
+                    for (int r = 0; r < W_ROWS; ++r) scale[r][i] = v;
+                } else {
+#pragma unroll
+                    for (int r = 0; r < W_ROWS; ++r) scale[r][i] = sc.b[first_scale[r] + block[i]];
                 }
             }
+            float wf[W_ROWS][4];  // dequantized as dequantize rounds it
+#pragma unroll
+            for (int r = 0; r < W_ROWS; ++r)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) wf[r][i] = __fmul_rn((float)(int8_t)(words[q][r] >> (8 * i)), scale[r][i]);
 #pragma unroll
             for (int m = 0; m < MR; ++m) {
                 const float4 v = *reinterpret_cast<const float4 *>(&xs[m][128 * q + 4 * lane]);
