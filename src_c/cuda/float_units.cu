@@ -107,6 +107,16 @@ float_units_kernel(const void *__restrict__ a, int64_t lda, const int8_t *__rest
     };
 
     const int tm = tid / (TILE / PER) * PER, tn = tid % (TILE / PER) * PER;  // the thread's outputs
+    // f(r, c, x, y) for each of the thread's outputs, x and y its row's and column's
+    // values in a k row of two tiles
+    auto each_output = [&](const float (&a)[LD], const float (&b)[LD], auto f) {
+        const float4 x = *reinterpret_cast<const float4 *>(&a[tm]), y = *reinterpret_cast<const float4 *>(&b[tn]);
+        const float xs[PER] = {x.x, x.y, x.z, x.w}, ys[PER] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int r = 0; r < PER; ++r)
+#pragma unroll
+            for (int c = 0; c < PER; ++c) f(r, c, xs[r], ys[c]);
+    };
     float sum[PER][PER] = {};
     auto sum_slice = [&](int blocks) {
         if constexpr (qq) {
@@ -114,35 +124,18 @@ float_units_kernel(const void *__restrict__ a, int64_t lda, const int8_t *__rest
             for (int j = 0; j < blocks; ++j) {
                 float dot[PER][PER];
 #pragma unroll
-                for (int i = 0; i < G; ++i) {
-                    const float4 x = *reinterpret_cast<const float4 *>(&av[j * G + i][tm]);
-                    const float4 y = *reinterpret_cast<const float4 *>(&bv[j * G + i][tn]);
-                    const float xs[PER] = {x.x, x.y, x.z, x.w}, ys[PER] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-                    for (int r = 0; r < PER; ++r)
-#pragma unroll
-                        for (int c = 0; c < PER; ++c) dot[r][c] = i ? fmaf(xs[r], ys[c], dot[r][c]) : xs[r] * ys[c];
-                }
-                const float4 x = *reinterpret_cast<const float4 *>(&as[j][tm]);
-                const float4 y = *reinterpret_cast<const float4 *>(&bs[j][tn]);
-                const float xs[PER] = {x.x, x.y, x.z, x.w}, ys[PER] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-                for (int r = 0; r < PER; ++r)
-#pragma unroll
-                    for (int c = 0; c < PER; ++c)
-                        sum[r][c] = __fadd_rn(sum[r][c], __fmul_rn(__fmul_rn(xs[r], ys[c]), dot[r][c]));
+                for (int i = 0; i < G; ++i)
+                    each_output(av[j * G + i], bv[j * G + i], [&](int r, int c, float x, float y) {
+                        dot[r][c] = i ? fmaf(x, y, dot[r][c]) : x * y;
+                    });
+                each_output(as[j], bs[j], [&](int r, int c, float x, float y) {
+                    sum[r][c] = __fadd_rn(sum[r][c], __fmul_rn(__fmul_rn(x, y), dot[r][c]));
+                });
             }
         } else {  // values past K are zeros on both sides
 #pragma unroll 8
-            for (int k = 0; k < KS; ++k) {
-                const float4 x = *reinterpret_cast<const float4 *>(&av[k][tm]);
-                const float4 y = *reinterpret_cast<const float4 *>(&bv[k][tn]);
-                const float xs[PER] = {x.x, x.y, x.z, x.w}, ys[PER] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-                for (int r = 0; r < PER; ++r)
-#pragma unroll
-                    for (int c = 0; c < PER; ++c) sum[r][c] = fmaf(xs[r], ys[c], sum[r][c]);
-            }
+            for (int k = 0; k < KS; ++k)
+                each_output(av[k], bv[k], [&](int r, int c, float x, float y) { sum[r][c] = fmaf(x, y, sum[r][c]); });
         }
     };
 
