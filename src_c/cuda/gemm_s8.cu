@@ -228,8 +228,9 @@ gemm_s8_kernel(const int8_t *__restrict__ a, const int8_t *__restrict__ bt, int 
             }
 }
 
-// Any K grouping: one thread per output, exact int32 per group.  For groups too
-// long for qq_fine_groups whose spread operands do not fit in memory.
+// Any K grouping: one thread per output, exact int32 per group.  For groups of 8
+// values or more whose spread operands do not fit in memory (finer ones run
+// qq_fine_groups).
 __global__ void qq_simple_kernel(const int8_t *a, const int8_t *bt, int M, int N, int64_t K,
                                  int64_t ld, Scales sc, int64_t G, void *out, int out_dtype) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (int64_t)M * N;
