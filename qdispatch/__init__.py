@@ -18,7 +18,7 @@ except ModuleNotFoundError as _missing:  # the compiled modules are not beside t
 from .errors import (ArgumentError, ArgumentTypeError, BackendMismatchError, BackendUnavailableError,
                      CudaOutOfMemoryError, DeviceMismatchError, DLPackExportError, KernelError, NonFiniteError,
                      NotFoundError, OutOfRangeError, QDispatchError, QuantSchemeError, ScaleOverflowError,
-                     SerializationError, ShapeError, UnsupportedIndexError, WrongBackendError)
+                     ScaleUnderflowWarning, SerializationError, ShapeError, UnsupportedIndexError, WrongBackendError)
 from .scheme import QuantScheme
 from .backends import reference as _reference  # noqa: F401  (registers the backend)
 from .backends import cpu as _cpu_backend  # noqa: F401
@@ -41,5 +41,5 @@ __all__ = [
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "OutOfRangeError", "NonFiniteError", "ScaleOverflowError",
     "BackendUnavailableError", "KernelError", "CudaOutOfMemoryError", "SerializationError", "ArgumentTypeError",
-    "ArgumentError", "UnsupportedIndexError", "NotFoundError", "DLPackExportError",
+    "ArgumentError", "UnsupportedIndexError", "NotFoundError", "DLPackExportError", "ScaleUnderflowWarning",
 ]

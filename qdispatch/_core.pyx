@@ -339,6 +339,11 @@ cdef class Tensor(TensorBase):
         from . import tensor_api
         return tensor_api.tensor_transpose(self)
 
+    @property
+    def mT(self):
+        """The last two dims swapped, as numpy's and torch's .mT (.T here too)."""
+        return _matrix_transpose(self)
+
     def __len__(self):
         if not self.shape:
             raise ArgumentTypeError("len() of a 0-d tensor")  # as numpy says for a 0-d array
@@ -487,6 +492,11 @@ cdef class QTensor(TensorBase):
         return QTensor(self.storage, self.layout, not self.transposed, self.kind, self.index,
                        self.shape[:-2] + (self.shape[-1], self.shape[-2]))
 
+    @property
+    def mT(self):
+        """The last two dims swapped, as numpy's and torch's .mT (.T here too)."""
+        return _matrix_transpose(self)
+
     def __len__(self):
         return self.shape[0]
 
@@ -531,6 +541,14 @@ cdef class QTensor(TensorBase):
         return io.qtensor_unpickled, io.qtensor_reduced(self)
 
 
+def _matrix_transpose(t):
+    """t.mT: t.T, refused below 2 dims, where numpy and torch refuse .mT (.T keeps a vector)."""
+    if len(t.shape) < 2:
+        raise ShapeError(f".mT swaps the last two dims, and a tensor of shape {tuple(t.shape)} has fewer "
+                         f"(numpy and torch refuse it too); .T leaves a vector as it is")
+    return t.T
+
+
 # ---- dispatch -----------------------------------------------------------------
 
 cdef str _no_qtensor_operand(lhs, rhs):
@@ -540,7 +558,7 @@ cdef str _no_qtensor_operand(lhs, rhs):
         instead = "qdispatch.int_matmul(a, b) gives the exact int32 product of two int8 tensors"
     else:
         instead = "multiply dense data in numpy or torch (np.asarray(t) and torch.from_dlpack(t) view a Tensor)"
-    return (f"q_matmul (a qdispatch Tensor's @) needs a QTensor operand, got {names[0]} and {names[1]} "
+    return (f"q_matmul (also @ on qdispatch tensors) needs a QTensor operand, got {names[0]} and {names[1]} "
             f"dense data: quantize one side (qdispatch.quantize), or {instead}")
 
 

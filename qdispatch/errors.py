@@ -39,6 +39,11 @@ class ScaleOverflowError(QuantSchemeError):
     """A scale does not fit in the scheme's scale dtype."""
 
 
+class ScaleUnderflowWarning(UserWarning):
+    """Scales so small that float16, the scheme's scale dtype, holds them in few
+    steps: rounding them up may have enlarged them, and their blocks keep fewer levels."""
+
+
 class ArgumentTypeError(QDispatchError, TypeError):
     """An argument or operand of a type the call doesn't take (and what Python's
     protocols raise as TypeError: len() of a 0-d Tensor, a QTensor's missing operators)."""

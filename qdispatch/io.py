@@ -296,13 +296,16 @@ def check_tensor_dict(tensors, caller):
 
 
 # what save and export take, as their errors say
-SAVABLE = "a qdispatch QTensor or Tensor, a numpy array, or a tensor of a library that speaks DLPack (torch, CuPy)"
+SAVABLE = "a qdispatch QTensor or Tensor, a numpy array or scalar, or a tensor of a library that speaks DLPack (torch, CuPy)"
 
 
 def _ours(name, obj, caller):
     """A tensor of another library that speaks DLPack (torch, CuPy, JAX) as a numpy
     array, or as a qdispatch Tensor where numpy has no such dtype (bfloat16) or the
-    data is on a GPU; anything else as it is (the writers name what they refuse)."""
+    data is on a GPU; a numpy scalar as a 0-d array; anything else as it is (the
+    writers name what they refuse)."""
+    if isinstance(obj, np.generic):  # np.float32(3), as qdispatch.tensor takes it
+        return np.asarray(obj)
     if isinstance(obj, (QTensor, Tensor, np.ndarray)) or not hasattr(obj, "__dlpack__"):
         return obj
     resolve_neg = getattr(obj, "resolve_neg", None)

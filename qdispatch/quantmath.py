@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .errors import NonFiniteError, ScaleOverflowError, ShapeError
+from .errors import NonFiniteError, ScaleOverflowError, ScaleUnderflowWarning, ShapeError
 from .scheme import QuantScheme
 
 F16_MAX = float(np.finfo(np.float16).max)
@@ -72,6 +72,28 @@ def first_scale_off_dtype(scales: np.ndarray, scale_dtype: str):
     if not off.any():
         return None
     return tuple(int(i) for i in np.unravel_index(int(np.argmax(off)), scales.shape))
+
+
+# float16 holds scales below 2^-14 in steps of 2^-24; below 16 steps (2^-20, about
+# 9.5e-07) rounding up to the next step may enlarge a scale by 1/15 or more.
+F16_FEW_STEPS = 2.0 ** -20
+
+
+def f16_scale_underflow_warning(scales):
+    """A ScaleUnderflowWarning for stored float16 `scales` (as float32) below
+    F16_FEW_STEPS, or None."""
+    scales = np.asarray(scales, dtype=np.float32)
+    few = scales < F16_FEW_STEPS
+    count = int(np.count_nonzero(few))
+    if not count:
+        return None
+    first = np.unravel_index(int(np.argmax(few)), scales.shape)
+    where = f"block {tuple(int(i) for i in first)}, " if scales.ndim else ""
+    return ScaleUnderflowWarning(
+        f"{count} of {scales.size} float16 scales are below 2^-20 (9.5e-07; the first: {where}"
+        f"{np.float32(scales[first])!s}), where float16 has steps of 2^-24 (5.96e-08): rounding a scale up to the "
+        f"next step may have enlarged it by 1/15 or more (a scale under 5.96e-08 becomes 5.96e-08), and its "
+        f"values keep fewer levels; scale_dtype='bf16' or 'f32' holds such scales to 8 or 24 bits")
 
 
 def scale_overflow_error(block, scale_dtype, value=None):

@@ -3,6 +3,7 @@ import contextlib
 import math
 import operator
 import sys
+import warnings
 
 import numpy as np
 
@@ -522,8 +523,14 @@ def quantize(x, scheme="q8s", device=None):
     values) into a QTensor.
 
     Without `device`, a Tensor stays on its device and host data goes to the
-    default backend."""
-    return _quantize(x, scheme, device, weight=True)
+    default backend.  float16 scales that rounding up may have enlarged by 1/15
+    or more give a ScaleUnderflowWarning."""
+    q = _quantize(x, scheme, device, weight=True)
+    if q.scheme.scale_dtype == "f16":
+        warning = quantmath.f16_scale_underflow_warning(q.scales)
+        if warning is not None:
+            warnings.warn(warning, stacklevel=2)
+    return q
 
 
 def quantize_activation(x, scheme):

@@ -97,8 +97,9 @@ def test_the_error_classes_are_exported_and_documented():
     import qdispatch.errors as errors
     classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
     for cls in classes:
-        assert getattr(qd, cls.__name__) is cls and cls.__name__ in qd.__all__
-        assert issubclass(cls, qd.QDispatchError) and cls.__doc__
+        assert getattr(qd, cls.__name__) is cls and cls.__name__ in qd.__all__ and cls.__doc__
+        assert issubclass(cls, UserWarning if issubclass(cls, Warning) else qd.QDispatchError)
+    assert qd.ScaleUnderflowWarning in classes
 
 
 @pytest.mark.parametrize("cls, parents", [

@@ -68,6 +68,7 @@ def test_float_tensors_and_arrays(tmp_path):
         "i8": qd.tensor(np.arange(-5, 5, dtype=np.int8), device="reference"),
         "array": np.arange(12, dtype=np.int64).reshape(3, 4),
         "mask": np.array([True, False]),
+        "scalar": np.float64(2.5),  # a numpy scalar, as a 0-d array
     }
     qd.save(tmp_path / "t.st", items)
     loaded = qd.load(tmp_path / "t.st", device="reference")
@@ -76,8 +77,9 @@ def test_float_tensors_and_arrays(tmp_path):
         assert isinstance(loaded[name], qd.Tensor)
         assert loaded[name].dtype == items[name].dtype and loaded[name].shape == items[name].shape
         np.testing.assert_array_equal(loaded[name].numpy(), items[name].numpy())
-    for name in ("array", "mask"):
+    for name in ("array", "mask", "scalar"):
         assert isinstance(loaded[name], np.ndarray)
+        assert loaded[name].dtype == np.asarray(items[name]).dtype and loaded[name].shape == np.shape(items[name])
         np.testing.assert_array_equal(loaded[name], items[name])
 
 

@@ -1,4 +1,6 @@
 """Hypothesis properties of quantize and q_matmul, on every backend."""
+import warnings
+
 import numpy as np
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
@@ -29,7 +31,12 @@ def matrix_and_scheme(draw):
 @example(data=(np.array([[4.305e-42]], np.float32), qd.QuantScheme("q8s")))  # a subnormal scale
 def test_quantize_properties(device, data):
     x, scheme = data
-    q = qd.quantize(x, scheme, device=device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = qd.quantize(x, scheme, device=device)
+    # float16 scales of 16 steps or fewer warn, and only those
+    underflow = any(issubclass(w.category, qd.ScaleUnderflowWarning) for w in caught)
+    assert underflow == (scheme.scale_dtype == "f16" and bool(np.any(q.scales < 2.0 ** -20)))
     lo, hi = scheme.qrange
     values = q.values
     assert values.dtype == np.int8 and values.min() >= lo and values.max() <= hi

@@ -216,6 +216,38 @@ def test_scale_overflowing_f16_is_an_error(device, big):
                         device=device)
 
 
+@pytest.mark.parametrize("magnitude, warns", [(1e-8, True), (1e-5, True), (1e-3, False)])
+def test_float16_scales_of_few_steps_warn(device, rng, magnitude, warns):
+    """Below 2^-20 float16 holds a scale in 16 steps or fewer, so rounding it up may
+    enlarge it by 1/15 or more (a scale under 2^-24 becomes 2^-24): quantize warns,
+    counts them, names the fix, and returns what it would without the warning."""
+    x = (rng.standard_normal((4, 64)) * magnitude).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = qd.quantize(x, qd.QuantScheme("q8s", block=32, scale_dtype="f16"), device=device)
+    found = [w for w in caught if issubclass(w.category, qd.ScaleUnderflowWarning)]
+    exact = np.abs(x.reshape(4, 2, 32)).max(axis=-1) / np.float32(127)
+    stored = q.scales
+    assert np.all(stored >= exact)
+    nearest = exact.astype(np.float16)
+    rounded_up = np.where(nearest.astype(np.float32) < exact, np.nextafter(nearest, np.float16(1)), nearest)
+    np.testing.assert_array_equal(stored, rounded_up.astype(np.float32))
+    if not warns:
+        assert not found
+        return
+    assert len(found) == 1 and found[0].filename == __file__  # the caller's line
+    few = int(np.count_nonzero(stored < 2.0 ** -20))
+    message = str(found[0].message)
+    assert message.startswith(f"{few} of 8 float16 scales are below 2^-20") and few > 0
+    assert "scale_dtype='bf16' or 'f32'" in message
+    if magnitude == 1e-8:
+        np.testing.assert_array_equal(stored, np.float32(2.0 ** -24))  # each scale enlarged many times over
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qd.ScaleUnderflowWarning)
+        kept = qd.quantize(x, qd.QuantScheme("q8s", block=32, scale_dtype="bf16"), device=device)
+    assert qd.error_report(x, kept).sqnr_db > qd.error_report(x, q).sqnr_db
+
+
 @pytest.mark.parametrize("scheme,big,block", [
     (qd.QuantScheme("q8s", block=(2, 4), scale_dtype="f16"), 1e7, (1, 1, 1)),
     (qd.QuantScheme("q2s", axis=1, store="packed_u32", scale_dtype="bf16"), 3.4e38, (0, 3, 0)),
@@ -413,6 +445,7 @@ def assert_cpu_fails_as_reference(x, scheme):
 
 
 @needs_cpu
+@pytest.mark.filterwarnings("ignore::qdispatch.ScaleUnderflowWarning")  # subnormal data on purpose
 @pytest.mark.parametrize("shape,gran", NARROW_LAYOUTS)
 def test_narrow_blocks_quantize_as_the_reference(isa, cpu_threads, rng, shape, gran):
     for value in ALL_VALUES:

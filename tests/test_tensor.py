@@ -331,6 +331,23 @@ def test_a_device_built_with_an_index_out_of_range_says_so(index, error, match):
     assert qd.Device(qd.BackendKind.CUDA, np.int64(1)) == qd.Device.parse("cuda:1")
 
 
+def test_mT_swaps_the_last_two_dims_as_numpys_does(device, rng):
+    """.T and .mT both swap the last two dims (numpy's .T of an N-d array reverses
+    them all); .mT of a vector is refused, as numpy and torch refuse it."""
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    t = qd.tensor(x, device=device)
+    np.testing.assert_array_equal(t.mT.numpy(), np.swapaxes(x, -1, -2))
+    assert t.mT.shape == t.T.shape == (2, 64, 3)
+    q = qd.quantize(x, qd.QuantScheme("q8s", block=32), device=device)
+    assert q.mT.shape == (2, 64, 3) and q.mT.transposed
+    np.testing.assert_array_equal(q.mT.dequantize().numpy(), np.swapaxes(q.dequantize().numpy(), -1, -2))
+    for vector in (qd.tensor(x[0, 0], device=device), qd.quantize(x[0, 0], "q8s", device=device)):
+        assert vector.T is vector or vector.T.shape == (64,)
+        with pytest.raises(qd.ShapeError, match=r"\.mT swaps the last two dims, and a tensor of shape \(64,\) "
+                                                r"has fewer .*\.T leaves a vector as it is"):
+            vector.mT
+
+
 def test_nbytes_counts_values_and_scales_in_their_dtype(rng):
     x = rng.standard_normal((64, 128)).astype(np.float32)
     assert qd.quantize(x, qd.QuantScheme("q8s", axis=0), device="reference").nbytes == 64 * 128 + 64 * 4
