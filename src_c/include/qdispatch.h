@@ -6,6 +6,9 @@
  * ptrdiff_t) and for an output array that overlaps an input or another output
  * (only qd_cuda_add_bias_f32 may write over its x, exactly).  All arrays are row-major and C-contiguous.  The only global state is the ISA
  * choice, the thread count and the CUDA decode's batch invariance.
+ * Typed pointers must be aligned to their type, as C requires of them (a float * to
+ * 4 bytes): the CPU entry points check alignment only for their void * arguments, and
+ * the CUDA ones say what more they need.
  */
 #ifndef QDISPATCH_H
 #define QDISPATCH_H
@@ -43,7 +46,8 @@ typedef enum qd_status {
     QD_ERR_NULL = 1,              /* a required pointer is NULL */
     QD_ERR_SHAPE = 2,             /* a dimension is <= 0, or a block does not divide its dim, or (CUDA)
                                      one past a kernel's limit: M, N, K < 2^31, a transpose's batch <= 65535 */
-    QD_ERR_ARGUMENT = 3,          /* an enum or size argument is out of range */
+    QD_ERR_ARGUMENT = 3,          /* an argument's value is out of range (an enum, a size, an id, a
+                                     weight value for its bits), or an output overlaps an input */
     QD_ERR_SCHEME = 4,            /* unknown value kind / scale dtype / bit width */
     QD_ERR_ISA_NOT_BUILT = 5,     /* the ISA's kernels are not compiled into this library */
     QD_ERR_ISA_NOT_SUPPORTED = 6, /* this CPU (or OS) does not support the ISA */
@@ -137,7 +141,7 @@ typedef enum qd_float_dtype { QD_FLOAT32 = 0, QD_FLOAT16 = 1, QD_BFLOAT16 = 2 } 
  * cols/block_cols] float32.  ids NULL: every row in turn (n must be rows), the whole
  * matrix.  An id outside [0, rows) is QD_ERR_ARGUMENT, before anything is written, and
  * so are packed values not aligned to 4 bytes and an out not aligned to its dtype's
- * size.  n = 0 writes nothing (out may be NULL). */
+ * size.  n = 0 with ids given writes nothing (out may be NULL). */
 qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                              const float *scales, int64_t block_rows, int64_t block_cols,
                              const int64_t *ids, int64_t n, void *out, int out_dtype);
@@ -152,11 +156,13 @@ qd_status qd_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int b
 
 /* ---- packed weights ----
  * Made only by qd_pack_weights: the functions that take them return QD_ERR_ARGUMENT
- * for memory that qd_pack_weights did not fill (zeroed memory, say). */
+ * for memory that qd_pack_weights did not fill (zeroed memory, say).  They tell by a
+ * tag in the memory's first 8 bytes, so such memory must have 8 readable bytes. */
 typedef struct qd_packed_weights qd_packed_weights;
 
-/* w: [N, K] int8 (nn.Linear layout), values in range for `bits` (8, 4 or 2);
- * scales: [N/block_n, K/block_k] float32 (may be NULL: all ones).  *out is NULL
+/* w: [N, K] int8 (nn.Linear layout), values in range for `bits` (8, 4 or 2; one
+ * outside, such as 8 at 4 bits, is QD_ERR_ARGUMENT); scales: [N/block_n, K/block_k]
+ * float32, taken as given (may be NULL: all ones).  *out is NULL
  * after any error but one: an out inside w or scales is QD_ERR_ARGUMENT, written to
  * nothing. */
 qd_status qd_pack_weights(const int8_t *w, int64_t N, int64_t K, int bits,
@@ -191,7 +197,8 @@ qd_status qd_int_matmul_packed(const int8_t *a, int64_t M, int64_t K,
 qd_status qd_qq_matmul(const int8_t *a, int64_t M, int64_t K, const float *a_scales,
                        int64_t a_block_m, int64_t a_block_k, const qd_packed_weights *w,
                        float *out);
-/* Weight-only: out[M, N] = x[M, K] @ dequantize(w).T with float32 accumulation. */
+/* Weight-only: out[M, N] = x[M, K] @ dequantize(w).T with float32 accumulation, whose
+ * order, and so the last bits, differ between ISAs (qq's results do not). */
 qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed_weights *w,
                            float *out);
 /* W8A8: quantizes x in blocks of [1, act_block_k] (float32 scales, same math as
