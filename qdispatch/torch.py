@@ -42,6 +42,7 @@ QTensor on any host backend ('cpu' or 'reference'); anything else raises
 """
 import itertools
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -553,7 +554,8 @@ def _between_graph_breaks(fn):
 
 _q_matmul_between_graph_breaks = _between_graph_breaks(_q_matmul)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-_NOT_RECORDED = ("torch.export, torch.jit.trace, torch.jit.script and torch.fx (make_fx included) can't record "
+_NOT_RECORDED = ("torch.export, torch.jit.trace, torch.jit.script, torch.fx (make_fx included) and torch.onnx.export "
+                 "can't record "
                  "qdispatch's q_matmul (QLinear) or lookups (QEmbedding), nor run them on fake tensors: their "
                  "kernels run outside torch, where a graph can't follow them (a trace would hold this call's "
                  "output as a constant). Run the model "
@@ -1104,6 +1106,11 @@ class _QuantizedModule(torch.nn.Module):
     def get_extra_state(self):
         # The quantized weight in state_dict(), as torch tensors and plain values, so
         # that torch.save, torch.load(weights_only=True) and load_state_dict carry it.
+        # torch.onnx's TorchScript exporter reads the state dict first, taking every value
+        # for a tensor: refused here, before it fails on this dict in its own words.
+        onnx = sys.modules.get("torch.onnx")  # not imported: no export runs
+        if onnx is not None and onnx.is_in_onnx_export():
+            raise BackendUnavailableError(_NOT_RECORDED)
         if self.weight is self._unloaded:  # no values yet: as torch gives a meta parameter's
             return _stored_weight(self.weight, on_meta=True)
         asking = getattr(_SAVING, "asking", None)
@@ -1558,7 +1565,9 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     """quantize_linears and quantize_embeddings: every `kind` layer of `model` that is
     `replaceable(parent, layer)` and not skipped, replaced by a `quantized_class`
     made with keyword arguments `options`."""
-    scheme = as_scheme(scheme)  # a bad scheme is no layer's fault
+    scheme = as_scheme(scheme)  # a bad scheme is no layer's fault, nor a bad or unavailable device
+    if device is not None:
+        tensor_api.backend_for(device)
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: name in names)
     if isinstance(model, kind):

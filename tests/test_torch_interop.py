@@ -255,6 +255,21 @@ def test_export_and_tracers_refuse_what_they_cannot_record():
                                   + model[0].bias.detach().numpy())
 
 
+def test_the_torchscript_onnx_exporter_refuses_in_our_words(tmp_path):
+    """torch.onnx.export's TorchScript exporter reads the state dict first, taking each
+    layer's quantized state for a tensor: it failed with "'dict' object has no attribute
+    'detach'", and now refuses as the tracers do.  Outside an export state_dict() is as before."""
+    from qdispatch.torch import QEmbedding
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(16, 8)), SCHEMES[0], device=DEVICES[-1])
+    table = torch.nn.Sequential(QEmbedding.from_embedding(torch.nn.Embedding(10, 8), SCHEMES[0], device=DEVICES[-1]))
+    says = "and torch.onnx.export can't record qdispatch's q_matmul \\(QLinear\\) or lookups"
+    for m, arg in ((model, torch.randn(2, 16)), (table, torch.tensor([1, 2]))):
+        with pytest.raises(qd.BackendUnavailableError, match=says):
+            torch.onnx.export(m, (arg,), str(tmp_path / "m.onnx"), dynamo=False)
+        assert "0._extra_state" in m.state_dict()
+    assert not torch.onnx.is_in_onnx_export()
+
+
 @pytest.mark.parametrize("tracing_mode", ["real", "fake", "symbolic"])
 def test_make_fx_and_fake_tensors_refuse_what_they_cannot_run(tracing_mode):
     """make_fx recorded a QLinear's, q_matmul's and a lookup's output as a constant (the
@@ -1035,6 +1050,17 @@ def test_quantize_linears_names_the_layer_that_does_not_fit_and_changes_nothing(
 def test_quantize_linears_refuses_a_bad_scheme_and_weights_without_values():
     with pytest.raises(qd.QuantSchemeError, match="Expected a QuantScheme.*got 42"):
         quantize_linears(_model(), 42)
+    # a device that is no device, or one this build or machine lacks, is no layer's fault:
+    # the error is the device's own, not one naming a layer and telling to skip it
+    missing = "cuda:7" if "cuda" in qd.available_backends() else "cuda"
+    for device in ("bogus", missing):
+        model = _model()
+        with pytest.raises(qd.QDispatchError) as refused:
+            quantize_linears(model, "q8s", device=device)
+        assert "layer" not in str(refused.value) and "skip" not in str(refused.value)
+        with pytest.raises(type(refused.value), match=re.escape(str(refused.value))):
+            qd.tensor(np.ones(2, np.float32), device=device)
+        assert not any(isinstance(m, QLinear) for m in model.modules())
     with pytest.raises(qd.BackendUnavailableError, match="'meta' has no values.*load"):
         from_torch(torch.empty(3, 4, device="meta"))
 
