@@ -1537,8 +1537,9 @@ def quantize_linears(model, scheme, skip=(), device=None, activation_scheme=None
     quantized with `scheme`, in place, and return the model (a QLinear when
     `model` itself is an nn.Linear).  `activation_scheme` (W8A8) as for QLinear().
 
-    `skip` keeps layers in float: names as `model.named_modules()` gives them
-    (e.g. ["lm_head"]; None for none), or a function `(name, linear) -> bool`.
+    `skip` keeps layers in float: names as `model.named_modules()` gives them,
+    of Linears or of modules holding them, whose Linears all stay (e.g. ["lm_head",
+    "layers.0"]; None for none), or a function `(name, linear) -> bool`.
     A layer reached under several names (shared) is quantized once and stays
     shared.  Weights are quantized where they live (host weights on the default
     backend) unless `device` names another.  Every layer is quantized before any
@@ -1569,7 +1570,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     if device is not None:
         tensor_api.backend_for(device)
     names = None if callable(skip) else _skip_names(skip)
-    keep = skip if names is None else (lambda name, _: name in names)
+    keep = skip if names is None else (lambda name, _: _named_or_under(name, names))
     if isinstance(model, kind):
         _refuse_unknown_names(names, {""}, kind)
         if keep("", model):
@@ -1652,13 +1653,22 @@ def _carry_hooks(layer, module):
         module._is_full_backward_hook = layer._is_full_backward_hook
 
 
+def _named_or_under(name, names):
+    """Whether layer `name`, or a module it sits in ("blocks.0" for "blocks.0.mlp.up"), is
+    among `names`."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+
+
 def _refuse_unknown_names(names, layer_names, kind):
-    """ArgumentError for skip names that are no `kind` layer's (the model itself is
-    named ""): a misspelt name would quantize the layer it meant to keep."""
-    unknown = [] if names is None else sorted(names - layer_names, key=str)
+    """ArgumentError for skip names that are neither a `kind` layer's nor a module's
+    holding one (the model itself is named ""): a misspelt name would quantize the
+    layer it meant to keep."""
+    holders = {".".join(name.split(".")[:i]) for name in layer_names for i in range(1, name.count(".") + 1)}
+    unknown = [] if names is None else sorted(names - layer_names - holders, key=str)
     if unknown:
-        raise ArgumentError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model; its "
-                            f"{kind.__name__}s are {sorted(layer_names)}")
+        raise ArgumentError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model, nor modules "
+                            f"holding some; its {kind.__name__}s are {sorted(layer_names)}")
 
 
 def _refuse_unquantizable(named_layers, kind, quantized_class):

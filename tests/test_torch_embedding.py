@@ -190,8 +190,8 @@ def test_quantize_embeddings_replaces_the_tables_and_skips_by_name():
     assert torch.equal(quantized.embed(ids), torch.from_numpy(want[ids.numpy()]))
     kept = quantize_embeddings(copy.deepcopy(model), PER_ROW, skip=["embed"])
     assert isinstance(kept.embed, torch.nn.Embedding)
-    with pytest.raises(ValueError, match=r"skip names \['head'\] that are not nn.Embedding layers of the model; "
-                                         r"its Embeddings are \['embed'\]"):
+    with pytest.raises(ValueError, match=r"skip names \['head'\] that are not nn.Embedding layers of the model, "
+                                         r"nor modules holding some; its Embeddings are \['embed'\]"):
         quantize_embeddings(copy.deepcopy(model), PER_ROW, skip=["head"])
     with pytest.raises(qd.QuantSchemeError, match=r"layer 'embed' \(50 x 64\): .*skip=\['embed'\]"):
         quantize_embeddings(copy.deepcopy(model), QuantScheme("q8s", block=(1, 48)))

@@ -931,6 +931,13 @@ def test_quantize_linears_skips_layers_by_name_or_predicate():
     assert type(model[3]) is torch.nn.Linear and type(model[0].down) is torch.nn.Linear
     assert isinstance(model[0].up, QLinear) and isinstance(model[1].down, QLinear)
     assert type(quantize_linears(_model(), scheme, skip="3")[3]) is torch.nn.Linear  # one name
+    model = quantize_linears(_model(), scheme, skip=["0"])  # a block's name keeps all its Linears
+    assert type(model[0].up) is torch.nn.Linear and type(model[0].down) is torch.nn.Linear
+    assert isinstance(model[1].up, QLinear) and isinstance(model[1].down, QLinear) and isinstance(model[3], QLinear)
+    for holds_none in (["2"], ["0.act"]):  # a LayerNorm, a GELU: modules holding no Linear
+        with pytest.raises(qd.ArgumentError, match=re.escape(f"skip names {holds_none} that are not nn.Linear "
+                                                             f"layers of the model, nor modules holding some")):
+            quantize_linears(_model(), scheme, skip=holds_none)
     model = _model()
     with pytest.raises(ValueError, match=r"skip names \['0.dwn'\] that are not nn.Linear.*'0.down'"):
         quantize_linears(model, scheme, skip=["0.dwn"])  # misspelt: refused, nothing changed
