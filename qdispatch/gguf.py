@@ -5,7 +5,7 @@
 
 `load` reads a file's tensors without changing any value: each QTensor
 dequantizes to exactly (bit for bit, float32) what `gguf.quants.dequantize`
-gives.  The mapping, for a tensor of numpy shape [..., K] (GGUF's ne0 is K):
+gives for a little-endian file.  The mapping, for a tensor of numpy shape [..., K] (GGUF's ne0 is K):
 
 | GGUF  | qdispatch                                                                 |
 |-------|---------------------------------------------------------------------------|
@@ -264,7 +264,10 @@ def export(path, tensors, arch="qdispatch"):
     then they are fetched and written one at a time, so the host holds one
     tensor's bytes at a time (a model on the GPU is never on the host whole)."""
     gguf = _gguf()
-    if not isinstance(arch, str) or "\0" in arch or not _is_utf8(arch):
+    if not isinstance(arch, str):
+        raise ArgumentTypeError(f"export's arch= takes a str (written as general.architecture), got "
+                                f"{type(arch).__name__} {arch!r}")
+    if "\0" in arch or not _is_utf8(arch):
         raise SerializationError(f"export's arch= is written as UTF-8 text without NULs, got {arch!r}")
     tensors = check_tensor_dict(tensors, "export")
     plans = [(name, *_plan(name, obj)) for name, obj in tensors.items()]  # all checks first

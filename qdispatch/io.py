@@ -460,8 +460,15 @@ def _without_repeats(pairs):
 def _metadata(path, header):
     """The records of a file's tensors, each checked to have the fields its kind needs."""
     meta = header.get(_METADATA)
-    if meta is None and not any(key.endswith(_SUFFIXES) for key in header):
+    parts = sorted(key for key in header if key.endswith(_SUFFIXES))
+    if meta is None and not parts:
         meta = {}  # null: none, as safetensors reads it, in a file with no QTensor's parts to lose records of
+    if meta is None:  # read as plain arrays, a QTensor's parts would pass for its values
+        raise SerializationError(
+            f"{path} has entries named as a QTensor's parts ({', '.join(map(repr, parts[:3]))}"
+            f"{', ...' if len(parts) > 3 else ''}) but no __metadata__ (absent or null) to say their schemes: a "
+            f"qdispatch file whose metadata was lost, or another writer's whose names end so; its entries read "
+            f"as plain arrays with safetensors.numpy.load_file")
     if not isinstance(meta, dict):  # 0 or "" too: safetensors refuses them, and they hid qdispatch's records
         raise SerializationError(
             f"{path} has a corrupted safetensors header: its __metadata__ is {brief(meta)}, not a JSON object")

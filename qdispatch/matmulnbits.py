@@ -43,7 +43,8 @@ def export(w, block_size=None, dtype="float32"):
 
     Its values must be 2-, 4- or 8-bit and its scales constant over each block of
     `block_size` along K: blocks along K whose size is a multiple of it, or one scale
-    per row or for the whole tensor (any grouping of rows).  `block_size=None` takes
+    per row or for the whole tensor (any grouping of rows), or smaller blocks whose
+    scales agree over each (as `load` gives a K that block_size does not divide).  `block_size=None` takes
     the largest power of two from 16 to 256 that fits.  `dtype` is the scales' type,
     which MatMulNBits wants equal to A's: "float32", or "float16" where every scale
     is a float16 value."""
@@ -59,9 +60,9 @@ def export(w, block_size=None, dtype="float32"):
         raise QuantSchemeError(f"MatMulNBits stores 2-, 4- or 8-bit codes, and {scheme!r} has {scheme.bits}")
     N, K = w.shape
     block_n, block_k = w.layout.logical_block(w.transposed)
-    block_size = _block_size_for(block_size, block_k, K, scheme)
-    scale_type = _scale_type(dtype)
     values, grid = qtensor_host(w)
+    block_size = _block_size_for(block_size, block_k, K, scheme, grid.reshape(N // block_n, K // block_k))
+    scale_type = _scale_type(dtype)
     k_blocks = -(-K // block_size)
     # each block's scale: its row's group, and the group along K where the block starts
     scales = np.repeat(grid, block_n, axis=0)[:, (np.arange(k_blocks) * block_size) // block_k]
@@ -199,23 +200,38 @@ def _onnx():
     return onnx
 
 
-def _block_size_for(asked, block_k, K, scheme):
-    """MatMulNBits' block size for groups of block_k along K: a power of two from 16
-    whose blocks each lie in one group (any, where one group spans K)."""
-    fits = [b for b in (256, 128, 64, 32, 16) if block_k == K or block_k % b == 0]
+def _block_size_for(asked, block_k, K, scheme, grid):
+    """MatMulNBits' block size for groups of block_k along K with scales `grid` [row
+    groups, K / block_k]: a power of two from 16 whose blocks each see one scale."""
+    fits = [b for b in (256, 128, 64, 32, 16) if _one_scale_a_block(b, block_k, K, grid)]
     if asked is None:
         if not fits:
             raise QuantSchemeError(f"{scheme!r} has scale groups of {block_k} along K, and MatMulNBits' blocks "
                                    f"(powers of two, 16 or more) each need one scale: requantize in blocks of "
-                                   f"16, 32, 64 or 128 along K")
+                                   f"16, 32, 64 or 128 along K" + (" (a weight laid out [K, N], for x @ w, exports "
+                                                                  "as w.T)" if block_k == 1 else ""))
         # the largest block that cuts K evenly, else the largest within K (the least padding)
         return next((b for b in fits if K % b == 0), next((b for b in fits if b <= K), fits[-1]))
     size = _count(asked, "block_size")
-    if size < 16 or size & (size - 1) or not (block_k == K or block_k % size == 0):
+    if size < 16 or size & (size - 1) or size not in fits:
         raise ArgumentError(f"block_size={asked} doesn't fit {scheme!r} on K={K}: MatMulNBits' blocks are powers "
-                            f"of two, 16 or more, each inside one scale group ({block_k} along K)"
-                            + (f"; {fits[0]} fits" if fits else ""))
+                            f"of two, 16 or more, each with one scale (inside one scale group, {block_k} along K, "
+                            f"or over groups whose scales agree)" + (f"; {fits[0]} fits" if fits else ""))
     return size
+
+
+def _one_scale_a_block(size, block_k, K, grid):
+    """Whether every block of `size` along K sees one scale: it lies inside one group
+    of block_k (or one group spans K), or spans whole groups whose scales agree (the
+    last block, short where size does not divide K, over the groups it has)."""
+    if block_k == K or block_k % size == 0:
+        return True
+    if size % block_k:
+        return False
+    per_block = size // block_k
+    tail = -grid.shape[1] % per_block  # the last block's missing groups: copies of its last
+    spans = np.concatenate([grid, np.repeat(grid[:, -1:], tail, axis=1)], axis=1).reshape(grid.shape[0], -1, per_block)
+    return bool((spans == spans[:, :, :1]).all())
 
 
 def _scale_type(dtype):

@@ -430,10 +430,14 @@ def test_load_then_export_reproduces_the_bytes(tmp_path):
         np.testing.assert_array_equal(original[name].view(np.uint8), again[name].view(np.uint8))
 
 
-@pytest.mark.parametrize("arch", ["\udcff", "a\0b", 7])
-def test_export_refuses_an_arch_it_cannot_write(tmp_path, arch):
+@pytest.mark.parametrize("arch, error, says", [
+    ("\udcff", SerializationError, "export's arch= is written as UTF-8 text without NULs"),
+    ("a\0b", SerializationError, "export's arch= is written as UTF-8 text without NULs"),
+    (7, qd.ArgumentTypeError, "export's arch= takes a str \\(written as general.architecture\\), got int 7"),
+])
+def test_export_refuses_an_arch_it_cannot_write(tmp_path, arch, error, says):
     """A lone surrogate leaked the writer's UnicodeEncodeError, after the file was begun."""
-    with pytest.raises(SerializationError, match="export's arch= is written as UTF-8 text without NULs"):
+    with pytest.raises(error, match=says):
         qgguf.export(tmp_path / "o.gguf", {"x": np.ones(4, np.float32)}, arch=arch)
     assert not os.listdir(tmp_path)
 

@@ -72,6 +72,35 @@ def test_block_size_choice_and_float16_scales(rng):
     assert np.array_equal(back.dequantize().numpy(), per_block.dequantize().numpy())
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_k_that_block_size_does_not_divide_exports_back_as_it_came(rng, bits):
+    """load gives such a weight blocks of gcd(K, block_size) along K (4 for K = 100 and
+    32), whose scales repeat over each of the file's blocks: export refused it, since
+    no power of two fits blocks of 4.  It now finds blocks whose scales agree, and gives
+    back the bytes it was loaded from."""
+    N, K, size = 6, 100, 32
+    k_blocks, zero, per_byte = -(-K // size), 1 << (bits - 1), 8 // bits
+    values = np.zeros((N, k_blocks * size), np.int64)  # padding past K: value 0, code `zero`
+    values[:, :K] = rng.integers(-zero, zero, size=(N, K))
+    codes = (values + zero).reshape(N, -1, per_byte) << (np.arange(per_byte) * bits)  # lowest bits first
+    B = codes.sum(axis=-1).astype(np.uint8).reshape(N, k_blocks, size * bits // 8)
+    scales = rng.uniform(0.5, 2, N * k_blocks).astype(np.float32)
+    q = matmulnbits.load(B, scales, K, N, bits, size)
+    assert q.scheme.block == (1, 4)
+    for asked in (None, 32):
+        w = matmulnbits.export(q, block_size=asked)
+        assert (w.block_size, w.K, w.N) == (32, K, N)
+        assert np.array_equal(w.B, B) and np.array_equal(w.scales, scales)
+    with pytest.raises(qd.ArgumentError, match="block_size=64 doesn't fit .*; 32 fits"):
+        matmulnbits.export(q, block_size=64)
+    # scales that agree over pairs of the file's blocks: blocks of 64 see one scale each
+    paired = np.repeat(scales.reshape(N, k_blocks)[:, ::2], 2, axis=1).reshape(-1)
+    w = matmulnbits.export(matmulnbits.load(B, paired, K, N, bits, size))
+    assert w.block_size == 64
+    assert np.array_equal(matmulnbits.load(*w).dequantize().numpy(),
+                          matmulnbits.load(B, paired, K, N, bits, size).dequantize().numpy())
+
+
 def test_a_transposed_weight_exports_as_seen(rng):
     w = rng.standard_normal((128, 32)).astype(np.float32)  # [K, N], for q_matmul(x, w)
     q = qd.quantize(w, qd.QuantScheme("q4f", block=(32, 1), store="packed_u32"))
@@ -101,14 +130,18 @@ def _load_with(**changes):
     return matmulnbits.load(**{**args, **changes})
 
 
+def _normal(shape):  # data whose scales differ (equal ones would fit any block size)
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
 @pytest.mark.parametrize("make, error, words", [
     (lambda q: matmulnbits.export(np.ones((4, 32), np.float32)), qd.ArgumentTypeError, "takes a QTensor"),
     (lambda q: matmulnbits.export(qd.quantize(np.ones((2, 4, 32), np.float32), "q8s")), qd.ShapeError, "2-D"),
     (lambda q: matmulnbits.export(qd.quantize(np.ones((4, 48), np.float32), qd.QuantScheme("q8s", block=24))),
      qd.QuantSchemeError, "scale groups of 24 along K"),
-    (lambda q: matmulnbits.export(qd.quantize(np.ones((4, 32), np.float32), qd.QuantScheme("q8s", axis=1))),
-     qd.QuantSchemeError, "scale groups of 1 along K"),
-    (lambda q: matmulnbits.export(qd.quantize(np.ones((4, 64), np.float32), qd.QuantScheme("q8s", block=32)),
+    (lambda q: matmulnbits.export(qd.quantize(_normal((4, 32)), qd.QuantScheme("q8s", axis=1))),
+     qd.QuantSchemeError, r"scale groups of 1 along K.*\(a weight laid out \[K, N\], for x @ w, exports as w.T\)"),
+    (lambda q: matmulnbits.export(qd.quantize(_normal((4, 64)), qd.QuantScheme("q8s", block=32)),
                                   block_size=64), qd.ArgumentError, "block_size=64 doesn't fit .* 32 fits"),
     (lambda q: matmulnbits.export(q, block_size=24), qd.ArgumentError, "powers of two"),
     (lambda q: matmulnbits.export(q, dtype="bfloat16"), qd.ArgumentTypeError, "float32 or float16"),
