@@ -1,6 +1,7 @@
 """`qdispatch [demo|info|config|bench]`, or `python -m qdispatch ...`."""
 import argparse
 import sys
+import warnings
 
 from . import cli
 
@@ -32,8 +33,15 @@ def main(argv=None):
     return getattr(cli, command)(args) or 0
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    """A warning as the command's own line, not Python's (its file, line and source)."""
+    print(f"qdispatch: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def run():
-    """The console script: main(), an interrupt (Ctrl-C) ending it with a word, not a traceback."""
+    """The console script: main(), an interrupt (Ctrl-C) ending it with a word, not a
+    traceback, and warnings as lines of its own."""
+    warnings.showwarning = _warning_line
     try:
         return main()
     except KeyboardInterrupt:

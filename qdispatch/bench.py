@@ -281,6 +281,21 @@ def available_memory_bytes():
     return None
 
 
+# Bytes a case holds at its peak per operand element (x and w, float32): the operands
+# twice (the call's and the check's), the check's float64 copies and products, and
+# the quantized weights; its weight copies come out of the rotation budget.
+CASE_BYTES_PER_ELEMENT = 32
+
+
+def case_memory_bytes(shape):
+    """About the most memory a case of `shape` holds, its weight copies aside."""
+    return CASE_BYTES_PER_ELEMENT * (shape.m + shape.n) * shape.k
+
+
+def _size(nbytes):
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def default_rotation_budget():
     """Bytes the weight copies may take: 4 GiB, or half the available memory where that is less."""
     available = available_memory_bytes()
@@ -1008,6 +1023,12 @@ def _run_cases(cases, repeat, budget_bytes=None):
         reason = case.skip_reason()
         if reason:
             skipped.append({"case": case.id, "reason": reason})
+            continue
+        need, free = case_memory_bytes(case.shape), available_memory_bytes()
+        if free is not None and need > free:  # past it the OS kills the process, with no MemoryError
+            skipped.append({"case": case.id, "reason": f"it needs about {_size(need)} (its operands and the "
+                                                        f"float64 check of its result), more than the {_size(free)} "
+                                                        f"free here"})
             continue
         with thread_limit(case.threads):
             try:

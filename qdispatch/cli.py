@@ -24,6 +24,10 @@ def info(args=None):
             print(f"  openmp: not built ({build['openmp_left_out']})")
         cuda = build.get("cuda")
         print(f"  cuda: {json.dumps(cuda) if cuda else 'not built (' + str(build.get('cuda_skipped_reason')) + ')'}")
+    try:
+        print(f"default backend: {qd.default_device()}")
+    except qd.QDispatchError as exc:  # a bad QDISPATCH_BACKEND: said here, not first at some later call
+        print(f"default backend: none: {exc}")
     print("backends:")
     for name, entry in data["backends"].items():
         state = "available" if entry["available"] else "unavailable"
@@ -33,13 +37,17 @@ def info(args=None):
             print(f"            {entry['reason']}")
 
 
-def _measure(fn, repeat=3):
+def _measure(fn, repeat=3, min_seconds=0.3):
+    """fn's result and its best time over `repeat` calls or more, for `min_seconds` at
+    least: numpy's BLAS threads spin for a while after its last call, and calls made
+    then, on the same cores, took 10-40x as long."""
     fn()  # warm-up: first-use packing and page faults stay out of the figure
-    best = float("inf")
-    for _ in range(repeat):
+    best, calls, start = float("inf"), 0, time.perf_counter()
+    while calls < repeat or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t0)
+        calls += 1
     return out, best
 
 

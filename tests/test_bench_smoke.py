@@ -576,6 +576,26 @@ def test_pytest_options_are_checked_as_the_commands_are(tmp_path, option, value,
 
 
 
+def test_a_shape_whose_check_would_not_fit_memory_is_skipped_before_it_starts(monkeypatch, capsys):
+    """1x45000x45000 (8 GB of float32 weights) raised no MemoryError on a 24 GB machine:
+    its result check's float64 copies grew the process until the OS killed it, with no
+    message and no results.  A case now needs its estimate free before it starts."""
+    from qdispatch.__main__ import main
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(bench, "operands", lambda shape: pytest.fail(f"made the operands of {shape}")
+                        if shape == bench.Shape(2, 64, 8192) else bench_operands(shape))
+    assert bench.case_memory_bytes(bench.Shape(2, 64, 64)) < 1 << 20 < bench.case_memory_bytes(bench.Shape(2, 64, 8192))
+    assert main(["bench", "--shapes", "2x64x64,2x64x8192", "--threads", "1", "--paths", "qq_int8",
+                 "--repeat", "1", "--bandwidth-mb", "1", "--rotation-mb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("skipped 2x64x8192-qq_int8-cpu-t1: it needs about 16.0 MiB (its operands and the float64 check of its "
+            "result), more than the 1.0 MiB free here") in out
+    assert "2x64x64  " in out  # measured
+
+
+bench_operands = bench.operands
+
+
 def test_a_shape_too_large_for_memory_is_skipped_with_the_others_run(monkeypatch, capsys):
     """Operands past the free memory ended the whole run in a MemoryError traceback."""
     from qdispatch.__main__ import main

@@ -23,6 +23,37 @@ def test_info_prints_version_build_and_backends():
     assert "flags[baseline]" in out
 
 
+def test_info_names_the_default_backend_or_why_the_variable_cant_set_it():
+    """A bad QDISPATCH_BACKEND passed `info` and the demo silently, and surfaced at some
+    later call; `info` never said which backend host data goes to."""
+    best_host = "cpu" if "cpu" in qd.available_backends() else "reference"
+    for value, says in (("", best_host), ("reference", "reference")):
+        out = run_python("-m", "qdispatch", "info", QDISPATCH_BACKEND=value)
+        assert out.returncode == 0 and f"\ndefault backend: {says}\n" in out.stdout, out.stderr
+    out = run_python("-m", "qdispatch", "info", QDISPATCH_BACKEND="bogus")
+    assert out.returncode == 0, out.stderr
+    assert ("\ndefault backend: none: QDISPATCH_BACKEND='bogus' can't be the default backend: Unknown device "
+            "'bogus'") in out.stdout
+
+
+def test_the_demo_times_each_arm_until_numpys_threads_have_gone_idle(monkeypatch):
+    """numpy's BLAS threads spin for a while after its last call, and the demo timed
+    the cpu backend's three calls right after numpy's and the reference's: 8-16 ms
+    for a 0.35 ms product.  An arm now runs for min_seconds at least, its best call
+    reported (a clock that moves only as the calls say, so nothing here is timed)."""
+    import time
+    from qdispatch import cli
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    took = iter([1.0] + [0.125] * 3 + [0.03125] * 50)  # the warm-up, three slow calls, then fast ones
+
+    def call():
+        now[0] += next(took)
+        return "out"
+    assert cli._measure(call, repeat=3, min_seconds=0.5) == ("out", 0.03125)
+    assert len(list(took)) == 46  # four fast calls: 0.375 s + 4 x 0.03125 s = 0.5 s
+
+
 def test_version():
     assert run_module("--version") == f"qdispatch {qd.__version__}\n"
 
@@ -115,3 +146,20 @@ def test_an_interrupt_ends_the_command_with_a_word(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["qdispatch", "info"])
     assert __main__.run() == 130
     assert capsys.readouterr().err == "qdispatch: interrupted; nothing further was written\n"
+
+
+def test_a_warning_is_a_line_of_the_commands_own(monkeypatch, capsys):
+    """bench's warnings came as Python shows them: a file, a line number, the category
+    and the line of source that warned, for each case."""
+    import warnings
+    from qdispatch import __main__, cli
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the command sets its own
+
+    def warns(args):
+        warnings.warn("its weights rotate through 1.0 MiB", UserWarning)
+    monkeypatch.setattr(cli, "info", warns)
+    monkeypatch.setattr(sys, "argv", ["qdispatch", "info"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert __main__.run() == 0
+    assert capsys.readouterr().err == "qdispatch: warning: its weights rotate through 1.0 MiB\n"
