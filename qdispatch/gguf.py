@@ -5,7 +5,8 @@
 
 `load` reads a file's tensors without changing any value: each QTensor
 dequantizes to exactly (bit for bit, float32) what `gguf.quants.dequantize`
-gives for a little-endian file.  The mapping, for a tensor of numpy shape [..., K] (GGUF's ne0 is K):
+gives for a little-endian file.  The mapping, for a tensor of numpy shape
+[..., K] (GGUF's ne0 is K):
 
 | GGUF  | qdispatch                                                                 |
 |-------|---------------------------------------------------------------------------|

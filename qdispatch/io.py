@@ -296,7 +296,8 @@ def check_tensor_dict(tensors, caller):
 
 
 # what save and export take, as their errors say
-SAVABLE = "a qdispatch QTensor or Tensor, a numpy array or scalar, or a tensor of a library that speaks DLPack (torch, CuPy)"
+SAVABLE = ("a qdispatch QTensor or Tensor, a numpy array or scalar, or a tensor of a library that speaks DLPack "
+           "(torch, CuPy)")
 
 
 def _ours(name, obj, caller):
