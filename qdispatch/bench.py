@@ -1066,7 +1066,7 @@ def run(args):
     except WrongResultError as exc:  # no figures for a run that timed a wrong product
         raise SystemExit(f"wrong result, nothing reported: {exc}") from None
     ceiling = [ceilings(n, args.repeat, _megabytes(args.bandwidth_mb)) for n in args.threads] \
-        if "cpu" in qd.available_backends() else []
+        if rows and "cpu" in qd.available_backends() else []  # nothing measured: nothing to set beside
     desc = machine()
     print(f"qdispatch {desc['qdispatch']} on {desc['cpu_model']} ({desc['cores']} cores, ISA {desc['isa']})")
     if not desc["blas_threads_controlled"]:
@@ -1078,7 +1078,8 @@ def run(args):
         print(f"ceilings at {c['threads']} threads: streaming read {c['read_gbs']:.1f} GB/s "
               f"(numpy, {c['read_buffer_bytes'] >> 20} MiB), qq int8 peak {c['int8_peak_gops']:.1f} GOP/s "
               f"(best of {', '.join(c['peak_shapes'])}, in cache)")
-    print(format_table(rows))
+    if rows:
+        print(format_table(rows))
     for line in beyond_ceilings(rows, ceiling):
         print(line)
     for s in skipped:
