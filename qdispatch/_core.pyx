@@ -659,12 +659,9 @@ def int_matmul(a, b, *, transfer=None):
     cdef TensorBase l, r
     if transfer is not None:
         _check_transfer(transfer)
-    if not isinstance(a, TensorBase) and not isinstance(b, TensorBase):
-        from . import tensor_api
-        l = tensor_api.as_host_operand(a, None)
-    else:
-        l = _operand(a, b if isinstance(b, TensorBase) else None)
-    r = _operand(b, l)
+    from . import tensor_api
+    l = tensor_api.as_int8_host_operand(a, b if isinstance(b, TensorBase) else None)
+    r = tensor_api.as_int8_host_operand(b, l)
     if l.kind != r.kind or l.index != r.index:
         l, r = _reconcile("int_matmul", l, r, transfer, "a", "b")
     return ops_module().int_matmul(<object>_table[l.kind], l, r)

@@ -22,8 +22,9 @@ def _gpu(device):
 
 def synchronize(device=None):
     """Wait until the work queued on `device` is done (host devices: nothing to wait
-    for); without one, on every GPU, and where no GPU can run, nothing to wait for:
-    timing code runs as it is on any build."""
+    for).  Without a device, on every GPU, and where no GPU can run there is nothing
+    to wait for: timing code runs as it is on any build.  A GPU named where none can
+    run is a BackendUnavailableError saying why."""
     if device is None:
         cuda = get_backend(BackendKind.CUDA)
         if cuda.unavailable_reason(0) is None:
@@ -48,7 +49,8 @@ def empty_cache(device=None):
     """Give the freed device memory qdispatch keeps for reuse back to the driver, on
     every GPU or on `device`, with the unused part of the device's stream-ordered
     pool (the kernels' temporaries).  Tensors in use are untouched.  Without a usable cuda
-    backend there is nothing cached and this does nothing."""
+    backend nothing is cached, and a call naming no device does nothing; one naming a
+    GPU is a BackendUnavailableError saying why."""
     if device is None:
         get_backend(BackendKind.CUDA).empty_cache()
         return

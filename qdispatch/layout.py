@@ -68,7 +68,8 @@ class QLayout:
         if s.granularity == "axis":
             ax = s.axis % ndim
             swap = {ndim - 1: ndim - 2, ndim - 2: ndim - 1}
-            return s.with_(axis=swap.get(ax, ax))
+            ax = swap.get(ax, ax)
+            return s.with_(axis=ax - ndim if s.axis < 0 else ax)  # counted as the user counts it
         if s.granularity == "block":
             return s.with_(block=swap_last2(self.block))
         return s

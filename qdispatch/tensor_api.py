@@ -78,7 +78,7 @@ def _host_array(data, dtype=None):
     if arr.dtype.kind == "f" and arr.dtype.itemsize > 4:  # narrowed unasked: no finite value may become inf
         return within_float32(arr, op="take", reason=f"{arr.dtype} data becomes float32 here"), "float32"
     if arr.dtype.kind in "iub":  # integers of a dtype we don't hold: int8, which int_matmul takes
-        return _as_integers(arr, "int8", hint="pass dtype='int32' for an int32 tensor, or "), "int8"
+        return _as_integers(arr, "int8", wider="int32"), "int8"
     if arr.dtype.kind == "O":  # what numpy keeps as Python objects: a generator, integers past int64
         raise ArgumentTypeError(f"Can't make a tensor of {type(data).__name__} data that numpy holds as Python objects "
                                 f"(a generator, say, or integers past int64): pass a list or array of numbers")
@@ -96,34 +96,42 @@ def _refuse_non_numbers(arr, dtype, hint=""):
                                 f"date's units, parse text or take None for NaN); {hint}convert it to numbers first")
 
 
-def _as_integers(arr, dtype, hint=""):
+def _as_integers(arr, dtype, wider=None):
     """arr cast to integer `dtype`, refusing the values the cast would change
-    (numpy's cast wraps out-of-range integers and truncates floats); `hint` leads
-    the message's advice."""
+    (numpy's cast wraps out-of-range integers and truncates floats); the message
+    names integer dtype `wider` where every value fits it."""
     target = DTYPES[dtype]
+    hint = f"pass dtype='{wider}' for an {wider} tensor, or " if wider else ""
     _refuse_non_numbers(arr, dtype, hint)
     if arr.dtype == target or arr.dtype.kind == "b" or not arr.size:
         return arr.astype(target, copy=False)
-    lo, hi = int(np.iinfo(target).min), int(np.iinfo(target).max)
     flat = arr.reshape(-1)
-    with np.errstate(invalid="ignore"):
-        if arr.dtype.kind == "f":
-            flat = flat.astype(np.float64)  # holds both bounds exactly, where float32 rounds 2**31 - 1 up
-            fits = (flat >= lo) & (flat <= hi) & (flat == np.trunc(flat))  # NaN fails every test
-        else:
-            fits = (flat >= lo) & (flat <= hi)
+    fits = _fitting(flat, dtype)
     if not fits.all():
+        if wider and not _fitting(flat, wider).all():
+            hint = ""
         first = int(np.argmin(fits))
         value = flat[first].item()
         position = tuple(int(i) for i in np.unravel_index(first, arr.shape))
         raise ArgumentTypeError(f"Can't make an {dtype} tensor of {arr.dtype} data: the value {value!r} at position "
-                                f"{position} {_misfit(value, dtype, lo, hi)}; {hint}quantize float data instead, or "
+                                f"{position} {_misfit(value, dtype)}; {hint}quantize float data instead, or "
                                 f"round and clip it (np.rint, np.clip) to {dtype} first")
     return arr.astype(target)
 
 
-def _misfit(value, dtype, lo, hi):
-    """Why `value` is no value of integer `dtype` [lo, hi]."""
+def _fitting(flat, dtype):
+    """Which values of 1-d `flat` are values of integer `dtype`."""
+    lo, hi = int(np.iinfo(DTYPES[dtype]).min), int(np.iinfo(DTYPES[dtype]).max)
+    with np.errstate(invalid="ignore"):
+        if flat.dtype.kind == "f":
+            flat = flat.astype(np.float64)  # holds both bounds exactly, where float32 rounds 2**31 - 1 up
+            return (flat >= lo) & (flat <= hi) & (flat == np.trunc(flat))  # NaN fails every test
+        return (flat >= lo) & (flat <= hi)
+
+
+def _misfit(value, dtype):
+    """Why `value` is no value of integer `dtype`."""
+    lo, hi = int(np.iinfo(DTYPES[dtype]).min), int(np.iinfo(DTYPES[dtype]).max)
     if not np.isfinite(value):
         return "is not finite"
     if lo <= value <= hi:
@@ -211,6 +219,17 @@ def as_host_operand(x, other, float_for=None):
     return tensor(x)
 
 
+def as_int8_host_operand(x, other):
+    """int_matmul's host data: integer arrays of any dtype become int8 when every
+    value fits (int32 ones too, which a tensor keeps as int32 elsewhere)."""
+    if isinstance(x, (Tensor, QTensor)):
+        return x
+    host = numpy_of(x) if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray) else x  # a torch CPU tensor
+    if isinstance(host, np.ndarray) and host.dtype.kind in "iu" and host.dtype != np.int8:
+        return tensor(host, device=None if other is None else other.device, dtype="int8")
+    return as_host_operand(x, other)
+
+
 _KDL_CUDA = 2
 _HOST_DLPACK_TYPES = (1, 3)  # kDLCPU, kDLCUDAHost: memory numpy reads
 # DLPack's device types that qdispatch doesn't serve, for the error that names one
@@ -264,6 +283,10 @@ def tensor_ufunc(ufunc, method, inputs, kwargs):
     __array__, and a QTensor refuses (it is no dense array)."""
     from ._core import QTENSOR_NOT_COMPARED, TensorBase, q_matmul
     if ufunc is np.matmul:
+        out = kwargs.get("out") or ()
+        if method == "__call__" and len(out) == 1 and out[0] is inputs[0]:  # numpy adds axes= for @= too
+            raise ArgumentTypeError("`a @= b` with a qdispatch tensor would write the product into the numpy array a in "
+                                    "place, which q_matmul does not do (it returns a new Tensor): write a = a @ b")
         if method != "__call__" or kwargs:
             given = ", ".join(kwargs) if kwargs else f"np.matmul.{method}"
             raise ArgumentTypeError(f"np.matmul with a qdispatch Tensor is qdispatch.q_matmul, which takes no {given}: "
@@ -384,8 +407,11 @@ def tensor_transpose(t):
 
 def from_dlpack(obj, device=None):
     """A Tensor viewing a DLPack-capable object (torch, CuPy, numpy) without a copy
-    where the memory is on a device qdispatch serves.  A torch tensor goes through
-    `qdispatch.torch.from_torch`, which knows torch's streams."""
+    where the memory is on a device qdispatch serves and its dtype is one a Tensor
+    holds (float32, float16, bfloat16, int8, int32).  Other dtypes come in as
+    `qdispatch.tensor` converts them, in a copy: float64 as float32, other integers
+    as int8.  A torch tensor goes through `qdispatch.torch.from_torch`, which knows
+    torch's streams."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         from .torch import from_torch  # torch's streams and allocator need more than DLPack says

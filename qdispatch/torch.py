@@ -84,8 +84,8 @@ _cuda_ready = {}  # GPU index -> qdispatch's cuda backend, once it said it can r
 
 def from_torch(x, device=None):
     """A qdispatch Tensor sharing x's memory (host memory, or CUDA memory when
-    the cuda backend is built).  A CPU tensor goes to `device` if that is a host
-    device, else to the default backend; both views share x's memory.  A strided
+    the cuda backend is built).  A CPU tensor is viewed on `device` (default: the
+    default backend) where that is a host device, and copied to it where it is a GPU.  A strided
     x (an expanded gradient, say) or a negative view is copied to dense rows first:
     the kernels read rows.  So is a dtype qdispatch does not hold, converted as
     qdispatch.tensor converts numpy data (float64 to float32, other integers to int8)."""
@@ -1386,6 +1386,11 @@ class QEmbedding(_QuantizedModule):
     check_ids = True  # what a module pickled before the setting existed reads
 
     def __init__(self, weight, padding_idx=None, dtype=torch.float32, check_ids=True):
+        """weight: a 2-D QTensor table [num_embeddings, embedding_dim]; `dtype`: the
+        rows' torch dtype (float32, float16, bfloat16 or float64); `check_ids`: whether
+        ids are checked to be in range (see the class).  `padding_idx` is kept as
+        nn.Embedding's, for code that reads it: it shapes only gradients of the table,
+        which gets none here."""
         super().__init__(weight, "num_embeddings, embedding_dim",
                          "QEmbedding.from_embedding(embedding, scheme) to quantize an nn.Embedding")
         if dtype not in _EMBEDDING_DTYPES:

@@ -135,3 +135,33 @@ def test_a_0d_operand_is_refused_by_saying_what_is_taken():
 def test_a_k_mismatch_names_a_and_b():
     with pytest.raises(qd.ShapeError, match=r"a has K=5 columns but b has K=4 rows"):
         qd.int_matmul(np.ones((2, 5), np.int8), np.ones((4, 3), np.int8))
+
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int16, np.uint8, np.int64])
+def test_integer_arrays_of_any_dtype_multiply_as_int8(device, rng, dtype):
+    """int32 arrays were refused ("must be int8 data"), though int64 ones were taken:
+    numpy's default integers are int32 on some platforms."""
+    lo = 0 if np.dtype(dtype).kind == "u" else -128
+    a = rng.integers(lo, 128, size=(3, 33)).astype(dtype)
+    b = rng.integers(lo, 128, size=(33, 5)).astype(dtype)
+    want = python_int_matmul(a, b)
+    np.testing.assert_array_equal(qd.int_matmul(a, b).numpy(), want)
+    for lhs, rhs in ((a, qd.tensor(b.astype(np.int8), device=device)),
+                     (qd.tensor(a.astype(np.int8), device=device), b)):
+        out = qd.int_matmul(lhs, rhs)  # the array joins the tensor's device
+        assert out.dtype == "int32" and out.device == device
+        np.testing.assert_array_equal(out.numpy(), want)
+
+
+def test_integers_that_do_not_fit_int8_are_refused_by_position():
+    with pytest.raises(qd.ArgumentTypeError, match=r"int8 tensor of int32 data: the value 300 at position \(0, 1\) "
+                                                   r"is outside int8's range"):
+        qd.int_matmul(np.array([[1, 300]], np.int32), np.ones((2, 1), np.int8))
+
+
+def test_a_torch_int32_tensor_multiplies_as_int8(rng):
+    torch = pytest.importorskip("torch")
+    a = rng.integers(-128, 128, size=(2, 9)).astype(np.int32)
+    b = rng.integers(-128, 128, size=(9, 4)).astype(np.int8)
+    np.testing.assert_array_equal(qd.int_matmul(torch.from_numpy(a), b).numpy(), python_int_matmul(a, b))

@@ -502,6 +502,11 @@ def test_a_numpy_operand_and_a_dense_tensor_meet_in_q_matmul_both_ways(device, r
         np.matmul(x, t, out=np.empty((3, 5), np.float32))
     wq = qd.quantize(rng.standard_normal((64, 5)).astype(np.float32), "q8s", device=device)
     np.testing.assert_array_equal(np.matmul(x, wq).numpy(), qd.q_matmul(x, wq).numpy())
+    square, before = qd.quantize(np.eye(64, dtype=np.float32), "q8s", device=device), x.copy()
+    with pytest.raises(TypeError, match=r"`a @= b` with a qdispatch tensor would write the product into the numpy "
+                                        r"array a in place, .*: write a = a @ b"):  # it named "axes, out"
+        x @= square
+    np.testing.assert_array_equal(x, before)
     with pytest.raises(TypeError, match="A QTensor is no dense array"):
         np.add(x[:3, :5], wq)
     if qd.Device(device).is_host:  # other ufuncs still see a host Tensor's values

@@ -478,6 +478,7 @@ def test_narrow_blocks_report_errors_as_the_reference(isa, cpu_threads, rng, sha
 # ---- a transposed view (W.T of a row-major W) ---------------------------------
 
 TRANSPOSED_SCHEMES = [qd.QuantScheme("q8s", axis=1), qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f"),
+                      qd.QuantScheme("q8s", axis=-1), qd.QuantScheme("q4f", axis=-2, store="packed_u32"),
                       qd.QuantScheme("q4s", block=(32, 1), store="packed_u32"),
                       qd.QuantScheme("q4f", block=(1, 16), store="packed_u32", scale_dtype="f16"),
                       qd.QuantScheme("q2s", block=(8, 4), store="packed_u32")]
@@ -498,6 +499,9 @@ def test_a_transposed_view_quantizes_as_its_copy(device, rng, scheme):
     batched = rng.standard_normal((2, 64, 48)).astype(np.float32).swapaxes(-1, -2)
     np.testing.assert_array_equal(qd.quantize(batched, "q8s", device=device).values,
                                   qd.quantize(np.ascontiguousarray(batched), "q8s", device=device).values)
+    assert view.T.T.scheme == scheme  # a negative axis stays negative, as given (it became positive)
+    if scheme.axis is not None:
+        assert qd.quantize(batched, scheme, device=device).scheme == scheme
 
 
 def test_a_transposed_view_names_bad_values_where_they_are(device):

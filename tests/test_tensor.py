@@ -559,6 +559,14 @@ def test_integers_of_another_dtype_become_int8_or_name_the_value_and_int32(data)
     np.testing.assert_array_equal(fits.numpy(), small)
 
 
+@pytest.mark.parametrize("data", [[2**40], np.array([1, 2**63], np.uint64)], ids=["list", "uint64"])
+def test_integers_past_int32_are_not_told_to_become_int32(data):
+    """The advice to pass dtype='int32' came whatever the values."""
+    with pytest.raises(TypeError, match=r"the value \d+ at position \(\d,\) is outside int8's range") as info:
+        qd.tensor(data, device="reference")
+    assert "int32" not in str(info.value)
+
+
 def test_integer_dtype_keeps_data_that_fits(device):
     t = qd.tensor(np.array([[-128.0, 5.0, 127.0]]), dtype="int8", device=device)
     assert t.dtype == "int8" and t.numpy().dtype == np.int8

@@ -80,7 +80,7 @@ class CpuBackend(HostBackend):
         if isa:
             try:
                 self.set_isa(isa)
-            except BackendUnavailableError as exc:
+            except (ArgumentError, BackendUnavailableError) as exc:
                 self._bad_settings["isa"] = f"QDISPATCH_ISA={isa}: {exc}"
         threads = os.environ.get("QDISPATCH_NUM_THREADS")
         if threads:
@@ -110,11 +110,11 @@ class CpuBackend(HostBackend):
             _cpu.set_isa(name)
         except TypeError:  # no name at all
             raise
-        except Exception as exc:
-            raise BackendUnavailableError(
-                f"{exc}. Built and supported here: "
-                f"{', '.join(sorted(set(_cpu.isa_info()['built']) & set(_cpu.isa_info()['supported'])))}"
-                f" (or 'auto')") from None
+        except Exception as exc:  # a name of no ISA is a bad argument; an ISA this CPU or build lacks, unavailable
+            error = ArgumentError if isinstance(exc, ArgumentError) else BackendUnavailableError
+            raise error(f"{exc}. Built and supported here: "
+                        f"{', '.join(sorted(set(_cpu.isa_info()['built']) & set(_cpu.isa_info()['supported'])))}"
+                        f" (or 'auto')") from None
         self._bad_settings.pop("isa", None)  # a good choice in code replaces the variable's
 
     def set_num_threads(self, n):
