@@ -1,5 +1,7 @@
 """`qdispatch [demo|info|config|bench]`, or `python -m qdispatch ...`."""
 import argparse
+import errno
+import os
 import sys
 import warnings
 
@@ -39,14 +41,25 @@ def _warning_line(message, category, filename, lineno, file=None, line=None):
 
 
 def run():
-    """The console script: main(), an interrupt (Ctrl-C) ending it with a word, not a
-    traceback, and warnings as lines of its own."""
+    """The console script: main(), an interrupt (Ctrl-C) or an output that can't be
+    written ending it with a word, not a traceback, and warnings as lines of its own."""
     warnings.showwarning = _warning_line
     try:
-        return main()
+        status = main()
+        sys.stdout.flush()  # here, where a failure is caught, not at exit
+        return status
     except KeyboardInterrupt:
         print("qdispatch: interrupted; nothing further was written", file=sys.stderr)
         return 130  # as a shell reports SIGINT
+    except OSError as exc:
+        if exc.errno not in (errno.EPIPE, errno.ENOSPC):
+            raise
+        # the output can't be written (a reader that stopped early, a full disk): the rest
+        # goes to the null device, so that Python's flush at exit meets no error again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if exc.errno != errno.EPIPE:  # `| head` stopping early needs no word
+            print(f"qdispatch: can't write the output: {exc.strerror}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

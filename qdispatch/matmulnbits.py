@@ -94,12 +94,14 @@ def load(B, scales, K, N, bits, block_size, zero_points=None, device=None):
     k_blocks = -(-K // block_size)
     B = np.asarray(B)
     if B.dtype != np.uint8 or B.size != N * k_blocks * block_size * bits // 8:
-        raise ShapeError(f"B must be uint8 of N * ceil(K / block_size) * block_size * bits / 8 = "
+        error = ShapeError if B.dtype == np.uint8 else ArgumentTypeError  # a wrong dtype is a TypeError
+        raise error(f"B must be uint8 of N * ceil(K / block_size) * block_size * bits / 8 = "
                          f"{N * k_blocks * block_size * bits // 8} bytes for K={K}, N={N}, block_size={block_size}, "
                          f"bits={bits}; got {B.dtype} of shape {B.shape}")
     scales = np.asarray(scales)
     if scales.dtype not in SCALE_DTYPES or scales.size != N * k_blocks:
-        raise ShapeError(f"scales must be float32 or float16, one per block: N * ceil(K / block_size) = "
+        error = ShapeError if scales.dtype in SCALE_DTYPES else ArgumentTypeError
+        raise error(f"scales must be float32 or float16, one per block: N * ceil(K / block_size) = "
                          f"{N * k_blocks} for K={K}, N={N}, block_size={block_size}; got {scales.dtype} of shape "
                          f"{scales.shape}")
     zero_point = 1 << (bits - 1)

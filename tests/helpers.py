@@ -1,4 +1,8 @@
 """Error measures and probes shared by the tests."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 
@@ -28,16 +32,13 @@ def built_with_openmp():
     return not qdispatch.info()["build"].get("openmp_left_out")
 
 
-def run_python(*args, **env):
+def run_python(*args, stdout=subprocess.PIPE, **env):
     """A fresh interpreter that imports the same qdispatch as the tests: it runs
-    beside the package under test, never in a source tree that would shadow it."""
-    import os
-    import subprocess
-    import sys
-
+    beside the package under test, never in a source tree that would shadow it.
+    `stdout`: where its output goes (by default captured, as its errors are)."""
     import qdispatch
     where = os.path.dirname(os.path.dirname(os.path.abspath(qdispatch.__file__)))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=600,
                           cwd=where, env={**os.environ, "PYTHONPATH": where, **env})
 
 

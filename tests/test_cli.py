@@ -163,3 +163,20 @@ def test_a_warning_is_a_line_of_the_commands_own(monkeypatch, capsys):
         warnings.simplefilter("always")
         assert __main__.run() == 0
     assert capsys.readouterr().err == "qdispatch: warning: its weights rotate through 1.0 MiB\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_output_that_cant_be_written_ends_the_command_with_a_word():
+    """`qdispatch info > /dev/full` ended in an OSError traceback."""
+    with open("/dev/full", "w") as full:
+        out = run_python("-m", "qdispatch", "info", stdout=full)
+    assert out.returncode == 1 and out.stderr == "qdispatch: can't write the output: No space left on device\n"
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`qdispatch info | head -1`: a closed pipe is no error worth a word."""
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as closed:
+        out = run_python("-m", "qdispatch", "info", stdout=closed)
+    assert out.returncode == 1 and out.stderr == ""
