@@ -1,5 +1,5 @@
 """The cpu backend beside numpy float32, FBGEMM and onnxruntime, one group per
-shape and path (each contender doing that path's job), plus the machine's two
+shape, path and thread count (each contender doing that path's job), plus the machine's two
 reference ceilings, all in the same run: a streaming read with numpy on the
 case's threads, and the qq int8 kernel's best over cache-resident shapes.
 
@@ -21,7 +21,10 @@ def _record(benchmark, case, b):
     if case.impl == "numpy_f32":
         _NUMPY_GOPS[case.group, case.threads] = row["gops"]
     ref = _NUMPY_GOPS.get((case.group, case.threads))
-    benchmark.extra_info.update(
+    versus = ("the contender" if case.impl == "numpy_f32" else
+              f"{row['gops'] / ref:.2f}x numpy_f32" if ref else "numpy_f32 not timed")
+    unit = "G values/s" if case.path == "quantize" else "GOP/s"
+    benchmark.extra_info.update(versus=f"{row['gops']:.1f} {unit}, {versus}",
         gops=row["gops"], weight_gbs=row["weight_gbs"], weight_bytes=b.weight_bytes,
         weight_copies=b.copies, rotated_bytes=b.rotated_bytes,
         rotation_defeats_cache=b.defeats_cache, cache_multiple=bench.CACHE_MULTIPLE,
@@ -33,7 +36,7 @@ def test_matmul(benchmark, cpu_case, rotation_budget_bytes):
     reason = cpu_case.skip_reason()
     if reason:
         pytest.skip(reason)
-    benchmark.group = cpu_case.group
+    benchmark.group = f"{cpu_case.group} t{cpu_case.threads}"
     with bench.thread_limit(cpu_case.threads):
         b = bench.build(cpu_case, budget_bytes=rotation_budget_bytes)
         for _ in range(b.copies):  # warm-up: first-use costs stay out of the rounds
@@ -43,7 +46,7 @@ def test_matmul(benchmark, cpu_case, rotation_budget_bytes):
 
 
 def test_read_bandwidth(benchmark, threads, bandwidth_bytes):
-    benchmark.group = "ceilings"
+    benchmark.group = f"ceiling: streaming read t{threads}"
     with bench.streaming_read(bandwidth_bytes, threads) as (fn, nbytes):
         benchmark(fn)
     if benchmark.stats is not None:
@@ -54,7 +57,7 @@ def test_read_bandwidth(benchmark, threads, bandwidth_bytes):
 
 @pytest.mark.parametrize("shape", bench.PEAK_SHAPES, ids=str)
 def test_int8_peak(benchmark, threads, shape):
-    benchmark.group = "ceilings"
+    benchmark.group = f"ceiling: qq int8 peak t{threads}"
     with bench.thread_limit(threads):
         fn = bench.int8_peak_fn(shape)
         fn()

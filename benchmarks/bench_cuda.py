@@ -12,6 +12,7 @@ cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json;
 fq with weight blocks too fine for the decode tiles: cuda_h200_fq_fine_blocks.json)
 with the GPU's name and clocks."""
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -147,12 +148,18 @@ def gpu_ms_each(contenders, reps=5, calls=20):
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def every_set(fn, sets):
-    """What pytest-benchmark times: one call per set, so that its figures too come
-    from memory rather than from the L2 (per round: len(sets) calls)."""
-    for s in sets:
-        fn(*s)
-    torch.cuda.synchronize()
+def time_each_set(benchmark, fn, sets, rounds=3):
+    """pytest-benchmark's timing, per call: each round calls fn(*set) once per set in
+    turn (so its figures too come from memory rather than from the L2), waits for the
+    GPU after the last, and counts as len(sets) calls (its figures were per pass)."""
+    turn = itertools.count()
+
+    def call():
+        i = next(turn) % len(sets)
+        fn(*sets[i])
+        if i == len(sets) - 1:
+            torch.cuda.synchronize()
+    benchmark.pedantic(call, rounds=rounds, iterations=len(sets))
 
 
 def n_sets(bytes_per_set):
@@ -171,6 +178,10 @@ def gpu_info():
 
 def record(benchmark, kind, shape, figures, extra=None, results=RESULTS):
     entry = {"kind": kind, "shape": list(shape), "ms": figures, **(extra or {})}
+    ours = next(name for name in figures if name.startswith("qdispatch"))
+    benchmark.extra_info["versus"] = ", ".join(
+        [f"{figures[ours] * 1e3:.1f} us"] + [f"{ms / figures[ours]:.2f}x {name}" for name, ms in figures.items()
+                                             if not name.startswith("qdispatch")])
     if not benchmark.disabled:  # --benchmark-disable: a check that the cases run, its figures kept nowhere
         _records.setdefault(results, {})[(kind, tuple(shape))] = entry
     benchmark.extra_info.update(entry)
@@ -246,7 +257,7 @@ def test_qq_int8_per_row_per_col(benchmark, M, K, N):
         "tops": {k: 2 * M * N * K / v / 1e9 for k, v in ms.items()},
         "speedup_vs_int_mm_dequant": deq / ours, "ratio_vs_raw_int_mm": raw / ours,
         "max_rel_diff_vs_torch": err})
-    benchmark.pedantic(every_set, contenders["qdispatch"], rounds=3, iterations=1)
+    time_each_set(benchmark, *contenders["qdispatch"])
 
 
 QQ_BLOCKINGS = [  # (name, scheme of x [M, K], scheme of w [N, K])
@@ -301,7 +312,7 @@ def test_qq_int8_blocks_along_k(benchmark, M, K, N, blocking, x_scheme, w_scheme
         "tops": {k: tops(v) for k, v in figures.items()},
         "ratio_vs_raw_int_mm": raw / ours, "rel_diff_vs_torch_per_block": rel_diff},
         results=QQ_BLOCK_RESULTS)
-    benchmark.pedantic(every_set, (lambda xq, wq: qd.q_matmul(xq, wq.T), sets), rounds=3, iterations=1)
+    time_each_set(benchmark, lambda xq, wq: qd.q_matmul(xq, wq.T), sets)
 
 
 def _weights(N, K, scheme, count):
@@ -368,7 +379,7 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
         "host_us_per_call": {"qdispatch": host_us(ours_fn, sets), "qdispatch_kernel": host_us(kernel_fn, sets),
                              "torch_bf16_matmul": host_us(torch_fn, tb)},
         "speedup_vs_bf16": bf16 / ours, "kernel_speedup_vs_bf16": bf16 / kernel, "rel_err": err})
-    benchmark.pedantic(every_set, (ours_fn, sets), rounds=3, iterations=1)
+    time_each_set(benchmark, ours_fn, sets)
 
 
 FINE_WEIGHTS = [  # blockings along K that the decode tiles can't take: the float units multiply them
@@ -391,7 +402,7 @@ def test_fq_blocks_too_fine_for_the_tiles(benchmark, M, K, N, wname, scheme):
     record(benchmark, f"fq_fine_{wname}", (M, K, N), figures, {
         "weight_bytes": w.nbytes, "weight_GBps": w.nbytes / ms["qdispatch"] / 1e6,
         "speedup_vs_bf16": ms["torch_bf16_matmul"] / ms["qdispatch"], "rel_err": err}, results=FINE_RESULTS)
-    benchmark.pedantic(every_set, (_fq, sets), rounds=3, iterations=1)
+    time_each_set(benchmark, _fq, sets)
 
 
 @contextlib.contextmanager
@@ -422,7 +433,7 @@ def test_fq_batched_decode_bf16_activations(benchmark, M, K, N, wname, scheme):
         "weight_bytes": w.nbytes, "speedup_vs_bf16": bf16 / ours, "speedup_vs_launches_of_16_rows": sixteen / ours,
         "rel_err": assert_fq_close(f"fq_batched_bf16_x_{wname} {M}x{K}x{N} qdispatch", x, w, _fq(x, w))},
         results=BATCHED_RESULTS)
-    benchmark.pedantic(every_set, (_fq, sets), rounds=3, iterations=1)
+    time_each_set(benchmark, _fq, sets)
 
 
 @pytest.mark.parametrize("M,K,N", PREFILL_SHAPES)
@@ -462,7 +473,7 @@ def test_fq_prefill_bf16_activations(benchmark, monkeypatch, M, K, N, wname, sch
         "tflops": {k: 2 * M * N * K / v / 1e9 for k, v in ms.items()},
         "ratio_vs_bf16": bf16 / ours, "speedup_vs_without_gemm": decode / ours, "rel_err": err},
         results=PREFILL_RESULTS)
-    benchmark.pedantic(every_set, (ours_fn, sets), rounds=3, iterations=1)
+    time_each_set(benchmark, ours_fn, sets)
 
 
 def captured(layers, x):

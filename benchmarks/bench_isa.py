@@ -49,7 +49,7 @@ def test_isa(benchmark, isa_case, rotation_budget_bytes):
     reason = case.skip_reason()
     if reason:
         pytest.skip(reason)
-    benchmark.group = f"{case.group}-isa"
+    benchmark.group = f"{case.group} t{case.threads} isa"
     with bench.thread_limit(case.threads):
         b = _built(case, rotation_budget_bytes)
         before = _isa_in_force()
@@ -67,7 +67,8 @@ def test_isa(benchmark, isa_case, rotation_budget_bytes):
     if isa == BASE_ISA:
         _BASE_GOPS[case.group, case.threads] = gops
     base = _BASE_GOPS.get((case.group, case.threads))
-    benchmark.extra_info.update(gops=gops, isa=isa, threads=case.threads, path=case.path,
+    versus = "the base" if isa == BASE_ISA else f"{gops / base:.2f}x {BASE_ISA}" if base else f"{BASE_ISA} not run"
+    benchmark.extra_info.update(versus=f"{gops:.1f} GOP/s, {versus}", gops=gops, isa=isa, threads=case.threads, path=case.path,
                                 rotated_bytes=b.rotated_bytes, rotation_defeats_cache=b.defeats_cache,
                                 cache_multiple=bench.CACHE_MULTIPLE,
                                 **{f"ratio_{BASE_ISA}": gops / base if base else None})

@@ -81,7 +81,9 @@ def test_lookup(benchmark, bench_shape, scheme, impl, rotation_budget_bytes):
     if impl == "float_lookup":
         _FLOAT_SECONDS[benchmark.group] = seconds
     ref = _FLOAT_SECONDS.get(benchmark.group)
-    benchmark.extra_info.update(impl=name, us=seconds * 1e6, ratio_float_lookup=ref / seconds if ref else None,
+    versus = "the contender" if impl == "float_lookup" else f"{ref / seconds:.2f}x float_lookup" if ref else \
+        "float_lookup not timed"
+    benchmark.extra_info.update(versus=f"{seconds * 1e6:.1f} us, {versus}", impl=name, us=seconds * 1e6, ratio_float_lookup=ref / seconds if ref else None,
                                 table_copies=copies, rotated_bytes=nbytes * copies,
                                 rotation_defeats_cache=bench.exceeds_cache(nbytes * copies),
                                 rows_gbs=shape.m * shape.k * 4 / seconds / 1e9)

@@ -57,3 +57,18 @@ def rotation_budget_bytes(request):
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["qdispatch"] = bench.machine()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """After pytest-benchmark's tables, whose "(x.xx)" columns compare each case with
+    its group's fastest: each case beside the contender it is measured against, from
+    the "versus" its benchmark put in extra_info."""
+    session = getattr(config, "_benchmarksession", None)  # pytest-benchmark's; absent when disabled
+    rows = [(b.name, b.extra_info["versus"]) for b in getattr(session, "benchmarks", ())
+            if "versus" in b.extra_info]
+    if rows:
+        terminalreporter.section("each case against its contender, timed in this run")
+        width = max(len(name) for name, _ in rows)
+        for name, versus in rows:
+            terminalreporter.write_line(f"{name:<{width}}  {versus}")

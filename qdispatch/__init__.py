@@ -17,8 +17,9 @@ except ModuleNotFoundError as _missing:  # the compiled modules are not beside t
                       f"directory") from None
 from .errors import (ArgumentError, ArgumentTypeError, BackendMismatchError, BackendUnavailableError,
                      CudaOutOfMemoryError, DeviceMismatchError, DLPackExportError, KernelError, NonFiniteError,
-                     NotFoundError, OutOfRangeError, QDispatchError, QuantSchemeError, ScaleOverflowError,
-                     ScaleUnderflowWarning, SerializationError, ShapeError, UnsupportedIndexError, WrongBackendError)
+                     NotFoundError, OutOfMemoryError, OutOfRangeError, QDispatchError, QuantSchemeError,
+                     ScaleOverflowError, ScaleUnderflowWarning, SerializationError, ShapeError, UnsupportedIndexError,
+                     WrongBackendError)
 from .scheme import QuantScheme
 from .backends import reference as _reference  # noqa: F401  (registers the backend)
 from .backends import cpu as _cpu_backend  # noqa: F401
@@ -40,6 +41,7 @@ __all__ = [
     "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache", "synchronize",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "OutOfRangeError", "NonFiniteError", "ScaleOverflowError",
-    "BackendUnavailableError", "KernelError", "CudaOutOfMemoryError", "SerializationError", "ArgumentTypeError",
-    "ArgumentError", "UnsupportedIndexError", "NotFoundError", "DLPackExportError", "ScaleUnderflowWarning",
+    "BackendUnavailableError", "KernelError", "OutOfMemoryError", "CudaOutOfMemoryError", "SerializationError",
+    "ArgumentTypeError", "ArgumentError", "UnsupportedIndexError", "NotFoundError", "DLPackExportError",
+    "ScaleUnderflowWarning",
 ]

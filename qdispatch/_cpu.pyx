@@ -28,6 +28,8 @@ def _error_class(code):
         return getattr(errors, "ScaleOverflowError", errors.QDispatchError)
     if code == QD_ERR_SCHEME:
         return errors.QuantSchemeError
+    if code == QD_ERR_NO_MEMORY:  # a MemoryError, as numpy's and the GPU's are
+        return errors.OutOfMemoryError
     return errors.KernelError
 
 

@@ -78,8 +78,11 @@ PATH_CONTENDERS = {
     "int_matmul": ("numpy_f32", "ort_int_u8u8", "ort_int_s8s8"),
     "quantize": ("numpy_f32",),
 }
-_REQUIRES = {"fbgemm": ("torch",),
+_REQUIRES = {"fbgemm": ("torch",), "numpy_f32": ("threadpoolctl",),
              **{name: ("onnxruntime", "onnx") for name in CONTENDERS if name.startswith("ort_")}}
+# numpy's BLAS threads, left as they are, spin beside qdispatch's after each call:
+# on 2 cores numpy's times came out 10-60x slow, and every ratio with them
+_WHY_REQUIRED = {"threadpoolctl": " to set numpy's BLAS threads (left as they are, its times mean nothing)"}
 # Each onnxruntime copy is a session with its own thread pool: past this many,
 # the rotation falls short of CACHE_MULTIPLE x the cache (and says so) rather than pile up threads.
 MAX_ORT_SESSIONS = 256
@@ -161,7 +164,7 @@ class Case:
             return problem
         for module in _REQUIRES.get(self.impl, ()):
             if not _importable(module):
-                return f"{self.impl} needs `pip install {module}`"
+                return f"{self.impl} needs `pip install {module}`{_WHY_REQUIRED.get(module, '')}"
         if not self.is_contender and self.impl not in qd.available_backends():
             return f"backend {self.impl!r} is not available here"
         if not self.is_contender and is_device_backend(self.impl):
@@ -699,9 +702,12 @@ def blas_threads_controlled():
 @contextmanager
 def thread_limit(n):
     """qdispatch's kernels and numpy's BLAS on `n` threads for the block (torch and
-    onnxruntime cases set theirs when built).  Without threadpoolctl numpy's BLAS
-    threads are left as they are, and results say so."""
+    onnxruntime cases set theirs when built; torch's count is restored after, so that
+    later torch code runs on its default).  Without threadpoolctl numpy's BLAS
+    threads are left as they are, and numpy's cases are not run."""
     before = qd.get_num_threads()
+    torch = sys.modules.get("torch")
+    torch_before = torch.get_num_threads() if torch is not None else None
     qd.set_num_threads(n)
     try:
         if blas_threads_controlled():
@@ -712,6 +718,8 @@ def thread_limit(n):
             yield
     finally:
         qd.set_num_threads(before)
+        if torch_before is not None:
+            torch.set_num_threads(torch_before)
 
 
 def measure(fn, repeat=5, calls=1, min_sample_s=0.02, max_case_s=5.0):
@@ -771,8 +779,11 @@ PEAK_SHAPES = (Shape(256, 1024, 1024), Shape(512, 4096, 1024), Shape(1024, 2048,
 
 
 def default_bandwidth_bytes():
-    """The streaming read's buffer: CACHE_MULTIPLE x the last-level cache, at least 1 GiB."""
-    return max(1 << 30, CACHE_MULTIPLE * last_level_cache_bytes())
+    """The streaming read's buffer: CACHE_MULTIPLE x the last-level cache, at least 1 GiB,
+    and at most half the memory free now (a large cache asked for 4.8 GB)."""
+    wanted = max(1 << 30, CACHE_MULTIPLE * last_level_cache_bytes())
+    free = available_memory_bytes()
+    return wanted if free is None else max(1 << 20, min(wanted, free // 2))
 
 
 @contextmanager
@@ -1069,8 +1080,6 @@ def run(args):
         if rows and "cpu" in qd.available_backends() else []  # nothing measured: nothing to set beside
     desc = machine()
     print(f"qdispatch {desc['qdispatch']} on {desc['cpu_model']} ({desc['cores']} cores, ISA {desc['isa']})")
-    if not desc["blas_threads_controlled"]:
-        print("note: threadpoolctl is not installed, so numpy's BLAS threads were not controlled")
     if "cpu" in args.backend and not desc["cpu_openmp"]:
         print("note: this qdispatch was built without OpenMP (see `qdispatch info`), "
               "so its cpu kernels ran on one thread in every case")
@@ -1181,7 +1190,7 @@ def plot(rows, out):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes, rotation=30, fontsize=7)
         ax.set_title(f"{path}, {n} thread{'s' if n > 1 else ''}", fontsize=9)
         ax.set_yscale("log")  # M = 1 and M = 512 differ by 10x and more
-        ax.set_ylabel("GOP/s", fontsize=8)
+        ax.set_ylabel("G values/s" if path == "quantize" else "GOP/s", fontsize=8)
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

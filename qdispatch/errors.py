@@ -77,7 +77,11 @@ class KernelError(QDispatchError, RuntimeError):
     """A C or CUDA kernel reported a failure; the message carries its status text."""
 
 
-class CudaOutOfMemoryError(KernelError, MemoryError):
+class OutOfMemoryError(KernelError, MemoryError):
+    """A kernel could not allocate the memory it works in; nothing was changed."""
+
+
+class CudaOutOfMemoryError(OutOfMemoryError):
     """The GPU has not enough free memory for an allocation; nothing was changed."""
 
 

@@ -204,9 +204,9 @@ def _batched(backend, kernel, lhs, rhs, batch, out_shape, dtype="float32"):
         flat = _as_rows(backend, lhs, quantized_rhs=isinstance(rhs, QTensor))
         if flat is not None:
             return backend.reshape(kernel(flat, rhs), out_shape)
-    results = [kernel(_batch_item(backend, lhs, idx), _batch_item(backend, rhs, idx))
-               for idx in itertools.product(*(range(n) for n in batch))]
-    return backend.stack(results, out_shape)
+    results = (kernel(_batch_item(backend, lhs, idx), _batch_item(backend, rhs, idx))
+               for idx in itertools.product(*(range(n) for n in batch)))
+    return backend.stack(results, out_shape)  # one at a time into the whole result
 
 
 def _as_rows(backend, lhs, quantized_rhs):

@@ -1,11 +1,13 @@
 """Every error qdispatch raises on purpose is a QDispatchError and also the builtin a
 Python user would catch, for arguments a call doesn't take as for the named failures."""
 import mmap
+import sys
 
 import numpy as np
 import pytest
 
 import qdispatch as qd
+from helpers import run_python
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ CASES = {  # id: (call, qdispatch class, builtin)
     "unknown device": (lambda x, w, p: qd.Device("tpu"), qd.ArgumentError, ValueError),
     "device of a float": (lambda x, w, p: qd.tensor([1.0], device=1.5), qd.ArgumentTypeError, TypeError),
     "ISA of a number": (lambda x, w, p: qd.set_isa(3), qd.ArgumentTypeError, TypeError),
-    "unknown ISA": (lambda x, w, p: qd.set_isa("sse9"), qd.BackendUnavailableError, RuntimeError),
+    "unknown ISA": (lambda x, w, p: qd.set_isa("sse9"), qd.ArgumentError, ValueError),
     "threads of a str": (lambda x, w, p: qd.set_num_threads("2"), qd.ArgumentTypeError, TypeError),
     "too many threads": (lambda x, w, p: qd.set_num_threads(2 ** 40), qd.ArgumentError, ValueError),
     "batch invariance of a str": (lambda x, w, p: qd.set_batch_invariant("no"), qd.ArgumentTypeError, TypeError),
@@ -104,7 +106,8 @@ def test_the_error_classes_are_exported_and_documented():
 
 @pytest.mark.parametrize("cls, parents", [
     (qd.ScaleOverflowError, (qd.QuantSchemeError, ValueError)),
-    (qd.CudaOutOfMemoryError, (qd.KernelError, MemoryError, RuntimeError)),
+    (qd.CudaOutOfMemoryError, (qd.OutOfMemoryError, qd.KernelError, MemoryError, RuntimeError)),
+    (qd.OutOfMemoryError, (qd.KernelError, MemoryError, RuntimeError)),
     (qd.ArgumentTypeError, (TypeError,)),
     (qd.ArgumentError, (ValueError,)),
     (qd.NotFoundError, (KeyError,)),
@@ -115,3 +118,28 @@ def test_the_errors_subclass_what_the_readme_says(cls, parents):
     out of memory: callers rely on the README's hierarchy, so a class may not leave it."""
     for parent in parents:
         assert issubclass(cls, parent), f"{cls.__name__} is no {parent.__name__}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+@pytest.mark.skipif("cpu" not in qd.available_backends(), reason="needs the cpu backend")
+def test_a_kernel_out_of_host_memory_is_a_memory_error():
+    """A C kernel that could not allocate its scratch raised a plain KernelError, which
+    `except MemoryError` (numpy's and the GPU's out of memory) misses."""
+    code = """if 1:
+        import resource, numpy as np, qdispatch as qd
+        x = np.ones((1024, 16384), np.float32)
+        w = qd.quantize(np.ones((64, 16384), np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
+        qd.q_matmul(x[:2], w.T, activation_scheme="q8s")  # loaded and packed
+        held = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (held + (4 << 20), resource.RLIM_INFINITY))
+        try:
+            qd.q_matmul(x, w.T, activation_scheme="q8s")  # x's 16 MB of int8 values don't fit
+        except MemoryError as exc:
+            print(type(exc).__name__, exc)
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        print(qd.q_matmul(x, w.T, activation_scheme="q8s").numpy()[0, 0])  # the process goes on
+    """
+    out = run_python("-c", code, QDISPATCH_NUM_THREADS="1")  # no thread stacks to map past the limit
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("OutOfMemoryError ") and "out of memory" in out.stdout
+    assert out.stdout.endswith("\n16384.0\n")

@@ -165,3 +165,18 @@ def test_a_torch_int32_tensor_multiplies_as_int8(rng):
     a = rng.integers(-128, 128, size=(2, 9)).astype(np.int32)
     b = rng.integers(-128, 128, size=(9, 4)).astype(np.int8)
     np.testing.assert_array_equal(qd.int_matmul(torch.from_numpy(a), b).numpy(), python_int_matmul(a, b))
+
+
+@pytest.mark.parametrize("host", ["reference", "cpu"])
+def test_a_broadcast_batch_is_written_into_its_result_item_by_item(host, rng):
+    """Every item's product was kept in a list, then stacked: twice the result's memory
+    at the peak, and a result too large for memory was found out only item by item."""
+    if host not in qd.available_backends():
+        pytest.skip(f"needs the {host} backend")
+    from helpers import transient_bytes
+    a = qd.tensor(rng.integers(-128, 128, size=(64, 1, 8, 16), dtype=np.int8), device=host)
+    b = qd.tensor(rng.integers(-128, 128, size=(1, 64, 16, 8), dtype=np.int8), device=host)
+    kept = []
+    extra = transient_bytes(lambda: kept.append(qd.int_matmul(a, b)))
+    np.testing.assert_array_equal(kept[0].numpy(), a.numpy().astype(np.int64) @ b.numpy().astype(np.int64))
+    assert extra < kept[0].numpy().nbytes / 4, f"{extra} bytes beside a result of {kept[0].numpy().nbytes}"

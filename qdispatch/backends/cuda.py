@@ -552,9 +552,11 @@ class CudaBackend(Backend):
                                  (stop - start,) + tuple(payload.shape[1:]), payload.dtype)
 
     def stack(self, payloads, shape):
-        out = _cuda.empty(shape, payloads[0].dtype, payloads[0].device)
-        offset = 0
+        """As the host backend's: allocated at the first item, each copied in as it comes."""
+        out = offset = None
         for p in payloads:
+            if out is None:
+                out, offset = _cuda.empty(shape, p.dtype, p.device), 0
             _cuda.copy_into(out, offset, p)
             offset += p.nbytes
         return out

@@ -127,7 +127,16 @@ class HostBackend(Backend):
         return payload[start:stop]
 
     def stack(self, payloads, shape):
-        return np.stack(payloads).reshape(shape)
+        """The arrays of iterable `payloads` as one new array of `shape`, each written
+        as it comes: the whole is allocated at the first, so a result too large for
+        memory fails then, not once every item is held."""
+        out = items = None
+        for i, p in enumerate(payloads):
+            if out is None:
+                out = np.empty(shape, p.dtype)
+                items = out.reshape((-1,) + p.shape)
+            items[i] = p
+        return out
 
     def add(self, payload, bias):
         with np.errstate(over="ignore"):  # past float32's range is inf, as every product's is
