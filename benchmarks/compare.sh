@@ -6,7 +6,7 @@
 # fails when any benchmark's best time is more than 25% slower (the best, not the
 # mean: on a shared machine the mean moves with the neighbours).
 #
-#   benchmarks/compare.sh           compare; extra pytest arguments pass through
+#   benchmarks/compare.sh           compare; extra pytest arguments pass through (-k narrows the cases)
 #   benchmarks/compare.sh --save    measure this tree and save it as the new baseline
 #
 # pytest-benchmark keeps runs per platform (benchmarks/baseline/Linux-CPython-3.11-64bit/);
@@ -19,7 +19,19 @@ set -euo pipefail
 cd "$(dirname "$0")"
 # --rootdir: the cases' full names are the baseline's (benchmarks/bench_cpu.py::...) wherever
 # this folder sits; pytest-benchmark pairs runs by them
-args=(. --rootdir=.. -p no:cacheprovider -k "not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup)"
+ours="not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup)"
+# a -k of the caller's narrows that filter (pytest keeps only the last -k, which would
+# bring the contenders back)
+extra=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        -k) ours="($ours) and ($2)"; shift 2 ;;
+        -k*) ours="($ours) and (${1#-k})"; shift ;;
+        *) extra+=("$1"); shift ;;
+    esac
+done
+set -- ${extra[@]+"${extra[@]}"}
+args=(. --rootdir=.. -p no:cacheprovider -k "$ours"
       --bench-shapes 1x1024x1024,16x1024x1024 --bench-threads 1 --bench-bandwidth-mb 256
       --bench-rotation-mb 1024 --benchmark-max-time=0.25)
 if [[ "${1:-}" == "--save" ]]; then
@@ -59,6 +71,12 @@ then, now = cpu(json.load(open(here[-1]))["machine_info"]["cpu"]), cpu(cpuinfo.g
 if then != now:
     sys.exit(f"compare.sh: the baseline was saved on another CPU ({then}; this one is {now}): its times say "
              f"nothing about this machine. Save your own with benchmarks/compare.sh --save, then compare.")
+import qdispatch as qd  # the cases' names don't carry the ISA: a forced one, or a build without one, would pass
+isa_then = json.load(open(here[-1]))["machine_info"].get("qdispatch", {}).get("isa")
+isa_now = qd.info()["backends"].get("cpu", {}).get("isa")
+if isa_then and isa_then != isa_now:
+    sys.exit(f"compare.sh: the baseline ran the cpu backend's {isa_then} kernels and this run would run "
+             f"{isa_now} (QDISPATCH_ISA, or a build without them): its times would compare other kernels")
 PY
 status=0
 python -m pytest "${args[@]}" --benchmark-compare --benchmark-compare-fail=min:25% --benchmark-json="$run" "$@" \

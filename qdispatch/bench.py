@@ -945,6 +945,11 @@ def _check_arguments(args):
         unknown = [v for v in given if v not in known]
         if unknown:
             raise SystemExit(f"unknown {name} {', '.join(unknown)}: choose from {', '.join(known)}")
+    for name in named if "all" not in args.contenders else ():  # one for no path given would not run
+        if not any(name in PATH_CONTENDERS[path] for path in args.paths):
+            timed = [path for path in PATHS if name in PATH_CONTENDERS[path]]
+            raise SystemExit(f"contender {name} times none of --paths {','.join(args.paths)}: it times "
+                             f"{', '.join(timed)}; add that to --paths")
     if not args.backend:  # the default list is empty where the cpu backend can't run
         raise SystemExit(f"no qdispatch host backend to time: the cpu backend can't run here "
                          f"({get_backend('cpu').unavailable_reason(0)}); fix that, or name "
@@ -1057,7 +1062,9 @@ def format_table(rows):
     lines = [head]
     for r in rows:
         ratio = r["ratio_numpy_f32"]
-        lines.append((r["shape"], r["path"], r["impl"], str(r["threads"]), f"{r['ms']:.3f}",
+        # numpy's one row of a shape is every path's base: named by its job, not the first path's name
+        path = job(r["path"]) if r["impl"] == "numpy_f32" else r["path"]
+        lines.append((r["shape"], path, r["impl"], str(r["threads"]), f"{r['ms']:.3f}",
                       f"{r['gops']:.1f}", f"{r['weight_gbs']:.1f}",
                       f"{ratio:.2f}" if ratio is not None else "-"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

@@ -612,3 +612,20 @@ def test_a_shape_too_large_for_memory_is_skipped_with_the_others_run(monkeypatch
                  "--repeat", "1", "--bandwidth-mb", "1", "--rotation-mb", "1"]) == 1
     out, err = capsys.readouterr()
     assert "nothing was measured: every case was skipped" in err and "GOP/s" not in out
+
+
+def test_a_contender_for_none_of_the_paths_is_refused():
+    """`--contenders fbgemm --paths fq_int8` ran no contender and printed "-" for its ratio."""
+    args = argparse.Namespace(contenders=["fbgemm"], paths=["fq_int8", "int4"], backend=["reference"], shapes=[],
+                              json=None, plot=None, bandwidth_mb=None)
+    with pytest.raises(SystemExit, match=r"^contender fbgemm times none of --paths fq_int8,int4: it times w8a8; "
+                                         r"add that to --paths$"):
+        bench._check_arguments(args)
+
+
+def test_numpys_row_is_named_by_its_job_in_the_table():
+    """The one numpy row of a shape is every path's base, but was named after the first path."""
+    rows = [{"shape": "2x64x64", "path": "qq_int8", "impl": impl, "threads": 1, "ms": 0.01, "gops": 1.0,
+             "weight_gbs": 1.0, "ratio_numpy_f32": 1.0} for impl in ("numpy_f32", "cpu")]
+    numpy_line, cpu_line = bench.format_table(rows).splitlines()[2:]
+    assert numpy_line.split()[1:3] == ["matmul", "numpy_f32"] and cpu_line.split()[1:3] == ["qq_int8", "cpu"]
