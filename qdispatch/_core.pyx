@@ -460,7 +460,9 @@ cdef class QTensor(TensorBase):
 
     @property
     def nbytes(self):
-        """Bytes the stored values and scales take (packed 4- and 2-bit values as stored)."""
+        """Bytes the stored values and scales take (packed 4- and 2-bit values as stored);
+        a backend's own layouts come beside them (the cpu backend's kernel panels, about
+        as many bytes again)."""
         from . import tensor_api
         return tensor_api.qtensor_nbytes(self)
 

@@ -559,7 +559,8 @@ _NOT_RECORDED = ("torch.export, torch.jit.trace, torch.jit.script, torch.fx (mak
                  "qdispatch's q_matmul (QLinear) or lookups (QEmbedding), nor run them on fake tensors: their "
                  "kernels run outside torch, where a graph can't follow them (a trace would hold this call's "
                  "output as a constant). Run the model "
-                 "eagerly, or with torch.compile, which runs each qdispatch call between graph breaks")
+                 "eagerly, or with torch.compile, which compiles the layers on host tensors as ops of its graph and "
+                 "runs other qdispatch calls between graph breaks")
 _torch_is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
 
 
