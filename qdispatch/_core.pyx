@@ -460,9 +460,9 @@ cdef class QTensor(TensorBase):
 
     @property
     def nbytes(self):
-        """Bytes the stored values and scales take (packed 4- and 2-bit values as stored);
-        a backend's own layouts come beside them (the cpu backend's kernel panels, about
-        as many bytes again)."""
+        """Bytes the stored values and scales take (packed 4- and 2-bit values as stored).
+        A backend may hold them in a layout of its own instead (the cpu backend's kernel
+        panels, the cuda backend's decode tiles), of about as many bytes."""
         from . import tensor_api
         return tensor_api.qtensor_nbytes(self)
 

@@ -769,7 +769,8 @@ def _stored_weight(w, on_meta=False):
         values, scales = (torch.empty(shape, dtype=dtype, device="meta")
                           for shape, dtype in zip(stored_shapes(scheme, w.layout), _stored_dtypes(scheme)))
     else:
-        held = (w.storage.values, w.storage.scales) if isinstance(w.storage, HostQStorage) else ()
+        held = () if not isinstance(w.storage, HostQStorage) else \
+            (w.storage.scales,) + ((w.storage.values,) if w.storage.holds_values else ())  # not read back for this
         values, scales = (_to_torch_stored(part, held)
                           for part in encode_qtensor("weight", w, op="put in a state_dict"))
     return {"format": _STATE_FORMAT, "qvalues": values, "qscales": scales,

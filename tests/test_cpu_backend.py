@@ -830,3 +830,30 @@ def test_fq_terms_past_float32s_range_of_both_signs_give_no_finite_sum(isa):
         out = qd.linear(x, wq).numpy()
         assert not np.isfinite(out).any(), (isa, k)
         w[:, k] = 0.0
+
+
+@pytest.mark.parametrize("scheme", [qd.QuantScheme("q8s", axis=0),
+                                    qd.QuantScheme("q4s", block=(1, 32), store="packed_u32", scale_dtype="f16")],
+                         ids=repr)
+def test_a_weight_takes_its_size_once(rng, scheme, tmp_path):
+    """The stored values stayed beside the kernel panels that hold the same values, so a
+    weight on cpu took about twice its nbytes; the store is now read back from them."""
+    import tracemalloc
+    x = rng.standard_normal((512, 1024)).astype(np.float32)
+    tracemalloc.start()  # numpy's arrays are traced, the C library's panels are not
+    try:
+        w = qd.quantize(x, scheme, device="cpu")
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    values_bytes = w.nbytes - w.scales.size * np.dtype(np.float16 if scheme.scale_dtype == "f16" else np.float32).itemsize
+    assert held < values_bytes / 2, f"{held} bytes held beside {values_bytes} bytes of values"
+    ref = qd.quantize(x, scheme, device="reference")
+    np.testing.assert_array_equal(w.values, ref.values)  # read back, every time it is asked for
+    np.testing.assert_array_equal(w.dequantize().numpy(), ref.dequantize().numpy())
+    np.testing.assert_array_equal(w.to("reference").values, ref.values)
+    np.testing.assert_array_equal(qd.embedding(np.array([0, 511, 7]), w).numpy(), ref.dequantize().numpy()[[0, 511, 7]])
+    a = rng.standard_normal((3, 512)).astype(np.float32)
+    np.testing.assert_allclose(qd.q_matmul(a, w).numpy(), qd.q_matmul(a, ref).numpy(), rtol=1e-5, atol=1e-4)
+    qd.save(tmp_path / "w.safetensors", {"w": w})
+    np.testing.assert_array_equal(qd.load(tmp_path / "w.safetensors", device="reference")["w"].values, ref.values)

@@ -1,8 +1,9 @@
 """The cpu backend: the C SIMD kernels of `qdispatch._cpu`, threaded, GIL released.
 
 Weights are packed into the kernels' panel layout once, when a QTensor is
-created on or moved to cpu; a weight used in the other orientation is packed
-on first use and kept."""
+created on or moved to cpu, and their store is then read back from the panels
+where it is asked for (a weight takes its size once); a weight used in the other
+orientation is packed on first use and kept."""
 import math
 import os
 import re
@@ -47,6 +48,20 @@ _CONVERSIONS = {} if _cpu is None else {
     ("float16", "float32"): _cpu.f16_to_f32, ("bfloat16", "float32"): _cpu.bf16_to_f32}
 _C_CAST_FROM = 1024
 _PANEL_ROWS = 16  # output channels a panel holds (QD_NR)
+
+
+class _StoreFromPanels:
+    """Rebuilds a 2-D weight's store from its [N, K] panels: int8 values, packed into
+    words for a `packed_u32` store (`bits`; 0 for native).  It holds the panels only,
+    never the storage (no reference cycle)."""
+    __slots__ = ("panels", "bits")
+
+    def __init__(self, panels, bits):
+        self.panels, self.bits = panels, bits
+
+    def __call__(self):
+        values, _ = self.panels.unpack()
+        return packing.pack_u32(values, self.bits) if self.bits else values
 
 
 def _thread_count_setting(text):
@@ -162,7 +177,11 @@ class CpuBackend(HostBackend):
             # often: as [N, K] panels it would carry a scale per value (80 MiB for a 4096^2
             # weight of 16 MiB, and 40 ms), for the other orientation than its product
             # reads.  Such weights pack at their first product, as that product reads them.
-            self._panels(storage, layout, transposed_pack=False, values=values)
+            panels = self._panels(storage, layout, transposed_pack=False, values=values)
+            # The panels hold every value: the store goes, and is read back from them
+            # where it is asked for (a save, a move, .values), so that a weight takes its
+            # size once in memory, not twice.
+            storage.release_values(_StoreFromPanels(panels, layout.bits if layout.scheme.store == "packed_u32" else 0))
         return storage
 
     def quantize_activation(self, payload, layout, index):
@@ -220,24 +239,31 @@ class CpuBackend(HostBackend):
         return convert(payload).reshape(payload.shape)  # the C call's array is flat for a 0-d payload
 
     # ---- dequantize ----
-    def _store_as_rows(self, storage, layout):
+    def _store_as_rows(self, storage, layout, keep=True):
         """(values, bits, rows, cols, scales, block_rows, block_cols): the store seen as
         the 2-D matrix C dequantizes, or None where it can't be (no values, or an N-d
-        blocking that is no 2-D one).  Kept with the store: a lookup of one row costs
-        little more than finding them."""
+        blocking that is no 2-D one).  Kept with the store (`keep`): a lookup of one row
+        costs little more than finding them.  A store released to its panels is read
+        back, and kept only for lookups (a table looked up takes its size again)."""
         store = storage.cache.get("as rows", False)
         if store is not False:
             return store
+        if not keep and not storage.holds_values:
+            return self._flat_store(storage, layout)
+        return storage.cache.setdefault("as rows", self._flat_store(storage, layout))
+
+    @staticmethod
+    def _flat_store(storage, layout):
         flat = as_2d_block(layout.shape, layout.block) if layout.shape and math.prod(layout.shape) else None
         if flat is not None:
             rows, cols, br, bc = flat
             values = storage.values
             flat = (values.reshape(rows, values.shape[-1]), layout.bits if layout.scheme.store == "packed_u32" else 0,
                     rows, cols, storage.scales.reshape(rows // br, cols // bc), br, bc)
-        return storage.cache.setdefault("as rows", flat)
+        return flat
 
     def dequantize(self, q, dtype="float32"):
-        store = self._store_as_rows(q.storage, q.layout)
+        store = self._store_as_rows(q.storage, q.layout, keep=False)
         if store is None:
             return super().dequantize(q, dtype)
         out = _cpu.dequantize_rows(*store, dtype=dtype).reshape(q.layout.shape)

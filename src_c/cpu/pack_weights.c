@@ -242,10 +242,26 @@ qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *s
     if (w_out && scales_out && qd_overlap(w_out, (size_t)(pw->n * pw->k), scales_out, scale_bytes))
         return QD_ERR_ARGUMENT;
     if (w_out) {
+        /* Unit by unit (qd_panel_byte_index's layout): column n's four bytes of a unit
+         * hold 8 / bits fields each, field f the values at k = f * 4 + j of the unit.
+         * The python package reads a weight's values back this way wherever they are
+         * asked for, so this loop matters: one qd_panel_get a value took 6x as long. */
+        const int bits = pw->bits, ku = QD_KU(bits), bias = 1 << (bits - 1);
+        const unsigned mask = (1u << bits) - 1;
         for (int64_t col = 0; col < pw->n; col++) {
-            const uint8_t *panel = pw->panels + (col / QD_NR) * pw->panel_bytes;
-            for (int64_t k = 0; k < pw->k; k++)
-                w_out[col * pw->k + k] = (int8_t)qd_panel_get(panel, pw->bits, k, (int)(col % QD_NR));
+            const uint8_t *bytes = pw->panels + (col / QD_NR) * pw->panel_bytes + (col % QD_NR) * 4;
+            int8_t *row = w_out + col * pw->k;
+            for (int64_t k0 = 0; k0 < pw->k; k0 += ku, bytes += QD_UNIT_BYTES) {
+                const int in_unit = pw->k - k0 < ku ? (int)(pw->k - k0) : ku;
+                if (bits == 8) {  /* the four bytes are the values */
+                    memcpy(row + k0, bytes, (size_t)in_unit);
+                    continue;
+                }
+                for (int i = 0; i < in_unit; i++) {
+                    const int f = i / 4, j = i % 4;
+                    row[k0 + i] = (int8_t)((int)((bytes[j] >> (f * bits)) & mask) - bias);
+                }
+            }
         }
     }
     if (scales_out)
