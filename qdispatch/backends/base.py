@@ -6,6 +6,33 @@ only moves data and runs kernels.  Payloads (dense data) and storages
 (quantized data) are the backend's own objects."""
 
 
+class QStorage:
+    """Values in the scheme's store plus a float32 scale grid; `cache` holds what a
+    backend derives from them.  Where a derived form holds every value (the cpu
+    backend's kernel panels, the cuda backend's decode tiles), the store may be
+    released to it: `read_back()` then rebuilds it for each use, so that a weight
+    takes its size once."""
+    __slots__ = ("_values", "_read_back", "scales", "cache")
+
+    def __init__(self, values, scales):
+        self._values, self._read_back = values, None
+        self.scales = scales
+        self.cache = {}
+
+    @property
+    def values(self):
+        return self._values if self._values is not None else self._read_back()
+
+    @property
+    def holds_values(self):
+        """Whether the store is in memory (False once released)."""
+        return self._values is not None
+
+    def release_values(self, read_back):
+        """Drop the store; `read_back()` gives it again, from memory that holds every value."""
+        self._values, self._read_back = None, read_back
+
+
 class Backend:
     kind: int          # a qdispatch._core.BackendKind value
     name: str          # 'reference', 'cpu', 'cuda'

@@ -21,7 +21,7 @@ from .. import quantmath
 from .._core import BackendKind, Tensor, register_backend
 from ..errors import ArgumentError, DLPackExportError, KernelError, NonFiniteError, ScaleOverflowError
 from ..layout import as_2d_block
-from .base import Backend
+from .base import Backend, QStorage
 
 try:
     from .. import _cuda
@@ -116,29 +116,17 @@ class _StoreFromTiles:
         return _in_store(_cuda.transpose2(q) if self.flip else q, self.layout)
 
 
-class CudaQStorage:
-    """Values in the scheme's store and the float32 scale grid, on one GPU.
+class CudaQStorage(QStorage):
+    """A QStorage on one GPU, released to its decode tiles.
 
     `owns`: the values are this storage's own memory, not a view into another's
     (only then does releasing them free anything)."""
-    __slots__ = ("_values", "_read_back", "scales", "cache", "owns", "_kept")
+    __slots__ = ("owns", "_kept")
 
     def __init__(self, values, scales, owns=True):
-        self._values, self._read_back = values, None
-        self.scales = scales
-        self.cache = {}
+        super().__init__(values, scales)
         self.owns = owns
         self._kept = False
-
-    @property
-    def values(self):
-        # read back for each use, so the weight keeps its size once
-        return self._values if self._values is not None else self._read_back()
-
-    @property
-    def holds_values(self):
-        """Whether the store is in memory (False once released to decode tiles)."""
-        return self._values is not None
 
     def tiled_rows(self, transposed):
         """The `_StoreFromTiles` whose tiles hold this store's rows (the logical rows
@@ -154,7 +142,7 @@ class CudaQStorage:
     def release_values(self, read_back):
         """Frees the store when `read_back()` can rebuild it (from tiles that hold it)."""
         if self.owns and not self._kept and self._values is not None:
-            self._values, self._read_back = None, read_back
+            super().release_values(read_back)
 
 
 def _batch_invariant_setting(value):

@@ -5,37 +5,17 @@ import numpy as np
 from .. import quantmath
 from .._core import dlpack_as_bfloat16
 from ..errors import ArgumentError, ArgumentTypeError, DLPackExportError
-from .base import Backend
+from .base import Backend, QStorage
 
 # numpy 2.1 reads and writes DLPack 1.0: versioned capsules, and __dlpack__'s max_version,
 # dl_device and copy; numpy before it takes stream alone
 NUMPY_DLPACK_1 = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 
 
-class HostQStorage:
-    """Values in the scheme's store plus a float32 scale grid.  `cache` holds
-    backend-specific derived forms (the cpu backend's weight panels).  A backend
-    whose derived form holds every value may release the store to it (`read_back`
-    then rebuilds the store for each use), so that a weight takes its size once."""
-    __slots__ = ("_values", "_read_back", "scales", "cache")
-
-    def __init__(self, values, scales):
-        self._values, self._read_back = values, None
-        self.scales = scales
-        self.cache = {}
-
-    @property
-    def values(self):
-        return self._values if self._values is not None else self._read_back()
-
-    @property
-    def holds_values(self):
-        """Whether the store is in memory (False once released)."""
-        return self._values is not None
-
-    def release_values(self, read_back):
-        """Drop the store; `read_back()` gives it again, from memory that holds every value."""
-        self._values, self._read_back = None, read_back
+class HostQStorage(QStorage):
+    """A QStorage of numpy arrays (the cpu backend releases a weight's store to its
+    kernel panels)."""
+    __slots__ = ()
 
 
 class HostBackend(Backend):
