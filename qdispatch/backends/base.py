@@ -28,6 +28,11 @@ class QStorage:
         """Whether the store is in memory (False once released)."""
         return self._values is not None
 
+    @property
+    def released_to(self):
+        """The `read_back` the store was released to, or None while it is in memory."""
+        return self._read_back if self._values is None else None
+
     def release_values(self, read_back):
         """Drop the store; `read_back()` gives it again, from memory that holds every value."""
         self._values, self._read_back = None, read_back

@@ -60,8 +60,12 @@ class _StoreFromPanels:
         self.panels, self.bits = panels, bits
 
     def __call__(self):
-        values, _ = self.panels.unpack()
+        values = self.int8()
         return packing.pack_u32(values, self.bits) if self.bits else values
+
+    def int8(self):
+        """The values as int8, whatever the store."""
+        return self.panels.unpack()[0]
 
 
 def _thread_count_setting(text):
@@ -183,6 +187,12 @@ class CpuBackend(HostBackend):
             # size once in memory, not twice.
             storage.release_values(_StoreFromPanels(panels, layout.bits if layout.scheme.store == "packed_u32" else 0))
         return storage
+
+    def qstorage_to_host(self, storage, layout):
+        source = storage.released_to
+        if isinstance(source, _StoreFromPanels):  # int8 from the panels, not packed into words to unpack again
+            return source.int8(), storage.scales
+        return super().qstorage_to_host(storage, layout)
 
     def quantize_activation(self, payload, layout, index):
         return self.quantize(payload, layout, index, weight=False)

@@ -132,7 +132,7 @@ class CudaQStorage(QStorage):
         """The `_StoreFromTiles` whose tiles hold this store's rows (the logical rows
         of a QTensor with flag `transposed`) as tile rows, or None while the store
         is in memory."""
-        read_back = self._read_back if self._values is None else None
+        read_back = self.released_to
         return read_back if read_back is not None and read_back.flip == transposed else None
 
     def keep_values(self):
