@@ -352,7 +352,8 @@ def test_weights_are_packed_once_when_created(rng):
     panels = dict(wq.storage.cache)
     assert panels, "panels are packed at quantize time"
     qd.q_matmul(rng.standard_normal((2, 128)).astype(np.float32), wq.T)
-    assert wq.storage.cache == panels
+    assert all(wq.storage.cache.get(key) is kept for key, kept in panels.items())  # the same panels, not packed again
+    assert [key for key in wq.storage.cache if key[0] == "panels"] == [("panels", False)]
     moved = wq.to("reference").to("cpu")
     assert moved.storage.cache
 
@@ -857,3 +858,29 @@ def test_a_weight_takes_its_size_once(rng, scheme, tmp_path):
     np.testing.assert_allclose(qd.q_matmul(a, w).numpy(), qd.q_matmul(a, ref).numpy(), rtol=1e-5, atol=1e-4)
     qd.save(tmp_path / "w.safetensors", {"w": w})
     np.testing.assert_array_equal(qd.load(tmp_path / "w.safetensors", device="reference")["w"].values, ref.values)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the process's memory from Linux's /proc")
+def test_a_table_looked_up_takes_its_size_once():
+    """A table is quantized as a weight, into kernel panels; its first lookup read its
+    values back and kept them beside the panels, which only a product reads.  Now the
+    panels go at a lookup that comes before any product (and come back for one)."""
+    code = """if 1:
+        import numpy as np, qdispatch as qd
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
+        table = np.random.default_rng(0).standard_normal((4096, 4096)).astype(np.float32)
+        ref = qd.quantize(table, qd.QuantScheme("q8s", axis=0), device="reference")
+        ids = np.array([3, 4095, 0, 3])
+        before = rss()
+        w = qd.quantize(table, qd.QuantScheme("q8s", axis=0), device="cpu")
+        assert np.array_equal(qd.embedding(ids, w).numpy(), ref.dequantize().numpy()[ids])
+        print((rss() - before) / w.nbytes)
+        x = np.ones((2, 4096), np.float32)
+        assert np.array_equal(qd.q_matmul(x, w.T).numpy(), qd.q_matmul(x, w.T.to("cpu")).numpy())
+        assert np.allclose(qd.q_matmul(x, w.T).numpy(), qd.q_matmul(x, ref.T).numpy(), rtol=1e-5, atol=1e-2)
+        assert np.array_equal(qd.embedding(ids, w).numpy(), ref.dequantize().numpy()[ids])
+    """
+    out = run_python("-c", code, MALLOC_MMAP_THRESHOLD_="131072")  # freed panels go back to the system at once
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 1.5, f"the table took {float(out.stdout):.2f}x its nbytes after a lookup"

@@ -37,6 +37,11 @@ class QStorage:
         """Drop the store; `read_back()` gives it again, from memory that holds every value."""
         self._values, self._read_back = None, read_back
 
+    def restore_values(self, values):
+        """Hold the store again (`values`, as read back), for a backend that lets go of
+        the derived form instead."""
+        self._values, self._read_back = values, None
+
 
 class Backend:
     kind: int          # a qdispatch._core.BackendKind value

@@ -234,7 +234,9 @@ class CpuBackend(HostBackend):
 
     def weight_panels(self, w):
         """Panels of a logical [K, N] QTensor as [N, K] rows (K contiguous)."""
-        return self._panels(w.storage, w.layout, transposed_pack=not w.transposed)
+        panels = self._panels(w.storage, w.layout, transposed_pack=not w.transposed)
+        w.storage.cache["panels served"] = True  # a product reads them: a lookup keeps them (see above)
+        return panels
 
     # ---- dense helpers ----
     def cast(self, payload, src, dst):
@@ -254,13 +256,27 @@ class CpuBackend(HostBackend):
         the 2-D matrix C dequantizes, or None where it can't be (no values, or an N-d
         blocking that is no 2-D one).  Kept with the store (`keep`): a lookup of one row
         costs little more than finding them.  A store released to its panels is read
-        back, and kept only for lookups (a table looked up takes its size again)."""
+        back: for a lookup it is held again (see _store_back_from_panels), for a
+        dequantize not."""
         store = storage.cache.get("as rows", False)
         if store is not False:
             return store
-        if not keep and not storage.holds_values:
-            return self._flat_store(storage, layout)
+        if not storage.holds_values:
+            if not keep:
+                return self._flat_store(storage, layout)
+            self._store_back_from_panels(storage)
         return storage.cache.setdefault("as rows", self._flat_store(storage, layout))
+
+    @staticmethod
+    def _store_back_from_panels(storage):
+        """A table looked up before any product read its panels (an embedding table, most
+        likely never multiplied): its store comes back and the panels go, so that it
+        takes its size once; a product then packs them again, and both stay."""
+        with _packing_lock(storage):  # no product packs or reads them meanwhile
+            if storage.holds_values or "panels served" in storage.cache:
+                return
+            storage.restore_values(storage.values)
+            storage.cache.pop(("panels", False), None)
 
     @staticmethod
     def _flat_store(storage, layout):
