@@ -1660,18 +1660,23 @@ def _carry_hooks(layer, module):
         module._is_full_backward_hook = layer._is_full_backward_hook
 
 
-def _named_or_under(name, names):
-    """Whether layer `name`, or a module it sits in ("blocks.0" for "blocks.0.mlp.up"), is
-    among `names`."""
+def _name_and_holders(name):
+    """Module name `name` and those of the modules it sits in: "blocks.0.mlp" gives
+    "blocks", "blocks.0" and "blocks.0.mlp"."""
     parts = name.split(".")
-    return any(".".join(parts[:i]) in names for i in range(1, len(parts) + 1))
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _named_or_under(name, names):
+    """Whether layer `name`, or a module it sits in, is among `names`."""
+    return any(n in names for n in _name_and_holders(name))
 
 
 def _refuse_unknown_names(names, layer_names, kind):
     """ArgumentError for skip names that are neither a `kind` layer's nor a module's
     holding one (the model itself is named ""): a misspelt name would quantize the
     layer it meant to keep."""
-    holders = {".".join(name.split(".")[:i]) for name in layer_names for i in range(1, name.count(".") + 1)}
+    holders = {holder for name in layer_names for holder in _name_and_holders(name)[:-1]}
     unknown = [] if names is None else sorted(names - layer_names - holders, key=str)
     if unknown:
         raise ArgumentError(f"skip names {unknown} that are not nn.{kind.__name__} layers of the model, nor modules "
