@@ -29,7 +29,6 @@ _ALIGNMENT_KEY = b"general.alignment"
 _DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4   # ggml's GGML_MAX_DIMS: its loader refuses a whole file with a tensor of more
 MAX_NAME = 63  # UTF-8 bytes: ggml's GGML_MAX_NAME (64) holds a name and its NUL, or refuses the file
-_NOT_GGML = "corrupted, or not a GGUF file ggml could write"
 
 
 class TensorInfo(NamedTuple):
@@ -54,6 +53,12 @@ class _Cursor:
 
     def fail(self, what):
         raise SerializationError(f"{self.path} is not a readable GGUF file (truncated or corrupted?): {what}")
+
+    def refuse(self, what):
+        # whole files ggml can't load: a writer that doesn't check them (the gguf
+        # package's writes long names) made them, or damage did
+        raise SerializationError(f"{self.path} is a GGUF file that ggml refuses to load, and so does qdispatch: "
+                                 f"{what} (written by a tool that doesn't check it, or damaged)")
 
     def skip(self, n, what):
         if n > len(self.data) - self.at:
@@ -126,11 +131,11 @@ def _read(path, data, type_sizes):
     for _ in range(n_kv):
         key, kind = cursor.string("a key"), cursor.number("I", "a value type")
         if key in keys:  # ggml refuses it; which of the two would count (general.alignment's, say)?
-            cursor.fail(f"the key {key.decode('utf-8', 'replace')!r} appears twice: {_NOT_GGML}")
+            cursor.refuse(f"the key {key.decode('utf-8', 'replace')!r} appears twice")
         keys.add(key)
         if key == _ALIGNMENT_KEY:
             if kind != _UINT32:  # llama.cpp refuses it; skipping it would read the data at the wrong alignment
-                cursor.fail(f"general.alignment has value type {kind}, not uint32 ({_UINT32}): {_NOT_GGML}")
+                cursor.refuse(f"general.alignment has value type {kind}, not uint32 ({_UINT32})")
             alignment = cursor.number("I", "the alignment")
             if alignment == 0 or alignment & (alignment - 1):
                 cursor.fail(f"general.alignment is {alignment}, not a power of two")
@@ -142,16 +147,16 @@ def _read(path, data, type_sizes):
     for _ in range(n_tensors):
         raw_name = cursor.string("a tensor name")
         if b"\0" in raw_name:  # ggml's names end at a NUL: two such names could be one
-            cursor.fail(f"the tensor name {raw_name[:64]!r} holds a NUL byte: {_NOT_GGML}")
+            cursor.refuse(f"the tensor name {raw_name[:64]!r} holds a NUL byte")
         if len(raw_name) > MAX_NAME:
-            cursor.fail(f"the tensor name {raw_name[:32]!r}... is {len(raw_name)} bytes long, more than ggml's "
-                        f"{MAX_NAME}: {_NOT_GGML}")
+            cursor.refuse(f"the tensor name {raw_name[:32]!r}... is {len(raw_name)} bytes long, more than ggml's "
+                          f"{MAX_NAME}")
         n_dims = cursor.number("I", "a dim count")
         if n_dims * 8 > len(data) - cursor.at:
             cursor.fail(f"a tensor claims {n_dims} dims")
         if n_dims > MAX_DIMS:
-            cursor.fail(f"tensor {raw_name.decode('utf-8', 'replace')!r} has {n_dims} dims, more than ggml's "
-                        f"{MAX_DIMS}: {_NOT_GGML}")
+            cursor.refuse(f"tensor {raw_name.decode('utf-8', 'replace')!r} has {n_dims} dims, more than ggml's "
+                          f"{MAX_DIMS}")
         dims = tuple(cursor.number("Q", "a dim") for _ in range(n_dims))
         entries.append((raw_name, dims, cursor.number("I", "a tensor type"), cursor.number("Q", "an offset")))
     data_start = -(-cursor.at // alignment) * alignment
