@@ -23,15 +23,13 @@ def main(argv=None):
     commands["config"].add_argument("--cflags", action="store_true", help="the flags that find qdispatch.h")
     commands["config"].add_argument("--libs", action="store_true", help="the flags that link libqdispatch")
     commands["config"].add_argument("--static", action="store_true",
-                                    help="with --libs (or alone): link libqdispatch.a instead of the .so")
+                                    help="link libqdispatch.a instead of the .so (the --cflags are the same)")
     cli.add_bench_arguments(commands["bench"])
     # an unknown option is the subcommand's to refuse, with its own usage
     args, unknown = parser.parse_known_args(argv)
     command = args.command or "demo"
     if unknown:
         (commands[command] if args.command else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    if command == "config" and args.static and args.cflags and not args.libs:
-        commands["config"].error("--static picks the libraries: give it with --libs, or alone")
     return getattr(cli, command)(args) or 0
 
 

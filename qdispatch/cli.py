@@ -1,5 +1,6 @@
 """The commands behind `qdispatch` (and `python -m qdispatch`)."""
 import json
+import re
 import time
 
 import numpy as np
@@ -85,20 +86,28 @@ def demo(args=None):
         print(f"  with transfer='auto' the result is on {str(out.device)!r}")
 
 
+def _escaped(path):
+    """A path as pkg-config writes one: a backslash before each character a shell or
+    make would split or expand at (a space, a quote, `$`), so a folder such as
+    "My Projects" stays one word in a makefile's command or after `eval`."""
+    return re.sub(r"([^\w@%+=:,./-])", r"\\\1", str(path))
+
+
 def config(args):
     if not (args.cflags or args.libs):
         args.cflags = args.libs = True
     parts = []
-    if args.cflags:
-        parts.append(f"-I{qd.get_include()}")
+    if args.cflags:  # the same with --static: the header is one
+        parts.append(f"-I{_escaped(qd.get_include())}")
     if args.libs:
-        lib = qd.get_library_dir()
+        lib = _escaped(qd.get_library_dir())
         if args.static:  # the OpenMP runtime, when the kernels were built with it
             openmp = "" if build_config().get("openmp_left_out") else " -fopenmp"
             parts.append(f"{lib}/libqdispatch.a{openmp} -lm")
             cuda = build_config().get("cuda")
             if cuda:  # the CUDA kernels' runtime, from the toolkit they were built with
-                parts.append(" ".join([f"-L{cuda['library_dir']}"] + [f"-l{name}" for name in cuda["libraries"]]))
+                parts.append(" ".join([f"-L{_escaped(cuda['library_dir'])}"]
+                                      + [f"-l{name}" for name in cuda["libraries"]]))
         else:
             parts.append(f"-L{lib} -Wl,-rpath,{lib} -lqdispatch")
     print(" ".join(parts))

@@ -76,6 +76,21 @@ def test_c_example_makefile(c_compiler, shell_env, tmp_path):
     assert out.count("all checks passed") == 2
 
 
+@needs_examples
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_c_example_makefile_from_a_folder_with_spaces(c_compiler, shell_env, tmp_path):
+    """A package installed under "My Projects" (a virtual environment in a user's
+    folder): `config` gave its paths unescaped, and make's compile split them."""
+    import qdispatch
+    home = tmp_path / "My Projects"
+    shutil.copytree(os.path.dirname(os.path.abspath(qdispatch.__file__)), home / "qdispatch",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(EXAMPLES, tmp_path / "c")
+    out = run_shell("make check", tmp_path / "c", dict(shell_env, PYTHONPATH=str(home)))
+    assert out.count("all checks passed") == 2
+    assert f"-I{home}/qdispatch/include".replace(" ", "\\ ") in out  # make echoes the escaped flags
+
+
 def test_config_points_at_the_installed_files():
     assert os.path.isfile(os.path.join(qd.get_include(), "qdispatch.h"))
     for name in ("libqdispatch.so", "libqdispatch.a"):

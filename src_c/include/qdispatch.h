@@ -6,6 +6,10 @@
  * ptrdiff_t) and for an output array that overlaps an input or another output
  * (only qd_cuda_add_bias_f32 may write over its x, exactly).  All arrays are row-major and C-contiguous.  The only global state is the ISA
  * choice, the thread count and the CUDA decode's batch invariance.
+ * Entry points may run on several threads at once where no call writes an array that
+ * another reads or writes, and qd_isa_set, qd_isa_reset and qd_set_num_threads may be
+ * called meanwhile (a call under way finishes on either setting).  An output that
+ * overlaps memory the library allocated (packed weights) is not looked for.
  * Typed pointers must be aligned to their type, as C requires of them (a float * to
  * 4 bytes): the CPU entry points check alignment only for their void * arguments, and
  * the CUDA ones say what more they need.
@@ -79,7 +83,8 @@ typedef enum qd_isa {
 
 /* "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod", "amx"; "?" if out of range. */
 const char *qd_isa_name(qd_isa isa);
-/* Parses a name as returned by qd_isa_name (case-insensitive). */
+/* Parses a name as returned by qd_isa_name (case-insensitive); any other name is
+ * QD_ERR_ARGUMENT. */
 qd_status qd_isa_from_name(const char *name, qd_isa *out);
 /* 1 if the ISA's kernels are compiled into this library. */
 int qd_isa_built(qd_isa isa);
@@ -124,7 +129,10 @@ typedef enum qd_scale_dtype { QD_SCALE_F32 = 0, QD_SCALE_F16 = 1, QD_SCALE_BF16 
  *   that changed it gets divisions and rint in its mode.
  * scales: [rows/block_rows, cols/block_cols] float32 (the stored values).
  * bad_index (optional): on QD_ERR_NOT_FINITE, the flat index of the first
- * NaN/Inf; on QD_ERR_SCALE_OVERFLOW, the flat index of the offending scale. */
+ * NaN/Inf; on QD_ERR_SCALE_OVERFLOW, the flat index of the offending scale.
+ * A float16 scale below 2^-20 has few steps left (one below 2^-24 becomes 2^-24, and
+ * its block's values may all round to 0): that is QD_OK, and the scales returned show
+ * it (the Python package warns there). */
 qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
                           int64_t block_rows, int64_t block_cols, int scale_dtype,
                           float *scales, int8_t *q, int64_t *bad_index);
@@ -138,8 +146,8 @@ typedef enum qd_float_dtype { QD_FLOAT32 = 0, QD_FLOAT16 = 1, QD_BFLOAT16 = 2 } 
  * dequantizing the other rows.  values: int8 [rows, cols] when bits == 0, else the
  * packed_u32 store of `bits`-bit values (2, 4 or 8): 32/bits values a uint32, lowest
  * bits first, each row a whole number of words.  scales: [rows/block_rows,
- * cols/block_cols] float32.  ids NULL: every row in turn (n must be rows), the whole
- * matrix.  An id outside [0, rows) is QD_ERR_ARGUMENT, before anything is written, and
+ * cols/block_cols] float32.  ids NULL: every row in turn (n must be rows, else
+ * QD_ERR_SHAPE), the whole matrix.  An id outside [0, rows) is QD_ERR_ARGUMENT, before anything is written, and
  * so are packed values not aligned to 4 bytes and an out not aligned to its dtype's
  * size.  n = 0 with ids given writes nothing (out may be NULL). */
 qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
@@ -273,7 +281,8 @@ qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t
  * (int64, in device memory), without dequantizing the other rows; out [n, cols] of
  * out_dtype (QD_CUDA_F32, F16 or BF16: the float32 product rounded to nearest even).
  * An id outside [0, rows) gives a row of NaN in out: check ids that come from outside.
- * ids NULL: every row in turn (n must be rows), the whole matrix in out_dtype. */
+ * ids NULL: every row in turn (n must be rows, else QD_ERR_SHAPE), the whole matrix in
+ * out_dtype. */
 qd_status qd_cuda_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                   const float *scales, int64_t block_rows, int64_t block_cols,
                                   const int64_t *ids, int64_t n, void *out, int out_dtype,
@@ -381,7 +390,8 @@ qd_status qd_cuda_fq_values(const void *x, int x_dtype, int64_t M, int64_t ldx, 
                             int64_t K, int64_t ldw, const float *scales, int64_t block_n, int64_t block_k,
                             void *out, int out_dtype, void *stream);
 /* 1 if qd_cuda_fq_matmul takes this weight blocking (bits 8, 4 or 2; block_k a
- * multiple of 16, or one block along K); qd_cuda_fq_values takes every other. */
+ * multiple of 16, or one block along K); qd_cuda_fq_values takes every other.  A
+ * library built without CUDA returns 0. */
 int qd_cuda_fq_supported(int bits, int64_t K, int64_t block_k);
 /* 1 if, on the current device, qd_cuda_fq_matmul runs more than 40 rows of 16-bit x
  * in one launch that streams the weights once per 64 rows (an H100/H200 and a build
