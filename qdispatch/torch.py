@@ -9,7 +9,7 @@
   in_features] and an optional float bias; `QLinear.from_linear(linear, scheme)`
   quantizes an existing `nn.Linear`.
 - `quantize_linears(model, scheme, skip=...)`: every `nn.Linear` of a model
-  replaced by a `QLinear`, in place.
+  replaced by a `QLinear`, in place (transformers' Conv1D by a `QConv1D`).
 - `QEmbedding` / `quantize_embeddings(model, scheme)`: the same for `nn.Embedding`
   tables, whose lookups dequantize only the rows asked for.
 - `save_model(model, path)` / `load_model(model, path)`: a model with QLinears
@@ -63,7 +63,7 @@ from .errors import (NOT_IN_CUDA_GRAPHS, ArgumentError, ArgumentTypeError, Backe
 from .ops import activation_scheme_for, fused_w8a8, on_the_fly_error
 from .scheme import QuantScheme, as_scheme
 
-__all__ = ["q_matmul", "QLinear", "QMatmul", "quantize_linears", "QEmbedding", "quantize_embeddings",
+__all__ = ["q_matmul", "QLinear", "QConv1D", "QMatmul", "quantize_linears", "QEmbedding", "quantize_embeddings",
            "save_model", "load_model",
            "from_torch", "to_torch"]
 
@@ -983,7 +983,7 @@ class _QuantizedModule(torch.nn.Module):
         if not isinstance(weight, QTensor):
             sized = ""
             if isinstance(weight, int):  # sizes, as torch's layers take them
-                float_kind = f"nn.{self._float_kind.__name__}"
+                float_kind = self._float_name()
                 sized = (f"; for an empty layer of given sizes, to load a checkpoint into, quantize an {float_kind} "
                          f"built on torch's meta device ({float_kind}(..., device='meta'))")
             raise ArgumentTypeError(f"{name} needs a QTensor weight, got {type(weight).__name__}: use {made_by}{sized}")
@@ -994,12 +994,35 @@ class _QuantizedModule(torch.nn.Module):
 
     _float_kind = _made_by = None  # the float layer this class replaces, and the classmethod that does
     _dims = ()  # the attributes that hold the weight's shape
+    # A float layer's weight holds this layer's transposed ([in, out]: transformers' Conv1D)
+    _float_transposed = False
+
+    @classmethod
+    def _float_name(cls):
+        return f"nn.{cls._float_kind.__name__}"
+
+    @classmethod
+    def _takes(cls, layer):
+        """Whether `layer` is a float layer of the kind this class replaces."""
+        return isinstance(layer, cls._float_kind)
+
+    @classmethod
+    def _float_weight(cls, weight):
+        """A float layer's (or checkpoint's) weight as this layer holds it."""
+        return weight.T if cls._float_transposed else weight
+
+    @classmethod
+    def _class_for(cls, layer):
+        """The class of this kind that replaces float `layer`."""
+        return cls
 
     @classmethod
     def _check_layer(cls, layer):
-        if not isinstance(layer, cls._float_kind):
-            raise ArgumentTypeError(f"{cls.__name__}.{cls._made_by} needs an nn.{cls._float_kind.__name__}, got "
-                                    f"{type(layer).__name__}")
+        if not cls._takes(layer):
+            other = QLinear._class_for(layer)  # a Conv1D given to QLinear, say
+            instead = f": use {other.__name__}.{other._made_by}" if other._takes(layer) and other is not cls else ""
+            raise ArgumentTypeError(f"{cls.__name__}.{cls._made_by} needs an {cls._float_name()}, got "
+                                    f"{type(layer).__name__}{instead}")
         for hook in layer._forward_pre_hooks.values():
             remove = _WEIGHT_REBUILDING_HOOKS.get(type(hook).__name__)
             if remove and type(hook).__module__.startswith("torch.nn.utils"):
@@ -1015,10 +1038,11 @@ class _QuantizedModule(torch.nn.Module):
         `options`: the class's own keyword arguments."""
         cls._check_layer(layer)
         if weight is None:
-            weight = _quantized(layer.weight.detach(), scheme, device)
+            weight = _quantized(cls._float_weight(layer.weight.detach()), scheme, device)
         module = cls._around(layer, weight, **(options or {}))
         _carry_hooks(layer, module)
-        module._source = (weakref.ref(layer.weight), layer.weight._version)
+        if not cls._float_transposed:  # a float weight another layer may share (ties hold no transposed ones)
+            module._source = (weakref.ref(layer.weight), layer.weight._version)
         if layer.weight.is_meta:
             module._unloaded = module.weight
         return module
@@ -1193,10 +1217,12 @@ class _QuantizedModule(torch.nn.Module):
             raise ArgumentTypeError(f"{weight_key}: a float checkpoint's weight is a float32, float16, bfloat16 or "
                                     f"float64 torch tensor, got {got} (a quantized checkpoint holds {state_key}; a "
                                     f"QTensor goes in as `layer.weight = qtensor`)")
-        if tuple(weight.shape) != self.weight.shape:
+        wanted = self._float_weight(torch.empty(self.weight.shape, device="meta")).shape
+        if weight.shape != wanted:
             error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
-                              f"but this {type(self).__name__}'s is {self.weight.shape}")
+                              f"but this {type(self).__name__}'s is {tuple(wanted)}")
             return
+        weight = self._float_weight(weight)
         if weight.is_meta:  # no values: the layer holds none either
             if not self._takes_no_values(local_metadata.get("assign_to_params_buffers", False)):
                 return error_msgs.append(self._no_values_message(weight_key))
@@ -1315,6 +1341,11 @@ class QLinear(_QuantizedModule):
         return f"{linear.in_features} -> {linear.out_features} features"
 
     @classmethod
+    def _class_for(cls, layer):
+        """The QLinear class that replaces float `layer`: QConv1D for a Conv1D."""
+        return QConv1D if cls is QLinear and _conv1d_class(layer) is not None else cls
+
+    @classmethod
     def _around(cls, linear, qweight, activation_scheme=None):
         layer = cls(qweight, None if linear.bias is None else linear.bias.detach().clone(), activation_scheme)
         if linear.bias is not None:
@@ -1343,7 +1374,7 @@ class QLinear(_QuantizedModule):
         except (ShapeError, TypeError) as exc:  # a model has many layers: say which kind of x this one takes
             got = (f"x of shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor)
                    else f"a {type(x).__name__}")
-            raise type(exc)(f"QLinear(in_features={self.in_features}, out_features={self.out_features}) got "
+            raise type(exc)(f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features}) got "
                             f"{got}: {exc}") from exc
 
     def extra_repr(self):
@@ -1351,6 +1382,40 @@ class QLinear(_QuantizedModule):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.weight.scheme!r}{act}, "
                 f"device='{self.weight.device}'")
+
+
+def _conv1d_class(module):
+    """transformers' Conv1D among `module`'s classes, or None.  Known by its name, so
+    that qdispatch never imports transformers."""
+    return next((cls for cls in type(module).__mro__
+                 if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")), None)
+
+
+class QConv1D(QLinear):
+    """transformers' Conv1D (GPT-2's attention and MLP layers) quantized.  Conv1D is
+    `y = x @ W + bias` with W [in_features, out_features]; this is the QLinear of
+    weight W.T [out_features, in_features], the same product.  Its state_dict() is a
+    QLinear's; a float checkpoint's weight is Conv1D's W, [in_features, out_features]."""
+
+    _made_by = "from_conv1d"
+    _float_transposed = True
+
+    @classmethod
+    def _float_name(cls):
+        return "transformers Conv1D"
+
+    @classmethod
+    def _takes(cls, layer):
+        return _conv1d_class(layer) is not None
+
+    @classmethod
+    def from_conv1d(cls, conv1d, scheme, device=None, activation_scheme=None):
+        """Quantize `conv1d.weight.T` with `scheme`, as QLinear.from_linear does a Linear's."""
+        return cls._quantize(conv1d, scheme, device, options={"activation_scheme": activation_scheme})
+
+    @staticmethod
+    def _describe(conv1d):
+        return "Conv1D {} -> {} features".format(*conv1d.weight.shape)
 
 
 def _check_activation_scheme(spec, in_features):
@@ -1542,7 +1607,8 @@ class _Lookup(torch.autograd.Function):
 def quantize_linears(model, scheme, skip=(), device=None, activation_scheme=None):
     """Replace every `nn.Linear` in `model` by a `QLinear` holding its weight
     quantized with `scheme`, in place, and return the model (a QLinear when
-    `model` itself is an nn.Linear).  `activation_scheme` (W8A8) as for QLinear().
+    `model` itself is an nn.Linear), and every transformers Conv1D (GPT-2's
+    layers) by a QConv1D.  `activation_scheme` (W8A8) as for QLinear().
 
     `skip` keeps layers in float: names as `model.named_modules()` gives them,
     of Linears or of modules holding them, whose Linears all stay (e.g. ["lm_head",
@@ -1578,7 +1644,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
         tensor_api.backend_for(device)
     names = None if callable(skip) else _skip_names(skip)
     keep = skip if names is None else (lambda name, _: _named_or_under(name, names))
-    if isinstance(model, kind):
+    if isinstance(model, kind) or replaceable(None, model):
         _refuse_unknown_names(names, {""}, kind)
         if keep("", model):
             return model
@@ -1590,7 +1656,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     for parent_name, parent in model.named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
             name = _joined(parent_name, child_name)
-            if isinstance(child, kind):
+            if isinstance(child, kind) or replaceable(parent, child):
                 layer_names.add(name)
             if replaceable(parent, child):
                 found.append((name, parent, child_name, child))
@@ -1687,7 +1753,7 @@ def _refuse_unquantizable(named_layers, kind, quantized_class):
     """ArgumentError naming the layers whose class overrides kind's forward (the
     quantized layer would drop what that forward does), or whose weight a lazy layer
     has not sized yet; before any layer is replaced."""
-    own = [name for name, layer in named_layers if type(layer).forward is not kind.forward]
+    own = [name for name, layer in named_layers if type(layer).forward is not (_conv1d_class(layer) or kind).forward]
     if own:
         raise ArgumentError(f"layers {own} are subclasses of nn.{kind.__name__} with a forward of their own, which "
                             f"{quantized_class.__name__} would not run: keep them in float with skip={own}")
@@ -1711,10 +1777,11 @@ def _skip_names(skip):
 
 def _replaceable(parent, module):
     # torch's fused layers read these Linears' weights as tensors: MultiheadAttention
-    # its out_proj, TransformerEncoderLayer its feed-forward pair (in eval mode)
+    # its out_proj, TransformerEncoderLayer its feed-forward pair (in eval mode).
+    # transformers' Conv1D (GPT-2's layers) is a Linear of transposed weight.
     return (isinstance(module, torch.nn.Linear)
             and not isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
-            and not isinstance(parent, torch.nn.TransformerEncoderLayer))
+            and not isinstance(parent, torch.nn.TransformerEncoderLayer)) or _conv1d_class(module) is not None
 
 
 def _tied_weights(model):
@@ -1736,8 +1803,9 @@ def _quantized_layer(name, layer, cls, scheme, device, ties, options=None):
     weight is one quantized before (`ties`) shares that QTensor, where its scheme and
     device are the ones asked for now, so tied weights stay tied and take their
     memory once."""
+    cls = cls._class_for(layer)
     weight = layer.weight
-    earlier = ties.get(id(weight))
+    earlier = None if cls._float_transposed else ties.get(id(weight))
     shared = None
     if earlier is not None and earlier[0] is weight and earlier[1].scheme == scheme:
         here = earlier[1].device
@@ -1749,7 +1817,8 @@ def _quantized_layer(name, layer, cls, scheme, device, ties, options=None):
         fresh = _named_layer_errors(name, cls._describe(layer), lambda: _quantized(weight.detach(), scheme, device))
         shared = shared if _same_quantization(fresh, shared) else fresh
     module = _named_layer_errors(name, cls._describe(layer), lambda: cls._quantize(layer, scheme, device, shared, options))
-    ties[id(weight)] = (weight, module.weight)
+    if not cls._float_transposed:
+        ties[id(weight)] = (weight, module.weight)
     return module
 
 
@@ -1862,7 +1931,22 @@ def load_model(model, path):
                 state[key] = as_torch[id(value)][1]
         empty = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
         model.load_state_dict(state, assign=empty)
+    if empty:
+        _warn_still_on_meta(model, "load_model")
     return model
+
+
+def _warn_still_on_meta(model, by):
+    """A warning naming the tensors of `model` that a load left on torch's meta device:
+    buffers no checkpoint holds (persistent=False, such as rotary embeddings' inv_freq)
+    were made there too, and the model can't run until something computes them."""
+    left = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        warnings.warn(f"{by} left {len(left)} tensor(s) of the model on torch's meta device, which the file does not "
+                      f"hold: {shown}. A buffer made with persistent=False is in no checkpoint, so a model built "
+                      f"under torch.device('meta') lacks it: build the model with only its parameters on meta (see "
+                      f"'Building a model without its float weights' in the README)", UserWarning, stacklevel=3)
 
 
 def _as_torch(value):

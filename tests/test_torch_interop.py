@@ -3,6 +3,7 @@ import copy
 import os
 import re
 import signal
+import warnings
 import weakref
 
 import numpy as np
@@ -1087,6 +1088,46 @@ def test_quantize_linears_of_an_empty_model_then_load_state_dict(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
     np.testing.assert_array_equal(model[3].weight.values, source[3].weight.values)
+
+
+class _WithComputedBuffer(torch.nn.Module):
+    """A buffer no checkpoint holds (persistent=False), as rotary embeddings' inv_freq."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 16)
+        self.register_buffer("inv_freq", torch.arange(1.0, 17.0), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.inv_freq
+
+
+def test_load_model_names_the_buffers_a_meta_build_left_without_values(tmp_path):
+    """A Llama built under torch.device('meta') and loaded kept its rotary buffers on
+    meta, silently, and its forward failed with torch's "Cannot copy out of meta tensor"."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+    scheme = QuantScheme("q8s", axis=0)
+    source = quantize_linears(_WithComputedBuffer(), scheme)
+    save_model(source, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        everything_on_meta = quantize_linears(_WithComputedBuffer(), scheme)
+    with pytest.warns(UserWarning, match=r"load_model left 1 tensor\(s\) of the model on torch's meta device, which "
+                                         r"the file does not hold: inv_freq\. A buffer made with persistent=False"):
+        load_model(everything_on_meta, tmp_path / "m.safetensors")
+    # the README's way: parameters on meta, buffers computed
+    to_meta = register_module_parameter_registration_hook(
+        lambda module, name, p: None if p is None else torch.nn.Parameter(p.to("meta"), p.requires_grad))
+    try:
+        model = _WithComputedBuffer()
+    finally:
+        to_meta.remove()
+    assert model.linear.weight.is_meta and not model.inv_freq.is_meta
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(quantize_linears(model, scheme), tmp_path / "m.safetensors")
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), source(x), rtol=0, atol=0)
 
 
 def test_a_quantized_checkpoint_brings_its_weights_scheme():
