@@ -54,25 +54,28 @@ def _block(seed=0):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
-def test_quantize_linears_takes_conv1d_as_the_linear_of_its_transposed_weight(scheme):
+def test_quantize_linears_takes_conv1d_as_the_linear_of_its_transposed_weight(scheme, device):
     """GPT-2's Conv1Ds stayed in float, silently: 3/4 of its weights."""
-    model = _block()
+    where = "cuda" if device == "cuda" else "cpu"
+    model = _block().to(where)
     float_fc = model.c_fc
-    quantize_linears(model, scheme)
+    quantize_linears(model, scheme, device=device)
     assert type(model.c_fc) is QConv1D and type(model.c_proj) is QConv1D and type(model.head) is QLinear
     assert (model.c_fc.in_features, model.c_fc.out_features) == (64, 128) and model.c_fc.weight.shape == (128, 64)
+    assert model.c_fc.weight.backend == device
     # the product is a QLinear's of weight W.T, bit for bit
-    linear = torch.nn.Linear(64, 128)
+    linear = torch.nn.Linear(64, 128).to(where)
     with torch.no_grad():
         linear.weight.copy_(float_fc.weight.T)
         linear.bias.copy_(float_fc.bias)
-    expected = QLinear.from_linear(linear, scheme)
-    np.testing.assert_array_equal(model.c_fc.weight.values, expected.weight.values)
-    x = torch.randn(2, 5, 64)
+    expected = QLinear.from_linear(linear, scheme, device=device)
+    np.testing.assert_array_equal(model.c_fc.weight.to("reference").values, expected.weight.to("reference").values)
+    x = torch.randn(2, 5, 64, device=where)
     with torch.no_grad():
         torch.testing.assert_close(model.c_fc(x), expected(x), rtol=0, atol=0)
-        want = x.double() @ torch.from_numpy(qd.dequantize(model.c_fc.weight).numpy()).double().T + float_fc.bias
-        torch.testing.assert_close(model.c_fc(x).double(), want, rtol=1e-5, atol=1e-5)
+        w = torch.from_numpy(qd.dequantize(model.c_fc.weight.to("reference")).numpy()).double().to(where)
+        torch.testing.assert_close(model.c_fc(x).double(), x.double() @ w.T + float_fc.bias, rtol=1e-5, atol=1e-5)
+        assert model(x).shape == (2, 5, 48)
     assert "QConv1D(in_features=64, out_features=128" in repr(model)
 
 
