@@ -984,7 +984,7 @@ class _QuantizedModule(torch.nn.Module):
             sized = ""
             if isinstance(weight, int):  # sizes, as torch's layers take them
                 float_kind = self._float_name()
-                sized = (f"; for an empty layer of given sizes, to load a checkpoint into, quantize an {float_kind} "
+                sized = (f"; for an empty layer of given sizes, to load a checkpoint into, quantize {_a(float_kind)} "
                          f"built on torch's meta device ({float_kind}(..., device='meta'))")
             raise ArgumentTypeError(f"{name} needs a QTensor weight, got {type(weight).__name__}: use {made_by}{sized}")
         if len(weight.shape) != 2:
@@ -1021,7 +1021,7 @@ class _QuantizedModule(torch.nn.Module):
         if not cls._takes(layer):
             other = QLinear._class_for(layer)  # a Conv1D given to QLinear, say
             instead = f": use {other.__name__}.{other._made_by}" if other._takes(layer) and other is not cls else ""
-            raise ArgumentTypeError(f"{cls.__name__}.{cls._made_by} needs an {cls._float_name()}, got "
+            raise ArgumentTypeError(f"{cls.__name__}.{cls._made_by} needs {_a(cls._float_name())}, got "
                                     f"{type(layer).__name__}{instead}")
         for hook in layer._forward_pre_hooks.values():
             remove = _WEIGHT_REBUILDING_HOOKS.get(type(hook).__name__)
@@ -1374,14 +1374,19 @@ class QLinear(_QuantizedModule):
         except (ShapeError, TypeError) as exc:  # a model has many layers: say which kind of x this one takes
             got = (f"x of shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor)
                    else f"a {type(x).__name__}")
-            raise type(exc)(f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features}) got "
-                            f"{got}: {exc}") from exc
+            raise type(exc)(f"{type(self).__name__}(in_features={self.in_features}, "
+                            f"out_features={self.out_features}) got {got}: {exc}") from exc
 
     def extra_repr(self):
         act = "" if self.activation_scheme is None else f", activation_scheme={self.activation_scheme!r}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.weight.scheme!r}{act}, "
                 f"device='{self.weight.device}'")
+
+
+def _a(name):
+    """`name` with its article: "an nn.Linear", "a transformers Conv1D"."""
+    return f"{'an' if name.startswith('nn.') else 'a'} {name}"
 
 
 def _conv1d_class(module):
@@ -1753,9 +1758,11 @@ def _refuse_unquantizable(named_layers, kind, quantized_class):
     """ArgumentError naming the layers whose class overrides kind's forward (the
     quantized layer would drop what that forward does), or whose weight a lazy layer
     has not sized yet; before any layer is replaced."""
-    own = [name for name, layer in named_layers if type(layer).forward is not (_conv1d_class(layer) or kind).forward]
+    bases = {name: _conv1d_class(layer) or kind for name, layer in named_layers}
+    own = [name for name, layer in named_layers if type(layer).forward is not bases[name].forward]
     if own:
-        raise ArgumentError(f"layers {own} are subclasses of nn.{kind.__name__} with a forward of their own, which "
+        of = sorted({"Conv1D" if bases[name] is not kind else f"nn.{kind.__name__}" for name in own})
+        raise ArgumentError(f"layers {own} are subclasses of {' or '.join(of)} with a forward of their own, which "
                             f"{quantized_class.__name__} would not run: keep them in float with skip={own}")
     lazy = [name for name, layer in named_layers
             if isinstance(getattr(layer, "weight", None), torch.nn.parameter.UninitializedParameter)]
