@@ -641,19 +641,30 @@ def q_matmul(lhs, rhs, *, out_dtype="float32", transfer=None, requantize=None,
 
 
 cdef object _decode_step(object backend, TensorBase lhs, TensorBase rhs, object out_dtype):
-    """x[M, K] @ w[K, N] for a 2-D QTensor w, straight to the backend's fq kernel
-    when it reads x's dtype and writes out_dtype itself: the product ops.q_matmul
-    would run, without its general checks, since it runs once per layer per
-    generated token.  None when anything else is asked (ops.q_matmul takes it)."""
+    """x[..., M, K] @ w[K, N] for a 2-D QTensor w, straight to the backend's fq
+    kernel when it reads x's dtype and writes out_dtype itself: the product
+    ops.q_matmul would run (batch dims folded into M: one kernel, one weight pass),
+    without its general checks, since it runs once per layer per generated token
+    (a model's activations are [batch, tokens, K]).  None when anything else is
+    asked (ops.q_matmul takes it)."""
     if type(lhs) is not Tensor or type(rhs) is not QTensor:
         return None
     cdef Tensor x = <Tensor>lhs
     cdef tuple xs = x.shape, ws = rhs.shape
     fq_dtypes = backend.fq_dtypes
-    if (len(xs) != 2 or len(ws) != 2 or xs[1] != ws[0] or not xs[0] or not xs[1] or not ws[1]
+    if (len(xs) < 2 or len(ws) != 2 or xs[-1] != ws[0] or not xs[-1] or not ws[1]
             or x.dtype not in fq_dtypes or out_dtype not in fq_dtypes):
         return None
-    return Tensor(backend.fq_matmul(x.payload, rhs, out_dtype), out_dtype, (xs[0], ws[1]), x.kind, x.index)
+    cdef tuple out_shape = xs[:-1] + (ws[1],)
+    if len(xs) == 2:
+        if not xs[0]:
+            return None
+        return Tensor(backend.fq_matmul(x.payload, rhs, out_dtype), out_dtype, out_shape, x.kind, x.index)
+    rows = math.prod(xs[:-1])
+    if not rows:
+        return None
+    out = backend.fq_matmul(backend.reshape(x.payload, (rows, xs[-1])), rhs, out_dtype)
+    return Tensor(backend.reshape(out, out_shape), out_dtype, out_shape, x.kind, x.index)
 
 
 def int_matmul(a, b, *, transfer=None):

@@ -410,14 +410,17 @@ def test_zero_rows(device, rng):
 
 
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-def test_decode_step_goes_straight_to_the_kernel(device, rng, monkeypatch, x_dtype):
-    """x[M, K] @ w.T with a 2-D weight, in a dtype the backend's kernel reads and
+@pytest.mark.parametrize("lead", [(3,), (1, 1), (2, 3)], ids=["rows", "one token", "batch of tokens"])
+def test_decode_step_goes_straight_to_the_kernel(device, rng, monkeypatch, x_dtype, lead):
+    """x[..., M, K] @ w.T with a 2-D weight, in a dtype the backend's kernel reads and
     writes, skips ops.q_matmul's general path: the same values, and every other
-    call (or a bad one) still reaches the general path and its errors."""
+    call (or a bad one) still reaches the general path and its errors.  A model's
+    activations are [batch, tokens, K]: they took the general path, a few
+    microseconds a layer more."""
     from qdispatch import ops
     from qdispatch._core import get_backend
     backend = get_backend(device)
-    x = qd.tensor(rng.standard_normal((3, 64)).astype(np.float32), device=device, dtype=x_dtype)
+    x = qd.tensor(rng.standard_normal(lead + (64,)).astype(np.float32), device=device, dtype=x_dtype)
     w = qd.quantize(rng.standard_normal((40, 64)).astype(np.float32), qd.QuantScheme("q4s", block=32, store="packed_u32"),
                     device=device)
     out_dtype = x_dtype if x_dtype in backend.fq_dtypes else "float32"
@@ -428,8 +431,11 @@ def test_decode_step_goes_straight_to_the_kernel(device, rng, monkeypatch, x_dty
             raise AssertionError("a decode step took the general path")
         monkeypatch.setattr(ops, "q_matmul", general_path)
     got = qd.q_matmul(x, w.T, out_dtype=out_dtype)
-    assert got.dtype == general.dtype and got.shape == general.shape == (3, 40)
+    assert got.dtype == general.dtype and got.shape == general.shape == lead + (40,)
+    assert got.device == x.device
     np.testing.assert_array_equal(got.numpy(), general.numpy())
+    rows = qd.q_matmul(qd.tensor(x.numpy().reshape(-1, 64), device=device, dtype=x_dtype), w.T, out_dtype=out_dtype)
+    np.testing.assert_array_equal(got.numpy().reshape(-1, 40), rows.numpy())  # the batch is its rows
     monkeypatch.undo()
     with pytest.raises(qd.ShapeError):
         qd.q_matmul(x, w, out_dtype=out_dtype)  # K = 64 against 40 rows
