@@ -1661,8 +1661,8 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     for parent_name, parent in model.named_modules():
         for child_name, child in parent._modules.items():  # named_children() hides a repeat
             name = _joined(parent_name, child_name)
-            if isinstance(child, kind) or replaceable(parent, child):
-                layer_names.add(name)
+            if isinstance(child, (kind, quantized_class)) or replaceable(parent, child):
+                layer_names.add(name)  # a layer quantized before may be named too: it is one to leave
             if replaceable(parent, child):
                 found.append((name, parent, child_name, child))
                 if keep(name, child):  # a shared layer kept under one name is kept everywhere
@@ -1676,7 +1676,7 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
             f"its {kind.__name__} layers ({', '.join(fused)}) are read as tensors by torch's fused layers and "
             f"stay in float" if fused else f"it holds no nn.{kind.__name__}"), UserWarning, stacklevel=3)
     if done:
-        _warn_left_as_they_were(model, kind, quantized_class, scheme, device, options)
+        _warn_left_as_they_were(model, kind, quantized_class, scheme, device, options, names or frozenset())
     _refuse_unquantizable([(name, child) for name, _, _, child in places], kind, quantized_class)
     quantized = {}  # id(layer) -> its quantized layer
     for name, _, _, child in places:
@@ -1687,15 +1687,16 @@ def _quantize_layers(model, scheme, skip, device, kind, replaceable, quantized_c
     return model
 
 
-def _warn_left_as_they_were(model, kind, quantized_class, scheme, device, options):
+def _warn_left_as_they_were(model, kind, quantized_class, scheme, device, options, skipped):
     """Layers an earlier call quantized are left as they are: a warning when this
     call asked for something else of them (a scheme, a device, options), which
-    would otherwise pass for done."""
+    would otherwise pass for done.  Layers named in `skipped` (this call's skip
+    names) were not asked for: mixed schemes, the odd layer quantized first."""
     target = None if device is None else tensor_api.backend_for(device)[0]
     asked = {key: value for key, value in (options or {}).items() if value is not None}
     differing, first = 0, None
     for name, layer in model.named_modules():
-        if not isinstance(layer, quantized_class):
+        if not isinstance(layer, quantized_class) or _named_or_under(name, skipped):
             continue
         had = [f"scheme {layer.weight.scheme}"] if layer.weight.scheme != scheme else []
         if target is not None and layer.weight.device != target:

@@ -195,6 +195,23 @@ def test_quantize_linears_says_it_left_earlier_layers_as_they_were():
         assert model[0].weight is weights[0] and model[2].weight is weights[1]
 
 
+def test_mixed_schemes_quantize_in_two_calls_without_a_warning():
+    """An int8 head and int4 elsewhere: the head first, then the rest with skip naming it.
+    The second call warned that it left the head as it was, which it was asked to."""
+    torch = pytest.importorskip("torch")
+    from qdispatch.torch import quantize_linears
+    int4, int8 = qd.QuantScheme("q4s", block=(1, 16), store="packed_u32"), qd.QuantScheme("q8s", axis=0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    quantize_linears(model, int8, skip=["0"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_linears(model, int4, skip=["2"])
+    assert model[0].scheme == int4 and model[2].scheme == int8
+    # asked of both layers again: the one of another scheme is said
+    with pytest.warns(UserWarning, match=r"left 1 QLinear layer\(s\) quantized earlier as they were \('0' has"):
+        quantize_linears(model, int8)
+
+
 def test_saving_a_quantized_models_state_dict_names_save_model(tmp_path):
     torch = pytest.importorskip("torch")
     from qdispatch.torch import quantize_linears
