@@ -22,6 +22,9 @@ def main(argv=None):
     }
     commands["config"].add_argument("--cflags", action="store_true", help="the flags that find qdispatch.h")
     commands["config"].add_argument("--libs", action="store_true", help="the flags that link libqdispatch")
+    commands["config"].add_argument("--pc", action="store_true",
+                                    help="a pkg-config file for this install (for CMake's or Meson's pkg-config "
+                                         "lookup): write it to a folder on PKG_CONFIG_PATH as qdispatch.pc")
     commands["config"].add_argument("--static", action="store_true",
                                     help="link libqdispatch.a instead of the .so (the --cflags are the same)")
     cli.add_bench_arguments(commands["bench"])
@@ -30,6 +33,8 @@ def main(argv=None):
     command = args.command or "demo"
     if unknown:
         (commands[command] if args.command else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if command == "config" and args.pc and (args.cflags or args.libs or args.static):
+        commands["config"].error("--pc prints a whole pkg-config file: give it alone")
     return getattr(cli, command)(args) or 0
 
 

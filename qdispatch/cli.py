@@ -93,7 +93,24 @@ def _escaped(path):
     return re.sub(r"([^\w@%+=:,./-])", r"\\\1", str(path))
 
 
+def _static_runtime():
+    """What linking libqdispatch.a brings besides: the OpenMP runtime, when the kernels
+    were built with it, libm, and the CUDA kernels' runtime from the toolkit they were
+    built with."""
+    parts = ([] if build_config().get("openmp_left_out") else ["-fopenmp"]) + ["-lm"]
+    cuda = build_config().get("cuda")
+    if cuda:
+        parts += [f"-L{_escaped(cuda['library_dir'])}"] + [f"-l{name}" for name in cuda["libraries"]]
+    return parts
+
+
+def _shared_libs(lib):
+    return f"-L{lib} -Wl,-rpath,{lib} -lqdispatch"
+
+
 def config(args):
+    if args.pc:
+        return _pkg_config_file()
     if not (args.cflags or args.libs):
         args.cflags = args.libs = True
     parts = []
@@ -101,16 +118,22 @@ def config(args):
         parts.append(f"-I{_escaped(qd.get_include())}")
     if args.libs:
         lib = _escaped(qd.get_library_dir())
-        if args.static:  # the OpenMP runtime, when the kernels were built with it
-            openmp = "" if build_config().get("openmp_left_out") else " -fopenmp"
-            parts.append(f"{lib}/libqdispatch.a{openmp} -lm")
-            cuda = build_config().get("cuda")
-            if cuda:  # the CUDA kernels' runtime, from the toolkit they were built with
-                parts.append(" ".join([f"-L{_escaped(cuda['library_dir'])}"]
-                                      + [f"-l{name}" for name in cuda["libraries"]]))
-        else:
-            parts.append(f"-L{lib} -Wl,-rpath,{lib} -lqdispatch")
+        parts += [f"{lib}/libqdispatch.a", *_static_runtime()] if args.static else [_shared_libs(lib)]
     print(" ".join(parts))
+
+
+def _pkg_config_file():
+    """A pkg-config file for this install: the shared library, found at run time
+    through an rpath (as `config --libs` links it); a static link names the
+    archive (`config --libs --static`), which -lqdispatch would not pick."""
+    print(f"includedir={_escaped(qd.get_include())}\n"
+          f"libdir={_escaped(qd.get_library_dir())}\n\n"
+          f"Name: qdispatch\n"
+          f"Description: int8 and int4 quantized matrix kernels (CPU SIMD, CUDA)\n"
+          f"Version: {qd.__version__}\n"
+          f"Cflags: -I${{includedir}}\n"
+          f"Libs: {_shared_libs('${libdir}')}\n"
+          f"Libs.private: {' '.join(_static_runtime())}")
 
 
 def add_bench_arguments(parser):

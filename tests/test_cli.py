@@ -84,6 +84,15 @@ def test_config_takes_static_with_cflags_as_pkg_config_does():
     assert run_module("config", "--static") == run_module("config", "--cflags", "--libs", "--static")
 
 
+def test_config_pc_is_a_whole_file_given_alone(capsys):
+    from qdispatch.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "--pc", "--libs"])
+    assert exc.value.code == 2 and "--pc prints a whole pkg-config file: give it alone" in capsys.readouterr().err
+    text = run_module("config", "--pc")
+    assert f"\nVersion: {qd.__version__}\n" in text and "\nLibs: -L${libdir} -Wl,-rpath,${libdir} -lqdispatch\n" in text
+
+
 def test_config_escapes_a_folder_with_spaces_as_one_word(monkeypatch, capsys):
     """A virtual environment under "My Projects" gave -I/.../My Projects/...: two words
     to make's shell, and the header was not found."""
@@ -91,10 +100,10 @@ def test_config_escapes_a_folder_with_spaces_as_one_word(monkeypatch, capsys):
     folder = "/home/me/My Projects/it's $HOME (1)/qdispatch"
     monkeypatch.setattr(qd, "get_include", lambda: folder + "/include")
     monkeypatch.setattr(qd, "get_library_dir", lambda: folder + "/lib")
-    cli.config(argparse.Namespace(cflags=True, libs=True, static=False))
+    cli.config(argparse.Namespace(cflags=True, libs=True, static=False, pc=False))
     words = shlex.split(capsys.readouterr().out)  # as a POSIX shell reads the line (make's recipes, eval)
     assert words == [f"-I{folder}/include", f"-L{folder}/lib", f"-Wl,-rpath,{folder}/lib", "-lqdispatch"]
-    cli.config(argparse.Namespace(cflags=False, libs=True, static=True))
+    cli.config(argparse.Namespace(cflags=False, libs=True, static=True, pc=False))
     assert shlex.split(capsys.readouterr().out)[0] == f"{folder}/lib/libqdispatch.a"
 
 

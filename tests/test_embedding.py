@@ -91,6 +91,25 @@ def test_c_example_makefile_from_a_folder_with_spaces(c_compiler, shell_env, tmp
     assert f"-I{home}/qdispatch/include".replace(" ", "\\ ") in out  # make echoes the escaped flags
 
 
+@needs_examples
+@pytest.mark.skipif(shutil.which("pkg-config") is None, reason="pkg-config is not installed")
+def test_the_pkg_config_file_builds_the_example(c_compiler, shell_env, tmp_path):
+    """`qdispatch config --pc` for build systems that ask pkg-config (CMake's
+    pkg_check_modules, Meson's dependency()): its flags are config's, and build."""
+    shutil.copytree(EXAMPLES, tmp_path / "examples" / "c")
+    (tmp_path / "pc").mkdir()
+    run_shell("qdispatch config --pc > pc/qdispatch.pc", tmp_path, shell_env)
+    env = dict(shell_env, PKG_CONFIG_PATH=str(tmp_path / "pc"))
+    assert run_shell("pkg-config --modversion qdispatch", tmp_path, env).strip() == qd.__version__
+    flags = run_shell("pkg-config --cflags --libs qdispatch", tmp_path, env).split()
+    assert flags == run_shell("qdispatch config --cflags --libs", tmp_path, shell_env).split()
+    static = run_shell("pkg-config --static --libs qdispatch", tmp_path, env).split()
+    assert ("-fopenmp" in static) == built_with_openmp()
+    out = run_shell("cc examples/c/quantize_matmul.c $(pkg-config --cflags --libs qdispatch) -lm -o qm && ./qm",
+                    tmp_path, env)
+    assert "all checks passed" in out
+
+
 def test_config_points_at_the_installed_files():
     assert os.path.isfile(os.path.join(qd.get_include(), "qdispatch.h"))
     for name in ("libqdispatch.so", "libqdispatch.a"):
