@@ -36,6 +36,7 @@ import numpy as np
 
 import qdispatch as qd
 from qdispatch._core import get_backend
+from qdispatch.errors import byte_size
 
 # ---- what is measured ------------------------------------------------------------
 
@@ -295,8 +296,6 @@ def case_memory_bytes(shape):
     return CASE_BYTES_PER_ELEMENT * (shape.m + shape.n) * shape.k
 
 
-def _size(nbytes):
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def default_rotation_budget():
@@ -1042,9 +1041,9 @@ def _run_cases(cases, repeat, budget_bytes=None):
             continue
         need, free = case_memory_bytes(case.shape), available_memory_bytes()
         if free is not None and need > free:  # past it the OS kills the process, with no MemoryError
-            skipped.append({"case": case.id, "reason": f"it needs about {_size(need)} (its operands and the "
-                                                        f"float64 check of its result), more than the {_size(free)} "
-                                                        f"free here"})
+            skipped.append({"case": case.id, "reason": f"it needs about {byte_size(need)} (its operands and the "
+                                                        f"float64 check of its result), more than the "
+                                                        f"{byte_size(free)} free here"})
             continue
         with thread_limit(case.threads):
             try:

@@ -95,3 +95,11 @@ NOT_IN_CUDA_GRAPHS = ("qdispatch queues its work on the legacy default stream, w
                       "a CUDA graph: only qdispatch.torch's products (QLinear, q_matmul) and lookups (QEmbedding) are "
                       "captured; "
                       "run other qdispatch calls outside the captured region")
+
+
+def byte_size(nbytes):
+    """A byte count as messages give it: "76293.9 MiB", "2.5 GiB", "32.0 KiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"

@@ -10,8 +10,9 @@ import numpy as np
 from . import policy, quantmath
 from ._core import Device, QTensor, Tensor, dlpack_bfloat16_bits, get_backend
 from .backends.host import NUMPY_DLPACK_1
-from .errors import (ArgumentError, ArgumentTypeError, BackendUnavailableError, NonFiniteError, OutOfRangeError,
-                     QDispatchError, QuantSchemeError, ShapeError, UnsupportedIndexError, WrongBackendError)
+from .errors import (ArgumentError, ArgumentTypeError, BackendUnavailableError, NonFiniteError, OutOfMemoryError,
+                     OutOfRangeError, QDispatchError, QuantSchemeError, ShapeError, UnsupportedIndexError,
+                     WrongBackendError, byte_size)
 from .layout import QLayout, swap_last2
 from .scheme import _whole_number, as_scheme
 
@@ -581,7 +582,7 @@ def _quantize(x, scheme, device, weight):
     layout = QLayout.for_shape(scheme, shape)
     backend = get_backend(x.kind)
     quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
-    payload = float32_payload(x)
+    payload = _float32_to_quantize(x)
     swapped = payload if w is not None else _swapped_view(payload)
     if swapped is not None:  # W.T of a row-major W: quantized in W's order, as W's transpose (no copy of W.T)
         stored = QLayout(layout.logical_scheme(True), swap_last2(layout.shape), swap_last2(layout.block))
@@ -597,6 +598,20 @@ def _quantize(x, scheme, device, weight):
 def float32_payload(x):
     """Tensor x's payload as float32 on its own backend (itself when it is float32)."""
     return x.payload if x.dtype == "float32" else get_backend(x.kind).cast(x.payload, x.dtype, "float32")
+
+
+def _float32_to_quantize(x):
+    """float32_payload(x) for quantize, whose out-of-memory error says that the
+    float32 copy of 16-bit data is what did not fit (twice the data's bytes)."""
+    try:
+        return float32_payload(x)
+    except MemoryError as exc:
+        kind = type(exc) if isinstance(exc, OutOfMemoryError) else OutOfMemoryError
+        copy = byte_size(4 * math.prod(x.shape))
+        raise kind(f"quantize reads {x.dtype} data through a float32 copy ({copy}, twice the data's bytes), which "
+                   f"did not fit: {exc or 'out of memory'}. Free memory first "
+                   f"(qd.empty_cache(), torch.cuda.empty_cache()), or quantize a weight this large on the host "
+                   f"and move the QTensor") from exc
 
 
 def _swapped_view(payload):

@@ -509,3 +509,24 @@ def test_a_transposed_view_names_bad_values_where_they_are(device):
     w[1, 4] = np.nan  # at (4, 1) of w.T
     with pytest.raises(qd.NonFiniteError, match=r"position \(4, 1\)"):
         qd.quantize(w.T, qd.QuantScheme("q8s", axis=1), device=device)
+
+
+@pytest.mark.parametrize("raised", [MemoryError(), qd.CudaOutOfMemoryError("tried to allocate 76293.9 MiB")],
+                         ids=["numpy's", "the GPU's"])
+def test_out_of_memory_for_the_float32_copy_says_so(monkeypatch, raised):
+    """A 40 GB bf16 weight on the GPU failed for 76 GiB, its float32 copy, with no word of it."""
+    from qdispatch._core import get_backend
+    x = qd.tensor(np.ones((64, 128), np.float32), device="reference", dtype="bfloat16")
+
+    def cast(*args):
+        raise raised
+    monkeypatch.setattr(get_backend("reference"), "cast", cast)
+    with pytest.raises(qd.OutOfMemoryError) as exc:
+        qd.quantize(x, "q8s")
+    assert type(exc.value) is (type(raised) if isinstance(raised, qd.OutOfMemoryError) else qd.OutOfMemoryError)
+    assert str(exc.value).startswith("quantize reads bfloat16 data through a float32 copy (32.0 KiB, twice the data's "
+                                     "bytes), which did not fit: ")
+    assert exc.value.__cause__ is raised
+    monkeypatch.undo()
+    again = qd.quantize(x, "q8s").dequantize().numpy()  # the next call, with memory, works
+    np.testing.assert_array_equal(again, qd.quantize(x.numpy(), "q8s").dequantize().numpy())
