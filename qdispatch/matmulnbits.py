@@ -8,6 +8,7 @@ scale.  Values are unsigned codes of `bits` bits, packed lowest bits first, mean
 `code - zero_point`; with no zero_points input the zero point is 2^(bits - 1).  That
 default makes the op symmetric, as qdispatch's schemes are: a q4f value v is the code
 v + 8, a q8f value v + 128, a q2f value v + 2, and nothing is rounded either way."""
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -145,6 +146,10 @@ def load_model(path, device=None):
             if key in loaded:
                 raise SerializationError(f"{path} has two MatMulNBits weights named {key!r}: name its nodes apart")
             loaded[key] = value
+    if not loaded:  # a float model, say: an empty dict would pass for a model of no layers
+        warnings.warn(f"{path} holds no MatMulNBits node (com.microsoft) to load: its float MatMul weights are "
+                      f"plain initializers, which onnx.numpy_helper.to_array reads and qdispatch.quantize "
+                      f"quantizes", UserWarning, stacklevel=2)
     return loaded
 
 

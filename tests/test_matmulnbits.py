@@ -240,6 +240,17 @@ def test_load_model_reads_every_matmulnbits_node(rng, tmp_path):
     assert weights["up"].device == "cpu"
 
 
+def test_load_model_of_a_model_without_matmulnbits_says_so(rng, tmp_path):
+    """A float model gave {} without a word, as if it had no layers."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    _, model = _model_of([helper.make_node("MatMul", ["A", "W"], ["Y"])],
+                         {"W": rng.standard_normal((64, 8)).astype(np.float32)})
+    onnx.save(model, str(tmp_path / "float.onnx"))
+    with pytest.warns(UserWarning, match=r"float.onnx holds no MatMulNBits node \(com.microsoft\) to load"):
+        assert matmulnbits.load_model(tmp_path / "float.onnx") == {}
+
+
 def test_load_model_refuses_what_it_cannot_hold(rng, tmp_path):
     onnx = pytest.importorskip("onnx")
     from onnx import helper
