@@ -1217,8 +1217,8 @@ class _QuantizedModule(torch.nn.Module):
             raise ArgumentTypeError(f"{weight_key}: a float checkpoint's weight is a float32, float16, bfloat16 or "
                                     f"float64 torch tensor, got {got} (a quantized checkpoint holds {state_key}; a "
                                     f"QTensor goes in as `layer.weight = qtensor`)")
-        wanted = self._float_weight(torch.empty(self.weight.shape, device="meta")).shape
-        if weight.shape != wanted:
+        wanted = self.weight.shape[::-1] if self._float_transposed else self.weight.shape  # the float layer's
+        if tuple(weight.shape) != wanted:
             error_msgs.append(f"size mismatch for {weight_key}: a float weight of shape {tuple(weight.shape)}, "
                               f"but this {type(self).__name__}'s is {tuple(wanted)}")
             return
