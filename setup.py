@@ -10,6 +10,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from build_support import cmake_package  # noqa: E402
 from build_support import cpu as cpu_build  # noqa: E402
 from build_support import cuda as cuda_build  # noqa: E402
 from build_support.link import without_run_paths  # noqa: E402
@@ -114,6 +115,8 @@ class BuildExt(build_ext):
             extra_postargs=cpu_build.openmp_flags() + ["-Wl,-soname,libqdispatch.so", "-Wl,-Bsymbolic",
                                                        "-Wl,-z,nodelete"])
         shutil.copy(os.path.join(INCLUDE, "qdispatch.h"), inc_dir)
+        cmake_package.write(lib_dir, self.distribution.get_version(), openmp=not cpu_build.openmp_left_out(),
+                            cuda=self.cuda.describe() if self.cuda is not None else None)
 
     def write_build_config(self):
         config = {

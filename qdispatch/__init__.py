@@ -29,7 +29,7 @@ from .tensor_api import dequantize, embedding, from_dlpack, quantize, qtensor_fr
 from .io import load, save
 from .metrics import ErrorReport, error_report
 from .gpu import empty_cache, memory_info, synchronize
-from .info import available_backends, get_include, get_library_dir, info, set_isa, \
+from .info import available_backends, get_cmake_dir, get_include, get_library_dir, info, set_isa, \
     set_num_threads, get_num_threads
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
     "quantize", "dequantize", "embedding", "tensor", "from_dlpack", "qtensor_from_parts",
     "q_matmul", "int_matmul", "linear", "save", "load", "error_report", "ErrorReport",
     "transfer_policy", "set_default_backend", "default_device", "set_batch_invariant", "batch_invariant",
-    "info", "available_backends", "get_include", "get_library_dir",
+    "info", "available_backends", "get_include", "get_library_dir", "get_cmake_dir",
     "set_isa", "set_num_threads", "get_num_threads", "memory_info", "empty_cache", "synchronize",
     "QDispatchError", "BackendMismatchError", "DeviceMismatchError", "WrongBackendError",
     "QuantSchemeError", "ShapeError", "OutOfRangeError", "NonFiniteError", "ScaleOverflowError",

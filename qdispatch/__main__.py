@@ -25,6 +25,10 @@ def main(argv=None):
     commands["config"].add_argument("--pc", action="store_true",
                                     help="a pkg-config file for this install (for CMake's or Meson's pkg-config "
                                          "lookup): write it to a folder on PKG_CONFIG_PATH as qdispatch.pc")
+    commands["config"].add_argument("--cmake", action="store_true",
+                                    help="the folder of qdispatch's CMake package: qdispatch_DIR for "
+                                         "find_package(qdispatch), whose targets are qdispatch::qdispatch and "
+                                         "qdispatch::qdispatch_static")
     commands["config"].add_argument("--static", action="store_true",
                                     help="link libqdispatch.a instead of the .so (the --cflags are the same)")
     cli.add_bench_arguments(commands["bench"])
@@ -33,8 +37,12 @@ def main(argv=None):
     command = args.command or "demo"
     if unknown:
         (commands[command] if args.command else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    if command == "config" and args.pc and (args.cflags or args.libs or args.static):
-        commands["config"].error("--pc prints a whole pkg-config file: give it alone")
+    if command == "config":
+        for whole, what in (("cmake", "a folder"), ("pc", "a whole pkg-config file")):
+            others = [f"--{name}" for name in ("cflags", "libs", "static", "pc", "cmake")
+                      if name != whole and getattr(args, name)]
+            if getattr(args, whole) and others:
+                commands["config"].error(f"--{whole} prints {what}: give it alone (not with {' '.join(others)})")
     return getattr(cli, command)(args) or 0
 
 

@@ -1,6 +1,8 @@
 """The commands behind `qdispatch` (and `python -m qdispatch`)."""
 import json
+import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -111,6 +113,8 @@ def _shared_libs(lib):
 def config(args):
     if args.pc:
         return _pkg_config_file()
+    if args.cmake:
+        return _cmake_dir()
     if not (args.cflags or args.libs):
         args.cflags = args.libs = True
     parts = []
@@ -134,6 +138,15 @@ def _pkg_config_file():
           f"Cflags: -I${{includedir}}\n"
           f"Libs: {_shared_libs('${libdir}')}\n"
           f"Libs.private: {' '.join(_static_runtime())}")
+
+
+def _cmake_dir():
+    folder = qd.get_cmake_dir()
+    if not os.path.isfile(os.path.join(folder, "qdispatchConfig.cmake")):
+        sys.exit(f"qdispatch config: {folder} holds no qdispatchConfig.cmake: this copy of qdispatch was "
+                 "built before it shipped one; reinstall it (pip install --force-reinstall qdispatch), or use "
+                 "`qdispatch config --pc` with CMake's pkg_check_modules")
+    print(folder)
 
 
 def add_bench_arguments(parser):

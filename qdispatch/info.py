@@ -66,3 +66,10 @@ def get_include():
 def get_library_dir():
     """The folder holding libqdispatch (.so and .a)."""
     return os.path.join(_PACKAGE_DIR, "lib")
+
+
+def get_cmake_dir():
+    """The folder holding qdispatchConfig.cmake: CMake's `qdispatch_DIR`, for
+    find_package(qdispatch) and its targets qdispatch::qdispatch (shared) and
+    qdispatch::qdispatch_static."""
+    return os.path.join(get_library_dir(), "cmake", "qdispatch")

@@ -93,6 +93,26 @@ def test_config_pc_is_a_whole_file_given_alone(capsys):
     assert f"\nVersion: {qd.__version__}\n" in text and "\nLibs: -L${libdir} -Wl,-rpath,${libdir} -lqdispatch\n" in text
 
 
+@pytest.mark.parametrize("others", [["--libs"], ["--pc"], ["--cflags", "--static"]])
+def test_config_cmake_is_a_folder_given_alone(capsys, others):
+    from qdispatch.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "--cmake", *others])
+    assert exc.value.code == 2
+    assert f"prints a folder: give it alone (not with {' '.join(others)})" in capsys.readouterr().err
+    folder = run_module("config", "--cmake").strip()
+    assert folder == qd.get_cmake_dir()
+    assert sorted(os.listdir(folder)) == ["qdispatchConfig.cmake", "qdispatchConfigVersion.cmake"]
+
+
+def test_config_cmake_of_a_build_without_the_package_says_what_to_do(monkeypatch, tmp_path, capsys):
+    from qdispatch import cli
+    monkeypatch.setattr(qd, "get_cmake_dir", lambda: str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        cli._cmake_dir()
+    assert "holds no qdispatchConfig.cmake" in str(exc.value) and "--force-reinstall" in str(exc.value)
+
+
 def test_config_escapes_a_folder_with_spaces_as_one_word(monkeypatch, capsys):
     """A virtual environment under "My Projects" gave -I/.../My Projects/...: two words
     to make's shell, and the header was not found."""
@@ -100,10 +120,10 @@ def test_config_escapes_a_folder_with_spaces_as_one_word(monkeypatch, capsys):
     folder = "/home/me/My Projects/it's $HOME (1)/qdispatch"
     monkeypatch.setattr(qd, "get_include", lambda: folder + "/include")
     monkeypatch.setattr(qd, "get_library_dir", lambda: folder + "/lib")
-    cli.config(argparse.Namespace(cflags=True, libs=True, static=False, pc=False))
+    cli.config(argparse.Namespace(cflags=True, libs=True, static=False, pc=False, cmake=False))
     words = shlex.split(capsys.readouterr().out)  # as a POSIX shell reads the line (make's recipes, eval)
     assert words == [f"-I{folder}/include", f"-L{folder}/lib", f"-Wl,-rpath,{folder}/lib", "-lqdispatch"]
-    cli.config(argparse.Namespace(cflags=False, libs=True, static=True, pc=False))
+    cli.config(argparse.Namespace(cflags=False, libs=True, static=True, pc=False, cmake=False))
     assert shlex.split(capsys.readouterr().out)[0] == f"{folder}/lib/libqdispatch.a"
 
 

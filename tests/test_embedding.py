@@ -23,6 +23,8 @@ BUILD_SHARED = ("cc examples/c/quantize_matmul.c $(qdispatch config --cflags --l
                 "-o quantize_matmul && ./quantize_matmul")
 BUILD_STATIC = ("cc examples/c/quantize_matmul.c $(qdispatch config --cflags --libs --static) "
                 "-o quantize_matmul_static && ./quantize_matmul_static")
+BUILD_CMAKE = ('cmake -S examples/c -B build/c -Dqdispatch_DIR="$(qdispatch config --cmake)" && '
+               'cmake --build build/c && build/c/quantize_matmul')
 
 INSTALLED_COMMAND = os.path.join(os.path.dirname(sys.executable), "qdispatch")  # pip puts it beside python
 needs_examples = pytest.mark.skipif(not os.path.isdir(EXAMPLES), reason="examples/c not beside the tests")
@@ -108,6 +110,67 @@ def test_the_pkg_config_file_builds_the_example(c_compiler, shell_env, tmp_path)
     out = run_shell("cc examples/c/quantize_matmul.c $(pkg-config --cflags --libs qdispatch) -lm -o qm && ./qm",
                     tmp_path, env)
     assert "all checks passed" in out
+
+
+def cmake_build(source, build, package_dir, env, *options):
+    """Configures and builds `source` with qdispatch's CMake package from `package_dir`."""
+    configure = subprocess.run(["cmake", "-S", str(source), "-B", str(build), f"-Dqdispatch_DIR={package_dir}",
+                                *options], env=env, capture_output=True, text=True)
+    if configure.returncode == 0:
+        run_shell(f'cmake --build "{build}"', build, env)
+    return configure
+
+
+@needs_examples
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_the_cmake_package_builds_the_example(c_compiler, shell_env, tmp_path):
+    """find_package(qdispatch) with qdispatch_DIR from `qdispatch config --cmake`:
+    the shared and the static target both build the example, and it passes."""
+    shutil.copytree(EXAMPLES, tmp_path / "examples" / "c")
+    assert "all checks passed" in run_shell(BUILD_CMAKE, tmp_path, shell_env)
+    assert "all checks passed" in run_shell("build/c/quantize_matmul_static", tmp_path, shell_env)
+    package_dir = run_shell("qdispatch config --cmake", tmp_path, shell_env).strip()
+    cache = (tmp_path / "build" / "c" / "CMakeCache.txt").read_text().splitlines()
+    assert [line.split("=", 1)[1] for line in cache if line.startswith("qdispatch_DIR:")] == [package_dir]
+
+
+@needs_examples
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_the_cmake_package_of_a_moved_install_finds_its_own_files(c_compiler, shell_env, tmp_path):
+    """The package's paths come from its own folder: a copy under "My Projects" (a
+    copied virtual environment) builds against the copy's libraries."""
+    import qdispatch
+    home = tmp_path / "My Projects"
+    shutil.copytree(os.path.dirname(os.path.abspath(qdispatch.__file__)), home / "qdispatch",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(EXAMPLES, tmp_path / "c")
+    package_dir = home / "qdispatch" / "lib" / "cmake" / "qdispatch"
+    configure = cmake_build(tmp_path / "c", tmp_path / "build", package_dir, shell_env)
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    out = run_shell("ldd ./quantize_matmul || true", tmp_path / "build", shell_env)
+    assert f"{home}/qdispatch/lib/libqdispatch.so" in out
+    assert "all checks passed" in run_shell("./quantize_matmul", tmp_path / "build", shell_env)
+
+
+@needs_examples
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_the_cmake_package_refuses_another_release_and_a_broken_install(c_compiler, shell_env, tmp_path):
+    import qdispatch
+    shutil.copytree(EXAMPLES, tmp_path / "c")
+    lists = tmp_path / "c" / "CMakeLists.txt"
+    lists.write_text(lists.read_text().replace("find_package(qdispatch 0.1 ", "find_package(qdispatch 9.0 "))
+    refused = cmake_build(tmp_path / "c", tmp_path / "b1", qd.get_cmake_dir(), shell_env)
+    assert refused.returncode != 0
+    assert f"version: {qd.__version__}" in " ".join(refused.stderr.split())  # CMake names the version it found
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(os.path.abspath(qdispatch.__file__)), copy / "qdispatch",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "qdispatch" / "lib" / "libqdispatch.a").unlink()
+    shutil.copytree(EXAMPLES, tmp_path / "c2")
+    broken = cmake_build(tmp_path / "c2", tmp_path / "b2", copy / "qdispatch" / "lib" / "cmake" / "qdispatch",
+                         shell_env)
+    assert broken.returncode != 0
+    assert "libqdispatch.a is missing: reinstall qdispatch" in " ".join(broken.stderr.split())  # CMake wraps lines
 
 
 def test_config_points_at_the_installed_files():
@@ -583,7 +646,7 @@ def test_docs_show_the_tested_commands():
     texts = [Path(p).read_text() for p in DOCS if os.path.exists(p)]
     section = next((t for t in texts if "## Embedding from C" in t), None)
     assert section is not None, "no 'Embedding from C' section"
-    for command in (BUILD_SHARED, BUILD_STATIC):
+    for command in (BUILD_SHARED, BUILD_STATIC, BUILD_CMAKE):
         assert command in section
     assert CYTHON_EXT.split("\n", 1)[1] in section  # the Cython example is the one built below
 
