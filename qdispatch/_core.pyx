@@ -186,6 +186,15 @@ cdef class TensorBase:
         """The number of values: the product of shape."""
         return math.prod(self.shape)
 
+    def __getattr__(self, str name):
+        # Reached only where lookup failed.  numpy's methods (t.reshape, t.sum, q.item)
+        # said no more than "no attribute": say where they are.  Protocol probes
+        # (hasattr(t, "__array_interface__")) stay as cheap as a plain miss.
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        from . import tensor_api
+        raise tensor_api.missing_attribute(self, name)
+
     def __matmul__(self, other):
         if _is_torch_tensor(other):
             return _torch_operator().matmul_operator(self, other)
@@ -382,6 +391,12 @@ cdef class Tensor(TensorBase):
         from . import tensor_api
         return tensor_api.tensor_getitem(self, key)
 
+    def __setitem__(self, key, value):
+        # Python's "does not support item assignment" named no way to change values
+        raise ArgumentTypeError("A Tensor's values are not assigned in place: change them in numpy "
+                                "(t.numpy() is a copy for a GPU tensor) and make a tensor of the result, "
+                                "qdispatch.tensor(array, device=t.device)")
+
     def __iter__(self):
         # without it Python would iterate through __getitem__, and a 1-D tensor
         # (whose elements are not Tensors) would look empty
@@ -479,12 +494,6 @@ cdef class QTensor(TensorBase):
     def requires_grad(self):
         """Always False: a QTensor is a constant to autograd (see qdispatch.torch)."""
         return False
-
-    @property
-    def grad(self):
-        raise AttributeError(
-            "A QTensor has no gradient: gradients flow to the float operand only "
-            "(dX = dY @ dequantize(W).T); keep a float copy of the weight to train it")
 
     @property
     def T(self):
@@ -673,8 +682,8 @@ def int_matmul(a, b, *, transfer=None):
     if transfer is not None:
         _check_transfer(transfer)
     from . import tensor_api
-    l = tensor_api.as_int8_host_operand(a, b if isinstance(b, TensorBase) else None)
-    r = tensor_api.as_int8_host_operand(b, l)
+    l = tensor_api.as_int8_host_operand(a, b if isinstance(b, TensorBase) else None, "a")
+    r = tensor_api.as_int8_host_operand(b, l, "b")
     if l.kind != r.kind or l.index != r.index:
         l, r = _reconcile("int_matmul", l, r, transfer, "a", "b")
     return ops_module().int_matmul(<object>_table[l.kind], l, r)

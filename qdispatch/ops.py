@@ -13,8 +13,8 @@ from ._core import QTensor, Tensor, get_backend
 from .errors import ArgumentError, ArgumentTypeError, NonFiniteError, QuantSchemeError, ShapeError
 from .quantmath import INT32_EXACT_K, check_finite, groups_past_int32, summed_in_pieces
 from .scheme import QuantScheme, as_scheme
-from .tensor_api import (DTYPES, FLOAT_DTYPES, check_dtype, float32_payload, in_device_memory, numpy_of, quantize,
-                         quantize_activation, tensor)
+from .tensor_api import (DTYPES, FLOAT_DTYPES, check_dtype, float32_payload, in_device_memory, not_int8_error,
+                         numpy_of, quantize, quantize_activation, tensor)
 
 
 def _check_float(t, side):
@@ -236,14 +236,7 @@ def _batch_item(backend, t, idx):
 def int_matmul(backend, a, b):
     for side, t in (("a", a), ("b", b)):
         if not isinstance(t, Tensor) or t.dtype != "int8":
-            if isinstance(t, QTensor):
-                got, fix = "a QTensor", "use q_matmul for QTensors"
-            elif getattr(t, "dtype", None) in FLOAT_DTYPES:
-                got, fix = t.dtype, "it multiplies integers exactly; for float data quantize it and use q_matmul"
-            else:
-                got = getattr(t, "dtype", type(t).__name__)
-                fix = "convert integers that fit to int8 first (qdispatch.tensor(data, dtype='int8'))"
-            raise ArgumentTypeError(f"int_matmul's {side} must be int8 data, got {got}: {fix}")
+            raise not_int8_error(side, t)
     a, b, row, col = _vectors_as_matrices(backend, a, b)
     ls, rs, batch = _shapes(a, b, "int_matmul", ("a", "b"), "vectors")
     out_shape = batch + (ls[-2], rs[-1])

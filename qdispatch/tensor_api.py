@@ -220,15 +220,49 @@ def as_host_operand(x, other, float_for=None):
     return tensor(x)
 
 
-def as_int8_host_operand(x, other):
+def as_int8_host_operand(x, other, side):
     """int_matmul's host data: integer arrays of any dtype become int8 when every
-    value fits (int32 ones too, which a tensor keeps as int32 elsewhere)."""
+    value fits (int32 ones too, which a tensor keeps as int32 elsewhere); float
+    arrays are refused under their own dtype (a float64 one would be named as the
+    float32 tensor it becomes)."""
     if isinstance(x, (Tensor, QTensor)):
         return x
     host = numpy_of(x) if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray) else x  # a torch CPU tensor
     if isinstance(host, np.ndarray) and host.dtype.kind in "iu" and host.dtype != np.int8:
         return tensor(host, device=None if other is None else other.device, dtype="int8")
+    if isinstance(host, np.ndarray) and host.dtype.kind in "fc":
+        raise not_int8_error(side, host)
     return as_host_operand(x, other)
+
+
+def missing_attribute(t, name):
+    """The AttributeError for an attribute `t` lacks: for a name numpy arrays have,
+    where to find it."""
+    message = f"{type(t).__name__!r} object has no attribute {name!r}"
+    if isinstance(t, QTensor) and name == "grad":  # torch's attribute: a QTensor is a constant to autograd
+        return AttributeError("A QTensor has no gradient: gradients flow to the float operand only "
+                              "(dX = dY @ dequantize(W).T); keep a float copy of the weight to train it")
+    if hasattr(np.ndarray, name):
+        if isinstance(t, QTensor):
+            message += (f": a QTensor is not a numpy array. Its values as floats are q.dequantize().numpy(), "
+                        f"which has .{name}; the stored ones are q.values and q.scales")
+        else:
+            message += (f": a qdispatch Tensor is not a numpy array. t.numpy() is one (the tensor's own "
+                        f"memory on a host backend, a copy from a GPU), and has .{name}")
+    return AttributeError(message)
+
+
+def not_int8_error(side, t):
+    """int_matmul's error for an operand `t` that is not int8 data."""
+    dtype = getattr(t, "dtype", None)
+    if isinstance(t, QTensor):
+        got, fix = "a QTensor", "use q_matmul for QTensors"
+    elif dtype in FLOAT_DTYPES or (isinstance(dtype, np.dtype) and dtype.kind in "fc"):
+        got, fix = str(dtype), "it multiplies integers exactly; for float data quantize it and use q_matmul"
+    else:
+        got = dtype if dtype is not None else type(t).__name__
+        fix = "convert integers that fit to int8 first (qdispatch.tensor(data, dtype='int8'))"
+    return ArgumentTypeError(f"int_matmul's {side} must be int8 data, got {got}: {fix}")
 
 
 _KDL_CUDA = 2
@@ -354,7 +388,8 @@ def _leading_index(shape, key):
     key = key if isinstance(key, tuple) else (key,)
     if any(k is None for k in key):
         raise UnsupportedIndexError("Index None (np.newaxis) is not supported: a Tensor view keeps its axes; add one "
-                                    "with t.numpy()[...] or reshape the data first")
+                                    "with t.numpy()[None] (numpy's view), or make a tensor of data shaped as you need "
+                                    "(qdispatch.tensor(t.numpy().reshape(...)))")
     ellipses = sum(k is Ellipsis for k in key)
     if ellipses > 1:
         raise UnsupportedIndexError("An index can only have a single ellipsis ('...'), as in numpy")

@@ -61,6 +61,13 @@ def test_int_matmul_of_data_not_int8_says_what_to_do():
         qd.int_matmul(qd.tensor(np.ones((2, 3), np.float32)), a.T)
     with pytest.raises(qd.ArgumentTypeError, match=r"b must be int8 data, got a QTensor: use q_matmul"):
         qd.int_matmul(a, qd.quantize(np.ones((3, 2), np.float32), "q8s"))
+    # numpy float data was named as the float32 tensor it would have become
+    for dtype in (np.float64, np.float16, np.complex64):
+        with pytest.raises(qd.ArgumentTypeError, match=rf"a must be int8 data, got {np.dtype(dtype).name}: it "
+                                                       r"multiplies integers exactly"):
+            qd.int_matmul(np.ones((2, 3), dtype), a.T)
+    with pytest.raises(qd.ArgumentTypeError, match=r"b must be int8 data, got float64: "):
+        qd.int_matmul(a, np.ones((3, 2)))
 
 
 def test_activation_scheme_with_two_qtensors_is_refused(rng, device):
