@@ -84,6 +84,30 @@ def test_qq_and_fq_match_the_reference(isa, rng, w_scheme, m):
                                       qd.q_matmul(x, wr.T, activation_scheme=act).numpy())
 
 
+@pytest.mark.parametrize("a_scheme", [qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=32, store="packed_u32")],
+                         ids=repr)
+def test_a_left_operand_holds_its_values_after_its_first_product(rng, a_scheme):
+    """Activations of 16 rows or more quantize into panels, as a weight does, and
+    give up their store; as a product's left operand they were read back from the
+    panels at every call (half of a 64 x 1024 qq product)."""
+    w = qd.quantize(rng.standard_normal((40, 256)).astype(np.float32), qd.QuantScheme("q8s", axis=0), device="cpu")
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    xq = qd.quantize(x, a_scheme, device="cpu")
+    want = qd.q_matmul(xq.to("reference"), w.to("reference").T).numpy()
+    assert not xq.storage.holds_values
+    np.testing.assert_array_equal(qd.q_matmul(xq, w.T).numpy(), want)
+    assert xq.storage.holds_values and ("panels", False) not in xq.storage.cache  # its size once
+    np.testing.assert_array_equal(qd.q_matmul(xq, w.T).numpy(), want)
+    np.testing.assert_array_equal(qd.q_matmul(xq.T.T, w.T).numpy(), want)
+    # one that a product has read as a weight keeps its panels as a left operand too
+    served = qd.quantize(rng.standard_normal((32, 256)).astype(np.float32), "q8s", device="cpu")
+    qd.q_matmul(xq, served.T)  # read as a weight: its panels served
+    assert not served.storage.holds_values
+    np.testing.assert_array_equal(qd.q_matmul(served, w.T).numpy(),
+                                  qd.q_matmul(served.to("reference"), w.to("reference").T).numpy())
+    assert not served.storage.holds_values and ("panels", False) in served.storage.cache
+
+
 @pytest.mark.parametrize("m", [9, 16, 17, 32, 40, 70])
 @pytest.mark.parametrize("k", [64, 200, 256, 1000])
 def test_qq_row_tiles_and_k_tails_match_the_reference(isa, rng, m, k):

@@ -269,9 +269,10 @@ class CpuBackend(HostBackend):
 
     @staticmethod
     def _store_back_from_panels(storage):
-        """A table looked up before any product read its panels (an embedding table, most
-        likely never multiplied): its store comes back and the panels go, so that it
-        takes its size once; a product then packs them again, and both stay."""
+        """A table looked up, or a left operand multiplied, before any product read its
+        panels (an embedding table or activations, most likely never a weight): its
+        store comes back and the panels go, so that it takes its size once; a product
+        then packs them again, and both stay."""
         with _packing_lock(storage):  # no product packs or reads them meanwhile
             if storage.holds_values or "panels served" in storage.cache:
                 return
@@ -311,6 +312,12 @@ class CpuBackend(HostBackend):
         return _cpu.int_matmul(a, np.ascontiguousarray(b, dtype=np.int8))
 
     def qq_matmul(self, lhs, rhs):
+        if not lhs.storage.holds_values:
+            # Activations of 16 rows or more quantize as a weight would (see
+            # qstorage_from_host): as the left operand they are read as rows, which the
+            # panels gave back at each product (48 us for 64 x 1024, half the product).
+            # One never multiplied as a weight holds its values again, as a looked-up table does.
+            self._store_back_from_panels(lhs.storage)
         if quantmath.groups_past_int32(lhs.layout.logical_block(lhs.transposed)[-1],
                                        rhs.layout.logical_block(rhs.transposed)[-2]):
             # groups past int32's exact sums: the int8 kernel on pieces, added in int64
