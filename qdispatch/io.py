@@ -261,7 +261,9 @@ def _plan(name, obj):
     if isinstance(obj, np.ndarray):
         code = _CODE_OF_NUMPY.get(obj.dtype.newbyteorder("="))
         if code is None:
-            raise ArgumentTypeError(f"Can't save array {name!r} of dtype {obj.dtype}: use a numeric or bool dtype")
+            kept = ", ".join(sorted(str(dtype) for dtype in _CODE_OF_NUMPY))
+            raise ArgumentTypeError(f"Can't save array {name!r} of dtype {obj.dtype}: a safetensors file holds "
+                                    f"{kept} (and qdispatch's bfloat16 tensors); convert it with .astype() first")
         return ({"kind": "array", "dtype": code, "shape": list(obj.shape)}, [(name, code, obj.shape)],
                 lambda: [_little_endian(obj)])
     hint = ""

@@ -608,6 +608,17 @@ def test_numpy_string_names_are_plain_names(tmp_path):
         qd.save(tmp_path / "y.st", {np.str_("x"): np.zeros(2, dtype=object)})
 
 
+def test_an_array_of_a_dtype_safetensors_lacks_names_those_it_has(tmp_path):
+    # complex64 saved while complex128 was refused as "not a numeric dtype"
+    qd.save(tmp_path / "c64.st", {"c": np.array([1 + 2j], np.complex64)})
+    np.testing.assert_array_equal(qd.load(tmp_path / "c64.st")["c"], np.array([1 + 2j], np.complex64))
+    for dtype in (np.complex128, np.float128 if hasattr(np, "float128") else np.clongdouble):
+        with pytest.raises(qd.ArgumentTypeError, match=rf"dtype {np.dtype(dtype)}: a safetensors file holds "
+                                                       r"bool, complex64, float16, .*uint8 .*convert it"):
+            qd.save(tmp_path / "x.st", {"c": np.zeros(2, dtype)})
+    assert not (tmp_path / "x.st").exists()
+
+
 @pytest.mark.parametrize("entry", [{"shape": [10**12]}, {"shape": [-2]}, {"shape": "2"},
                                    {"data_offsets": ["0", 8]}, {"data_offsets": [8, 0]}, {"data_offsets": [0]}],
                          ids=["huge shape", "negative shape", "shape not a list", "offset not a number",
