@@ -596,10 +596,13 @@ def _check_complete(path, header, data_size, records):
     reached, last = 0, None
     for begin, end, key in sorted(spans):
         if begin != reached:
-            where = f"after {last!r}" if last is not None else "at its start"
+            before = f"the entry before it, {last!r}, ends at byte {reached}" if last is not None else \
+                "the data section starts at byte 0"
+            gap = "they overlap" if begin < reached else f"bytes {reached} to {begin} belong to no entry"
             raise SerializationError(
-                f"{path}: entry {key!r} begins at byte {begin} of the data section, {where} the data "
-                f"reaches byte {reached}; entries must cover the data without overlap or holes")
+                f"{path}: entry {key!r} begins at byte {begin} of the data section, but {before}: {gap}. A file "
+                f"whose entries don't cover its data one after another, without overlap or holes, is damaged "
+                f"or was not written as safetensors are")
         reached, last = end, key
     if reached != data_size:
         raise SerializationError(f"{path}: its entries cover {reached} bytes of a data section of {data_size}; "

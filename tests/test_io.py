@@ -811,9 +811,11 @@ def test_entries_must_tile_the_data_section(tmp_path):
         h["__metadata__"]["qdispatch.tensors"] = json.dumps(meta)
         h["__metadata__"]["qdispatch.tensors_crc32"] = f"{zlib.crc32(json.dumps(meta).encode()):08x}"
     for change, message in (
-            (all_at_start, r"entry 'a1' begins at byte 0 of the data section, after 'a0' the data reaches byte 1024"),
+            (all_at_start, r"entry 'a1' begins at byte 0 of the data section, but the entry before it, 'a0', ends "
+                           r"at byte 1024: they overlap\. A file whose entries"),
             (lambda h: h["a0"].update({"data_offsets": [0, 1000], "shape": [1000]}),
-             r"entry 'a1' begins at byte 1024 .*after 'a0' the data reaches byte 1000; .*without overlap or holes"),
+             r"entry 'a1' begins at byte 1024 .*the entry before it, 'a0', ends at byte 1000: bytes 1000 to 1024 "
+             r"belong to no entry\. .*without overlap or holes"),
             (lambda h: h.update({"stray": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}),
              r"the entry 'stray', which no tensor record names")):
         broken = tmp_path / "broken.st"
