@@ -158,7 +158,12 @@ def test_the_cmake_package_refuses_another_release_and_a_broken_install(c_compil
     import qdispatch
     shutil.copytree(EXAMPLES, tmp_path / "c")
     lists = tmp_path / "c" / "CMakeLists.txt"
-    lists.write_text(lists.read_text().replace("find_package(qdispatch 0.1 ", "find_package(qdispatch 9.0 "))
+    text = lists.read_text()
+    this_release = ".".join(qd.__version__.split(".")[:2])  # 0.1 of 0.1.x
+    lists.write_text(text.replace("find_package(qdispatch CONFIG", f"find_package(qdispatch {this_release} CONFIG"))
+    met = cmake_build(tmp_path / "c", tmp_path / "b0", qd.get_cmake_dir(), shell_env)
+    assert met.returncode == 0, met.stdout + met.stderr
+    lists.write_text(text.replace("find_package(qdispatch CONFIG", "find_package(qdispatch 9.0 CONFIG"))
     refused = cmake_build(tmp_path / "c", tmp_path / "b1", qd.get_cmake_dir(), shell_env)
     assert refused.returncode != 0
     assert f"version: {qd.__version__}" in " ".join(refused.stderr.split())  # CMake names the version it found
