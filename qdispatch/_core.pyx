@@ -532,6 +532,14 @@ cdef class QTensor(TensorBase):
         # len() would make it True, as a container: numpy-style data has no one truth value
         raise ArgumentTypeError("A QTensor has no truth value: test `q is not None`, or q.dequantize().numpy().any()")
 
+    def __float__(self):
+        # Python's own TypeError named no way to the value, as float(t) of a 0-d Tensor has
+        raise ArgumentTypeError("A QTensor is no number for float() or int(): its values as floats are "
+                                "q.dequantize().numpy() (float(...) of that for a single one)")
+
+    def __int__(self):
+        return self.__float__()
+
     def __richcmp__(self, other, int op):
         # Against data (an array, a Tensor, a number) the default said False, as if values had
         # been compared; between QTensors it stays identity, a weight's handle, so `w in seen` works.

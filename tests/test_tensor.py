@@ -826,6 +826,15 @@ def test_tensors_compare_value_by_value_as_numpy(device):
     assert len({q, q.T}) == 2
 
 
+def test_a_qtensor_is_no_number(device):
+    q = qd.quantize(np.full((1, 1), 2.0, np.float32), "q8s", device=device)
+    for convert in (float, int):
+        with pytest.raises(qd.ArgumentTypeError, match=r"A QTensor is no number for float\(\) or int\(\): its "
+                                                       r"values as floats are q.dequantize\(\).numpy\(\)"):
+            convert(q)
+    assert float(q.dequantize().numpy()[0, 0]) == 2.0
+
+
 def test_numpys_methods_say_where_they_are(device):
     """t.reshape, t.sum, q.item: "object has no attribute" and nothing more; t[0] = 1
     was Python's bare "does not support item assignment"."""
