@@ -8,7 +8,7 @@ import struct
 CONFIG = """\
 # qdispatch's CMake package, written when this copy of qdispatch was built.
 #   find_package(qdispatch CONFIG REQUIRED)   # qdispatch_DIR: `qdispatch config --cmake`
-#   target_link_libraries(app PRIVATE qdispatch::qdispatch)         # libqdispatch.so, found through an rpath
+#   target_link_libraries(app PRIVATE qdispatch::qdispatch)         # libqdispatch.so, its folder an rpath
 #   target_link_libraries(app PRIVATE qdispatch::qdispatch_static)  # libqdispatch.a and what it needs
 # qdispatch_WITH_CUDA says whether the libraries hold the CUDA kernels (without them
 # the CUDA entry points return QD_ERR_CUDA_UNAVAILABLE).
@@ -78,7 +78,11 @@ def write(lib_dir, version, openmp, cuda):
     folder = os.path.join(lib_dir, "cmake", "qdispatch")
     os.makedirs(folder, exist_ok=True)
     libraries = ["m"] + (list(cuda["libraries"]) if cuda else [])
-    targets = (imported_target("qdispatch", "SHARED", "libqdispatch.so", IMPORTED_SONAME="libqdispatch.so") +
+    # The shared target carries its folder as an rpath, as `config --libs` does: CMake's
+    # own build rpath is dropped by `cmake --install`, and the installed program would
+    # not find the library.
+    targets = (imported_target("qdispatch", "SHARED", "libqdispatch.so", IMPORTED_SONAME="libqdispatch.so",
+                               INTERFACE_LINK_OPTIONS="-Wl,-rpath,${qdispatch_LIBRARY_DIR}") +
                imported_target("qdispatch_static", "STATIC", "libqdispatch.a",
                                INTERFACE_LINK_DIRECTORIES=cmake_path(cuda["library_dir"]) if cuda else "",
                                INTERFACE_LINK_LIBRARIES=";".join(libraries),

@@ -154,6 +154,22 @@ def test_the_cmake_package_of_a_moved_install_finds_its_own_files(c_compiler, sh
 
 @needs_examples
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_a_program_linked_by_the_cmake_package_runs_once_installed(c_compiler, shell_env, tmp_path):
+    """`cmake --install` drops CMake's build rpath: the shared target's own rpath is what
+    lets the installed program find libqdispatch.so (as `config --libs` gives one)."""
+    shutil.copytree(EXAMPLES, tmp_path / "c")
+    lists = tmp_path / "c" / "CMakeLists.txt"
+    lists.write_text(lists.read_text() + "\ninstall(TARGETS quantize_matmul DESTINATION bin)\n")
+    configure = cmake_build(tmp_path / "c", tmp_path / "build", qd.get_cmake_dir(), shell_env,
+                            f"-DCMAKE_INSTALL_PREFIX={tmp_path / 'installed'}")
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    run_shell(f'cmake --install "{tmp_path / "build"}"', tmp_path, shell_env)
+    env = {key: value for key, value in shell_env.items() if key != "LD_LIBRARY_PATH"}
+    assert "all checks passed" in run_shell("installed/bin/quantize_matmul", tmp_path, env)
+
+
+@needs_examples
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
 def test_the_cmake_package_refuses_another_release_and_a_broken_install(c_compiler, shell_env, tmp_path):
     import qdispatch
     shutil.copytree(EXAMPLES, tmp_path / "c")
@@ -416,10 +432,13 @@ def test_outputs_that_overlap_inputs_are_refused(c_compiler, shell_env, tmp_path
         printf("%d ", qd_fq_matmul_f32(x, 1, 8, pw, x));
         printf("%d ", qd_unpack_weights(pw, (int8_t *)ws, ws + 2));  /* values [2, 8], then scales */
         printf("%d ", qd_convert_f16_to_f32((uint16_t *)x, 4, x));
-        printf("%d", qd_convert_f32_to_bf16(x, 4, (uint16_t *)(x + 4)));  /* side by side */
+        printf("%d ", qd_convert_f32_to_bf16(x, 4, (uint16_t *)(x + 4)));  /* side by side */
+        x[5] = strtof("nan", NULL);  /* the first NaN's index would have been written over x */
+        printf("%d ", qd_quantize_f32(x, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, ws, q, (int64_t *)x));
+        printf("%d", x[0] == 1 && x[1] == 2);
         qd_packed_weights_free(pw);
     """)
-    assert out == ["3"] * 5 + ["0"]
+    assert out == ["3"] * 5 + ["0", "3", "1"]
 
 
 def test_pack_weights_into_its_own_inputs_changes_nothing(c_compiler, shell_env, tmp_path):

@@ -408,7 +408,8 @@ const char *qd_status_string(qd_status status)
     switch (status) {
     case QD_OK: return "success";
     case QD_ERR_NULL: return "a required pointer argument is NULL";
-    case QD_ERR_SHAPE: return "a dimension is not positive, or a block size does not divide its dimension";
+    case QD_ERR_SHAPE: return "a dimension is not positive, does not match another argument's (such as the K of "
+                              "packed weights), or is not divided by its block size";
     case QD_ERR_ARGUMENT: return "an argument is out of range or invalid, such as an output that overlaps an input";
     case QD_ERR_SCHEME: return "unknown quantization value kind, scale dtype or bit width";
     case QD_ERR_ISA_NOT_BUILT: return "the requested instruction set was not compiled into this library";

@@ -175,8 +175,10 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
     const int64_t grid_rows = rows / block_rows, grid_cols = cols / block_cols;
     const int64_t nblocks = grid_rows * grid_cols;
     const size_t x_bytes = (size_t)(rows * cols) * sizeof(float), s_bytes = (size_t)nblocks * sizeof(float);
-    if (qd_overlap(q, (size_t)(rows * cols), x, x_bytes) || qd_overlap(scales, s_bytes, x, x_bytes) ||
-        qd_overlap(scales, s_bytes, q, (size_t)(rows * cols)))
+    const size_t q_bytes = (size_t)(rows * cols), b_bytes = bad_index ? sizeof *bad_index : 0;
+    if (qd_overlap(q, q_bytes, x, x_bytes) || qd_overlap(scales, s_bytes, x, x_bytes) ||
+        qd_overlap(scales, s_bytes, q, q_bytes) || qd_overlap(bad_index, b_bytes, x, x_bytes) ||
+        qd_overlap(bad_index, b_bytes, scales, s_bytes) || qd_overlap(bad_index, b_bytes, q, q_bytes))
         return QD_ERR_ARGUMENT;
     const int threads = qd_threads_for(rows * cols / 65536 + 1);
     int64_t overflow_at = -1;

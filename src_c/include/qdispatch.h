@@ -48,7 +48,8 @@ typedef enum qd_backend { QD_BACKEND_REFERENCE = 0, QD_BACKEND_CPU = 1, QD_BACKE
 typedef enum qd_status {
     QD_OK = 0,
     QD_ERR_NULL = 1,              /* a required pointer is NULL */
-    QD_ERR_SHAPE = 2,             /* a dimension is <= 0, or a block does not divide its dim, or (CUDA)
+    QD_ERR_SHAPE = 2,             /* a dimension is <= 0, a block does not divide its dim, dimensions
+                                     disagree (K against packed weights' K, n against rows), or (CUDA)
                                      one past a kernel's limit: M, N, K < 2^31, a transpose's batch <= 65535 */
     QD_ERR_ARGUMENT = 3,          /* an argument's value is out of range (an enum, a size, an id, a
                                      weight value for its bits), or an output overlaps an input */
@@ -83,8 +84,8 @@ typedef enum qd_isa {
 
 /* "scalar", "avx2", "avxvnni", "avx512vnni", "neon_dotprod", "amx"; "?" if out of range. */
 const char *qd_isa_name(qd_isa isa);
-/* Parses a name as returned by qd_isa_name (case-insensitive); any other name is
- * QD_ERR_ARGUMENT. */
+/* Parses a name as returned by qd_isa_name (case-insensitive), or "neon" for
+ * neon_dotprod; any other name is QD_ERR_ARGUMENT. */
 qd_status qd_isa_from_name(const char *name, qd_isa *out);
 /* 1 if the ISA's kernels are compiled into this library. */
 int qd_isa_built(qd_isa isa);
