@@ -121,7 +121,8 @@ def get_isa():
 
 
 def set_num_threads(int n):
-    """Threads the kernels use; n <= 0 restores the default (the processor count), and
+    """Threads the kernels use; n <= 0 restores the default (OMP_NUM_THREADS's count,
+    else the processor count), and
     more than 4 per processor count as 4 per processor.  Built without OpenMP the
     kernels run on one thread, whatever n is."""
     qd_set_num_threads(n)

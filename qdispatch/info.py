@@ -46,7 +46,8 @@ def set_isa(name):
 
 
 def set_num_threads(n):
-    """Threads for the cpu backend's kernels (n <= 0 means one per core; more than 4 per
+    """Threads for the cpu backend's kernels (n <= 0 means the default: OMP_NUM_THREADS's
+    count where it is set, as torch reads it, else one per core; more than 4 per
     core count as 4 per core).  A build without OpenMP (see `qdispatch info`)
     runs them on one thread, whatever n is, and so does a process forked after qdispatch
     was loaded (OpenMP's threads do not survive fork: start workers by 'spawn')."""

@@ -461,6 +461,29 @@ def test_environment_variables_pick_isa_and_threads():
     assert out.stdout.split() == ["scalar", "1"]
 
 
+@pytest.mark.skipif(not built_with_openmp(), reason="a build without OpenMP runs one thread")
+def test_the_default_thread_count_follows_omp_num_threads():
+    """Worker processes sized by OMP_NUM_THREADS=1 (as torch and BLAS read it) each ran a
+    team of every processor, spinning against each other: 15-30x slower on 2 cores.
+    QDISPATCH_NUM_THREADS and set_num_threads still decide over it."""
+    code = ("import os, qdispatch as qd; n = qd.get_num_threads(); qd.set_num_threads(1); qd.set_num_threads(0); "
+            "print(n, qd.get_num_threads(), len(os.sched_getaffinity(0)))")
+
+    def counts(**env):
+        out = run_python("-c", code, **env)
+        assert out.returncode == 0, out.stderr
+        return [int(word) for word in out.stdout.split()]
+
+    procs = counts(OMP_NUM_THREADS="")[2]
+    assert counts(OMP_NUM_THREADS="")[:2] == [procs, procs]  # unset or empty: one per processor
+    assert counts(OMP_NUM_THREADS="1")[:2] == [1, 1]
+    assert counts(OMP_NUM_THREADS="3,2")[:2] == [3, 3]  # nested levels: the first is the kernels' team
+    assert counts(OMP_NUM_THREADS="100000")[:2] == [4 * procs] * 2  # at most 4 per processor
+    for unusable in ("0", "-2", "two", "2x"):  # OpenMP's own to refuse: the kernels keep their default
+        assert counts(OMP_NUM_THREADS=unusable)[:2] == [procs, procs], unusable
+    assert counts(OMP_NUM_THREADS="1", QDISPATCH_NUM_THREADS="2")[0] == 2
+
+
 
 BAD_SETTING = """
 import numpy as np, qdispatch as qd

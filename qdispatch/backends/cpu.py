@@ -68,13 +68,16 @@ class _StoreFromPanels:
         return self.panels.unpack()[0]
 
 
+DEFAULT_THREADS = "OMP_NUM_THREADS's count where it is set, else one per processor"
+
+
 def _thread_count_setting(text):
     """QDISPATCH_NUM_THREADS as an int, or ValueError naming the variable.  Plain
     ASCII digits only: int() also reads "2_0" as 20 and other scripts' digits."""
     count = int(text) if re.fullmatch(r"\s*[+-]?[0-9]+\s*", text) else None
     if count is None or count > _MOST_THREADS:
         raise ArgumentError(f"QDISPATCH_NUM_THREADS={text!r} is not a whole number up to {_MOST_THREADS}: set it "
-                            f"to a thread count such as 4 (0 or less means one per processor), or unset it")
+                            f"to a thread count such as 4 (0 or less means the default: {DEFAULT_THREADS}), or unset it")
     return count
 
 
@@ -141,10 +144,10 @@ class CpuBackend(HostBackend):
             count = index_of(n)  # a whole number (int, numpy integer); 2.7, "4" or True is none
         except TypeError:
             raise ArgumentTypeError(f"set_num_threads takes a whole number of threads, got {n!r} ({type(n).__name__}); "
-                                    f"0 or less means one per processor") from None
+                                    f"0 or less means the default: {DEFAULT_THREADS}") from None
         if count > _MOST_THREADS:
             raise ArgumentError(f"set_num_threads({count}): at most {_MOST_THREADS} threads; "
-                                f"0 or less means one per processor")
+                                f"0 or less means the default: {DEFAULT_THREADS}")
         _cpu.set_num_threads(max(count, 0))
         self._bad_settings.pop("threads", None)
         if count != 1 and _cpu.forked_child():

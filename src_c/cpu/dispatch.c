@@ -196,6 +196,31 @@ static int processors(void)
 #endif
 }
 
+/* The default thread count: OMP_NUM_THREADS's (its first entry, a whole number
+ * above 0, at most 4 per processor), read once as OpenMP reads it, else one per
+ * processor.  Worker processes sized by OMP_NUM_THREADS=1 (as torch and the BLAS
+ * libraries take it) would otherwise each spin a team of every core. */
+static int default_threads(void)
+{
+#ifdef _OPENMP
+    static int counted;
+    int n = __atomic_load_n(&counted, __ATOMIC_RELAXED);
+    if (n == 0) {
+        const char *text = getenv("OMP_NUM_THREADS");
+        char *end = NULL;
+        errno = 0;
+        const long named = text ? strtol(text, &end, 10) : 0;
+        const int cap = THREADS_PER_PROC_MAX * processors();
+        const int whole = text && end != text && !errno && (*end == '\0' || *end == ',' || isspace((unsigned char)*end));
+        n = whole && named > 0 ? (named < cap ? (int)named : cap) : processors();
+        __atomic_store_n(&counted, n, __ATOMIC_RELAXED);
+    }
+    return n;
+#else
+    return 1;
+#endif
+}
+
 #ifdef QD_POSIX_THREADS
 /* GNU OpenMP ends the process when the system refuses one of a team's threads (a
  * container's limit on tasks, RLIMIT_NPROC, no address space for a stack). So before
@@ -345,9 +370,9 @@ int qd_get_num_threads(void)
         return 1;
     const int n = __atomic_load_n(&thread_setting, __ATOMIC_RELAXED);
 #ifdef QD_POSIX_THREADS
-    return team_that_starts(n > 0 ? n : processors());
+    return team_that_starts(n > 0 ? n : default_threads());
 #else
-    return n > 0 ? n : processors();
+    return n > 0 ? n : default_threads();
 #endif
 #else
     return 1; /* built without OpenMP: the parallel loops run on the calling thread */

@@ -99,8 +99,9 @@ qd_status qd_isa_set(qd_isa isa);
 void qd_isa_reset(void);
 
 /* ---- threads ---- */
-/* n <= 0 restores the default (the number of processors the process may run on,
- * counted at the first call that needs it); n above 4 per processor
+/* n <= 0 restores the default: OMP_NUM_THREADS's count where it names one (its first
+ * entry), else the number of processors the process may run on, either read at the
+ * first call that needs it; n (and OMP_NUM_THREADS) above 4 per processor
  * counts as 4 per processor.  A library built without OpenMP runs on one thread: it
  * accepts n, and qd_get_num_threads() returns 1.  Where the system refuses threads (a
  * container's limit on tasks, say), the kernels run on as many as it let start, which
