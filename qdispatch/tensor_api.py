@@ -341,8 +341,39 @@ def tensor_astype(t, dtype):
     return _as_dtype(t, check_dtype(dtype, tuple(DTYPES)))
 
 
+def _dtype_named(spec):
+    """The dtype's name when `spec` is a dtype (torch's, numpy's, or a float dtype's
+    name), as torch's t.to(dtype) passes one; else None."""
+    if type(spec).__name__ == "dtype" and type(spec).__module__ == "torch":
+        return str(spec).removeprefix("torch.")
+    if isinstance(spec, np.dtype) or (isinstance(spec, type) and issubclass(spec, np.generic)):
+        return np.dtype(spec).name
+    if isinstance(spec, str) and spec.strip().lower() in ("float32", "float16", "bfloat16", "float64"):
+        return spec.strip().lower()
+    return None
+
+
+def _device_for_to(x, device):
+    """backend_for(device) for x.to(device), where a dtype gets the way to convert to it:
+    torch's t.to(dtype) changes dtypes, but .to here moves between devices only."""
+    name = _dtype_named(device)
+    if name is None:
+        return backend_for(device)
+    if isinstance(x, QTensor):
+        how = ("its stored values are q.values" if name == "int8" else
+               f"its values as floats are q.dequantize(), a float32 Tensor" +
+               (f" (then .astype({name!r}))" if name in ("float16", "bfloat16") else ""))
+    elif name in ("float32", "float16", "bfloat16"):
+        how = f"t.astype({name!r}) converts its values"
+    else:
+        how = f"t.astype converts between float32, float16 and bfloat16; for {name}, convert t.numpy()"
+    # a str could name a device: a value error, as an unknown device's is
+    error, shown = (ArgumentError, repr(device.strip())) if isinstance(device, str) else (ArgumentTypeError, name)
+    raise error(f"{type(x).__name__}.to moves between devices ('cpu', 'cuda:0'), got the dtype {shown}: {how}")
+
+
 def tensor_to(t, device):
-    dev, dst = backend_for(device)
+    dev, dst = _device_for_to(t, device)
     if dev == t.device:
         return t
     host = get_backend(t.kind).to_host(t.payload)
@@ -831,7 +862,7 @@ def qtensor_nbytes(q):
 def qtensor_to(q, device):
     """The same values and scales on another device; the destination backend may
     re-lay them out (the cpu backend packs weight panels here, once)."""
-    dev, dst = backend_for(device)
+    dev, dst = _device_for_to(q, device)
     if dev == q.device:
         return q
     values, scales = get_backend(q.kind).qstorage_to_host(q.storage, q.layout)

@@ -1535,8 +1535,8 @@ class QEmbedding(_QuantizedModule):
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
             got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ArgumentTypeError(f"QEmbedding takes a torch integer tensor of ids (torch.long or torch.int), got "
-                                    f"{got}")
+            raise ArgumentTypeError(f"QEmbedding takes a torch integer tensor of ids (torch.long, torch.int or another "
+                                    f"integer dtype; token ids are usually torch.long), got {got}")
         _check_strided(ids, "QEmbedding")
         here = _torch_device(self.weight.device)
         if ids.device != here:

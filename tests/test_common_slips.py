@@ -127,10 +127,23 @@ def test_astype_converts_float_dtypes_on_the_device(rng, device):
 
 def test_a_dtype_given_as_a_device_is_pointed_to_astype(rng):
     t = qd.tensor(np.ones(3, np.float32))
-    with pytest.raises(qd.ArgumentError, match=r"'float16' is a dtype: t\.astype\('float16'\) converts a Tensor"):
+    with pytest.raises(qd.ArgumentError, match=r"got the dtype 'float16': t\.astype\('float16'\) converts its values"):
         t.to("float16")
-    with pytest.raises(qd.ArgumentError, match=r"'FLOAT16' is a dtype: t\.astype\('float16'\)"):
+    with pytest.raises(qd.ArgumentError, match=r"got the dtype 'FLOAT16': t\.astype\('float16'\)"):
         t.to("FLOAT16")
+    for dtype in (np.float16, np.dtype("float16")):
+        with pytest.raises(qd.ArgumentTypeError, match=r"Tensor\.to moves between devices .*t\.astype\('"):
+            t.to(dtype)
+    with pytest.raises(qd.ArgumentTypeError, match=r"for float64, convert t\.numpy\(\)"):
+        t.to(np.float64)
+    q = qd.quantize(np.ones((4, 32), np.float32), "q8s")
+    with pytest.raises(qd.ArgumentTypeError, match=r"QTensor\.to .* dtype float16: its values as floats are "
+                                                   r"q\.dequantize\(\), a float32 Tensor \(then \.astype\('float16'\)\)"):
+        q.to(np.float16)
+    with pytest.raises(qd.ArgumentTypeError, match=r"dtype int8: its stored values are q\.values"):
+        q.to(np.int8)
+    with pytest.raises(qd.ArgumentError, match=r"dtype 'float32': its values as floats are q\.dequantize\(\)"):
+        q.to("float32")
     for not_float in ("tpu", "int8"):  # astype converts float dtypes only: no hint that would fail
         with pytest.raises(qd.ArgumentError) as caught:
             t.to(not_float)

@@ -89,7 +89,7 @@ def test_cpu_lookups_are_the_references_for_ids_of_any_kind(dtype, transposed, m
 
 def test_ids_must_be_integers_on_the_tables_device_and_inside_it():
     q = QEmbedding.from_embedding(torch.nn.Embedding(10, 32), PER_ROW, device=HOSTS[-1])
-    with pytest.raises(TypeError, match="integer tensor of ids .torch.long or torch.int., got torch.float32"):
+    with pytest.raises(TypeError, match="integer tensor of ids .torch.long, torch.int or another integer dtype; token ids are usually torch.long., got torch.float32"):
         q(torch.tensor([1.0]))
     with pytest.raises(TypeError, match="got list"):
         q([1, 2])

@@ -653,6 +653,12 @@ def test_torch_devices_name_qdispatch_devices():
     assert w.device == "cpu"
     model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 4)), SCHEMES[0], device=torch.device("cpu"))
     assert model[0].weight.device == "cpu"
+    # torch's t.to(dtype) habit: .to here moves between devices, and says how to convert
+    with pytest.raises(qd.ArgumentTypeError, match=r"QTensor\.to .* dtype float32: its values as floats are "
+                                                   r"q\.dequantize\(\)"):
+        model[0].weight.to(torch.float32)
+    with pytest.raises(qd.ArgumentTypeError, match=r"dtype bfloat16: t\.astype\('bfloat16'\) converts its values"):
+        qd.tensor(np.ones(2, np.float32)).to(torch.bfloat16)
 
 
 def test_qlinear_gradcheck_and_no_bias():
