@@ -236,8 +236,8 @@ def as_int8_host_operand(x, other, side):
 
 
 def missing_attribute(t, name):
-    """The AttributeError for an attribute `t` lacks: for a name numpy arrays have,
-    where to find it."""
+    """The AttributeError for an attribute `t` lacks: for a name numpy arrays (or,
+    once torch is imported, torch tensors) have, where to find it."""
     message = f"{type(t).__name__!r} object has no attribute {name!r}"
     if isinstance(t, QTensor) and name == "grad":  # torch's attribute: a QTensor is a constant to autograd
         return AttributeError("A QTensor has no gradient: gradients flow to the float operand only "
@@ -249,6 +249,14 @@ def missing_attribute(t, name):
         else:
             message += (f": a qdispatch Tensor is not a numpy array. t.numpy() is one (the tensor's own "
                         f"memory on a host backend, a copy from a GPU), and has .{name}")
+    elif "torch" in sys.modules and hasattr(sys.modules["torch"].Tensor, name):  # a layer's weight used as torch's
+        if isinstance(t, QTensor):
+            message += (f": a QTensor is not a torch tensor. Multiply by it with x @ q (or qdispatch.torch.q_matmul, "
+                        f"differentiable in x); its values as a float torch tensor are "
+                        f"qdispatch.torch.to_torch(q.dequantize()), which has .{name}")
+        else:
+            message += (f": a qdispatch Tensor is not a torch tensor. qdispatch.torch.to_torch(t) is one (sharing "
+                        f"its memory), and has .{name}")
     return AttributeError(message)
 
 

@@ -661,6 +661,21 @@ def test_torch_devices_name_qdispatch_devices():
         qd.tensor(np.ones(2, np.float32)).to(torch.bfloat16)
 
 
+def test_torchs_tensor_methods_on_qdispatch_tensors_say_where_they_are():
+    """layer.weight.numel(), .detach(), .float(): a bare "no attribute" said nothing of
+    how to multiply by a QTensor or get a torch tensor of it."""
+    q = quantize_linears(torch.nn.Sequential(torch.nn.Linear(8, 4)), SCHEMES[0], device="reference")[0].weight
+    for name in ("numel", "detach", "float", "clone", "element_size", "is_cuda"):
+        with pytest.raises(AttributeError, match=rf"^'QTensor' object has no attribute '{name}': a QTensor is not a "
+                                                 rf"torch tensor. Multiply by it with x @ q .*"
+                                                 rf"qdispatch.torch.to_torch\(q.dequantize\(\)\), which has .{name}$"):
+            getattr(q, name)
+        with pytest.raises(AttributeError, match=rf"^'Tensor' object has no attribute '{name}': a qdispatch Tensor "
+                                                 rf"is not a torch tensor. qdispatch.torch.to_torch\(t\) is one"):
+            getattr(qd.tensor(np.ones(2, np.float32), device="reference"), name)
+    assert torch.equal(to_torch(q.dequantize()), torch.from_numpy(q.dequantize().numpy()))
+
+
 def test_qlinear_gradcheck_and_no_bias():
     layer = QLinear(weight((8, 16), SCHEMES[2], "reference"))
     assert layer.bias is None and "bias=False" in repr(layer)
