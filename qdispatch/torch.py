@@ -631,11 +631,12 @@ _LOADS_KEPT = 64  # loads known at once per thread: loads run from another's hoo
 class _Load:
     """One load_state_dict() call's: the QTensors it read, {key: (weak checkpoint
     tensors, their versions, {id(QTensor): weak QTensor})}; the ids of the layers
-    given a sharer's new weight, and the layers that found no entry of their own,
-    {id(layer): (weak layer, its missing key)}."""
+    given a sharer's new weight; the layers that found no entry of their own,
+    {id(layer): (weak layer, its missing key)}, and those that loaded one,
+    {id(layer): (key, entry)}."""
 
     def __init__(self, error_msgs):
-        self.error_msgs, self.reads, self.given, self.without = error_msgs, {}, set(), {}
+        self.error_msgs, self.reads, self.given, self.without, self.own = error_msgs, {}, set(), {}, {}
 
 
 def _load_of(error_msgs):
@@ -710,6 +711,19 @@ def _read_once(reads, key, tensors, current, read, alike=lambda earlier, now: ea
     weight = read()
     hit[2][id(weight)] = weakref.ref(weight)  # one key may feed several untied layers, each its own
     return weight
+
+
+def _same_entry(a, b):
+    """Whether two checkpoint entries are one weight under two names: one tensor (or
+    views alike of one storage), or extra states of such tensors."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype) == \
+            (b.untyped_storage().data_ptr(), b.storage_offset(), b.shape, b.stride(), b.dtype)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return all(_same_entry(a.get(k), b.get(k)) for k in ("qvalues", "qscales"))
+    return False
 
 
 def _quantized_from_checkpoint(weight, scheme, device, current, reads):
@@ -1174,9 +1188,12 @@ class _QuantizedModule(torch.nn.Module):
             _LOADS.active = outer
         weight_key, state_key = prefix + "weight", prefix + "_extra_state"
         if state_key not in state_dict and weight_key in state_dict:
+            load.own[id(self)] = (weight_key, state_dict[weight_key])
             self._load_float(state_dict[weight_key], weight_key, state_key, local_metadata, missing_keys,
                              unexpected_keys, error_msgs, load)
-        elif state_key not in state_dict:  # nothing of its own: a tied weight named under another layer's name
+        elif state_key in state_dict:
+            load.own[id(self)] = (state_key, state_dict[state_key])
+        else:  # nothing of its own: a tied weight named under another layer's name
             if id(self) in load.given:  # given it already, by that layer
                 if state_key in missing_keys:
                     missing_keys.remove(state_key)
@@ -1198,6 +1215,12 @@ class _QuantizedModule(torch.nn.Module):
         one shared Parameter reaches them all; those found wanting earlier in this load
         (a checkpoint naming a tied weight once) are not missing."""
         for other in _holders(old, but=self):
+            (key, entry), earlier = load.own[id(self)], load.own.get(id(other))
+            if earlier is not None and not _same_entry(earlier[1], entry):  # its own weight gives way: say so
+                warnings.warn(f"{earlier[0]} and {key} hold different weights, but the two layers share one "
+                              f"quantized weight here (tied, as the model that was quantized tied them): both now "
+                              f"use the one loaded last, {key}. To keep both, untie the layers before quantizing "
+                              f"the model, as the checkpoint's model had them", stacklevel=2)
             other.weight, other._source, other._unloaded = self.weight, self._source, self._unloaded
             load.given.add(id(other))
             earlier = load.without.pop(id(other), None)

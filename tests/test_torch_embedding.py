@@ -4,6 +4,7 @@ import io
 import json
 import pickle
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -396,7 +397,9 @@ def test_a_tied_float_checkpoint_loads_into_one_qtensor():
     """A float checkpoint of a tied model names its table twice (one storage): it is
     quantized once, and the layers stay tied.  Two tensors under the two names (a
     state dict each of whose entries was copied) still load as one weight, the last
-    one loaded, as torch's copies into one tied Parameter do."""
+    one loaded, as torch's copies into one tied Parameter do, with a warning that
+    names both (a mixed-scheme checkpoint of a tied model gave its table the output
+    layer's int4 weight without a word)."""
     class Tied(TinyLM):
         def __init__(self):
             super().__init__()
@@ -408,13 +411,18 @@ def test_a_tied_float_checkpoint_loads_into_one_qtensor():
     quantize_linears(quantize_embeddings(empty, PER_ROW), PER_ROW)
     assert empty.embed.weight is empty.head.weight
     for assign in (True, False):
-        empty.load_state_dict(float_model.state_dict(), assign=assign)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one storage under two names: nothing gives way
+            empty.load_state_dict(float_model.state_dict(), assign=assign)
         assert empty.embed.weight is empty.head.weight
         want = qd.quantize(float_model.embed.weight.detach().numpy(), PER_ROW)
         np.testing.assert_array_equal(empty.head.weight.values, want.values)
     other = float_model.state_dict()
     other["head.weight"] = other["head.weight"].clone() * 2  # two tensors, the head's loaded last
-    empty.load_state_dict(other)
+    with pytest.warns(UserWarning, match=r"^embed.weight and head.weight hold different weights, but the two layers "
+                                         r"share one quantized weight here .* both now use the one loaded last, "
+                                         r"head.weight"):
+        empty.load_state_dict(other)
     assert empty.embed.weight is empty.head.weight
     np.testing.assert_array_equal(empty.embed.weight.values, qd.quantize(other["head.weight"].numpy(), PER_ROW).values)
 
@@ -503,6 +511,24 @@ def test_tied_weights_stay_tied_through_quantization(linears_first):
     assert torch.equal(model.embed(ids), torch.from_numpy(want[ids.numpy()]))
     for again in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # copies keep the tie
         assert again.head.weight is again.embed.weight
+
+
+def test_a_mixed_scheme_checkpoint_of_a_tied_model_warns_where_the_tie_keeps_one():
+    """The source's table and output layer parted (int8 and int4); a model quantized
+    with one scheme ties them, so one of the two weights must give way: the warning
+    says which.  A tied checkpoint loads into it without one."""
+    torch.manual_seed(0)
+    source = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), INT4)
+    assert source.head.weight is not source.embed.weight
+    tied = quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW)
+    with pytest.warns(UserWarning, match=r"^embed._extra_state and head._extra_state hold different weights.* "
+                                         r"the one loaded last, head._extra_state"):
+        tied.load_state_dict(source.state_dict())
+    assert tied.embed.weight is tied.head.weight and tied.embed.weight.scheme == INT4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tied.load_state_dict(quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), PER_ROW).state_dict())
+        quantize_linears(quantize_embeddings(TiedLM(), PER_ROW), INT4).load_state_dict(source.state_dict())  # untied
 
 
 def test_tied_weights_part_where_the_schemes_or_devices_differ():
