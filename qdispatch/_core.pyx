@@ -443,6 +443,12 @@ cdef class QTensor(TensorBase):
         raise ArgumentTypeError("A QTensor is no dense array: use q.dequantize().numpy() for its float values, "
                                 "or q.values and q.scales for what it stores")
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch calls this for a QTensor among a torch function's arguments: a layer's
+        # weight in F.linear(x, layer.weight) multiplies; any other function is refused
+        return _torch_operator().torch_function(func, args, kwargs or {})
+
     def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
         if not 0 <= kind < QD_BACKEND_COUNT or index < 0 or not hasattr(layout, "logical_shape"):
             raise ArgumentError(f"QTensor({type(storage).__name__}, {type(layout).__name__}, ...) names no layout "

@@ -469,6 +469,59 @@ def matmul_operator(a, b):
     return _qd_matmul(a, b)
 
 
+def _linear(input, weight, bias=None):
+    """F.linear(x, w, bias) with a QTensor weight [out, in], as QLinear computes it."""
+    if not isinstance(weight, QTensor) or isinstance(input, QTensor):
+        raise _refused("linear", "F.linear takes a QTensor as its weight (a layer's, [out, in]) and a torch tensor x")
+    y = q_matmul(input, weight.T)
+    if bias is None:
+        return y
+    return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
+
+
+def _mm(a, b):
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        raise ShapeError(f"mm multiplies 2-D matrices, got shapes {tuple(a.shape)} and {tuple(b.shape)}: "
+                         f"torch.matmul (or @) broadcasts")
+    return matmul_operator(a, b)
+
+
+# torch functions that multiply by a QTensor: F.linear(x, layer.weight) and the matmuls
+_TORCH_FUNCTIONS = {
+    torch.nn.functional.linear: _linear,
+    torch.matmul: matmul_operator,
+    torch.Tensor.matmul: matmul_operator,
+    torch.Tensor.__matmul__: matmul_operator,
+    torch.Tensor.__rmatmul__: lambda self, other: matmul_operator(other, self),  # other @ self
+    torch.mm: _mm,
+    torch.Tensor.mm: _mm,
+}
+
+
+def _refused(name, why=""):
+    return ArgumentTypeError(
+        f"{name}() got a QTensor, which is not a torch tensor{': ' + why if why else ''}. F.linear(x, w), "
+        f"torch.matmul, torch.mm and @ multiply by one (differentiable in x); for other functions use its values "
+        f"as a float torch tensor, qdispatch.torch.to_torch(q.dequantize()) (QEmbedding looks rows up)")
+
+
+def torch_function(func, args, kwargs):
+    """A torch function called with a QTensor among its arguments (QTensor's
+    __torch_function__): a product where it multiplies by one; any other runs as it
+    would without this hook (torch.func's call of QMatmul passes the QTensor on),
+    and its TypeError for a QTensor where a tensor goes says what to use."""
+    run = _TORCH_FUNCTIONS.get(func)
+    if run is not None:
+        return run(*args, **kwargs)
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    except TypeError as exc:
+        if "QTensor" not in str(exc):
+            raise
+        raise _refused(getattr(func, "__name__", str(func))) from exc
+
+
 def _q_matmul(x, w, act=None):
     _check_operands(x, w, act)
     if _any_autocast():  # one C call a product; the region's dtype only inside one

@@ -580,6 +580,35 @@ def test_the_matmul_operator_between_torch_and_a_qtensor_stays_in_torch(device):
         x @ qd.tensor(np.ones((16, 2), np.float32))
 
 
+def test_torch_functions_multiply_by_a_layers_quantized_weight(device):
+    """F.linear(x, layer.weight, layer.bias), as model code that reuses a layer's weight
+    writes it (a tied output head), was torch's "must be Tensor, not QTensor": it is
+    the layer's product, and so are torch.matmul and torch.mm; other torch functions
+    say what to use."""
+    at = torch.device("cuda" if device == "cuda" else "cpu")
+    layer = QLinear.from_linear(torch.nn.Linear(16, 24), SCHEMES[0], device=device).to(at)
+    x = torch.randn(3, 16, device=at, requires_grad=True)
+    y = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.equal(y, layer(x))
+    y.sum().backward()
+    assert torch.equal(x.grad, q_matmul(torch.ones(3, 24, device=at), layer.weight))
+    assert torch.equal(torch.nn.functional.linear(x, layer.weight), q_matmul(x, layer.weight.T))
+    bf16 = x.detach().bfloat16()
+    assert torch.nn.functional.linear(bf16, layer.weight, layer.bias).dtype == torch.bfloat16  # as QLinear's
+    w = layer.weight.T
+    want = q_matmul(x, w)
+    for product in (torch.matmul(x, w), torch.mm(x, w), x.matmul(w), x.mm(w), torch.matmul(w.T, x.mT).mT):
+        assert torch.equal(product, want)
+    with pytest.raises(ShapeError, match=r"mm multiplies 2-D matrices, got shapes \(16,\) and \(16, 24\)"):
+        torch.mm(x[0], w)
+    for call in (lambda: torch.add(x, w), lambda: torch.nn.functional.embedding(torch.tensor([1], device=at), layer.weight),
+                 lambda: torch.einsum("ij,jk->ik", x, w), lambda: torch.nn.functional.linear(w, x)):
+        with pytest.raises(qd.ArgumentTypeError, match=r"\(\) got a QTensor, which is not a torch tensor.*F.linear"
+                                                       r"\(x, w\), torch.matmul, torch.mm and @ multiply by one.*"
+                                                       r"qdispatch.torch.to_torch\(q.dequantize\(\)\)"):
+            call()
+
+
 def test_a_qlinear_keeps_its_shape():
     layer = QLinear(weight((6, 10), SCHEMES[0], "reference"))
     layer.weight = weight((6, 10), SCHEMES[0], "reference", seed=1)  # another of its shape: fine
