@@ -446,7 +446,7 @@ cdef class QTensor(TensorBase):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # torch calls this for a QTensor among a torch function's arguments: a layer's
-        # weight in F.linear(x, layer.weight) multiplies; any other function is refused
+        # weight in F.linear(x, layer.weight) multiplies; other functions run as without it
         return _torch_operator().torch_function(func, args, kwargs or {})
 
     def __cinit__(self, storage, layout, bint transposed, int kind, int index=0, tuple shape=None):
