@@ -356,7 +356,7 @@ def _dtype_named(spec):
         return str(spec).removeprefix("torch.")
     if isinstance(spec, np.dtype) or (isinstance(spec, type) and issubclass(spec, np.generic)):
         return np.dtype(spec).name
-    if isinstance(spec, str) and spec.strip().lower() in ("float32", "float16", "bfloat16", "float64"):
+    if isinstance(spec, str) and spec.strip().lower() in FLOAT_DTYPES + ("float64",):
         return spec.strip().lower()
     return None
 
@@ -370,8 +370,8 @@ def _device_for_to(x, device):
     if isinstance(x, QTensor):
         how = ("its stored values are q.values" if name == "int8" else
                f"its values as floats are q.dequantize(), a float32 Tensor" +
-               (f" (then .astype({name!r}))" if name in ("float16", "bfloat16") else ""))
-    elif name in ("float32", "float16", "bfloat16"):
+               (f" (then .astype({name!r}))" if name in FLOAT_DTYPES[1:] else ""))
+    elif name in FLOAT_DTYPES:
         how = f"t.astype({name!r}) converts its values"
     else:
         how = f"t.astype converts between float32, float16 and bfloat16; for {name}, convert t.numpy()"

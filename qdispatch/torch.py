@@ -766,14 +766,18 @@ def _read_once(reads, key, tensors, current, read, alike=lambda earlier, now: ea
     return weight
 
 
+def _view_of(t):
+    """Where tensor t's values lie: two tensors alike here are views of the same values."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, str(t.device)
+
+
 def _same_entry(a, b):
     """Whether two checkpoint entries are one weight under two names: one tensor (or
     views alike of one storage), or extra states of such tensors."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype) == \
-            (b.untyped_storage().data_ptr(), b.storage_offset(), b.shape, b.stride(), b.dtype)
+        return _view_of(a) == _view_of(b)
     if isinstance(a, dict) and isinstance(b, dict):
         return all(_same_entry(a.get(k), b.get(k)) for k in ("qvalues", "qscales"))
     return False
@@ -782,8 +786,7 @@ def _same_entry(a, b):
 def _quantized_from_checkpoint(weight, scheme, device, current, reads):
     """_quantized(weight, scheme, device), or `current` where this load quantized it
     from the same float weight (views of one storage) for a tied layer before."""
-    key = ("float", weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape),
-           weight.stride(), weight.dtype, str(weight.device), scheme, str(device))
+    key = ("float", *_view_of(weight), scheme, str(device))
     # another view of one storage is alike while the first lives: no other tensor has its address then
     return _read_once(reads, key, (weight,), current, lambda: _quantized(weight.detach(), scheme, device),
                       alike=lambda earlier, now: earlier is not None)
