@@ -771,7 +771,8 @@ def element(DeviceArray a, int64_t flat):
 # ---- quantization --------------------------------------------------------------
 
 def quantize(DeviceArray x, str value, int64_t block_rows, int64_t block_cols, str scale_dtype):
-    """x float32 [rows, cols] -> (int8 values, float32 scales [rows/br, cols/bc]).
+    """x float32, float16 or bfloat16 [rows, cols] -> (int8 values, float32 scales
+    [rows/br, cols/bc]), as quantizing x's float32 copy gives them.
 
     Raises NonFiniteError(flat index in .index) or ScaleOverflowError(.index)."""
     rows, cols = x.shape
@@ -779,7 +780,7 @@ def quantize(DeviceArray x, str value, int64_t block_rows, int64_t block_cols, s
     scales = empty((rows // block_rows, cols // block_cols), "float32", x.device)
     scratch = empty((QD_CUDA_QUANTIZE_SCRATCH,), "int8", x.device)
     cdef int64_t r = rows, c = cols, bad = -1
-    cdef int vk = VALUE_KINDS[value], sd = SCALE_DTYPES[scale_dtype]
+    cdef int vk = VALUE_KINDS[value], sd = SCALE_DTYPES[scale_dtype], xd = DTYPES[x.dtype]
     cdef void *px = P(x)
     cdef void *pq = P(q)
     cdef void *ps = P(scales)
@@ -787,8 +788,8 @@ def quantize(DeviceArray x, str value, int64_t block_rows, int64_t block_cols, s
     cdef qd_status st
     with on_device(x.device):
         with nogil:
-            st = qd_cuda_quantize_f32(<float *>px, r, c, vk, block_rows, block_cols, sd,
-                                      <float *>ps, <int8_t *>pq, pw, &bad, NULL)
+            st = qd_cuda_quantize(px, xd, r, c, vk, block_rows, block_cols, sd, <float *>ps, <int8_t *>pq, pw,
+                                  &bad, NULL)
     if st == QD_ERR_NOT_FINITE:
         err = NonFiniteError("non-finite input")
         err.index = bad

@@ -656,7 +656,7 @@ def _quantize(x, scheme, device, weight):
     layout = QLayout.for_shape(scheme, shape)
     backend = get_backend(x.kind)
     quantizer = backend.quantize if weight else getattr(backend, "quantize_activation", backend.quantize)
-    payload = _float32_to_quantize(x)
+    payload = _payload_to_quantize(x, backend)
     swapped = payload if w is not None else _swapped_view(payload)
     if swapped is not None:  # W.T of a row-major W: quantized in W's order, as W's transpose (no copy of W.T)
         stored = QLayout(layout.logical_scheme(True), swap_last2(layout.shape), swap_last2(layout.block))
@@ -665,7 +665,7 @@ def _quantize(x, scheme, device, weight):
         except QDispatchError:
             pass  # its positions would be W's: quantized as given below, the error names x's
     if w is not None:  # x holds W: W.T itself, quantized as given
-        payload = float32_payload(tensor(data, device=x.device))
+        payload = _payload_to_quantize(tensor(data, device=x.device), backend)
     return QTensor(quantizer(payload, layout, x.index), layout, False, x.kind, x.index)
 
 
@@ -674,18 +674,20 @@ def float32_payload(x):
     return x.payload if x.dtype == "float32" else get_backend(x.kind).cast(x.payload, x.dtype, "float32")
 
 
-def _float32_to_quantize(x):
-    """float32_payload(x) for quantize, whose out-of-memory error says that the
-    float32 copy of 16-bit data is what did not fit (twice the data's bytes)."""
+def _payload_to_quantize(x, backend):
+    """x's payload as the backend quantizes it: as it is where the backend reads its
+    dtype, else a float32 copy, whose out-of-memory error says that the copy is what
+    did not fit (twice 16-bit data's bytes)."""
+    if x.dtype in backend.quantize_dtypes:
+        return x.payload
     try:
         return float32_payload(x)
     except MemoryError as exc:
         kind = type(exc) if isinstance(exc, OutOfMemoryError) else OutOfMemoryError
         copy = byte_size(4 * math.prod(x.shape))
         raise kind(f"quantize reads {x.dtype} data through a float32 copy ({copy}, twice the data's bytes), which "
-                   f"did not fit: {exc or 'out of memory'}. Free memory first "
-                   f"(qd.empty_cache(), torch.cuda.empty_cache()), or quantize a weight this large on the host "
-                   f"and move the QTensor") from exc
+                   f"did not fit: {exc or 'out of memory'}. Free memory first, or quantize it on a GPU "
+                   f"(qd.quantize(x, scheme, device='cuda')), which reads 16-bit data without the copy") from exc
 
 
 def _swapped_view(payload):

@@ -41,6 +41,18 @@ int main() {
                                 reinterpret_cast<float *>(aligned + 1024), reinterpret_cast<int8_t *>(aligned + 2048),
                                 off + 4096, &bad, nullptr),
            QD_ERR_ARGUMENT);
+    expect("quantize of bfloat16 x, misaligned scratch",
+           qd_cuda_quantize(aligned, QD_CUDA_BF16, 2, 32, 0, 1, 32, 0, reinterpret_cast<float *>(aligned + 1024),
+                            reinterpret_cast<int8_t *>(aligned + 2048), off + 4096, &bad, nullptr),
+           QD_ERR_ARGUMENT);
+    expect("quantize of int8 x (no float dtype)",
+           qd_cuda_quantize(aligned, QD_CUDA_S8, 2, 32, 0, 1, 32, 0, reinterpret_cast<float *>(aligned + 1024),
+                            reinterpret_cast<int8_t *>(aligned + 2048), aligned + 4096, &bad, nullptr),
+           QD_ERR_ARGUMENT);
+    expect("quantize of bfloat16 x, q over x's 128 bytes",
+           qd_cuda_quantize(aligned, QD_CUDA_BF16, 2, 32, 0, 1, 32, 0, reinterpret_cast<float *>(aligned + 1024),
+                            reinterpret_cast<int8_t *>(aligned + 96), aligned + 4096, &bad, nullptr),
+           QD_ERR_ARGUMENT);
     if (!wrong) std::printf("every misaligned pointer is refused\n");
     return wrong ? 1 : 0;
 }

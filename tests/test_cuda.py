@@ -10,6 +10,7 @@ import pytest
 
 import qdispatch as qd
 from helpers import rel_err
+from qdispatch._core import get_backend
 
 pytestmark = [
     pytest.mark.cuda,
@@ -103,6 +104,53 @@ def test_quantize_bit_identical(rng, scheme, shape):
             out = got.dequantize(dtype)
             assert out.dtype == dtype and out.device == "cuda:0"
             np.testing.assert_array_equal(out.numpy(), want.dequantize(dtype).numpy())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=repr)
+def test_quantize_16bit_data_in_place_bit_identical(monkeypatch, rng, dtype, scheme):
+    """16-bit data is read as it is (a float32 copy took twice its bytes: a 40 GB bf16
+    weight needed 76 GiB more), with the bits of quantizing its float32 values."""
+    x32 = (rng.standard_normal((4, 8, 256)) * rng.uniform(0.01, 100, size=256)).astype(np.float32)
+    x32.reshape(-1)[7] = 0.5 * float(np.abs(x32).max())
+    x = qd.tensor(x32, device="cuda", dtype=dtype)
+    try:
+        spec = qd.quantize(x.to("reference"), scheme)
+    except qd.QDispatchError as exc:  # the scheme does not fit this shape: same error on cuda
+        with pytest.raises(type(exc)):
+            qd.quantize(x, scheme)
+        return
+    backend = get_backend("cuda")
+
+    def cast(*args):
+        raise AssertionError(f"quantize copied {dtype} data: cast{args[1:]}")
+    monkeypatch.setattr(backend, "cast", cast)
+    on_gpu = qd.quantize(x, scheme)
+    monkeypatch.undo()
+    assert on_gpu.device == "cuda:0"
+    np.testing.assert_array_equal(on_gpu.values, spec.values)
+    np.testing.assert_array_equal(on_gpu.scales, spec.scales)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_16bit_non_finite_names_value_and_position(dtype, bad):
+    x = np.ones((4, 64), np.float32)
+    x[2, 17] = bad
+    x[3, 1] = bad
+    with pytest.raises(qd.NonFiniteError, match=rf"holding {float(bad)!r} at position \(2, 17\)"):
+        qd.quantize(qd.tensor(x, device="cuda", dtype=dtype), qd.QuantScheme("q8s", block=32))
+
+
+def test_quantize_bfloat16_scale_overflow_names_the_block():
+    x = np.ones((4, 64), np.float32)
+    x[3, 40:] = 1e10  # bf16 holds it; an f16 scale of 1e10 / 127 does not
+    scheme = qd.QuantScheme("q8s", block=32, scale_dtype="f16")
+    with pytest.raises(qd.ScaleOverflowError, match=r"block \(3, 1\)") as exc:
+        qd.quantize(qd.tensor(x, device="cuda", dtype="bfloat16"), scheme)
+    with pytest.raises(qd.ScaleOverflowError) as spec:
+        qd.quantize(qd.tensor(x, device="reference", dtype="bfloat16"), scheme)
+    assert str(exc.value) == str(spec.value)  # the same scale, from the block's values
 
 
 def test_quantize_takes_names_read_from_numpy(rng):
@@ -926,7 +974,6 @@ def test_mixed_backends_raise(rng):
 
 
 def test_two_gpus_device_mismatch(rng):
-    from qdispatch._core import get_backend
     if get_backend("cuda").device_count() < 2:
         pytest.skip("needs two GPUs")
     x = rng.standard_normal((4, 64)).astype(np.float32)

@@ -73,7 +73,11 @@ class Backend:
         """(int8 values, float32 scale grid) exactly as they were stored."""
         raise NotImplementedError
 
+    # dtypes whose payloads quantize reads as they are; others come as a float32 copy
+    quantize_dtypes = ("float32",)
+
     def quantize(self, payload, layout, index):
+        """A payload of one of quantize_dtypes -> QStorage, the bits of its float32 values."""
         raise NotImplementedError
 
     def qtensor_batch(self, q, index):

@@ -85,6 +85,13 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
+def _host_floats(x, flat=None):
+    """Device array x's values on the host as numpy floats (bfloat16 widened from its
+    bits), or only element `flat` of it."""
+    values = _cuda.to_host(x) if flat is None else _cuda.element(x, flat)
+    return quantmath.bf16_bits_to_f32(values) if x.dtype == "bfloat16" else values
+
+
 def _in_store(q, layout):
     """int8 values q [rows, cols] (2-D, storage orientation) in the scheme's store."""
     if layout.scheme.store == "packed_u32":
@@ -243,10 +250,12 @@ class CudaBackend(Backend):
             values = quantmath.unpack_u32(values, layout.bits, layout.shape[-1])
         return values, _cuda.to_host(storage.scales)
 
+    quantize_dtypes = ("float32", "float16", "bfloat16")  # 16-bit x read in place: no float32 copy
+
     def quantize(self, payload, layout, index):
         flat = as_2d_block(layout.shape, layout.block)
         if flat is None:  # an N-d blocking the kernel does not take: the numpy spec, same bits
-            values, scales, _ = quantmath.quantize_array(_cuda.to_host(payload), layout.scheme)
+            values, scales, _ = quantmath.quantize_array(_host_floats(payload), layout.scheme)
             return self.qstorage_from_host(values, scales, layout, index)
         rows, cols, br, bc = flat
         x = payload.view((rows, cols))
@@ -254,10 +263,10 @@ class CudaBackend(Backend):
             q, scales = _cuda.quantize(x, layout.scheme.value, br, bc, layout.scheme.scale_dtype)
         except NonFiniteError as exc:
             position = tuple(int(i) for i in np.unravel_index(exc.index, layout.shape))
-            raise quantmath.non_finite_error(_cuda.element(x, exc.index), position) from None
+            raise quantmath.non_finite_error(_host_floats(x, exc.index), position) from None
         except ScaleOverflowError as exc:
             block = tuple(int(i) for i in np.unravel_index(exc.index, layout.grid))
-            raise quantmath.block_scale_overflow_error(_cuda.to_host(x), exc.index, (br, bc),  # an error path
+            raise quantmath.block_scale_overflow_error(_host_floats(x), exc.index, (br, bc),  # an error path
                                                        layout.scheme.qrange, layout.scheme.scale_dtype,
                                                        block) from None
         return CudaQStorage(_in_store(q, layout), scales.view(layout.grid))

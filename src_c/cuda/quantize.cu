@@ -1,6 +1,8 @@
 // Quantization on the GPU, bit-identical to the reference: per-block amax, the
 // scale in float32 (IEEE division) rounded up to its stored dtype, then
 // q = clamp(rint(x / scale)) with a true division.  Built without fast-math.
+// float16 and bfloat16 x are read as they are, each value widened (exactly) as it
+// loads: no float32 copy, which for a large weight would need twice its bytes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -23,7 +25,7 @@ struct Blocking {
 // One warp per (row, column block, segment of the block): a warp max, then one
 // atomic per block (non-negative floats order like their bit patterns).  The
 // first non-finite input, in flat order, goes to *bad.
-__global__ void amax_kernel(const float *x, Blocking b, int64_t segs_per_block, float *amax,
+__global__ void amax_kernel(const void *x, int x_dtype, Blocking b, int64_t segs_per_block, float *amax,
                             unsigned long long *bad) {
     const int lane = threadIdx.x & 31;
     const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
@@ -36,7 +38,7 @@ __global__ void amax_kernel(const float *x, Blocking b, int64_t segs_per_block, 
     float m = 0.0f;
     unsigned long long first_bad = kNone;
     for (int64_t c = begin + lane; c < end; c += 32) {
-        float v = x[r * b.cols + c];
+        const float v = qd::load_as_f32(x, x_dtype, r * b.cols + c);
         if (isfinite(v)) m = fmaxf(m, fabsf(v));
         else if (first_bad == kNone) first_bad = (unsigned long long)(r * b.cols + c);
     }
@@ -79,23 +81,24 @@ __global__ void scale_kernel(float *scales, int64_t n, float range, int scale_dt
     }
 }
 
-__global__ void quantize_kernel(const float *x, Blocking b, const float *scales, float lo,
+__global__ void quantize_kernel(const void *x, int x_dtype, Blocking b, const float *scales, float lo,
                                 float hi, int8_t *q) {
     const int64_t n = b.rows * b.cols;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        float v = rintf(__fdiv_rn(x[i], scales[b.scale_of(i / b.cols, i % b.cols)]));
+        const float v = rintf(__fdiv_rn(qd::load_as_f32(x, x_dtype, i), scales[b.scale_of(i / b.cols, i % b.cols)]));
         q[i] = (int8_t)fminf(fmaxf(v, lo), hi);
     }
 }
 
 }  // namespace
 
-extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols,
-                                          int value_kind, int64_t block_rows, int64_t block_cols,
-                                          int scale_dtype, float *scales, int8_t *q,
-                                          void *scratch, int64_t *bad_index, void *stream) {
+extern "C" qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols,
+                                      int value_kind, int64_t block_rows, int64_t block_cols,
+                                      int scale_dtype, float *scales, int8_t *q,
+                                      void *scratch, int64_t *bad_index, void *stream) {
     if (!x || !scales || !q || !scratch) return QD_ERR_NULL;
+    if (!qd::float_dtype(x_dtype)) return QD_ERR_ARGUMENT;
     if (reinterpret_cast<uintptr_t>(scratch) % 8) return QD_ERR_ARGUMENT;  // 64-bit atomics: a fault otherwise
     int lo, hi;
     if (!qd::value_range(value_kind, &lo, &hi) || scale_dtype < QD_SCALE_F32 ||
@@ -104,10 +107,11 @@ extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t 
     if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 || rows % block_rows ||
         cols % block_cols)
         return QD_ERR_SHAPE;
-    if (!qd_dims_fit(rows, cols, sizeof(float))) return QD_ERR_ARGUMENT;
+    const size_t x_size = qd::dtype_bytes(x_dtype);
+    if (!qd_dims_fit(rows, cols, x_size)) return QD_ERR_ARGUMENT;
     const Blocking b{rows, cols, block_rows, block_cols};
     const int64_t n_scales = (rows / block_rows) * b.grid_cols();
-    const qd::Bytes xb{x, (size_t)(rows * cols) * sizeof(float)}, qb{q, (size_t)(rows * cols)},
+    const qd::Bytes xb{x, (size_t)(rows * cols) * x_size}, qb{q, (size_t)(rows * cols)},
         sb{scales, n_scales * sizeof(float)}, scratch_b{scratch, QD_CUDA_QUANTIZE_SCRATCH};
     if (qd::overlaps_any(qb, {xb, sb, scratch_b}) || qd::overlaps_any(sb, {xb, scratch_b}) ||
         qd::overlaps_any(scratch_b, {xb}))
@@ -122,7 +126,7 @@ extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t 
     const int64_t warps = rows * b.grid_cols() * segs_per_block;
     const int64_t blocks = qd::ceil_div(warps * 32, kThreads);
     if (blocks > 0x7FFFFFFF) return QD_ERR_SHAPE;
-    amax_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(x, b, segs_per_block, scales, bad);
+    amax_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(x, x_dtype, b, segs_per_block, scales, bad);
     if ((st = qd::launched()) != QD_OK) return st;
     scale_kernel<<<qd::grid_for(n_scales, kThreads), kThreads, 0, s>>>(
         scales, n_scales, (float)(hi - lo), scale_dtype, bad + 1);
@@ -141,6 +145,14 @@ extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t 
         return QD_ERR_SCALE_OVERFLOW;
     }
     quantize_kernel<<<qd::grid_for(rows * cols, kThreads), kThreads, 0, s>>>(
-        x, b, scales, (float)lo, (float)hi, q);
+        x, x_dtype, b, scales, (float)lo, (float)hi, q);
     return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols,
+                                          int value_kind, int64_t block_rows, int64_t block_cols,
+                                          int scale_dtype, float *scales, int8_t *q,
+                                          void *scratch, int64_t *bad_index, void *stream) {
+    return qd_cuda_quantize(x, QD_CUDA_F32, rows, cols, value_kind, block_rows, block_cols, scale_dtype, scales, q,
+                            scratch, bad_index, stream);
 }

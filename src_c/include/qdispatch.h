@@ -226,7 +226,7 @@ qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst);
 /* ---- CUDA entry points (see qd_cuda_available) ---- */
 /* All pointers are device pointers unless said otherwise; `stream` is a
  * cudaStream_t (NULL: the legacy default stream).  Work is queued on the
- * stream; only qd_cuda_quantize_f32 waits for it (to report bad input).
+ * stream; only the qd_cuda_quantize functions wait for it (to report bad input).
  * Built without CUDA, every function returns QD_ERR_CUDA_UNAVAILABLE. */
 typedef enum qd_cuda_dtype {
     QD_CUDA_F32 = 0, QD_CUDA_F16 = 1, QD_CUDA_BF16 = 2, QD_CUDA_S8 = 3, QD_CUDA_S32 = 4
@@ -264,7 +264,7 @@ qd_status qd_cuda_pack_u32(const int8_t *q, int64_t rows, int64_t cols, int bits
 qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits,
                              int8_t *q, void *stream);
 
-/* Bytes of device scratch that qd_cuda_quantize_f32 needs. */
+/* Bytes of device scratch that qd_cuda_quantize and qd_cuda_quantize_f32 need. */
 #define QD_CUDA_QUANTIZE_SCRATCH 16
 /* Same contract and bits as qd_quantize_f32; scratch: QD_CUDA_QUANTIZE_SCRATCH device
  * bytes, 8-byte aligned; bad_index is a host pointer. */
@@ -272,6 +272,11 @@ qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int v
                                int64_t block_rows, int64_t block_cols, int scale_dtype,
                                float *scales, int8_t *q, void *scratch, int64_t *bad_index,
                                void *stream);
+/* qd_cuda_quantize_f32 for x of x_dtype (QD_CUDA_F32, F16 or BF16), each value read
+ * as its exact float32: the bits of quantizing x's float32 copy, without the copy. */
+qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, int value_kind,
+                           int64_t block_rows, int64_t block_cols, int scale_dtype, float *scales,
+                           int8_t *q, void *scratch, int64_t *bad_index, void *stream);
 /* out[r, c] = value(r, c) * scales[r / block_rows, c / block_cols] (float32).  values:
  * int8 [rows, cols] when bits == 0, else packed_u32 words of `bits`-bit values.  In a
  * 16-bit dtype: qd_cuda_dequantize_rows without ids. */
