@@ -9,8 +9,8 @@ followed by the dequant epilogue in torch, and bf16 `torch.matmul`.  Results go
 to benchmarks/results/cuda_h200.json (batched decode: cuda_h200_batched.json;
 prefill-sized fq: cuda_h200_prefill.json; decode layers in CUDA graphs:
 cuda_h200_graphs.json; qq with scale blocks along K: cuda_h200_qq_blocks.json;
-fq with weight blocks too fine for the decode tiles: cuda_h200_fq_fine_blocks.json)
-with the GPU's name and clocks."""
+fq with weight blocks too fine for the decode tiles: cuda_h200_fq_fine_blocks.json;
+quantizing bf16 weights on the GPU: cuda_h200_quantize.json) with the GPU's name and clocks."""
 import contextlib
 import itertools
 import json
@@ -38,6 +38,7 @@ BATCHED_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_batched.json")
 GRAPH_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_graphs.json")
 QQ_BLOCK_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_qq_blocks.json")
 FINE_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_fq_fine_blocks.json")
+QUANTIZE_RESULTS = os.path.join(RESULTS_DIR, "cuda_h200_quantize.json")
 L2_DEFEAT_BYTES = 200 << 20   # each rotation touches at least this much
 QQ_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 4096, 11008)]
 FQ_SHAPES = [(1, 4096, 4096), (4, 4096, 4096), (16, 4096, 4096), (16, 4096, 11008)]
@@ -403,6 +404,42 @@ def test_fq_blocks_too_fine_for_the_tiles(benchmark, M, K, N, wname, scheme):
         "weight_bytes": w.nbytes, "weight_GBps": w.nbytes / ms["qdispatch"] / 1e6,
         "speedup_vs_bf16": ms["torch_bf16_matmul"] / ms["qdispatch"], "rel_err": err}, results=FINE_RESULTS)
     time_each_set(benchmark, _fq, sets)
+
+
+def _torch_quantize(w, qrange, block):
+    """torch's per-block absmax quantize of w [N, K] along K (the scale amax / (range / 2)
+    in float32, round half to even): int8 values and float32 scales."""
+    lo, hi = qrange
+    blocks = w.float().view(w.shape[0], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scales = torch.where(amax == 0, torch.ones_like(amax), amax / ((hi - lo) / 2))
+    return torch.round(blocks / scales).clamp_(lo, hi).to(torch.int8).view(w.shape), scales.view(w.shape[0], -1)
+
+
+@pytest.mark.parametrize("N,K", [(4096, 4096), (11008, 4096)])
+@pytest.mark.parametrize("wname,scheme", FQ_WEIGHTS[:2])
+def test_quantize_bf16_weights(benchmark, N, K, wname, scheme):
+    """Quantizing a bf16 weight [N, K] already on the GPU (a torch tensor, read in place):
+    qdispatch (which waits for its checks of the values before returning) against the
+    same quantization in torch ops, and against qdispatch on a float32 copy, the way
+    16-bit data went before."""
+    block = scheme.block_shape((N, K))[-1]
+    tw = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(n_sets(N * K * 2))]
+    sets = [(qd.from_dlpack(w),) for w in tw]
+    ours_fn = lambda w: qd.quantize(w, scheme)
+    copy_fn = lambda w: qd.quantize(w.to("float32"), scheme)
+    torch_fn = lambda w: _torch_quantize(w, scheme.qrange, block)
+    ms = gpu_ms_each({"qdispatch": (ours_fn, sets), "qdispatch_float32_copy": (copy_fn, sets),
+                      "torch": (torch_fn, [(w,) for w in tw])}, calls=10)
+    q, (values, scales) = ours_fn(*sets[0]), torch_fn(tw[0])
+    spec = qd.quantize(sets[0][0].to("reference"), scheme)
+    assert np.array_equal(q.values, spec.values) and np.array_equal(q.scales, spec.scales), \
+        f"{wname} {N}x{K}: not the reference's bits"
+    same = bool(np.array_equal(values.cpu().numpy(), spec.values)
+                and np.array_equal(scales.cpu().numpy().reshape(spec.scales.shape), spec.scales))
+    record(benchmark, f"quantize_bf16_{wname}", (N, K), ms, {"weight_bytes_bf16": N * K * 2,
+           "torch_gives_the_same_values": same}, results=QUANTIZE_RESULTS)
+    time_each_set(benchmark, ours_fn, sets)
 
 
 @contextlib.contextmanager
