@@ -691,7 +691,9 @@ cdef object _decode_step(object backend, TensorBase lhs, TensorBase rhs, object 
 
 
 def int_matmul(a, b, *, transfer=None):
-    """Exact int8 x int8 -> int32 matrix product, any shape (M = 1 included)."""
+    """Exact int8 x int8 -> int32 matrix product, any shape (M = 1 included).
+
+    transfer: what to do when a and b are on different devices, as for q_matmul."""
     cdef TensorBase l, r
     if transfer is not None:
         _check_transfer(transfer)

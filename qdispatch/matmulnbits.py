@@ -45,8 +45,10 @@ def export(w, block_size=None, dtype="float32"):
     Its values must be 2-, 4- or 8-bit and its scales constant over each block of
     `block_size` along K: blocks along K whose size is a multiple of it, or one scale
     per row or for the whole tensor (any grouping of rows), or smaller blocks whose
-    scales agree over each (as `load` gives where block_size does not divide K).
-    `block_size=None` takes the largest power of two from 16 to 256 that fits.
+    scales agree over each (as `load` gives where block_size does not divide K: pass
+    the file's block_size to get its layout back).  `block_size=None` takes, of the
+    powers of two from 16 to 256 that fit, the largest that divides K, else the
+    largest up to K (the least padding).
     `dtype` is the scales' type, which MatMulNBits wants equal to A's: "float32", or
     "float16" where every scale is a float16 value."""
     if not isinstance(w, QTensor):

@@ -486,7 +486,8 @@ def from_dlpack(obj, device=None):
     holds (float32, float16, bfloat16, int8, int32).  Other dtypes come in as
     `qdispatch.tensor` converts them, in a copy: float64 as float32, other integers
     as int8.  A torch tensor goes through `qdispatch.torch.from_torch`, which knows
-    torch's streams."""
+    torch's streams.  `device`, when given, is where the Tensor lives ("cpu",
+    "cuda:1"): the host backends share host memory, another device gets a copy."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         from .torch import from_torch  # torch's streams and allocator need more than DLPack says
@@ -621,7 +622,8 @@ def tensor_arithmetic(name, operands):
 
 def quantize(x, scheme="q8s", device=None):
     """Quantize float data (numpy, Tensor or DLPack object; a torch Parameter by its
-    values) into a QTensor.
+    values) into a QTensor.  `scheme` is a QuantScheme or a value name ("q8s",
+    "q4f", ...: one scale for the whole tensor; 4- and 2-bit names store packed_u32).
 
     Without `device`, a Tensor stays on its device and host data goes to the
     default backend.  float16 scales that rounding up may have enlarged by 1/15
@@ -892,9 +894,9 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     (for loaders); values must lie in the scheme's range, and scales be values of
     its scale_dtype.  `shape`, when given, is the tensor's shape and values may
     come in any shape holding its elements in order (flat, as read from a file),
-    as scales may.  The QTensor keeps
-    copies: later edits to the arrays passed can't reach it, nor get past the
-    range check."""
+    as scales may.  `device` is where the QTensor goes (default: the default
+    backend).  The QTensor keeps copies: later edits to the arrays passed can't
+    reach it, nor get past the range check."""
     values = np.array(values)
     if shape is not None:
         shape = _shape_arg(shape)

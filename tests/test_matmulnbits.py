@@ -101,6 +101,23 @@ def test_a_k_that_block_size_does_not_divide_exports_back_as_it_came(rng, bits):
                           matmulnbits.load(B, paired, K, N, bits, size).dequantize().numpy())
 
 
+def test_a_file_whose_block_size_is_not_the_default_exports_back_given_it(rng):
+    """K = 96 in blocks of 64: export's own choice is 32 (it cuts K evenly), the same
+    values in smaller blocks; the file's block_size gives back its bytes."""
+    N, K, size = 4, 96, 64
+    values = np.zeros((N, 2 * size), np.int64)
+    values[:, :K] = rng.integers(-8, 8, size=(N, K))
+    codes = (values + 8).reshape(N, -1, 2) << np.array([0, 4])
+    B = codes.sum(axis=-1).astype(np.uint8).reshape(N, 2, size // 2)
+    scales = rng.uniform(0.5, 2, N * 2).astype(np.float32)
+    q = matmulnbits.load(B, scales, K, N, 4, size)
+    given = matmulnbits.export(q, block_size=size)
+    assert np.array_equal(given.B, B) and np.array_equal(given.scales, scales)
+    chosen = matmulnbits.export(q)
+    assert chosen.block_size == 32 and chosen.scales.shape == (N * 3,)
+    assert np.array_equal(matmulnbits.load(*chosen).dequantize().numpy(), q.dequantize().numpy())
+
+
 def test_a_transposed_weight_exports_as_seen(rng):
     w = rng.standard_normal((128, 32)).astype(np.float32)  # [K, N], for q_matmul(x, w)
     q = qd.quantize(w, qd.QuantScheme("q4f", block=(32, 1), store="packed_u32"))
