@@ -136,6 +136,10 @@ cdef extern from "qdispatch.h" nogil:
                                uint32_t *words, void *stream) noexcept
     qd_status qd_cuda_unpack_u32(const uint32_t *words, int64_t rows, int64_t cols, int bits,
                                  int8_t *q, void *stream) noexcept
+    qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                                   int64_t block_rows, int64_t block_cols, int scale_dtype,
+                                   float *scales, int8_t *q, void *scratch, int64_t *bad_index,
+                                   void *stream) noexcept
     qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, int value_kind,
                                int64_t block_rows, int64_t block_cols, int scale_dtype, float *scales,
                                int8_t *q, void *scratch, int64_t *bad_index, void *stream) noexcept

@@ -209,7 +209,7 @@ def test_headers_ggml_refuses_are_refused(tmp_path):
     # general.alignment twice (64, then 32): the reader took the last, ggml refuses the file
     twice = b"".join(struct.pack("<Q", 17) + b"general.alignment" + struct.pack("<II", 4, a) for a in (64, 32))
     raw_gguf(path, [(b"w", [2], int(T.F32), 0)], kvs=twice, kv_count=2, data=data[:8])
-    with pytest.raises(SerializationError, match="the key 'general.alignment' appears twice \(written by a tool"):
+    with pytest.raises(SerializationError, match=r"the key 'general.alignment' appears twice \(written by a tool"):
         qgguf.load(path)
     empty_of_no_type = struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9) + struct.pack("<IQ", 77, 0)
     raw_gguf(path, [(b"w", [2], int(T.F32), 0)], kvs=empty_of_no_type, kv_count=1, data=data[:8])
@@ -256,7 +256,7 @@ def test_an_alignment_of_another_type_than_uint32_is_refused(tmp_path, add):
         write()
     writer.close()
     with pytest.raises(SerializationError, match=r"general.alignment has value type \d+, not uint32 \(4\) \(written "
-                                                 "by a tool that doesn't check it, or damaged\)"):
+                                                 r"by a tool that doesn't check it, or damaged\)"):
         qgguf.load(tmp_path / "m.gguf")
 
 
@@ -264,7 +264,7 @@ def test_a_tensor_of_more_than_4_dims_is_refused(tmp_path):
     """ggml's GGML_MAX_DIMS is 4: its loader refuses a file holding a tensor of more."""
     data = np.arange(64, dtype=np.float32).tobytes()
     raw_gguf(tmp_path / "m.gguf", [(b"w", [32, 1, 1, 2, 1], int(T.F32), 0)], data=data)
-    with pytest.raises(SerializationError, match="tensor 'w' has 5 dims, more than ggml's 4 \(written"):
+    with pytest.raises(SerializationError, match=r"tensor 'w' has 5 dims, more than ggml's 4 \(written"):
         qgguf.load(tmp_path / "m.gguf")
     raw_gguf(tmp_path / "m.gguf", [(b"w", [32, 1, 1, 2], int(T.F32), 0)], data=data)  # 4: loads
     assert qgguf.load(tmp_path / "m.gguf", device="reference")["w"].shape == (2, 1, 1, 32)
@@ -276,7 +276,7 @@ def test_a_tensor_name_of_64_bytes_is_refused(tmp_path):
     data = np.arange(32, dtype=np.float32).tobytes()
     raw_gguf(tmp_path / "m.gguf", [(b"n" * 64, [32], int(T.F32), 0)], data=data)
     with pytest.raises(SerializationError, match=r"the tensor name b'n{32}'\.\.\. is 64 bytes long, more than "
-                                                 "ggml's 63 \(written by a tool that doesn't check it"):
+                                                 r"ggml's 63 \(written by a tool that doesn't check it"):
         qgguf.load(tmp_path / "m.gguf")
     raw_gguf(tmp_path / "m.gguf", [(b"n" * 63, [32], int(T.F32), 0)], data=data)  # 63: loads
     assert list(qgguf.load(tmp_path / "m.gguf", device="reference")) == ["n" * 63]
