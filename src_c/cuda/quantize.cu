@@ -81,13 +81,23 @@ __global__ void scale_kernel(float *scales, int64_t n, float range, int scale_dt
     }
 }
 
+// Rows along y (blockDim.y rows a block, in turn past the grid's 65535), columns
+// along x.  A value's scale takes one division, 32-bit where the columns allow: the
+// 64-bit divisions of a flat index (three a value) are long routines, and they set
+// the pace.
 __global__ void quantize_kernel(const void *x, int x_dtype, Blocking b, const float *scales, float lo,
                                 float hi, int8_t *q) {
-    const int64_t n = b.rows * b.cols;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const float v = rintf(__fdiv_rn(qd::load_as_f32(x, x_dtype, i), scales[b.scale_of(i / b.cols, i % b.cols)]));
-        q[i] = (int8_t)fminf(fmaxf(v, lo), hi);
+    const bool narrow = b.cols <= 0xFFFFFFFFll;
+    for (int64_t r = blockIdx.y * (int64_t)blockDim.y + threadIdx.y; r < b.rows;
+         r += (int64_t)gridDim.y * blockDim.y) {
+        const float *row_scales = scales + (r / b.br) * b.grid_cols();
+        const int64_t row = r * b.cols;
+        for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < b.cols;
+             c += (int64_t)gridDim.x * blockDim.x) {
+            const int64_t block = narrow ? (int64_t)((uint32_t)c / (uint32_t)b.bc) : c / b.bc;
+            const float v = rintf(__fdiv_rn(qd::load_as_f32(x, x_dtype, row + c), row_scales[block]));
+            q[row + c] = (int8_t)fminf(fmaxf(v, lo), hi);
+        }
     }
 }
 
@@ -144,7 +154,11 @@ extern "C" qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, 
         if (bad_index) *bad_index = (int64_t)found[1];
         return QD_ERR_SCALE_OVERFLOW;
     }
-    quantize_kernel<<<qd::grid_for(rows * cols, kThreads), kThreads, 0, s>>>(
+    // a warp's columns at least; narrower rows share a block
+    const int row_threads = (int)std::min<int64_t>(kThreads, qd::ceil_div(cols, 32) * 32);
+    const dim3 block(row_threads, kThreads / row_threads);
+    const dim3 grid(qd::grid_for(cols, row_threads), (unsigned)std::min<int64_t>(qd::ceil_div(rows, block.y), 65535));
+    quantize_kernel<<<grid, block, 0, s>>>(
         x, x_dtype, b, scales, (float)lo, (float)hi, q);
     return qd::launched();
 }
