@@ -427,7 +427,7 @@ def test_quantize_bf16_weights(benchmark, N, K, wname, scheme):
     tw = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(n_sets(N * K * 2))]
     sets = [(qd.from_dlpack(w),) for w in tw]
     ours_fn = lambda w: qd.quantize(w, scheme)
-    copy_fn = lambda w: qd.quantize(w.to("float32"), scheme)
+    copy_fn = lambda w: qd.quantize(w.astype("float32"), scheme)
     torch_fn = lambda w: _torch_quantize(w, scheme.qrange, block)
     ms = gpu_ms_each({"qdispatch": (ours_fn, sets), "qdispatch_float32_copy": (copy_fn, sets),
                       "torch": (torch_fn, [(w,) for w in tw])}, calls=10)

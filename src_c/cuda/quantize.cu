@@ -81,22 +81,23 @@ __global__ void scale_kernel(float *scales, int64_t n, float range, int scale_dt
     }
 }
 
-// Rows along y (blockDim.y rows a block, in turn past the grid's 65535), columns
-// along x.  A value's scale takes one division, 32-bit where the columns allow: the
-// 64-bit divisions of a flat index (three a value) are long routines, and they set
-// the pace.
+// Columns along x, rows along y (blockDim.y rows a block, in turn past the grid's
+// 65535).  A thread finds its column's block of scales once, and a row's with a
+// 32-bit division (none for a scale per row): the 64-bit divisions of a flat index
+// (three a value) are long routines, and they set the pace.
 __global__ void quantize_kernel(const void *x, int x_dtype, Blocking b, const float *scales, float lo,
                                 float hi, int8_t *q) {
-    const bool narrow = b.cols <= 0xFFFFFFFFll;
-    for (int64_t r = blockIdx.y * (int64_t)blockDim.y + threadIdx.y; r < b.rows;
-         r += (int64_t)gridDim.y * blockDim.y) {
-        const float *row_scales = scales + (r / b.br) * b.grid_cols();
-        const int64_t row = r * b.cols;
-        for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < b.cols;
-             c += (int64_t)gridDim.x * blockDim.x) {
-            const int64_t block = narrow ? (int64_t)((uint32_t)c / (uint32_t)b.bc) : c / b.bc;
-            const float v = rintf(__fdiv_rn(qd::load_as_f32(x, x_dtype, row + c), row_scales[block]));
-            q[row + c] = (int8_t)fminf(fmaxf(v, lo), hi);
+    const int64_t grid_cols = b.grid_cols();
+    const bool narrow = b.rows <= 0xFFFFFFFFll;
+    for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < b.cols;
+         c += (int64_t)gridDim.x * blockDim.x) {
+        const float *column_scales = scales + c / b.bc;
+        for (int64_t r = blockIdx.y * (int64_t)blockDim.y + threadIdx.y; r < b.rows;
+             r += (int64_t)gridDim.y * blockDim.y) {
+            const int64_t scale_row = b.br == 1 ? r : narrow ? (int64_t)((uint32_t)r / (uint32_t)b.br) : r / b.br;
+            const float v = rintf(__fdiv_rn(qd::load_as_f32(x, x_dtype, r * b.cols + c),
+                                            column_scales[scale_row * grid_cols]));
+            q[r * b.cols + c] = (int8_t)fminf(fmaxf(v, lo), hi);
         }
     }
 }
@@ -157,7 +158,10 @@ extern "C" qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, 
     // a warp's columns at least; narrower rows share a block
     const int row_threads = (int)std::min<int64_t>(kThreads, qd::ceil_div(cols, 32) * 32);
     const dim3 block(row_threads, kThreads / row_threads);
-    const dim3 grid(qd::grid_for(cols, row_threads), (unsigned)std::min<int64_t>(qd::ceil_div(rows, block.y), 65535));
+    // about 4096 blocks in all: each thread then takes many rows, its setup (the divisions
+    // above) spread over them, where one value a thread left setup to set the pace
+    const unsigned grid_x = qd::grid_for(cols, row_threads);
+    const dim3 grid(grid_x, (unsigned)std::min<int64_t>(qd::ceil_div(rows, block.y), std::max(1u, 4096u / grid_x)));
     quantize_kernel<<<grid, block, 0, s>>>(
         x, x_dtype, b, scales, (float)lo, (float)hi, q);
     return qd::launched();
