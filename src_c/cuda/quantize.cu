@@ -158,8 +158,8 @@ extern "C" qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, 
     // a warp's columns at least; narrower rows share a block
     const int row_threads = (int)std::min<int64_t>(kThreads, qd::ceil_div(cols, 32) * 32);
     const dim3 block(row_threads, kThreads / row_threads);
-    // about 4096 blocks in all: each thread then takes many rows, its setup (the divisions
-    // above) spread over them, where one value a thread left setup to set the pace
+    // About 4096 blocks in all, so that each thread takes many rows: with one value a
+    // thread, its setup (the divisions in the kernel's first lines) set the pace.
     const unsigned grid_x = qd::grid_for(cols, row_threads);
     const dim3 grid(grid_x, (unsigned)std::min<int64_t>(qd::ceil_div(rows, block.y), std::max(1u, 4096u / grid_x)));
     quantize_kernel<<<grid, block, 0, s>>>(
