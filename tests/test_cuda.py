@@ -85,7 +85,7 @@ SCHEMES = [
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=repr)
-# and narrow rows, and more rows than the kernel's grid holds at once (65535 x 8)
+# and narrow rows, and more rows (of narrow ones) than the grid's 65535 blocks along y hold
 @pytest.mark.parametrize("shape", [(8, 128), (4, 8, 256), (1, 4096), (300, 12), (77, 36), (530000, 2)])
 def test_quantize_bit_identical(rng, scheme, shape):
     x = (rng.standard_normal(shape) * rng.uniform(0.01, 100, size=shape[-1])).astype(np.float32)
