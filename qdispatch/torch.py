@@ -469,14 +469,18 @@ def matmul_operator(a, b):
     return _qd_matmul(a, b)
 
 
+def _plus_bias(y, bias):
+    """A linear layer's y + bias, in y's dtype (the bias of a bf16 x's product, say)."""
+    if bias is None:
+        return y
+    return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # .to costs a microsecond
+
+
 def _linear(input, weight, bias=None):
     """F.linear(x, w, bias) with a QTensor weight [out, in], as QLinear computes it."""
     if not isinstance(weight, QTensor) or isinstance(input, QTensor):
         raise _refused("linear", "F.linear takes a QTensor as its weight (a layer's, [out, in]) and a torch tensor x")
-    y = q_matmul(input, weight.T)
-    if bias is None:
-        return y
-    return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
+    return _plus_bias(q_matmul(input, weight.T), bias)
 
 
 def _mm(a, b):
@@ -1441,10 +1445,7 @@ class QLinear(_QuantizedModule):
         else:
             self._refuse_unloaded()
             y = self._named_errors(x, lambda: q_matmul(x, self.weight.T, self.activation_scheme))
-        bias = self.bias
-        if bias is None:
-            return y
-        return y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))  # .to costs a microsecond
+        return _plus_bias(y, self.bias)
 
     def _named_errors(self, x, run):
         """run(), its errors for x naming this layer."""

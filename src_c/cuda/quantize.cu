@@ -81,10 +81,10 @@ __global__ void scale_kernel(float *scales, int64_t n, float range, int scale_dt
     }
 }
 
-// Columns along x, rows along y (blockDim.y rows a block, in turn past the grid's
-// 65535).  A thread finds its column's block of scales once, and a row's with a
-// 32-bit division (none for a scale per row): the 64-bit divisions of a flat index
-// (three a value) are long routines, and they set the pace.
+// Columns along x, rows along y (blockDim.y rows a block, each thread taking rows
+// in turn).  A thread finds its column's block of scales once, and a row's with a
+// 32-bit division (none for a scale per row): 64-bit divisions are long routines,
+// and a flat index's, several a value, set the pace.
 __global__ void quantize_kernel(const void *x, int x_dtype, Blocking b, const float *scales, float lo,
                                 float hi, int8_t *q) {
     const int64_t grid_cols = b.grid_cols();
