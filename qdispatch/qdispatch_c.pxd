@@ -76,6 +76,10 @@ cdef extern from "qdispatch.h" nogil:
         QD_FLOAT16
         QD_BFLOAT16
 
+    qd_status qd_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, int value_kind,
+                          int64_t block_rows, int64_t block_cols, int scale_dtype,
+                          float *scales, int8_t *q, int64_t *bad_index) noexcept
+
     qd_status qd_dequantize_rows(const void *values, int bits, int64_t rows, int64_t cols,
                                  const float *scales, int64_t block_rows, int64_t block_cols,
                                  const int64_t *ids, int64_t n, void *out, int out_dtype) noexcept

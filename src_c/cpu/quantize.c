@@ -1,6 +1,7 @@
-/* Symmetric block quantization of float32 data, bit-identical to the numpy
- * specification: float32 scale 2*amax/(hi-lo), stored rounded up in its dtype,
- * IEEE division by the stored scale, round half to even, clamp. */
+/* Symmetric block quantization of float32, float16 and bfloat16 data, bit-identical
+ * to the numpy specification on its float32 values: float32 scale 2*amax/(hi-lo),
+ * stored rounded up in its dtype, IEEE division by the stored scale, round half to
+ * even, clamp. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,25 +66,100 @@ static int block_scale(uint32_t amax, int lo, int hi, int scale_dtype, float *st
     return store_scale_rounded_up(scale_from_amax(qd_bits_f32(amax), lo, hi), scale_dtype, stored);
 }
 
-static int64_t first_non_finite(const float *x, int64_t n)
+/* x as the passes read it.  16-bit values are widened to float32 (exactly) a piece at
+ * a time, into a buffer on the reading thread's stack, and the float32 kernels run on
+ * the pieces: the same bits as on x's float32 copy, which is never made. */
+typedef struct quant_input {
+    const void *x;
+    int64_t cols;
+    void (*widen)(const uint16_t *src, int64_t n, float *dst);  /* NULL: float32, read in place */
+    const qd_quant_kernels *kern;
+} quant_input;
+
+/* Values widened at a time: 16 KiB of floats, still in L1 when the kernels read them
+ * (a row of 4096, a common width of weights, in one piece). */
+#define WIDEN_CHUNK 4096
+
+/* The values a pass takes at once: all that are left of float32 x, a chunk of 16-bit x. */
+static int64_t piece_length(const quant_input *in, int64_t left)
 {
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(x[i]))
-            return i;
+    return in->widen && left > WIDEN_CHUNK ? WIDEN_CHUNK : left;
+}
+
+/* n values of x from flat index `at` as float32: where they are, or widened into buf. */
+static const float *floats_at(const quant_input *in, int64_t at, int64_t n, float *buf)
+{
+    if (!in->widen)
+        return (const float *)in->x + at;
+    in->widen((const uint16_t *)in->x + at, n, buf);
+    return buf;
+}
+
+/* The kernels of qd_quant_kernels on the n values of x from flat index `at`. */
+static uint32_t input_absmax(const quant_input *in, int64_t at, int64_t n)
+{
+    float buf[WIDEN_CHUNK];
+    uint32_t m = 0;
+    for (int64_t i = 0, len; i < n; i += len) {
+        len = piece_length(in, n - i);
+        const uint32_t piece_max = in->kern->absmax_bits(floats_at(in, at + i, len, buf), len);
+        m = piece_max > m ? piece_max : m;
+    }
+    return m;
+}
+
+static void input_quantize(const quant_input *in, int64_t at, int64_t n, int lo, int hi, float scale, int8_t *q)
+{
+    float buf[WIDEN_CHUNK];
+    for (int64_t i = 0, len; i < n; i += len) {
+        len = piece_length(in, n - i);
+        in->kern->quantize(floats_at(in, at + i, len, buf), len, (float)lo, (float)hi, scale, q + i);
+    }
+}
+
+static void input_absmax_each(const quant_input *in, int64_t at, int64_t n, uint32_t *m)
+{
+    float buf[WIDEN_CHUNK];
+    for (int64_t i = 0, len; i < n; i += len) {
+        len = piece_length(in, n - i);
+        in->kern->absmax_each(floats_at(in, at + i, len, buf), len, m + i);
+    }
+}
+
+static void input_quantize_each(const quant_input *in, int64_t at, int64_t n, int lo, int hi,
+                                const float *scale, int8_t *q)
+{
+    float buf[WIDEN_CHUNK];
+    for (int64_t i = 0, len; i < n; i += len) {
+        len = piece_length(in, n - i);
+        in->kern->quantize_each(floats_at(in, at + i, len, buf), len, (float)lo, (float)hi, scale + i, q + i);
+    }
+}
+
+static int64_t first_non_finite(const quant_input *in, int64_t n)
+{
+    float buf[WIDEN_CHUNK];
+    for (int64_t i = 0, len; i < n; i += len) {
+        len = piece_length(in, n - i);
+        const float *f = floats_at(in, i, len, buf);
+        for (int64_t j = 0; j < len; j++)
+            if (!isfinite(f[j]))
+                return i + j;
+    }
     return -1;
 }
 
 #define NON_FINITE_BITS 0x7F800000u
 
-/* Many blocks: one task per block, its absmax and its quantize pass over data
- * still in cache.  Returns 1 when the block holds NaN or Inf. */
-static int quantize_block(const qd_quant_kernels *kern, const float *x, int64_t cols,
-                          int64_t r0, int64_t c0, int64_t block_rows, int64_t block_cols,
-                          int lo, int hi, int scale_dtype, float *scale, int *overflow, int8_t *q)
+/* One block, rows r0.. and columns c0.. of `in`: its absmax and its quantize pass over
+ * data still in cache; q: the block's first value, rows ldq apart.  Returns 1 when the
+ * block holds NaN or Inf. */
+static int quantize_block(const quant_input *in, int64_t r0, int64_t c0, int64_t block_rows, int64_t block_cols,
+                          int lo, int hi, int scale_dtype, float *scale, int *overflow, int8_t *q, int64_t ldq)
 {
     uint32_t amax = 0;
-    for (int64_t r = r0; r < r0 + block_rows; r++) {
-        const uint32_t m = kern->absmax_bits(x + r * cols + c0, block_cols);
+    for (int64_t r = 0; r < block_rows; r++) {
+        const uint32_t m = input_absmax(in, (r0 + r) * in->cols + c0, block_cols);
         amax = m > amax ? m : amax;
     }
     if (amax >= NON_FINITE_BITS)
@@ -93,8 +169,50 @@ static int quantize_block(const qd_quant_kernels *kern, const float *x, int64_t 
     if (*overflow)
         return 0;
     *scale = stored;
-    for (int64_t r = r0; r < r0 + block_rows; r++)
-        kern->quantize(x + r * cols + c0, block_cols, (float)lo, (float)hi, stored, q + r * cols + c0);
+    for (int64_t r = 0; r < block_rows; r++)
+        input_quantize(in, (r0 + r) * in->cols + c0, block_cols, lo, hi, stored, q + r * ldq);
+    return 0;
+}
+
+/* Blocks a tile of the many-blocks branch holds: one of float32 x, read in place; of
+ * 16-bit x as many as the widening buffer holds (each widened once, not for each pass,
+ * and far fewer calls for small blocks), at least one. */
+static int64_t tile_blocks(const quant_input *in, int64_t block_values, int64_t grid_cols)
+{
+    const int64_t fit = in->widen ? WIDEN_CHUNK / block_values : 1;
+    return fit < 1 ? 1 : fit < grid_cols ? fit : grid_cols;
+}
+
+/* Many blocks: one task per tile, nb blocks side by side from block (band, gc0) of the
+ * grid, each block's two passes over data still in cache.  A tile of 16-bit x that fits
+ * the buffer is widened into it once; a larger block reads x a row piece at a time.
+ * Returns 1 when a block holds NaN or Inf (it wins over an overflowing scale);
+ * *first_overflow: the grid index of the first block whose scale overflows. */
+static int quantize_tile(const quant_input *in, int64_t band, int64_t gc0, int64_t nb, int64_t block_rows,
+                         int64_t block_cols, int lo, int hi, int scale_dtype, float *scales,
+                         int64_t *first_overflow, int8_t *q)
+{
+    float buf[WIDEN_CHUNK];
+    const int64_t cols = in->cols, r0 = band * block_rows, c0 = gc0 * block_cols, width = nb * block_cols;
+    quant_input tile = *in;
+    int64_t tile_r0 = r0, tile_c0 = c0;
+    if (in->widen && block_rows * width <= WIDEN_CHUNK) {
+        for (int64_t r = 0; r < block_rows; r++)
+            in->widen((const uint16_t *)in->x + (r0 + r) * cols + c0, width, buf + r * width);
+        tile = (quant_input){buf, width, NULL, in->kern};
+        tile_r0 = tile_c0 = 0;
+    }
+    const int64_t b0 = band * (cols / block_cols) + gc0;
+    int64_t overflow_at = INT64_MAX;
+    for (int64_t j = 0; j < nb; j++) {
+        int overflow = 0;
+        if (quantize_block(&tile, tile_r0, tile_c0 + j * block_cols, block_rows, block_cols, lo, hi, scale_dtype,
+                           &scales[b0 + j], &overflow, q + r0 * cols + c0 + j * block_cols, cols))
+            return 1;
+        if (overflow && overflow_at == INT64_MAX)
+            overflow_at = b0 + j;
+    }
+    *first_overflow = overflow_at;
     return 0;
 }
 
@@ -123,15 +241,16 @@ static int64_t sweep_width(int64_t cols, int64_t block_cols, int64_t grid_rows, 
  * Returns 1 when the blocks hold NaN or Inf (it wins over an overflowing scale, so
  * every block is looked at); *first_overflow: the grid index of the first block
  * whose scale overflows. */
-static int quantize_sweep(const qd_quant_kernels *kern, const float *x, int64_t cols, int64_t r0, int64_t c0,
-                          int64_t n, int64_t block_rows, int64_t block_cols, int lo, int hi, int scale_dtype,
-                          float *scales, int64_t *first_overflow, int8_t *q)
+static int quantize_sweep(const quant_input *in, int64_t r0, int64_t c0, int64_t n, int64_t block_rows,
+                          int64_t block_cols, int lo, int hi, int scale_dtype, float *scales,
+                          int64_t *first_overflow, int8_t *q)
 {
+    const int64_t cols = in->cols;
     uint32_t col_max[SWEEP_COLS];
     float col_scale[SWEEP_COLS];
     memset(col_max, 0, (size_t)n * sizeof *col_max);
     for (int64_t r = r0; r < r0 + block_rows; r++)
-        kern->absmax_each(x + r * cols + c0, n, col_max);
+        input_absmax_each(in, r * cols + c0, n, col_max);
     const int64_t b0 = (r0 / block_rows) * (cols / block_cols) + c0 / block_cols;
     int64_t overflow_at = INT64_MAX;
     for (int64_t b = 0; b < n / block_cols; b++) {
@@ -151,17 +270,29 @@ static int quantize_sweep(const qd_quant_kernels *kern, const float *x, int64_t 
     if (overflow_at != INT64_MAX)
         return 0;
     for (int64_t r = r0; r < r0 + block_rows; r++)
-        kern->quantize_each(x + r * cols + c0, n, (float)lo, (float)hi, col_scale, q + r * cols + c0);
+        input_quantize_each(in, r * cols + c0, n, lo, hi, col_scale, q + r * cols + c0);
     return 0;
 }
 
-qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
-                          int64_t block_rows, int64_t block_cols, int scale_dtype,
-                          float *scales, int8_t *q, int64_t *bad_index)
+/* x of x_dtype (a float dtype) with rows `cols` long, read by the active ISA's kernels. */
+static quant_input input_of(const void *x, int x_dtype, int64_t cols)
+{
+    const qd_dequant_kernels *conv = qd_dequant_kernels_active();
+    const quant_input in = {x, cols, x_dtype == QD_FLOAT16 ? conv->f16_to_f32 :
+                                     x_dtype == QD_BFLOAT16 ? conv->bf16_to_f32 : NULL,
+                            qd_quant_kernels_active()};
+    return in;
+}
+
+qd_status qd_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, int value_kind,
+                      int64_t block_rows, int64_t block_cols, int scale_dtype,
+                      float *scales, int8_t *q, int64_t *bad_index)
 {
     int lo, hi;
     if (!x || !scales || !q)
         return QD_ERR_NULL;
+    if (x_dtype != QD_FLOAT32 && x_dtype != QD_FLOAT16 && x_dtype != QD_BFLOAT16)
+        return QD_ERR_ARGUMENT;
     if (qd_value_range(value_kind, &lo, &hi) != QD_OK)
         return QD_ERR_SCHEME;
     if (scale_dtype < QD_SCALE_F32 || scale_dtype > QD_SCALE_BF16)
@@ -169,12 +300,13 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
     if (rows <= 0 || cols <= 0 || block_rows <= 0 || block_cols <= 0 ||
         rows % block_rows || cols % block_cols)
         return QD_ERR_SHAPE;
-    if (!qd_dims_fit(rows, cols, sizeof(float)))
+    if (!qd_dims_fit(rows, cols, sizeof(float)))  /* float32 scales: as many as the values at most */
         return QD_ERR_ARGUMENT;
-    const qd_quant_kernels *kern = qd_quant_kernels_active();
+    const quant_input in = input_of(x, x_dtype, cols);
     const int64_t grid_rows = rows / block_rows, grid_cols = cols / block_cols;
     const int64_t nblocks = grid_rows * grid_cols;
-    const size_t x_bytes = (size_t)(rows * cols) * sizeof(float), s_bytes = (size_t)nblocks * sizeof(float);
+    const size_t x_size = x_dtype == QD_FLOAT32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t x_bytes = (size_t)(rows * cols) * x_size, s_bytes = (size_t)nblocks * sizeof(float);
     const size_t q_bytes = (size_t)(rows * cols), b_bytes = bad_index ? sizeof *bad_index : 0;
     if (qd_overlap(q, q_bytes, x, x_bytes) || qd_overlap(scales, s_bytes, x, x_bytes) ||
         qd_overlap(scales, s_bytes, q, q_bytes) || qd_overlap(bad_index, b_bytes, x, x_bytes) ||
@@ -192,8 +324,8 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         for (int64_t i = 0; i < sweeps; i++) {
             const int64_t c0 = (i % per_band) * width, n = cols - c0 < width ? cols - c0 : width;
             int64_t overflow = INT64_MAX;
-            not_finite |= quantize_sweep(kern, x, cols, (i / per_band) * block_rows, c0, n, block_rows,
-                                         block_cols, lo, hi, scale_dtype, scales, &overflow, q);
+            not_finite |= quantize_sweep(&in, (i / per_band) * block_rows, c0, n, block_rows, block_cols,
+                                         lo, hi, scale_dtype, scales, &overflow, q);
             first_overflow = overflow < first_overflow ? overflow : first_overflow;
         });
         if (first_overflow != INT64_MAX)
@@ -201,15 +333,16 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
     } else if (nblocks >= 4 * threads) {
         /* the first overflowing block, as a min reduction (a named critical section
          * would be a symbol that the library exports) */
+        const int64_t per_tile = tile_blocks(&in, block_rows * block_cols, grid_cols);
+        const int64_t per_band = (grid_cols + per_tile - 1) / per_tile, tiles = grid_rows * per_band;
         int64_t first_overflow = INT64_MAX;
-        QD_PARALLEL_FOR(threads, nblocks, reduction(|: not_finite) reduction(min: first_overflow),
-        for (int64_t b = 0; b < nblocks; b++) {
-            int overflow = 0;
-            not_finite |= quantize_block(kern, x, cols, (b / grid_cols) * block_rows,
-                                         (b % grid_cols) * block_cols, block_rows, block_cols,
-                                         lo, hi, scale_dtype, &scales[b], &overflow, q);
-            if (overflow && b < first_overflow)
-                first_overflow = b;
+        QD_PARALLEL_FOR(threads, tiles, reduction(|: not_finite) reduction(min: first_overflow),
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t gc0 = (t % per_band) * per_tile, nb = grid_cols - gc0 < per_tile ? grid_cols - gc0 : per_tile;
+            int64_t overflow = INT64_MAX;
+            not_finite |= quantize_tile(&in, t / per_band, gc0, nb, block_rows, block_cols, lo, hi, scale_dtype,
+                                        scales, &overflow, q);
+            first_overflow = overflow < first_overflow ? overflow : first_overflow;
         });
         if (first_overflow != INT64_MAX)
             overflow_at = first_overflow;
@@ -221,7 +354,7 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
             return QD_ERR_NO_MEMORY;
         QD_PARALLEL_FOR(threads, rows * grid_cols, ,
         for (int64_t i = 0; i < rows * grid_cols; i++)
-            seg_max[i] = kern->absmax_bits(x + (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols););
+            seg_max[i] = input_absmax(&in, (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols););
         /* Past an overflowing scale the blocks are still looked at: a later NaN wins. */
         for (int64_t b = 0; b < nblocks && !not_finite; b++) {
             const int64_t r0 = (b / grid_cols) * block_rows, gc = b % grid_cols;
@@ -239,15 +372,14 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
             for (int64_t i = 0; i < rows * grid_cols; i++) {
                 const int64_t r = i / grid_cols, gc = i % grid_cols;
                 const int64_t off = r * cols + gc * block_cols;
-                kern->quantize(x + off, block_cols, (float)lo, (float)hi,
-                               scales[(r / block_rows) * grid_cols + gc], q + off);
+                input_quantize(&in, off, block_cols, lo, hi, scales[(r / block_rows) * grid_cols + gc], q + off);
             });
         }
     }
     /* NaN or Inf wins over an overflowing scale, and names its first flat index. */
     if (not_finite) {
         if (bad_index)
-            *bad_index = first_non_finite(x, rows * cols);
+            *bad_index = first_non_finite(&in, rows * cols);
         return QD_ERR_NOT_FINITE;
     }
     if (overflow_at >= 0) {
@@ -256,4 +388,12 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
         return QD_ERR_SCALE_OVERFLOW;
     }
     return QD_OK;
+}
+
+qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_kind,
+                          int64_t block_rows, int64_t block_cols, int scale_dtype,
+                          float *scales, int8_t *q, int64_t *bad_index)
+{
+    return qd_quantize(x, QD_FLOAT32, rows, cols, value_kind, block_rows, block_cols, scale_dtype,
+                       scales, q, bad_index);
 }

@@ -139,8 +139,17 @@ qd_status qd_quantize_f32(const float *x, int64_t rows, int64_t cols, int value_
                           int64_t block_rows, int64_t block_cols, int scale_dtype,
                           float *scales, int8_t *q, int64_t *bad_index);
 
-/* Float dtypes of host outputs (the numbers of qd_cuda_dtype's float dtypes). */
+/* Float dtypes of host arrays (the numbers of qd_cuda_dtype's float dtypes); 16-bit
+ * values as their uint16 bit patterns. */
 typedef enum qd_float_dtype { QD_FLOAT32 = 0, QD_FLOAT16 = 1, QD_BFLOAT16 = 2 } qd_float_dtype;
+
+/* qd_quantize_f32 for x of x_dtype (QD_FLOAT32, QD_FLOAT16 or QD_BFLOAT16; another is
+ * QD_ERR_ARGUMENT), each value read as its exact float32: the bits (q, scales, status,
+ * bad_index) of quantizing x's float32 copy, without the copy (16-bit values are
+ * widened a few KiB at a time, on the threads that read them). */
+qd_status qd_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, int value_kind,
+                      int64_t block_rows, int64_t block_cols, int scale_dtype,
+                      float *scales, int8_t *q, int64_t *bad_index);
 
 /* Rows `ids` of a quantized matrix, dequantized (an embedding lookup): out[i, c] =
  * value(ids[i], c) * scales[ids[i] / block_rows, c / block_cols], the float32 product,
