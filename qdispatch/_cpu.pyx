@@ -145,11 +145,30 @@ def forked_child():
 
 # ---- quantization ------------------------------------------------------------
 
-def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, grid=None):
-    """Quantizes float32 x [R, C] in blocks -> (int8 q [R, C], float32 scales grid).
-    x may be a tensor of `shape` seen as [R, C], its scales a grid of `grid`:
-    errors then name positions in those shapes."""
-    x = _array(x, np.float32, 2, "x")
+# Float dtypes by name: C's number and the numpy dtype of an array of them (bfloat16:
+# its uint16 bits), for arrays quantized and dequantized.
+_FLOAT_DTYPES = {"float32": (QD_FLOAT32, np.float32), "float16": (QD_FLOAT16, np.float16),
+                 "bfloat16": (QD_BFLOAT16, np.uint16)}
+
+
+def _float32_values(x, dtype):
+    """The float32 values of an array of float dtype `dtype` (for a few, in errors)."""
+    if dtype == "bfloat16":
+        from qdispatch.quantmath import bf16_bits_to_f32
+        return bf16_bits_to_f32(x)
+    return np.asarray(x, dtype=np.float32)
+
+
+def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, grid=None, dtype="float32"):
+    """Quantizes x [R, C] of float `dtype` (float32, float16, or bfloat16 as its uint16
+    bits) in blocks -> (int8 q [R, C], float32 scales grid): the bits of quantizing x's
+    float32 values, which C reads in place (no float32 copy).  x may be a tensor of
+    `shape` seen as [R, C], its scales a grid of `grid`: errors then name positions in
+    those shapes."""
+    if dtype not in _FLOAT_DTYPES:
+        raise ArgumentError(f"Can't quantize dtype {dtype!r}: use one of {list(_FLOAT_DTYPES)}")
+    x_dtype, np_dtype = _FLOAT_DTYPES[dtype]
+    x = _array(x, np_dtype, 2, "x")
     if value not in _VALUE_KINDS:
         raise _error_class(QD_ERR_SCHEME)(f"Unknown value kind {value!r}: use one of {list(_VALUE_KINDS)}")
     if scale_dtype not in _SCALE_DTYPES:
@@ -159,21 +178,25 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
         raise _shape_error(f"Block ({br}, {bc}) does not divide shape ({rows}, {cols})")
     q = np.empty((rows, cols), dtype=np.int8)
     scales = np.empty((rows // br, cols // bc), dtype=np.float32)
-    cdef const float[:, ::1] xv = x
+    cdef const uint8_t[:, ::1] xv = x.view(np.uint8)  # x's bytes, whatever its dtype
     cdef int8_t[:, ::1] qv = q
     cdef float[:, ::1] sv = scales
-    cdef int kind = _VALUE_KINDS[value], sdt = _SCALE_DTYPES[scale_dtype]
+    cdef int kind = _VALUE_KINDS[value], sdt = _SCALE_DTYPES[scale_dtype], xdt = x_dtype
     cdef int64_t bad = -1
     cdef qd_status st
     with nogil:
-        st = qd_quantize_f32(&xv[0, 0], rows, cols, kind, br, bc, sdt, &sv[0, 0], &qv[0, 0], &bad)
+        st = qd_quantize(&xv[0, 0], xdt, rows, cols, kind, br, bc, sdt, &sv[0, 0], &qv[0, 0], &bad)
     if st == QD_ERR_NOT_FINITE:
         from qdispatch.quantmath import non_finite_error
-        raise non_finite_error(x.flat[bad], tuple(int(i) for i in np.unravel_index(bad, shape or x.shape)))
+        value_at = _float32_values(x.reshape(-1)[bad:bad + 1], dtype)[0]
+        raise non_finite_error(value_at, tuple(int(i) for i in np.unravel_index(bad, shape or x.shape)))
     if st == QD_ERR_SCALE_OVERFLOW:
         from qdispatch.quantmath import block_scale_overflow_error
         from qdispatch.scheme import VALUE_RANGES
-        raise block_scale_overflow_error(x, bad, (br, bc), VALUE_RANGES[value][:2], scale_dtype,
+        r, c = divmod(bad, cols // bc)
+        # the offending block's values alone widened, seen as an x of one block
+        block = _float32_values(x[r * br:(r + 1) * br, c * bc:(c + 1) * bc], dtype)
+        raise block_scale_overflow_error(block, 0, (br, bc), VALUE_RANGES[value][:2], scale_dtype,
                                          tuple(int(i) for i in np.unravel_index(bad, grid or scales.shape)))
     _check(st, "quantize")
     return q, scales
@@ -227,10 +250,6 @@ def _rows_of(shape):
 
 # ---- dequantize -------------------------------------------------------------
 
-_OUT_DTYPES = {"float32": (QD_FLOAT32, np.float32), "float16": (QD_FLOAT16, np.float16),
-               "bfloat16": (QD_BFLOAT16, np.uint16)}  # bfloat16 as its uint16 bits
-
-
 def dequantize_rows(values, int bits, int64_t rows, int64_t cols, scales, int64_t block_rows,
                     int64_t block_cols, ids=None, dtype="float32"):
     """Rows `ids` (int64 [n], each in [0, rows); None: all rows) of the quantized
@@ -245,7 +264,7 @@ def dequantize_rows(values, int bits, int64_t rows, int64_t cols, scales, int64_
             or scales.shape[1] != cols // block_cols:
         raise _shape_error(f"values {values.shape} and scales {scales.shape} are not the store of a "
                            f"[{rows}, {cols}] matrix of {bits or 8}-bit values in blocks ({block_rows}, {block_cols})")
-    code, np_dtype = _OUT_DTYPES[dtype]
+    code, np_dtype = _FLOAT_DTYPES[dtype]
     cdef int64_t n = rows
     cdef const int64_t *pid = NULL
     cdef const int64_t[::1] idv

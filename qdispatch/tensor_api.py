@@ -678,8 +678,8 @@ def float32_payload(x):
 
 def _payload_to_quantize(x, backend):
     """x's payload as the backend quantizes it: as it is where the backend reads its
-    dtype, else a float32 copy, whose out-of-memory error says that the copy is what
-    did not fit (twice 16-bit data's bytes)."""
+    dtype, else a float32 copy (16-bit data on the reference backend), whose
+    out-of-memory error says that the copy is what did not fit (twice the data's bytes)."""
     if x.dtype in backend.quantize_dtypes:
         return x.payload
     try:
@@ -688,8 +688,9 @@ def _payload_to_quantize(x, backend):
         kind = type(exc) if isinstance(exc, OutOfMemoryError) else OutOfMemoryError
         copy = byte_size(4 * math.prod(x.shape))
         raise kind(f"quantize reads {x.dtype} data through a float32 copy ({copy}, twice the data's bytes), which "
-                   f"did not fit: {exc or 'out of memory'}. Free memory first, or quantize it on a GPU "
-                   f"(qd.quantize(x, scheme, device='cuda')), which reads 16-bit data without the copy") from exc
+                   f"did not fit: {exc or 'out of memory'}. Free memory first, or quantize it on the cpu backend or "
+                   f"a GPU (qd.quantize(x, scheme, device='cpu'), or device='cuda'), which read 16-bit data "
+                   f"without the copy") from exc
 
 
 def _swapped_view(payload):

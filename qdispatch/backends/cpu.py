@@ -47,6 +47,9 @@ _CONVERSIONS = {} if _cpu is None else {
     ("float32", "float16"): _cpu.f32_to_f16, ("float32", "bfloat16"): _cpu.f32_to_bf16,
     ("float16", "float32"): _cpu.f16_to_f32, ("bfloat16", "float32"): _cpu.bf16_to_f32}
 _C_CAST_FROM = 1024
+# the dtype of a payload to quantize by its numpy dtype (a bfloat16 payload holds its bits)
+_PAYLOAD_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                   np.dtype(np.uint16): "bfloat16"}
 _PANEL_ROWS = 16  # output channels a panel holds (QD_NR)
 
 
@@ -200,16 +203,23 @@ class CpuBackend(HostBackend):
     def quantize_activation(self, payload, layout, index):
         return self.quantize(payload, layout, index, weight=False)
 
+    # 16-bit payloads are read in place, widened to float32 a few KiB at a time in C
+    quantize_dtypes = ("float32", "float16", "bfloat16")
+
     def quantize(self, payload, layout, index, weight=True):
-        x = np.ascontiguousarray(payload, dtype=np.float32)
+        payload = np.asarray(payload)
+        dtype = _PAYLOAD_DTYPES[payload.dtype]  # one of quantize_dtypes: tensor_api casts others
         flat = as_2d_block(layout.shape, layout.block)
-        if flat is None:  # an N-d blocking C does not take: the numpy spec, same bits
-            values, scales, _ = quantmath.quantize_array(payload, layout.scheme)
+        if flat is None:
+            # an N-d blocking C does not take: the numpy spec, same bits, on a float32
+            # copy of 16-bit data (such blockings are rare and mostly small)
+            values, scales, _ = quantmath.quantize_array(self.cast(payload, dtype, "float32"), layout.scheme)
             return self.qstorage_from_host(values, scales, layout, index, weight=weight)
         rows, cols, br, bc = flat
+        x = np.ascontiguousarray(payload)  # a copy in x's own dtype only of a strided view
         # errors name positions in x's own shape and its scale grid, not C's 2-D view
-        q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc,
-                                  layout.scheme.scale_dtype, shape=tuple(layout.shape), grid=tuple(layout.grid))
+        q, scales = _cpu.quantize(x.reshape(rows, cols), layout.scheme.value, br, bc, layout.scheme.scale_dtype,
+                                  shape=tuple(layout.shape), grid=tuple(layout.grid), dtype=dtype)
         return self.qstorage_from_host(q.reshape(layout.shape), scales.reshape(layout.grid),
                                        layout, index, weight=weight)
 
