@@ -1,9 +1,23 @@
-"""Error measures and probes shared by the tests."""
+"""Error measures, probes and schemes shared by the tests."""
 import os
 import subprocess
 import sys
 
 import numpy as np
+
+import qdispatch as qd
+
+# Schemes every quantizing backend is checked on against the reference: each value
+# kind and store, per tensor, per row and per column, blocks along rows and 2-D blocks,
+# each scale dtype.
+QUANTIZE_SCHEMES = [
+    qd.QuantScheme("q8s"), qd.QuantScheme("q8f"), qd.QuantScheme("q8s", axis=0),
+    qd.QuantScheme("q8s", axis=1), qd.QuantScheme("q8f", block=32),
+    qd.QuantScheme("q8s", block=64, scale_dtype="f16"), qd.QuantScheme("q8s", block=128, scale_dtype="bf16"),
+    qd.QuantScheme("q8s", block=(4, 32)), qd.QuantScheme("q4s", block=32, store="packed_u32"),
+    qd.QuantScheme("q4f", axis=0, store="packed_u32", scale_dtype="f16"),
+    qd.QuantScheme("q2s", block=64, store="packed_u32"), qd.QuantScheme("q2f", store="packed_u32"),
+]
 
 
 def sqnr_db(reference, approx):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qdispatch as qd
-from helpers import rel_err
+from helpers import QUANTIZE_SCHEMES, rel_err
 from qdispatch._core import get_backend
 
 pytestmark = [
@@ -74,14 +74,7 @@ def test_int_matmul_vector_and_batch(rng):
 
 # ---- quantize / dequantize: bit-identical --------------------------------------
 
-SCHEMES = [
-    qd.QuantScheme("q8s"), qd.QuantScheme("q8f"), qd.QuantScheme("q8s", axis=0),
-    qd.QuantScheme("q8s", axis=1), qd.QuantScheme("q8f", block=32),
-    qd.QuantScheme("q8s", block=64, scale_dtype="f16"), qd.QuantScheme("q8s", block=128, scale_dtype="bf16"),
-    qd.QuantScheme("q8s", block=(4, 32)), qd.QuantScheme("q4s", block=32, store="packed_u32"),
-    qd.QuantScheme("q4f", axis=0, store="packed_u32", scale_dtype="f16"),
-    qd.QuantScheme("q2s", block=64, store="packed_u32"), qd.QuantScheme("q2f", store="packed_u32"),
-]
+SCHEMES = QUANTIZE_SCHEMES
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=repr)

@@ -389,6 +389,35 @@ def test_packed_weights_not_made_by_pack_are_refused(c_compiler, shell_env, tmp_
     assert out == ["3"] * 6 + ["0", "1", "1"]
 
 
+def test_quantize_reads_16bit_data_as_its_float32_values(c_compiler, shell_env, tmp_path):
+    """qd_quantize of float16 and bfloat16 bits gives qd_quantize_f32's results on their
+    float32 values; x's bytes are its dtype's (q right after them is no overlap); a
+    dtype that is no float is refused."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        const float x[8] = {1, -2, 3, 0.5f, 0, 0, 0.25f, -0.75f};
+        _Alignas(8) uint16_t buf[16];  /* 16-bit x [2, 4], then room for q */
+        float s32[2], s[2];
+        int8_t q32[8], q[8];
+        int64_t bad = -1;
+        if (qd_quantize_f32(x, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, s32, q32, NULL) != QD_OK)
+            return 1;
+        for (int dtype = QD_FLOAT16; dtype <= QD_BFLOAT16; dtype++) {
+            (dtype == QD_FLOAT16 ? qd_convert_f32_to_f16 : qd_convert_f32_to_bf16)(x, 8, buf);
+            const qd_status st = qd_quantize(buf, dtype, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, s, q, NULL);
+            printf("%d %d ", st, !memcmp(q, q32, sizeof q) && !memcmp(s, s32, sizeof s));
+        }
+        printf("%d ", qd_quantize(buf, QD_FLOAT16, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, s, (int8_t *)(buf + 8), NULL));
+        printf("%d ", qd_quantize(buf, QD_FLOAT16, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, s, (int8_t *)(buf + 4), NULL));
+        printf("%d %d ", qd_quantize(x, 3, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, s, q, NULL),
+               qd_quantize(x, -1, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, s, q, NULL));
+        qd_convert_f32_to_f16(x, 8, buf);
+        buf[5] = 0x7C00;  /* float16 inf */
+        printf("%d ", qd_quantize(buf, QD_FLOAT16, 2, 4, QD_Q8S, 1, 4, QD_SCALE_F32, s, q, &bad));
+        printf("%d", (int)bad);
+    """)
+    assert out == ["0", "1", "0", "1", "0", "3", "3", "3", "9", "5"]
+
+
 def test_sizes_no_array_could_have_are_refused(c_compiler, shell_env, tmp_path):
     """Dimensions whose byte counts overflow come back as QD_ERR_ARGUMENT; the kernels
     computed their buffer sizes with them, wrapped, and wrote past what they allocated."""

@@ -2,10 +2,12 @@
 import warnings
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import qdispatch as qd
+from qdispatch import quantmath
 from qdispatch.scheme import VALUE_RANGES
 from helpers import product_err
 
@@ -53,6 +55,30 @@ def test_quantize_properties(device, data):
     ref = qd.quantize(x, scheme, device="reference")
     np.testing.assert_array_equal(values, ref.values)
     np.testing.assert_array_equal(q.scales, ref.scales)
+
+
+@pytest.mark.skipif("cpu" not in qd.available_backends(), reason="cpu backend not built")
+@SETTINGS
+@given(data=matrix_and_scheme(), dtype=st.sampled_from(["float16", "bfloat16"]), draw=st.data())
+def test_16bit_data_of_any_bits_quantizes_on_cpu_as_the_reference(data, dtype, draw):
+    """Every bit pattern (subnormals, NaN and Inf included), read in place by the cpu
+    backend: the reference's values and scales, or its error, word for word."""
+    shape, scheme = data[0].shape, data[1]
+    bits = draw.draw(hnp.arrays(np.uint16, shape))
+    x32 = bits.view(np.float16).astype(np.float32) if dtype == "float16" else quantmath.bf16_bits_to_f32(bits)
+    x = qd.tensor(x32, device="reference", dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qd.ScaleUnderflowWarning)
+        try:
+            want = qd.quantize(x, scheme)
+        except qd.QDispatchError as exc:
+            with pytest.raises(type(exc)) as got:
+                qd.quantize(x, scheme, device="cpu")
+            assert str(got.value) == str(exc)
+            return
+        got = qd.quantize(x, scheme, device="cpu")
+    np.testing.assert_array_equal(got.values, want.values)
+    np.testing.assert_array_equal(got.scales.view(np.uint32), want.scales.view(np.uint32))
 
 
 @SETTINGS

@@ -7,8 +7,10 @@ import pytest
 
 import qdispatch as qd
 from qdispatch import quantmath
+from qdispatch._core import get_backend
+from qdispatch.layout import as_2d_block
 from qdispatch.scheme import VALUE_RANGES
-from helpers import sqnr_db
+from helpers import QUANTIZE_SCHEMES, sqnr_db, transient_bytes
 
 ALL_VALUES = list(VALUE_RANGES)
 
@@ -530,3 +532,165 @@ def test_out_of_memory_for_the_float32_copy_says_so(monkeypatch, raised):
     monkeypatch.undo()
     again = qd.quantize(x, "q8s").dequantize().numpy()  # the next call, with memory, works
     np.testing.assert_array_equal(again, qd.quantize(x.numpy(), "q8s").dequantize().numpy())
+
+
+# ---- 16-bit data on the cpu backend: read in place, no float32 copy ------------
+
+HALF_DTYPES = ["float16", "bfloat16"]
+HALF_SHAPES = [(8, 128), (4, 8, 256), (1, 4096), (4096, 1), (300, 12), (77, 36), (3, 4100)]
+
+
+def half_tensor(x32, dtype):
+    """A host Tensor of float32 data rounded to `dtype`, on the reference backend."""
+    return qd.tensor(x32, device="reference", dtype=dtype)
+
+
+def no_float32_copy(monkeypatch):
+    """The cpu backend's cast made to fail: quantizing through a float32 copy fails the test."""
+    def cast(payload, src, dst):
+        raise AssertionError(f"quantize cast {src} data to {dst}")
+    monkeypatch.setattr(get_backend("cpu"), "cast", cast)
+
+
+def reads_in_place(q):
+    """Whether the cpu backend quantizes q's layout in C (not an N-d blocking's numpy spec)."""
+    return as_2d_block(q.layout.shape, q.layout.block) is not None
+
+
+def assert_same_quantization(got, want):
+    np.testing.assert_array_equal(got.values, want.values)
+    got_scales, want_scales = (qd.tensor_api.qtensor_host(q)[1] for q in (got, want))
+    np.testing.assert_array_equal(got_scales.view(np.uint32), want_scales.view(np.uint32))
+
+
+@needs_cpu
+@pytest.mark.filterwarnings("ignore::qdispatch.ScaleUnderflowWarning")
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=str)
+@pytest.mark.parametrize("scheme", QUANTIZE_SCHEMES, ids=repr)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_16bit_data_quantizes_in_place_as_the_reference(monkeypatch, rng, dtype, scheme, shape):
+    """Its bits are the reference's (quantizing the float32 values), with no float32 copy."""
+    x32 = (rng.standard_normal(shape) * rng.uniform(0.01, 100, size=shape[-1])).astype(np.float32)
+    if shape[-1] > 32:
+        x32[..., :32] = 0.0  # an all-zero block (scale 1.0) where blocks are 32 wide
+    x32.reshape(-1)[7 % x32.size] = 0.5 * float(np.abs(x32).max())  # ties to even at .5 steps
+    x = half_tensor(x32, dtype)
+    try:
+        want = qd.quantize(x, scheme)
+    except qd.QDispatchError as exc:  # the scheme does not fit this shape: the same error on cpu
+        with pytest.raises(type(exc), match=re.escape(str(exc))):
+            qd.quantize(x, scheme, device="cpu")
+        return
+    if reads_in_place(want):
+        no_float32_copy(monkeypatch)
+    got = qd.quantize(x, scheme, device="cpu")
+    assert got.device == "cpu"
+    assert_same_quantization(got, want)
+
+
+ODD_LAYOUTS = [
+    ((1, 5), dict()), ((1, 5), dict(axis=0)), ((5, 1), dict(axis=1)), ((7, 1), dict()), ((1, 17), dict(block=17)),
+    ((1, 4097), dict(axis=0)), ((3, 8195), dict()),       # a value past the widened pieces of 4096
+    ((64, 8200), dict(block=4100)),                       # blocks too large to widen at once, many of them
+    ((130, 4160), dict(block=32)),                        # a band's tiles of 128 blocks, then one of 2
+    ((33, 1040), dict(block=(3, 16))), ((257, 300), dict(axis=0)), ((70, 1000), dict()),
+    ((129, 520), dict(block=(43, 8))), ((4, 32, 520), dict(axis=-1)), ((256, 257), dict(axis=1)),
+    ((9, 7, 33), dict(block=(3, 1, 11))),                 # an N-d blocking: numpy on a float32 copy
+]
+
+
+@needs_cpu
+@pytest.mark.filterwarnings("ignore::qdispatch.ScaleUnderflowWarning")  # subnormal data on purpose
+@pytest.mark.parametrize("shape,gran", ODD_LAYOUTS)
+def test_16bit_data_of_odd_shapes_quantizes_as_the_reference(monkeypatch, isa, cpu_threads, rng, shape, gran):
+    """Tails shorter than a vector, single rows and columns, rows that two threads
+    share unevenly, and the widening's own pieces and tiles."""
+    for dtype in HALF_DTYPES:
+        for value, scale_dtype in (("q8s", "f32"), ("q4f", "f16"), ("q2s", "bf16")):
+            x = half_tensor(narrow_data(rng, shape, value), dtype)
+            scheme = scheme_for(value, scale_dtype=scale_dtype, **gran)
+            want = qd.quantize(x, scheme)
+            with monkeypatch.context() as patch:
+                if reads_in_place(want):
+                    no_float32_copy(patch)
+                got = qd.quantize(x, scheme, device="cpu")
+            assert_same_quantization(got, want)
+
+
+def assert_fails_as_the_reference(x, scheme):
+    with pytest.raises(qd.QDispatchError) as want:
+        qd.quantize(x, scheme, device="reference")
+    with pytest.raises(qd.QDispatchError) as got:
+        qd.quantize(x, scheme, device="cpu")
+    assert (type(got.value), str(got.value)) == (type(want.value), str(want.value))
+
+
+@needs_cpu
+@pytest.mark.parametrize("shape,gran", [((4, 64), dict()), ((4, 64), dict(block=32)), ((3, 8195), dict(axis=0)),
+                                        ((130, 4160), dict(block=32)), ((64, 1035), dict(block=(4, 3))),
+                                        ((256, 257), dict(axis=1)), ((64, 8200), dict(block=4100))], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_16bit_nan_and_inf_are_named_as_the_reference_names_them(monkeypatch, cpu_threads, dtype, shape, gran):
+    rows, cols = shape
+    no_float32_copy(monkeypatch)
+    for bad in ({(0, 0): np.nan}, {(rows - 1, cols - 1): np.inf}, {(rows // 2, cols // 2): -np.inf},
+                {(rows - 1, 0): np.nan, (0, cols - 1): -np.inf},  # the first in flat order is named
+                {(0, min(cols - 1, 4100)): np.inf}):              # past the first widened piece
+        x32 = np.ones(shape, np.float32)
+        for at, v in bad.items():
+            x32[at] = v
+        x = half_tensor(x32, dtype)
+        for scale_dtype in ("f32", "f16"):
+            scheme = scheme_for("q8s", scale_dtype=scale_dtype, **gran)
+            with pytest.raises(qd.NonFiniteError, match=r"holding -?(nan|inf) at position"):
+                qd.quantize(x, scheme, device="cpu")
+            assert_fails_as_the_reference(x, scheme)
+
+
+@needs_cpu
+@pytest.mark.parametrize("shape,gran,big", [
+    ((4, 64), dict(block=32), {(3, 40): 1e10}),                  # the block named, not the first
+    ((4, 64), dict(), {(2, 5): 1e10}),                            # per tensor
+    ((130, 4160), dict(block=32), {(100, 4000): 1e10, (120, 33): -1e10}),
+    ((64, 1035), dict(block=(4, 3)), {(60, 1000): 1e10}),         # narrow blocks, swept
+    ((64, 8200), dict(block=4100), {(63, 8199): -1e10}),
+], ids=str)
+def test_a_bfloat16_scale_overflow_is_named_as_the_reference_names_it(monkeypatch, cpu_threads, shape, gran, big):
+    """bfloat16 holds 1e10, whose float16 scale (1e10 / 127) overflows."""
+    x32 = np.ones(shape, np.float32)
+    for at, v in big.items():
+        x32[at] = v
+    x = half_tensor(x32, "bfloat16")
+    no_float32_copy(monkeypatch)
+    scheme = scheme_for("q8s", scale_dtype="f16", **gran)
+    with pytest.raises(qd.ScaleOverflowError, match=r"The scale of block \("):
+        qd.quantize(x, scheme, device="cpu")
+    assert_fails_as_the_reference(x, scheme)
+    x32[0, 1] = np.nan  # NaN wins over an overflowing scale, wherever it is
+    assert_fails_as_the_reference(half_tensor(x32, "bfloat16"), scheme)
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_quantizing_16bit_data_allocates_no_float32_copy(dtype, rng):
+    """A float32 copy would be 4 bytes a value; quantize holds 1 (the int8 values)
+    and a few scales.  numpy's allocations are what tracemalloc traces."""
+    x = qd.tensor(rng.standard_normal((512, 4096)).astype(np.float32), device="cpu", dtype=dtype)
+    for scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q4s", block=32, store="packed_u32"),
+                   qd.QuantScheme("q8s")):
+        assert transient_bytes(lambda: qd.quantize(x, scheme)) < 2 * x.size
+
+
+@needs_cpu
+def test_the_kernel_takes_16bit_data_by_name():
+    from qdispatch import _cpu
+    x = np.array([[1.0, -2.0, 3.0, 0.5]], np.float32)
+    bits = quantmath.f32_to_bf16_bits(x)
+    for data, dtype in ((x, "float32"), (x.astype(np.float16), "float16"), (bits, "bfloat16")):
+        q, s = _cpu.quantize(data, "q8s", 1, 4, "f32", dtype=dtype)
+        np.testing.assert_array_equal(q, [[42, -85, 127, 21]])
+        assert s[0, 0] == np.float32(3) / np.float32(127)
+    with pytest.raises(qd.ArgumentTypeError, match="x must have dtype uint16"):
+        _cpu.quantize(x, "q8s", 1, 4, "f32", dtype="bfloat16")  # float32 data named bfloat16
+    with pytest.raises(qd.ArgumentError, match="Can't quantize dtype 'int8'"):
+        _cpu.quantize(x, "q8s", 1, 4, "f32", dtype="int8")
