@@ -1,11 +1,16 @@
 """The cpu backend beside numpy float32, FBGEMM and onnxruntime, one group per
 shape, path and thread count (each contender doing that path's job), plus the machine's two
 reference ceilings, all in the same run: a streaming read with numpy on the
-case's threads, and the qq int8 kernel's best over cache-resident shapes.
+case's threads, and the qq int8 kernel's best over cache-resident shapes.  Also a
+bfloat16 weight quantized in place against the float32 copy it went through before.
 
 Figures in extra_info use the best round (pytest-benchmark's `min`)."""
+import itertools
+
+import numpy as np
 import pytest
 
+import qdispatch as qd
 from qdispatch import bench
 
 # numpy float32's GOP/s per (group, threads): it runs first in every group, and
@@ -66,3 +71,52 @@ def test_int8_peak(benchmark, threads, shape):
         ops = 2 * shape.m * shape.k * shape.n
         benchmark.extra_info.update(int8_peak_gops=ops / benchmark.stats.stats.min / 1e9,
                                     isa=bench.machine()["isa"], threads=threads)
+
+
+# ---- a bfloat16 weight quantized: read in place, against a float32 copy --------
+
+# the float32 copy runs first in its group, and the in-place case reports its ratio to it
+BF16_QUANTIZE = {"float32_copy": lambda w: qd.quantize(w.astype("float32"), bench.W8),
+                 "in_place": lambda w: qd.quantize(w, bench.W8)}
+_COPY_SECONDS = {}
+
+
+def _bf16_weights(shape, copies):
+    """`copies` bfloat16 weights [N, K] on cpu, copy i rolled by i rows, and the
+    reference's quantization of the first."""
+    w = np.random.default_rng(0).standard_normal((shape.n, shape.k), dtype=np.float32)
+    weights = [qd.tensor(np.roll(w, i, axis=0), device="cpu", dtype="bfloat16") for i in range(copies)]
+    return weights, qd.quantize(weights[0].to("reference"), bench.W8)
+
+
+@pytest.mark.parametrize("impl", BF16_QUANTIZE)
+def test_quantize_bf16_weight(benchmark, bench_shape, threads, impl, rotation_budget_bytes):
+    """The [N, K] weight of each shape, in bfloat16, quantized per output channel on
+    cpu (panels included): read in place, widened in C a piece at a time, against
+    quantizing its float32 copy (the cpu backend's C cast), how 16-bit data went before.
+    extra_info's `ratio_float32_copy`: the copy's time over this case's."""
+    shape = bench_shape
+    benchmark.group = f"quantize bf16 [{shape.n}, {shape.k}] t{threads}"
+    nbytes = shape.n * shape.k * 2
+    copies = bench.weight_copies(nbytes, rotation_budget_bytes)
+    bench.warn_if_cached(benchmark.group, nbytes, copies)
+    weights, want = _bf16_weights(shape, copies)
+    quantize, turn = BF16_QUANTIZE[impl], itertools.count()
+    with bench.thread_limit(threads):
+        got = quantize(weights[0])  # and the warm-up
+        if not (np.array_equal(got.values, want.values) and np.array_equal(got.scales, want.scales)):
+            raise AssertionError(f"{benchmark.group}, {impl}: not the reference's values and scales")
+        benchmark(lambda: quantize(weights[next(turn) % copies]))
+    if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
+        return
+    seconds = benchmark.stats.stats.min
+    if impl == "float32_copy":
+        _COPY_SECONDS[benchmark.group] = seconds
+    ref = _COPY_SECONDS.get(benchmark.group)
+    versus = "the contender" if impl == "float32_copy" else \
+        f"{ref / seconds:.2f}x float32_copy" if ref else "float32_copy not timed"
+    benchmark.extra_info.update(versus=f"{shape.n * shape.k / seconds / 1e9:.2f} G values/s, {versus}",
+                                ms=seconds * 1e3, ratio_float32_copy=ref / seconds if ref else None,
+                                weight_bytes_bf16=nbytes, weight_copies=copies, rotated_bytes=nbytes * copies,
+                                rotation_defeats_cache=bench.exceeds_cache(nbytes * copies),
+                                impl=impl, isa=bench.machine()["isa"], threads=threads)

@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 # --rootdir: the cases' full names are the baseline's (benchmarks/bench_cpu.py::...) wherever
 # this folder sits; pytest-benchmark pairs runs by them
-ours="not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup)"
+ours="not (numpy_f32 or fbgemm or ort_ or read_bandwidth or float_lookup or float32_copy)"
 # a -k of the caller's narrows that filter (pytest keeps only the last -k, which would
 # bring the contenders back)
 extra=()
