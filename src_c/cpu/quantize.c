@@ -67,8 +67,11 @@ static int block_scale(uint32_t amax, int lo, int hi, int scale_dtype, float *st
 }
 
 /* x as the passes read it.  16-bit values are widened to float32 (exactly) a piece at
- * a time, into a buffer on the reading thread's stack, and the float32 kernels run on
- * the pieces: the same bits as on x's float32 copy, which is never made. */
+ * a time into `buf`, WIDEN_CHUNK floats of the reading thread's own, and the float32
+ * kernels run on the pieces: the same bits as on x's float32 copy, which is never made.
+ * Each parallel loop declares buf in its body, a frame each thread enters once (a
+ * buffer in each function below was a 16 KiB frame a block: small blocks of float32 x
+ * took longer). */
 typedef struct quant_input {
     const void *x;
     int64_t cols;
@@ -95,10 +98,10 @@ static const float *floats_at(const quant_input *in, int64_t at, int64_t n, floa
     return buf;
 }
 
-/* The kernels of qd_quant_kernels on the n values of x from flat index `at`. */
-static uint32_t input_absmax(const quant_input *in, int64_t at, int64_t n)
+/* The kernels of qd_quant_kernels on the n values of x from flat index `at` (the two
+ * that run for each block row inline: float32 x's is one kernel call, as it was). */
+static inline uint32_t input_absmax(const quant_input *in, float *buf, int64_t at, int64_t n)
 {
-    float buf[WIDEN_CHUNK];
     uint32_t m = 0;
     for (int64_t i = 0, len; i < n; i += len) {
         len = piece_length(in, n - i);
@@ -108,37 +111,34 @@ static uint32_t input_absmax(const quant_input *in, int64_t at, int64_t n)
     return m;
 }
 
-static void input_quantize(const quant_input *in, int64_t at, int64_t n, int lo, int hi, float scale, int8_t *q)
+static inline void input_quantize(const quant_input *in, float *buf, int64_t at, int64_t n, int lo, int hi,
+                                  float scale, int8_t *q)
 {
-    float buf[WIDEN_CHUNK];
     for (int64_t i = 0, len; i < n; i += len) {
         len = piece_length(in, n - i);
         in->kern->quantize(floats_at(in, at + i, len, buf), len, (float)lo, (float)hi, scale, q + i);
     }
 }
 
-static void input_absmax_each(const quant_input *in, int64_t at, int64_t n, uint32_t *m)
+static void input_absmax_each(const quant_input *in, float *buf, int64_t at, int64_t n, uint32_t *m)
 {
-    float buf[WIDEN_CHUNK];
     for (int64_t i = 0, len; i < n; i += len) {
         len = piece_length(in, n - i);
         in->kern->absmax_each(floats_at(in, at + i, len, buf), len, m + i);
     }
 }
 
-static void input_quantize_each(const quant_input *in, int64_t at, int64_t n, int lo, int hi,
+static void input_quantize_each(const quant_input *in, float *buf, int64_t at, int64_t n, int lo, int hi,
                                 const float *scale, int8_t *q)
 {
-    float buf[WIDEN_CHUNK];
     for (int64_t i = 0, len; i < n; i += len) {
         len = piece_length(in, n - i);
         in->kern->quantize_each(floats_at(in, at + i, len, buf), len, (float)lo, (float)hi, scale + i, q + i);
     }
 }
 
-static int64_t first_non_finite(const quant_input *in, int64_t n)
+static int64_t first_non_finite(const quant_input *in, float *buf, int64_t n)
 {
-    float buf[WIDEN_CHUNK];
     for (int64_t i = 0, len; i < n; i += len) {
         len = piece_length(in, n - i);
         const float *f = floats_at(in, i, len, buf);
@@ -154,12 +154,15 @@ static int64_t first_non_finite(const quant_input *in, int64_t n)
 /* One block, rows r0.. and columns c0.. of `in`: its absmax and its quantize pass over
  * data still in cache; q: the block's first value, rows ldq apart.  Returns 1 when the
  * block holds NaN or Inf. */
-static int quantize_block(const quant_input *in, int64_t r0, int64_t c0, int64_t block_rows, int64_t block_cols,
-                          int lo, int hi, int scale_dtype, float *scale, int *overflow, int8_t *q, int64_t ldq)
+static int quantize_block(const quant_input *in, float *buf, int64_t r0, int64_t c0, int64_t block_rows,
+                          int64_t block_cols, int lo, int hi, int scale_dtype, float *scale, int *overflow,
+                          int8_t *q, int64_t ldq)
 {
+    const quant_input src = *in;  /* a copy the kernels' calls can't reach: its fields stay in registers */
+    in = &src;
     uint32_t amax = 0;
     for (int64_t r = 0; r < block_rows; r++) {
-        const uint32_t m = input_absmax(in, (r0 + r) * in->cols + c0, block_cols);
+        const uint32_t m = input_absmax(in, buf, (r0 + r) * in->cols + c0, block_cols);
         amax = m > amax ? m : amax;
     }
     if (amax >= NON_FINITE_BITS)
@@ -170,43 +173,44 @@ static int quantize_block(const quant_input *in, int64_t r0, int64_t c0, int64_t
         return 0;
     *scale = stored;
     for (int64_t r = 0; r < block_rows; r++)
-        input_quantize(in, (r0 + r) * in->cols + c0, block_cols, lo, hi, stored, q + r * ldq);
+        input_quantize(in, buf, (r0 + r) * in->cols + c0, block_cols, lo, hi, stored, q + r * ldq);
     return 0;
 }
 
-/* Blocks a tile of the many-blocks branch holds: one of float32 x, read in place; of
- * 16-bit x as many as the widening buffer holds (each widened once, not for each pass,
- * and far fewer calls for small blocks), at least one. */
-static int64_t tile_blocks(const quant_input *in, int64_t block_values, int64_t grid_cols)
+/* Blocks a tile of the many-blocks branch holds: as many as the widening buffer does,
+ * at least one.  16-bit x is widened once for both passes, and a task a tile rather
+ * than a block spares small blocks the loop's overhead (float32 x in blocks of 32
+ * values took 10% less time). */
+static int64_t tile_blocks(int64_t block_values, int64_t grid_cols)
 {
-    const int64_t fit = in->widen ? WIDEN_CHUNK / block_values : 1;
+    const int64_t fit = WIDEN_CHUNK / block_values;
     return fit < 1 ? 1 : fit < grid_cols ? fit : grid_cols;
 }
 
 /* Many blocks: one task per tile, nb blocks side by side from block (band, gc0) of the
- * grid, each block's two passes over data still in cache.  A tile of 16-bit x that fits
- * the buffer is widened into it once; a larger block reads x a row piece at a time.
- * Returns 1 when a block holds NaN or Inf (it wins over an overflowing scale);
- * *first_overflow: the grid index of the first block whose scale overflows. */
-static int quantize_tile(const quant_input *in, int64_t band, int64_t gc0, int64_t nb, int64_t block_rows,
-                         int64_t block_cols, int lo, int hi, int scale_dtype, float *scales,
+ * grid, b0 in its flat order, each block's two passes over data still in cache.  A tile
+ * of 16-bit x that fits buf is widened into it once; a larger block reads x a row piece
+ * at a time.  Returns 1 when a block holds NaN or Inf (it wins over an overflowing
+ * scale); *first_overflow: the grid index of the first block whose scale overflows. */
+static int quantize_tile(const quant_input *in, float *buf, int64_t band, int64_t gc0, int64_t b0, int64_t nb,
+                         int64_t block_rows, int64_t block_cols, int lo, int hi, int scale_dtype, float *scales,
                          int64_t *first_overflow, int8_t *q)
 {
-    float buf[WIDEN_CHUNK];
     const int64_t cols = in->cols, r0 = band * block_rows, c0 = gc0 * block_cols, width = nb * block_cols;
-    quant_input tile = *in;
-    int64_t tile_r0 = r0, tile_c0 = c0;
+    const quant_input *blocks = in;
+    int64_t at_r0 = r0, at_c0 = c0;  /* the tile's place in what its blocks are read from */
+    quant_input widened;
     if (in->widen && block_rows * width <= WIDEN_CHUNK) {
         for (int64_t r = 0; r < block_rows; r++)
             in->widen((const uint16_t *)in->x + (r0 + r) * cols + c0, width, buf + r * width);
-        tile = (quant_input){buf, width, NULL, in->kern};
-        tile_r0 = tile_c0 = 0;
+        widened = (quant_input){buf, width, NULL, in->kern};  /* float32 now, read where it is */
+        blocks = &widened;
+        at_r0 = at_c0 = 0;
     }
-    const int64_t b0 = band * (cols / block_cols) + gc0;
     int64_t overflow_at = INT64_MAX;
     for (int64_t j = 0; j < nb; j++) {
         int overflow = 0;
-        if (quantize_block(&tile, tile_r0, tile_c0 + j * block_cols, block_rows, block_cols, lo, hi, scale_dtype,
+        if (quantize_block(blocks, buf, at_r0, at_c0 + j * block_cols, block_rows, block_cols, lo, hi, scale_dtype,
                            &scales[b0 + j], &overflow, q + r0 * cols + c0 + j * block_cols, cols))
             return 1;
         if (overflow && overflow_at == INT64_MAX)
@@ -241,7 +245,7 @@ static int64_t sweep_width(int64_t cols, int64_t block_cols, int64_t grid_rows, 
  * Returns 1 when the blocks hold NaN or Inf (it wins over an overflowing scale, so
  * every block is looked at); *first_overflow: the grid index of the first block
  * whose scale overflows. */
-static int quantize_sweep(const quant_input *in, int64_t r0, int64_t c0, int64_t n, int64_t block_rows,
+static int quantize_sweep(const quant_input *in, float *buf, int64_t r0, int64_t c0, int64_t n, int64_t block_rows,
                           int64_t block_cols, int lo, int hi, int scale_dtype, float *scales,
                           int64_t *first_overflow, int8_t *q)
 {
@@ -250,7 +254,7 @@ static int quantize_sweep(const quant_input *in, int64_t r0, int64_t c0, int64_t
     float col_scale[SWEEP_COLS];
     memset(col_max, 0, (size_t)n * sizeof *col_max);
     for (int64_t r = r0; r < r0 + block_rows; r++)
-        input_absmax_each(in, r * cols + c0, n, col_max);
+        input_absmax_each(in, buf, r * cols + c0, n, col_max);
     const int64_t b0 = (r0 / block_rows) * (cols / block_cols) + c0 / block_cols;
     int64_t overflow_at = INT64_MAX;
     for (int64_t b = 0; b < n / block_cols; b++) {
@@ -270,7 +274,7 @@ static int quantize_sweep(const quant_input *in, int64_t r0, int64_t c0, int64_t
     if (overflow_at != INT64_MAX)
         return 0;
     for (int64_t r = r0; r < r0 + block_rows; r++)
-        input_quantize_each(in, r * cols + c0, n, lo, hi, col_scale, q + r * cols + c0);
+        input_quantize_each(in, buf, r * cols + c0, n, lo, hi, col_scale, q + r * cols + c0);
     return 0;
 }
 
@@ -322,9 +326,10 @@ qd_status qd_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, in
         int64_t first_overflow = INT64_MAX;
         QD_PARALLEL_FOR(threads, sweeps, reduction(|: not_finite) reduction(min: first_overflow),
         for (int64_t i = 0; i < sweeps; i++) {
+            float buf[WIDEN_CHUNK];
             const int64_t c0 = (i % per_band) * width, n = cols - c0 < width ? cols - c0 : width;
             int64_t overflow = INT64_MAX;
-            not_finite |= quantize_sweep(&in, (i / per_band) * block_rows, c0, n, block_rows, block_cols,
+            not_finite |= quantize_sweep(&in, buf, (i / per_band) * block_rows, c0, n, block_rows, block_cols,
                                          lo, hi, scale_dtype, scales, &overflow, q);
             first_overflow = overflow < first_overflow ? overflow : first_overflow;
         });
@@ -333,15 +338,17 @@ qd_status qd_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, in
     } else if (nblocks >= 4 * threads) {
         /* the first overflowing block, as a min reduction (a named critical section
          * would be a symbol that the library exports) */
-        const int64_t per_tile = tile_blocks(&in, block_rows * block_cols, grid_cols);
+        const int64_t per_tile = tile_blocks(block_rows * block_cols, grid_cols);
         const int64_t per_band = (grid_cols + per_tile - 1) / per_tile, tiles = grid_rows * per_band;
         int64_t first_overflow = INT64_MAX;
         QD_PARALLEL_FOR(threads, tiles, reduction(|: not_finite) reduction(min: first_overflow),
         for (int64_t t = 0; t < tiles; t++) {
-            const int64_t gc0 = (t % per_band) * per_tile, nb = grid_cols - gc0 < per_tile ? grid_cols - gc0 : per_tile;
+            float buf[WIDEN_CHUNK];
+            const int64_t band = t / per_band, gc0 = (t % per_band) * per_tile;
+            const int64_t nb = grid_cols - gc0 < per_tile ? grid_cols - gc0 : per_tile;
             int64_t overflow = INT64_MAX;
-            not_finite |= quantize_tile(&in, t / per_band, gc0, nb, block_rows, block_cols, lo, hi, scale_dtype,
-                                        scales, &overflow, q);
+            not_finite |= quantize_tile(&in, buf, band, gc0, band * grid_cols + gc0, nb, block_rows, block_cols,
+                                        lo, hi, scale_dtype, scales, &overflow, q);
             first_overflow = overflow < first_overflow ? overflow : first_overflow;
         });
         if (first_overflow != INT64_MAX)
@@ -353,8 +360,10 @@ qd_status qd_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, in
         if (!seg_max)
             return QD_ERR_NO_MEMORY;
         QD_PARALLEL_FOR(threads, rows * grid_cols, ,
-        for (int64_t i = 0; i < rows * grid_cols; i++)
-            seg_max[i] = input_absmax(&in, (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols););
+        for (int64_t i = 0; i < rows * grid_cols; i++) {
+            float buf[WIDEN_CHUNK];
+            seg_max[i] = input_absmax(&in, buf, (i / grid_cols) * cols + (i % grid_cols) * block_cols, block_cols);
+        });
         /* Past an overflowing scale the blocks are still looked at: a later NaN wins. */
         for (int64_t b = 0; b < nblocks && !not_finite; b++) {
             const int64_t r0 = (b / grid_cols) * block_rows, gc = b % grid_cols;
@@ -370,16 +379,18 @@ qd_status qd_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, in
         if (!not_finite && overflow_at < 0) {
             QD_PARALLEL_FOR(threads, rows * grid_cols, ,
             for (int64_t i = 0; i < rows * grid_cols; i++) {
+                float buf[WIDEN_CHUNK];
                 const int64_t r = i / grid_cols, gc = i % grid_cols;
                 const int64_t off = r * cols + gc * block_cols;
-                input_quantize(&in, off, block_cols, lo, hi, scales[(r / block_rows) * grid_cols + gc], q + off);
+                input_quantize(&in, buf, off, block_cols, lo, hi, scales[(r / block_rows) * grid_cols + gc], q + off);
             });
         }
     }
     /* NaN or Inf wins over an overflowing scale, and names its first flat index. */
     if (not_finite) {
+        float buf[WIDEN_CHUNK];
         if (bad_index)
-            *bad_index = first_non_finite(&in, rows * cols);
+            *bad_index = first_non_finite(&in, buf, rows * cols);
         return QD_ERR_NOT_FINITE;
     }
     if (overflow_at >= 0) {
