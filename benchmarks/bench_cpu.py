@@ -110,13 +110,9 @@ def test_quantize_bf16_weight(benchmark, bench_shape, threads, impl, rotation_bu
     if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
         return
     seconds = benchmark.stats.stats.min
-    if impl == "float32_copy":
-        _COPY_SECONDS[benchmark.group] = seconds
-    ref = _COPY_SECONDS.get(benchmark.group)
-    versus = "the contender" if impl == "float32_copy" else \
-        f"{ref / seconds:.2f}x float32_copy" if ref else "float32_copy not timed"
+    ratio, versus = bench.versus_contender(benchmark, seconds, impl, "float32_copy", _COPY_SECONDS)
     benchmark.extra_info.update(versus=f"{shape.n * shape.k / seconds / 1e9:.2f} G values/s, {versus}",
-                                ms=seconds * 1e3, ratio_float32_copy=ref / seconds if ref else None,
+                                ms=seconds * 1e3, ratio_float32_copy=ratio,
                                 weight_bytes_bf16=nbytes, weight_copies=copies, rotated_bytes=nbytes * copies,
                                 rotation_defeats_cache=bench.exceeds_cache(nbytes * copies),
                                 impl=impl, isa=bench.machine()["isa"], threads=threads)

@@ -78,12 +78,8 @@ def test_lookup(benchmark, bench_shape, scheme, impl, rotation_budget_bytes):
     if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
         return
     seconds = benchmark.stats.stats.min
-    if impl == "float_lookup":
-        _FLOAT_SECONDS[benchmark.group] = seconds
-    ref = _FLOAT_SECONDS.get(benchmark.group)
-    versus = "the contender" if impl == "float_lookup" else f"{ref / seconds:.2f}x float_lookup" if ref else \
-        "float_lookup not timed"
-    benchmark.extra_info.update(versus=f"{seconds * 1e6:.1f} us, {versus}", impl=name, us=seconds * 1e6, ratio_float_lookup=ref / seconds if ref else None,
+    ratio, versus = bench.versus_contender(benchmark, seconds, impl, "float_lookup", _FLOAT_SECONDS)
+    benchmark.extra_info.update(versus=f"{seconds * 1e6:.1f} us, {versus}", impl=name, us=seconds * 1e6, ratio_float_lookup=ratio,
                                 table_copies=copies, rotated_bytes=nbytes * copies,
                                 rotation_defeats_cache=bench.exceeds_cache(nbytes * copies),
                                 rows_gbs=shape.m * shape.k * 4 / seconds / 1e9)

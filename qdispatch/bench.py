@@ -346,6 +346,16 @@ def warn_if_cached(label, weight_bytes, copies):
                       stacklevel=3)
 
 
+def versus_contender(benchmark, seconds, impl, contender, times):
+    """This case's ratio to its group's contender and words saying so.  `times` keeps
+    the contender's `seconds` per group: the contender runs first in its group."""
+    if impl == contender:
+        times[benchmark.group] = seconds
+        return 1.0, "the contender"
+    ref = times.get(benchmark.group)
+    return (ref / seconds, f"{ref / seconds:.2f}x {contender}") if ref else (None, f"{contender} not timed")
+
+
 def _rotate(fns):
     if len(fns) == 1:
         return fns[0]
