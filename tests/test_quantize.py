@@ -431,11 +431,14 @@ def narrow_data(rng, shape, value):
     return x
 
 
+def assert_same_quantization(got, want):
+    np.testing.assert_array_equal(got.values, want.values)
+    got_scales, want_scales = (qd.tensor_api.qtensor_host(q)[1] for q in (got, want))
+    np.testing.assert_array_equal(got_scales.view(np.uint32), want_scales.view(np.uint32))
+
+
 def assert_cpu_quantizes_as_reference(x, scheme):
-    cpu, ref = (qd.quantize(x, scheme, device=d) for d in ("cpu", "reference"))
-    np.testing.assert_array_equal(cpu.values, ref.values)
-    cpu_scales, ref_scales = (qd.tensor_api.qtensor_host(q)[1] for q in (cpu, ref))
-    np.testing.assert_array_equal(cpu_scales.view(np.uint32), ref_scales.view(np.uint32))
+    assert_same_quantization(qd.quantize(x, scheme, device="cpu"), qd.quantize(x, scheme, device="reference"))
 
 
 def assert_cpu_fails_as_reference(x, scheme):
@@ -555,12 +558,6 @@ def no_float32_copy(monkeypatch):
 def reads_in_place(q):
     """Whether the cpu backend quantizes q's layout in C (not an N-d blocking's numpy spec)."""
     return as_2d_block(q.layout.shape, q.layout.block) is not None
-
-
-def assert_same_quantization(got, want):
-    np.testing.assert_array_equal(got.values, want.values)
-    got_scales, want_scales = (qd.tensor_api.qtensor_host(q)[1] for q in (got, want))
-    np.testing.assert_array_equal(got_scales.view(np.uint32), want_scales.view(np.uint32))
 
 
 @needs_cpu
