@@ -203,6 +203,23 @@ def test_torch_func_transforms_match_the_dequantized_layer():
     close(func.vmap(layer, in_dims=1)(batch), twin(batch.movedim(1, 0)))
 
 
+def test_functional_call_takes_the_parameters_and_buffers_the_readme_names():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    quantize_linears(model, SCHEMES[0], device=DEVICES[-1])
+    x = torch.randn(3, 16)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    torch.testing.assert_close(torch.func.functional_call(model, tensors, (x,)), model(x), rtol=0, atol=0)
+    # swapped in for the call only: a bias of zeros changes the output, and the model keeps its own
+    zeros = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    y = torch.func.functional_call(model, zeros, (x,))
+    torch.testing.assert_close(y, torch.relu(x @ model[0].weight.T) @ model[2].weight.T, rtol=0, atol=0)
+    assert torch.count_nonzero(model[0].bias) > 0
+    # state_dict() holds each quantized layer's stored weight as a dict, which torch refuses
+    with pytest.raises(TypeError, match="not an instance of torch.Tensor"):
+        torch.func.functional_call(model, model.state_dict(), (x,))
+
+
 def test_vmap_runs_the_kernel_over_the_batch():
     w = weight((16, 24), SCHEMES[1], DEVICES[-1])
     batch = torch.randn(4, 2, 16)
