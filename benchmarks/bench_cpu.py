@@ -73,35 +73,36 @@ def test_int8_peak(benchmark, threads, shape):
                                     isa=bench.machine()["isa"], threads=threads)
 
 
-# ---- a bfloat16 weight quantized: read in place, against a float32 copy --------
+# ---- a 16-bit weight quantized: read in place, against a float32 copy ----------
 
 # the float32 copy runs first in its group, and the in-place case reports its ratio to it
-BF16_QUANTIZE = {"float32_copy": lambda w: qd.quantize(w.astype("float32"), bench.W8),
+HALF_QUANTIZE = {"float32_copy": lambda w: qd.quantize(w.astype("float32"), bench.W8),
                  "in_place": lambda w: qd.quantize(w, bench.W8)}
 _COPY_SECONDS = {}
 
 
-def _bf16_weights(shape, copies):
-    """`copies` bfloat16 weights [N, K] on cpu, copy i rolled by i rows, and the
-    reference's quantization of the first."""
+def _half_weights(shape, copies, dtype):
+    """`copies` weights [N, K] of a 16-bit dtype on cpu, copy i rolled by i rows, and
+    the reference's quantization of the first."""
     w = np.random.default_rng(0).standard_normal((shape.n, shape.k), dtype=np.float32)
-    weights = [qd.tensor(np.roll(w, i, axis=0), device="cpu", dtype="bfloat16") for i in range(copies)]
+    weights = [qd.tensor(np.roll(w, i, axis=0), device="cpu", dtype=dtype) for i in range(copies)]
     return weights, qd.quantize(weights[0].to("reference"), bench.W8)
 
 
-@pytest.mark.parametrize("impl", BF16_QUANTIZE)
-def test_quantize_bf16_weight(benchmark, bench_shape, threads, impl, rotation_budget_bytes):
-    """The [N, K] weight of each shape, in bfloat16, quantized per output channel on
-    cpu (panels included): read in place, widened in C a piece at a time, against
-    quantizing its float32 copy (the cpu backend's C cast), how 16-bit data went before.
-    extra_info's `ratio_float32_copy`: the copy's time over this case's."""
+@pytest.mark.parametrize("impl", HALF_QUANTIZE)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_quantize_16bit_weight(benchmark, bench_shape, threads, dtype, impl, rotation_budget_bytes):
+    """The [N, K] weight of each shape, in bfloat16 or float16, quantized per output
+    channel on cpu (panels included): read in place, widened in C a piece at a time,
+    against quantizing its float32 copy (the cpu backend's C cast), how 16-bit data went
+    before.  extra_info's `ratio_float32_copy`: the copy's time over this case's."""
     shape = bench_shape
-    benchmark.group = f"quantize bf16 [{shape.n}, {shape.k}] t{threads}"
+    benchmark.group = f"quantize {dtype} [{shape.n}, {shape.k}] t{threads}"
     nbytes = shape.n * shape.k * 2
     copies = bench.weight_copies(nbytes, rotation_budget_bytes)
     bench.warn_if_cached(benchmark.group, nbytes, copies)
-    weights, want = _bf16_weights(shape, copies)
-    quantize, turn = BF16_QUANTIZE[impl], itertools.count()
+    weights, want = _half_weights(shape, copies, dtype)
+    quantize, turn = HALF_QUANTIZE[impl], itertools.count()
     with bench.thread_limit(threads):
         got = quantize(weights[0])  # and the warm-up
         if not (np.array_equal(got.values, want.values) and np.array_equal(got.scales, want.scales)):
@@ -113,6 +114,6 @@ def test_quantize_bf16_weight(benchmark, bench_shape, threads, impl, rotation_bu
     ratio, versus = bench.versus_contender(benchmark, seconds, impl, "float32_copy", _COPY_SECONDS)
     benchmark.extra_info.update(versus=f"{shape.n * shape.k / seconds / 1e9:.2f} G values/s, {versus}",
                                 ms=seconds * 1e3, ratio_float32_copy=ratio,
-                                weight_bytes_bf16=nbytes, weight_copies=copies, rotated_bytes=nbytes * copies,
+                                weight_bytes=nbytes, dtype=dtype, weight_copies=copies, rotated_bytes=nbytes * copies,
                                 rotation_defeats_cache=bench.exceeds_cache(nbytes * copies),
                                 impl=impl, isa=bench.machine()["isa"], threads=threads)

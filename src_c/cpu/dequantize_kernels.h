@@ -1,11 +1,15 @@
 /* The row kernel of qd_dequantize_rows and the float32 <-> 16-bit conversion loops,
  * plain C that each ISA's file compiles with its own flags (dequantize_base.c,
  * dequantize_avx2.c, dequantize_avx512vnni.c): the compiler vectorizes them for it,
- * and the conversions are branch-free so that it can.  Same bits on every ISA. */
+ * and the conversions are branch-free so that it can.  Same bits on every ISA, but
+ * for the NaNs of float16 widened to be quantized (see f16_to_f32_to_quantize). */
 #ifndef QD_DEQUANTIZE_KERNELS_H
 #define QD_DEQUANTIZE_KERNELS_H
 
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 #include "qd_internal.h"
 #include "half_convert.h"
 
@@ -81,6 +85,21 @@ QD_CONVERSION_LOOP(f32_to_bf16, float, uint16_t, qd_f32_to_bf16_bits)
 QD_CONVERSION_LOOP(f16_to_f32, uint16_t, float, qd_f16_bits_to_f32)
 QD_CONVERSION_LOOP(bf16_to_f32, uint16_t, float, qd_bf16_bits_to_f32)
 
+#ifdef __F16C__
+/* float16 -> float32 for values quantized next: F16C's vcvtph2ps, several times
+ * faster than the exact loop.  It quiets a signalling NaN (the exact loop keeps
+ * the payload), which quantize never shows: it refuses every NaN. */
+static void f16_to_f32_to_quantize(const uint16_t *src, int64_t n, float *dst)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    f16_to_f32(src + i, n - i, dst + i);
+}
+#else
+#define f16_to_f32_to_quantize f16_to_f32
+#endif
+
 static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
 {
     const int64_t cols = job->cols;
@@ -124,6 +143,7 @@ static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
 }
 
 #define QD_DEQUANT_KERNELS(name) \
-    const qd_dequant_kernels name = {dequantize_row, f32_to_f16, f32_to_bf16, f16_to_f32, bf16_to_f32}
+    const qd_dequant_kernels name = {dequantize_row, f32_to_f16, f32_to_bf16, f16_to_f32, bf16_to_f32, \
+                                     f16_to_f32_to_quantize}
 
 #endif
