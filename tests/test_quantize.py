@@ -639,8 +639,8 @@ def test_16bit_nan_and_inf_are_named_as_the_reference_names_them(monkeypatch, cp
 @needs_cpu
 @pytest.mark.parametrize("bits", [0x7C01, 0xFD00, 0x7DFF], ids=hex)  # signalling NaNs: the quiet bit clear
 def test_a_signalling_float16_nan_is_named_as_the_reference_names_it(monkeypatch, isa, cpu_threads, bits):
-    """Where the ISA widens float16 with F16C, a signalling NaN comes out quiet: still a NaN,
-    named where the reference names it: near the start, past the first 4096 values, at the end."""
+    """A signalling NaN (F16C alone would widen it to a quiet one) is named where the
+    reference names it: near the start, past the first 4096 values, at the end."""
     no_float32_copy(monkeypatch)
     for at in ((0, 3), (5, 4097), (7, 4099)):
         x16 = np.ones((8, 4100), np.float16)

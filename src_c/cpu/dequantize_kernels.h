@@ -1,8 +1,8 @@
 /* The row kernel of qd_dequantize_rows and the float32 <-> 16-bit conversion loops,
  * plain C that each ISA's file compiles with its own flags (dequantize_base.c,
  * dequantize_avx2.c, dequantize_avx512vnni.c): the compiler vectorizes them for it,
- * and the conversions are branch-free so that it can.  Same bits on every ISA, but
- * for the NaNs of float16 widened to be quantized (see f16_to_f32_to_quantize). */
+ * and the conversions are branch-free so that it can (float16 -> float32 goes through
+ * F16C where the ISA has it).  Same bits on every ISA. */
 #ifndef QD_DEQUANTIZE_KERNELS_H
 #define QD_DEQUANTIZE_KERNELS_H
 
@@ -82,22 +82,29 @@ static void spread_scales(const float *row_scales, int64_t block_cols, int64_t c
 
 QD_CONVERSION_LOOP(f32_to_f16, float, uint16_t, qd_f32_to_f16_bits)
 QD_CONVERSION_LOOP(f32_to_bf16, float, uint16_t, qd_f32_to_bf16_bits)
-QD_CONVERSION_LOOP(f16_to_f32, uint16_t, float, qd_f16_bits_to_f32)
 QD_CONVERSION_LOOP(bf16_to_f32, uint16_t, float, qd_bf16_bits_to_f32)
 
 #ifdef __F16C__
-/* float16 -> float32 for values quantized next: F16C's vcvtph2ps, several times
- * faster than the exact loop.  It quiets a signalling NaN (the exact loop keeps
- * the payload), which quantize never shows: it refuses every NaN. */
-static void f16_to_f32_to_quantize(const uint16_t *src, int64_t n, float *dst)
+QD_CONVERSION_LOOP(f16_to_f32_exact, uint16_t, float, qd_f16_bits_to_f32)
+
+/* F16C's vcvtph2ps, several times faster than the loop and exact but for a
+ * signalling NaN, which it makes quiet: 8 values holding a NaN or an infinity
+ * (exponent all ones) go through the loop, which keeps the payload. */
+static void f16_to_f32(const uint16_t *src, int64_t n, float *dst)
 {
+    const __m128i exponent = _mm_set1_epi16(0x7C00);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    f16_to_f32(src + i, n - i, dst + i);
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent)))
+            f16_to_f32_exact(src + i, 8, dst + i);
+        else
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+    f16_to_f32_exact(src + i, n - i, dst + i);
 }
 #else
-#define f16_to_f32_to_quantize f16_to_f32
+QD_CONVERSION_LOOP(f16_to_f32, uint16_t, float, qd_f16_bits_to_f32)
 #endif
 
 static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
@@ -143,7 +150,6 @@ static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
 }
 
 #define QD_DEQUANT_KERNELS(name) \
-    const qd_dequant_kernels name = {dequantize_row, f32_to_f16, f32_to_bf16, f16_to_f32, bf16_to_f32, \
-                                     f16_to_f32_to_quantize}
+    const qd_dequant_kernels name = {dequantize_row, f32_to_f16, f32_to_bf16, f16_to_f32, bf16_to_f32}
 
 #endif

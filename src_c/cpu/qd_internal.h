@@ -182,15 +182,13 @@ typedef struct qd_dequantize_job {
 /* Dequantize and conversion kernels of one ISA (dequantize_kernels.h): row(job, r,
  * i) writes row r of the matrix to row i of the output; the conversions to 16 bits
  * round to nearest even, NaN to the quiet NaN (with its sign for float16); those to
- * float32 are exact, a NaN keeping its payload, but for f16_to_f32_to_quantize,
- * whose NaNs may come out quiet (quantize refuses every NaN). */
+ * float32 are exact, a NaN keeping its payload. */
 typedef struct qd_dequant_kernels {
     void (*row)(const qd_dequantize_job *job, int64_t r, int64_t i);
     void (*f32_to_f16)(const float *src, int64_t n, uint16_t *dst);
     void (*f32_to_bf16)(const float *src, int64_t n, uint16_t *dst);
     void (*f16_to_f32)(const uint16_t *src, int64_t n, float *dst);
     void (*bf16_to_f32)(const uint16_t *src, int64_t n, float *dst);
-    void (*f16_to_f32_to_quantize)(const uint16_t *src, int64_t n, float *dst);
 } qd_dequant_kernels;
 
 extern const qd_dequant_kernels qd_dequant_kernels_base;

@@ -282,7 +282,7 @@ static int quantize_sweep(const quant_input *in, float *buf, int64_t r0, int64_t
 static quant_input input_of(const void *x, int x_dtype, int64_t cols)
 {
     const qd_dequant_kernels *conv = qd_dequant_kernels_active();
-    const quant_input in = {x, cols, x_dtype == QD_FLOAT16 ? conv->f16_to_f32_to_quantize :
+    const quant_input in = {x, cols, x_dtype == QD_FLOAT16 ? conv->f16_to_f32 :
                                      x_dtype == QD_BFLOAT16 ? conv->bf16_to_f32 : NULL,
                             qd_quant_kernels_active()};
     return in;
