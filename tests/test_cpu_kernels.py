@@ -428,9 +428,6 @@ def test_half_conversions(rng):
     with np.errstate(over="ignore"):
         f16_ref = x.astype(np.float16)
     np.testing.assert_array_equal(_cpu.f32_to_f16(x).view(np.uint16), f16_ref.view(np.uint16))
-    h = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16)
-    finite = np.isfinite(h.view(np.float16))
-    np.testing.assert_array_equal(_cpu.f16_to_f32(h)[finite], h.view(np.float16)[finite].astype(np.float32))
     bits = x.view(np.uint32)
     bf_ref = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
     bf = _cpu.f32_to_bf16(x)
