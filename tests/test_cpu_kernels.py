@@ -445,19 +445,31 @@ def test_f16_to_f32_gives_numpy_bits_for_every_pattern_on_every_isa(isa):
         np.testing.assert_array_equal(_cpu.f16_to_f32(src).view(np.uint32), want)
 
 
-def test_f32_to_f16_rounds_as_numpy_at_every_exponent_and_rounding_point(rng):
+@pytest.fixture(scope="module")
+def f32_rounding_points():
     """Every sign, exponent and top mantissa bits, with low bits at the rounding points
-    of a normal half (and random ones, for the subnormal halves' other points): the
-    library's conversion (branch-free, so that it vectorizes) gives numpy's bits, NaNs'
-    too: their payload's top 10 bits, a NaN still where those are 0 (it gave one quiet
-    NaN of each sign)."""
+    of a normal half (and random ones, for the subnormal halves' other points), in
+    order and shuffled (so that NaNs share groups of 8 with numbers), with numpy's
+    float16 bits for them."""
     high = np.arange(1 << 19, dtype=np.uint32) << np.uint32(13)
-    lows = [0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF] + list(rng.integers(0, 1 << 13, 2))
+    lows = [0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF] + list(np.random.default_rng(1).integers(0, 1 << 13, 2))
     bits = (high[:, None] | np.array(lows, np.uint32)).reshape(-1)
-    x = bits.view(np.float32)
-    got = _cpu.f32_to_f16(x).view(np.uint16)
-    with np.errstate(over="ignore", invalid="ignore"):
-        np.testing.assert_array_equal(got, x.astype(np.float16).view(np.uint16))
+    cases = []
+    for x in (bits, np.random.default_rng(0).permutation(bits)):
+        x = x.view(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            cases.append((x, x.astype(np.float16).view(np.uint16)))
+    return cases
+
+
+def test_f32_to_f16_rounds_as_numpy_at_every_exponent_and_rounding_point_on_every_isa(isa, f32_rounding_points):
+    """The library's conversion (branch-free so that it vectorizes, or F16C's) gives
+    numpy's bits, NaNs' too: their payload's top 10 bits, a NaN still where those are 0
+    (it gave one quiet NaN of each sign), a signalling one still signalling (F16C
+    quiets it)."""
+    for x, want in f32_rounding_points:
+        np.testing.assert_array_equal(_cpu.f32_to_f16(x).view(np.uint16), want)
+        np.testing.assert_array_equal(_cpu.f32_to_f16(x[3:]).view(np.uint16), want[3:])  # groups off by 3
 
 
 # ---- the packed_u32 store in C --------------------------------------------------
