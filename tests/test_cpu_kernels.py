@@ -183,7 +183,10 @@ def test_int_matmul_packed_exact(isa, rng, bits):
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_pack_unpack_round_trip(rng, bits):
-    for N, K, block in [(1, 1, (1, 1)), (17, 33, (17, 11)), (32, 64, (1, 32)), (5, 70, (5, 7))]:
+    """Tails of both dims (a partial panel, K past the last whole unit or 16 values),
+    and sizes that unpack on several threads."""
+    for N, K, block in [(1, 1, (1, 1)), (17, 33, (17, 11)), (32, 64, (1, 32)), (5, 70, (5, 7)),
+                        (300, 1000, (1, 1000)), (35, 4100, (35, 4)), (64, 4096, (1, 128))]:
         w, scales = random_weights(rng, N, K, bits, block)
         pw = _cpu.PackedWeights(w, scales, block[0], block[1], bits)
         w2, s2 = pw.unpack()
