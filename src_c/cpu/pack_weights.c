@@ -164,7 +164,7 @@ static void unpack_panel(const uint8_t *panel, int64_t panel_units, int bits, in
             const int in_unit = K - k0 < ku ? (int)(K - k0) : ku;
             for (int i = 0; i < in_unit; i++) {
                 const int f = i / 4, j = i % 4;
-                row[k0 + i] = (int8_t)(bits == 8 ? (int)bytes[j] : (int)((bytes[j] >> (f * bits)) & mask) - bias);
+                row[k0 + i] = bits == 8 ? (int8_t)bytes[j] : (int8_t)((int)((bytes[j] >> (f * bits)) & mask) - bias);
             }
         }
     }
@@ -312,7 +312,7 @@ qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *s
     if (w_out) {
         /* The python package reads a weight's values back this way wherever they are
          * asked for, so this loop matters: a column at a time, each 64-byte unit read
-         * for its 4 bytes, took 4-5x as long. */
+         * for its 4 bytes, took 2-2.6x as long (4096 x 4096, one thread). */
         const int64_t panel_units = pw->panel_bytes / QD_UNIT_BYTES;
         QD_PARALLEL_FOR(qd_threads_for(pw->n * pw->k / 65536 + 1), pw->n_panels, ,
         for (int64_t p = 0; p < pw->n_panels; p++)
