@@ -2,7 +2,8 @@
 shape, path and thread count (each contender doing that path's job), plus the machine's two
 reference ceilings, all in the same run: a streaming read with numpy on the
 case's threads, and the qq int8 kernel's best over cache-resident shapes.  Also a
-bfloat16 weight quantized in place against the float32 copy it went through before.
+16-bit weight quantized in place against the float32 copy it went through before, and a
+quantized weight dequantized against numpy's formula on its values.
 
 Figures in extra_info use the best round (pytest-benchmark's `min`)."""
 import itertools
@@ -117,3 +118,60 @@ def test_quantize_16bit_weight(benchmark, bench_shape, threads, dtype, impl, rot
                                 weight_bytes=nbytes, dtype=dtype, weight_copies=copies, rotated_bytes=nbytes * copies,
                                 rotation_defeats_cache=bench.exceeds_cache(nbytes * copies),
                                 impl=impl, isa=bench.machine()["isa"], threads=threads)
+
+
+# ---- a quantized weight read back as floats, against numpy's formula -------------
+
+DEQUANTIZE_SCHEMES = {"int8": bench.W8, "int4": bench.W4}
+_FORMULA_SECONDS = {}
+
+
+def _numpy_dequantize(values, scales, dtype):
+    """dequantize's formula in numpy: each int8 value times its block's float32 scale,
+    in float32, then rounded to `dtype` (blocks are runs of a row along K: scales
+    [N] or [N, K / block])."""
+    n, k = values.shape
+    scales = scales.reshape(n, -1)
+    blocked = values.reshape(n, scales.shape[1], -1).astype(np.float32) * scales[:, :, None]
+    return blocked.reshape(n, k).astype(dtype, copy=False)
+
+
+@pytest.mark.parametrize("impl", ["numpy_formula", "qdispatch"])
+@pytest.mark.parametrize("scheme", list(DEQUANTIZE_SCHEMES))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_dequantize_weight(benchmark, bench_shape, threads, dtype, scheme, impl, rotation_budget_bytes):
+    """The [N, K] weight of each shape quantized on cpu (int8 per output channel, int4
+    in blocks of 32), dequantized into `dtype`: qdispatch reads its values back from the
+    panels the weight keeps and scales them in C; the contender is numpy's formula on the
+    int8 values and scales, unpacked before the rounds.  extra_info's `ratio_numpy_formula`:
+    the formula's time over this case's."""
+    shape = bench_shape
+    block = DEQUANTIZE_SCHEMES[scheme].block
+    if block and shape.k % block[-1]:
+        pytest.skip(f"K = {shape.k} is no multiple of {scheme}'s block of {block[-1]}")
+    benchmark.group = f"dequantize {scheme} to {dtype} [{shape.n}, {shape.k}] t{threads}"
+    nbytes = shape.n * shape.k * np.dtype(dtype).itemsize  # what each call writes
+    copies = bench.weight_copies(nbytes, rotation_budget_bytes)
+    bench.warn_if_cached(benchmark.group, nbytes, copies)
+    w = np.random.default_rng(0).standard_normal((shape.n, shape.k), dtype=np.float32)
+    weights = [qd.quantize(qd.tensor(np.roll(w, i, axis=0), device="cpu"), DEQUANTIZE_SCHEMES[scheme])
+               for i in range(copies)]
+    want = _numpy_dequantize(weights[0].values, weights[0].scales, dtype)
+    if impl == "numpy_formula":
+        stores = [(q.values, q.scales) for q in weights]
+        call = lambda i: _numpy_dequantize(*stores[i], dtype)  # noqa: E731
+    else:
+        call = lambda i: qd.dequantize(weights[i], dtype).numpy()  # noqa: E731
+    turn = itertools.count()
+    with bench.thread_limit(threads):
+        if not np.array_equal(call(0).view(np.uint8), want.view(np.uint8)):  # and the warm-up
+            raise AssertionError(f"{benchmark.group}, {impl}: not numpy's bits")
+        benchmark(lambda: call(next(turn) % copies))
+    if benchmark.stats is None:  # --benchmark-disable: ran once, nothing timed
+        return
+    seconds = benchmark.stats.stats.min
+    ratio, versus = bench.versus_contender(benchmark, seconds, impl, "numpy_formula", _FORMULA_SECONDS)
+    benchmark.extra_info.update(versus=f"{shape.n * shape.k / seconds / 1e9:.2f} G values/s, {versus}",
+                                ms=seconds * 1e3, ratio_numpy_formula=ratio, output_bytes=nbytes, dtype=dtype,
+                                scheme=scheme, weight_copies=copies, impl=impl, isa=bench.machine()["isa"],
+                                threads=threads)
