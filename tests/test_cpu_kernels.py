@@ -4,6 +4,7 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import qdispatch as qd
 from helpers import built_with_openmp
@@ -194,6 +195,14 @@ def test_pack_unpack_round_trip(rng, bits):
         np.testing.assert_array_equal(s2, scales)
         assert pw.shape == (N, K) and pw.bits == bits and pw.block == block
         assert pw.nbytes >= N * K * bits // 8
+
+
+@settings(max_examples=80, deadline=None)
+@given(bits=st.sampled_from([8, 4, 2]), n=st.integers(1, 40), k=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+def test_pack_unpack_round_trip_at_any_shape(bits, n, k, seed):
+    """Every value back where it was, whatever the panel's and the unit's tails."""
+    w, scales = random_weights(np.random.default_rng(seed), n, k, bits, (1, k))
+    np.testing.assert_array_equal(_cpu.PackedWeights(w, scales, 1, k, bits).unpack()[0], w)
 
 
 def test_pack_rejects_out_of_range_values_and_bad_blocks():
