@@ -409,7 +409,6 @@ def test_float16_conversion_rounds_to_nearest_even_in_any_rounding_mode(c_compil
     assert "isa0" in ran and len(out) >= 8, out  # the scalar kernels at least, in 4 modes
     assert out[0::2] == [f"{line.split()[0]} {want_narrow}" for line in out[0::2]]
     assert out[1::2] == [want_wide] * (len(out) // 2)
-    print("ISAs run:", ran)
 
 
 def test_packed_weights_not_made_by_pack_are_refused(c_compiler, shell_env, tmp_path):
