@@ -338,6 +338,19 @@ cdef class PackedWeights:
         _check(st, "unpack weights")
         return w, scales
 
+    def dequantize(self, dtype="float32"):
+        """-> w * its scales [N, K] in dtype (bfloat16 as uint16 bits), read from the
+        panels a few rows at a time: unpack()'s values scaled as dequantize_rows does."""
+        code, np_dtype = _FLOAT_DTYPES[dtype]
+        out = np.empty(self.shape, dtype=np_dtype)
+        cdef uint8_t[:, ::1] ov = out.view(np.uint8)
+        cdef int c_dtype = code
+        cdef qd_status st
+        with nogil:
+            st = qd_dequantize_packed(self.ptr, &ov[0, 0], c_dtype)
+        _check(st, "dequantize packed weights")
+        return out
+
     def __repr__(self):
         return f"PackedWeights(shape={self.shape}, bits={self.bits}, block={self.block})"
 

@@ -95,6 +95,7 @@ cdef extern from "qdispatch.h" nogil:
     qd_status qd_packed_weights_info(const qd_packed_weights *pw, int64_t *N, int64_t *K, int *bits,
                                      int64_t *block_n, int64_t *block_k) noexcept
     qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *scales_out) noexcept
+    qd_status qd_dequantize_packed(const qd_packed_weights *pw, void *out, int out_dtype) noexcept
 
     qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *b, int64_t N,
                                int32_t *c) noexcept

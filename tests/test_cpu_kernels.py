@@ -205,6 +205,21 @@ def test_pack_unpack_round_trip_at_any_shape(bits, n, k, seed):
     np.testing.assert_array_equal(_cpu.PackedWeights(w, scales, 1, k, bits).unpack()[0], w)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_packed_weights_dequantize_as_their_rows_do_on_every_isa(isa, rng, bits, dtype):
+    """Straight from the panels, a few rows at a time: dequantize_rows' bits for the
+    unpacked values, with blocks of rows and of columns, tails of both dims, and sizes
+    past one thread."""
+    for N, K, block in [(1, 1, (1, 1)), (17, 33, (17, 11)), (35, 70, (5, 7)), (40, 64, (8, 32)),
+                        (300, 1000, (1, 1000)), (33, 4100, (1, 4))]:
+        w, scales = random_weights(rng, N, K, bits, block)
+        got = _cpu.PackedWeights(w, scales, *block, bits).dequantize(dtype)
+        want = _cpu.dequantize_rows(w, 0, N, K, scales, *block, dtype=dtype)
+        assert got.dtype == want.dtype and got.shape == (N, K)
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 def test_pack_rejects_out_of_range_values_and_bad_blocks():
     with pytest.raises(ValueError, match=r"must lie in \[-8, 7\] for bits=4: got \[8, 8\]"):
         _cpu.PackedWeights(np.full((2, 4), 8, np.int8), np.ones((2, 1), np.float32), 1, 4, 4)

@@ -420,17 +420,41 @@ def test_packed_weights_not_made_by_pack_are_refused(c_compiler, shell_env, tmp_
         int8_t a[4] = {0}, w[4];
         int32_t c[4];
         float s[4] = {1, 1, 1, 1}, x[4] = {0}, out[4];
-        printf("%d %d %d %d %d %d %d ", qd_packed_weights_info(pw, NULL, NULL, NULL, NULL, NULL),
+        printf("%d %d %d %d %d %d %d %d ", qd_packed_weights_info(pw, NULL, NULL, NULL, NULL, NULL),
                qd_unpack_weights(pw, w, s), qd_int_matmul_packed(a, 1, 4, pw, c),
                qd_qq_matmul(a, 1, 4, s, 1, 4, pw, out), qd_fq_matmul_f32(x, 1, 4, pw, out),
-               qd_w8a8_matmul_f32(x, 1, 4, QD_Q8S, 4, pw, out), (int)qd_packed_weights_nbytes(pw));
+               qd_w8a8_matmul_f32(x, 1, 4, QD_Q8S, 4, pw, out), qd_dequantize_packed(pw, out, QD_FLOAT32),
+               (int)qd_packed_weights_nbytes(pw));
         qd_packed_weights_free(pw);  /* not the library's to free */
         free(zeroed);
         qd_packed_weights *made = pw;
         const qd_status st = qd_pack_weights(NULL, 1, 4, 8, NULL, 1, 4, &made);
         printf("%d %d", st, made == NULL);
     """)
-    assert out == ["3"] * 6 + ["0", "1", "1"]
+    assert out == ["3"] * 7 + ["0", "1", "1"]
+
+
+def test_dequantize_packed_refuses_what_it_cannot_write(c_compiler, shell_env, tmp_path):
+    """No weights or no output: QD_ERR_NULL; a dtype that is no float, or an output
+    not aligned to its dtype: QD_ERR_ARGUMENT; nothing written then.  A good call gives
+    each value times its block's scale."""
+    out = c_program_output(c_compiler, shell_env, tmp_path, """\
+        const int8_t w[8] = {1, -2, 3, -4, 5, -6, 7, -8};
+        const float s[4] = {0.5f, 2, 4, 8};  /* blocks (1, 2) of [2, 4] */
+        _Alignas(4) unsigned char buf[40];
+        memset(buf, 0x55, sizeof buf);
+        qd_packed_weights *pw = NULL;
+        if (qd_pack_weights(w, 2, 4, 8, s, 1, 2, &pw) != QD_OK) return 1;
+        printf("%d %d %d %d ", qd_dequantize_packed(NULL, buf, QD_FLOAT32), qd_dequantize_packed(pw, NULL, QD_FLOAT32),
+               qd_dequantize_packed(pw, buf, 7), qd_dequantize_packed(pw, buf + 1, QD_FLOAT16));
+        int untouched = 1;
+        for (size_t i = 0; i < sizeof buf; i++) untouched &= buf[i] == 0x55;
+        float got[8];
+        printf("%d %d", untouched, qd_dequantize_packed(pw, got, QD_FLOAT32));
+        for (int i = 0; i < 8; i++) printf(" %g", got[i]);
+        qd_packed_weights_free(pw);
+    """)
+    assert out == ["1", "1", "3", "3", "1", "0"] + ["0.5", "-1", "6", "-8", "20", "-24", "56", "-64"]
 
 
 def test_quantize_reads_16bit_data_as_its_float32_values(c_compiler, shell_env, tmp_path):

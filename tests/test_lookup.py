@@ -287,6 +287,27 @@ def test_cpu_dequantize_of_any_rank_is_the_reference(rng, shape, scheme):
         np.testing.assert_array_equal(out.numpy(), q.to("reference").dequantize(dtype).numpy())
 
 
+@pytest.mark.parametrize("scheme", [
+    qd.QuantScheme("q8s", axis=0),
+    qd.QuantScheme("q4s", block=(1, 32), store="packed_u32"),
+    qd.QuantScheme("q2f", block=(1, 64), store="packed_u32"),
+    qd.QuantScheme("q8f", block=(2, 128), scale_dtype="bf16"),
+], ids=lambda s: f"{s.value}-{s.block or s.axis}")
+def test_cpu_weight_dequantizes_from_its_panels_as_the_reference(rng, scheme):
+    """A weight quantized on cpu keeps only its panels; dequantize reads them in place,
+    a few rows at a time (keeping no int8 copy), and gives the reference's bits in each
+    dtype, through a transposed view too."""
+    w = qd.quantize((rng.standard_normal((70, 384)) * 2).astype(np.float32), scheme, device="cpu")
+    assert not w.storage.holds_values
+    spec = w.to("reference")
+    for q, ref in ((w, spec), (w.T, spec.T)):
+        for dtype in ("float32", "float16", "bfloat16"):
+            got, want = (np.ascontiguousarray(t.dequantize(dtype).numpy()) for t in (q, ref))
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # signed zeros too
+    assert not w.storage.holds_values
+
+
 def test_cpu_dequantize_at_the_ends_of_float_ranges(rng):
     """Products past float32's range are inf, and tiny ones round to float16's
     subnormals or to zero, as the reference gives them."""

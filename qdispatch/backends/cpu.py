@@ -303,10 +303,16 @@ class CpuBackend(HostBackend):
         return flat
 
     def dequantize(self, q, dtype="float32"):
-        store = self._store_as_rows(q.storage, q.layout, keep=False)
-        if store is None:
-            return super().dequantize(q, dtype)
-        out = _cpu.dequantize_rows(*store, dtype=dtype).reshape(q.layout.shape)
+        source = q.storage.released_to
+        if isinstance(source, _StoreFromPanels):
+            # the panels hold every value: scaled as they are read, a few rows at a
+            # time, with no int8 copy of the weight in between (a third of the time)
+            out = source.panels.dequantize(dtype).reshape(q.layout.shape)
+        else:
+            store = self._store_as_rows(q.storage, q.layout, keep=False)
+            if store is None:
+                return super().dequantize(q, dtype)
+            out = _cpu.dequantize_rows(*store, dtype=dtype).reshape(q.layout.shape)
         return np.swapaxes(out, -1, -2) if q.transposed else out
 
     def dequantize_rows(self, q, rows, dtype):

@@ -135,9 +135,9 @@ static void dequantize_row(const qd_dequantize_job *job, int64_t r, int64_t i)
         const int n = cols - c0 < CHUNK ? (int)(cols - c0) : CHUNK;
         const int8_t *v = unpacked;
         if (job->bits == 0) {
-            v = (const int8_t *)job->values + r * cols + c0;
+            v = (const int8_t *)job->values + (r - job->first_row) * cols + c0;
         } else {
-            const uint32_t *words = (const uint32_t *)job->values + r * job->words_per_row;
+            const uint32_t *words = (const uint32_t *)job->values + (r - job->first_row) * job->words_per_row;
             if (job->bits == 2)
                 unpack_words(words, 2, c0, n, unpacked);
             else if (job->bits == 4)

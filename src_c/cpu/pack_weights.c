@@ -89,13 +89,13 @@ static int pack_panel(const int8_t *w, int64_t N, int64_t K, int bits, int64_t p
     return _mm_movemask_epi8(_mm_cmpeq_epi8(outside, _mm_setzero_si128())) != 0xFFFF;
 }
 
-/* Unpacks one panel into its rows of w [N, K], pack_panel reversed: per 16 k the
- * units' fields as quads, unbiased, then the same transpose back to rows. */
-static void unpack_panel(const uint8_t *panel, int64_t panel_units, int bits, int64_t N, int64_t K, int64_t p,
-                         int8_t *w)
+/* pack_panel reversed: per 16 k the units' fields as quads, unbiased, then the same
+ * transpose back to rows. */
+void qd_unpack_panel(const qd_packed_weights *pw, int64_t p, int8_t *rows_out)
 {
-    const int64_t row0 = p * QD_NR;
-    const int nrows = N - row0 < QD_NR ? (int)(N - row0) : QD_NR;
+    const uint8_t *panel = pw->panels + p * pw->panel_bytes;
+    const int64_t K = pw->k, panel_units = pw->panel_bytes / QD_UNIT_BYTES;
+    const int bits = pw->bits, nrows = pw->n - p * QD_NR < QD_NR ? (int)(pw->n - p * QD_NR) : QD_NR;
     const int per_unit = 8 / bits;
     const __m128i bias = _mm_set1_epi8((char)(bits == 8 ? 0 : 1 << (bits - 1)));
     const __m128i field = _mm_set1_epi8((char)((1 << bits) - 1));
@@ -115,7 +115,7 @@ static void unpack_panel(const uint8_t *panel, int64_t panel_units, int bits, in
             transpose_dwords(quad[c], rows + 4 * c);
         const int64_t kn = K - k0 < 16 ? K - k0 : 16;
         for (int n = 0; n < nrows; n++) {
-            int8_t *dst = w + (row0 + n) * K + k0;
+            int8_t *dst = rows_out + n * K + k0;
             if (kn == 16) {
                 _mm_storeu_si128((__m128i *)dst, rows[n]);
             } else {
@@ -151,15 +151,15 @@ static int pack_panel(const int8_t *w, int64_t N, int64_t K, int bits, int64_t p
 
 /* Portable fallback, unit by unit: column n's four bytes of a unit hold 8 / bits
  * fields each, field f the values at k = f * 4 + j of the unit. */
-static void unpack_panel(const uint8_t *panel, int64_t panel_units, int bits, int64_t N, int64_t K, int64_t p,
-                         int8_t *w)
+void qd_unpack_panel(const qd_packed_weights *pw, int64_t p, int8_t *rows_out)
 {
-    (void)panel_units;
-    const int ku = QD_KU(bits), bias = 1 << (bits - 1);
+    const uint8_t *panel = pw->panels + p * pw->panel_bytes;
+    const int64_t K = pw->k;
+    const int bits = pw->bits, ku = QD_KU(bits), bias = 1 << (bits - 1);
     const unsigned mask = (1u << bits) - 1;
-    for (int n = 0; n < QD_NR && p * QD_NR + n < N; n++) {
+    for (int n = 0; n < QD_NR && p * QD_NR + n < pw->n; n++) {
         const uint8_t *bytes = panel + n * 4;
-        int8_t *row = w + (p * QD_NR + n) * K;
+        int8_t *row = rows_out + n * K;
         for (int64_t k0 = 0; k0 < K; k0 += ku, bytes += QD_UNIT_BYTES) {
             const int in_unit = K - k0 < ku ? (int)(K - k0) : ku;
             for (int i = 0; i < in_unit; i++) {
@@ -313,10 +313,9 @@ qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *s
         /* The python package reads a weight's values back this way wherever they are
          * asked for, so this loop matters: a column at a time, each 64-byte unit read
          * for its 4 bytes, took 2-2.6x as long (4096 x 4096, one thread). */
-        const int64_t panel_units = pw->panel_bytes / QD_UNIT_BYTES;
         QD_PARALLEL_FOR(qd_threads_for(pw->n * pw->k / 65536 + 1), pw->n_panels, ,
         for (int64_t p = 0; p < pw->n_panels; p++)
-            unpack_panel(pw->panels + p * pw->panel_bytes, panel_units, pw->bits, pw->n, pw->k, p, w_out););
+            qd_unpack_panel(pw, p, w_out + p * QD_NR * pw->k););
     }
     if (scales_out)
         memcpy(scales_out, pw->scales, scale_bytes);

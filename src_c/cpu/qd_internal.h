@@ -36,6 +36,10 @@ struct qd_packed_weights {
     float *scales;              /* the original grid [N/block_n, K/block_k] */
 };
 
+/* The int8 values of panel p's rows (QD_NR of them, fewer in the last panel), each
+ * pw->k long, into rows [.][pw->k]. */
+void qd_unpack_panel(const qd_packed_weights *pw, int64_t p, int8_t *rows);
+
 /* QD_OK for packed weights that qd_pack_weights made; QD_ERR_NULL for NULL,
  * QD_ERR_ARGUMENT for other memory (a zeroed struct, say), which the entry points
  * refuse rather than read sizes and pointers from. */
@@ -170,13 +174,14 @@ const qd_quant_kernels *qd_quant_kernels_active(void);
 
 /* One qd_dequantize_rows call, as its row kernel reads it. */
 typedef struct qd_dequantize_job {
-    const void *values;
+    const void *values;         /* rows first_row, first_row + 1, ... of the matrix */
     int bits;                   /* 0: one int8 a value; else packed_u32 of this width */
     int64_t cols, words_per_row;
     const float *scales;
     int64_t block_rows, block_cols;
     void *out;
     int out_dtype;
+    int64_t first_row;
 } qd_dequantize_job;
 
 /* Dequantize and conversion kernels of one ISA (dequantize_kernels.h): row(job, r,

@@ -200,6 +200,14 @@ qd_status qd_packed_weights_info(const qd_packed_weights *pw, int64_t *N, int64_
  * (either may be NULL to skip it). */
 qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *scales_out);
 
+/* Packed weights [N, K] dequantized whole (qd_dequantize_rows of their values,
+ * scales and blocks, every row): out[n, k] = w[n, k] * scale, the float32 product,
+ * written as out_dtype (16-bit dtypes rounded to nearest even).  The panels are read
+ * in place, a few rows at a time, so no int8 copy of the matrix is made (what
+ * qd_unpack_weights then qd_dequantize_rows would take).  An out not aligned to its
+ * dtype's size is QD_ERR_ARGUMENT. */
+qd_status qd_dequantize_packed(const qd_packed_weights *pw, void *out, int out_dtype);
+
 /* ---- integer matmul (exact) ---- */
 /* c[M, N] = a[M, K] @ b[K, N] in int32; K <= QD_INT_MATMUL_MAX_K. */
 qd_status qd_int_matmul_s8(const int8_t *a, int64_t M, int64_t K, const int8_t *b, int64_t N,
