@@ -129,7 +129,9 @@ _FORMULA_SECONDS = {}
 def _numpy_dequantize(values, scales, dtype):
     """dequantize's formula in numpy: each int8 value times its block's float32 scale,
     in float32, then rounded to `dtype` (blocks are runs of a row along K: scales
-    [N] or [N, K / block])."""
+    [N] or [N, K / block]).  The scales broadcast over their blocks, not repeated to
+    the full shape as quantmath.dequantize_array does it: the faster numpy, so the
+    stronger contender."""
     n, k = values.shape
     scales = scales.reshape(n, -1)
     blocked = values.reshape(n, scales.shape[1], -1).astype(np.float32) * scales[:, :, None]
