@@ -383,9 +383,9 @@ def test_fq_bf16_activations(benchmark, M, K, N, wname, scheme):
     time_each_set(benchmark, ours_fn, sets)
 
 
-FINE_WEIGHTS = [  # blockings along K that the decode tiles can't take: the float units multiply them
-    ("int8_per_input_channel", qd.QuantScheme("q8s", axis=1)),
-    ("int4_blocks_of_8", qd.QuantScheme("q4s", block=8, store="packed_u32")),
+FINE_WEIGHTS = [  # blockings along K that the decode tiles can't take
+    ("int8_per_input_channel", qd.QuantScheme("q8s", axis=1)),  # x takes the scales: the decode kernel
+    ("int4_blocks_of_8", qd.QuantScheme("q4s", block=8, store="packed_u32")),  # the float units
 ]
 
 
@@ -393,7 +393,8 @@ FINE_WEIGHTS = [  # blockings along K that the decode tiles can't take: the floa
 @pytest.mark.parametrize("wname,scheme", FINE_WEIGHTS)
 def test_fq_blocks_too_fine_for_the_tiles(benchmark, M, K, N, wname, scheme):
     """bf16 x @ dequantize(w).T -> bf16 for weights blocked along K in no multiple of
-    16 values (qd_cuda_fq_values, on the float units), against bf16 torch.matmul."""
+    16 values, against bf16 torch.matmul: a scale per input channel scales x (float32)
+    for the decode kernel, other blockings run on the float units (qd_cuda_fq_values)."""
     sets = _decode_sets(M, K, N, scheme)
     torch_fn, tb = _torch_bf16_sets(M, K, N)
     ms = gpu_ms_each({"qdispatch": (_fq, sets), "torch_bf16_matmul": (torch_fn, tb)})

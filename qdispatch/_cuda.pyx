@@ -984,6 +984,29 @@ def split_bf16_into(uintptr_t x, int64_t rows, int64_t cols, int64_t ldx, uintpt
         _status(st, "split_bf16")
 
 
+def scale_columns_into(uintptr_t x, str x_dtype, int64_t rows, int64_t cols, int64_t ldx, DeviceArray scales,
+                       uintptr_t out, int64_t ld, uintptr_t stream):
+    """float32 out [rows, ld] = x [rows, cols] (rows ldx apart) times scales[c] (float32
+    [cols]) per column, rounded once; zeros past cols."""
+    cdef void *ps = P(scales)
+    cdef int xd = DTYPES[x_dtype]
+    cdef qd_status st
+    with on_device(scales.device):
+        with nogil:
+            st = qd_cuda_scale_columns(<void *>x, xd, rows, cols, ldx, <float *>ps, <float *>out, ld,
+                                       <void *>stream)
+        _status(st, "scale_columns")
+
+
+def scale_columns(DeviceArray x, DeviceArray scales):
+    """float32 [M, ld] = x [M, K] times scales[k] per column, ld = K rounded up to 4
+    (rows of whole 16-byte pieces, zeros past K)."""
+    cdef int64_t M = x.shape[0], K = x.shape[1], ld = -(-K // 4) * 4
+    out = empty((M, ld), "float32", x.device)
+    scale_columns_into(<uintptr_t>P(x), x.dtype, M, K, K, scales, <uintptr_t>P(out), ld, 0)
+    return out
+
+
 def sum3_into(uintptr_t a, int64_t n, uintptr_t out, str out_dtype, int device, uintptr_t stream):
     """float32 a [3][n] -> out[i] = a[i] + a[n + i] + a[2n + i] as out_dtype."""
     cdef int od = DTYPES[out_dtype]

@@ -130,6 +130,8 @@ cdef extern from "qdispatch.h" nogil:
                            void *stream) noexcept
     qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
                                  int64_t ld, void *stream) noexcept
+    qd_status qd_cuda_scale_columns(const void *x, int x_dtype, int64_t rows, int64_t cols, int64_t ldx,
+                                    const float *scales, float *out, int64_t ld, void *stream) noexcept
     qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream) noexcept
     qd_status qd_cuda_add_bias_f32(const float *x, int64_t rows, int64_t cols, const float *bias,
                                    float *out, void *stream) noexcept

@@ -325,8 +325,9 @@ def _capturing(index, stream):
 
 def _matmul_captured(x, w, stream):
     """x @ w while torch captures a CUDA graph: the kernels an eager call runs (the
-    decode kernel, or at many rows the GEMM; for weights blocked along K too finely
-    for the decode tiles, the float units' kernel), queued on torch's capturing stream,
+    decode kernel, or at many rows the GEMM, after x takes a weight's scales per input
+    channel; for other weights blocked along K too finely for the decode tiles, the
+    float units' kernel), queued on torch's capturing stream,
     reading x in place into an output and temporaries torch allocates there.  Nothing
     crosses, allocates on our side or waits, so the capture holds it.  Eager calls
     keep crossing: a capsule for the output costs less host time than torch.empty."""

@@ -492,7 +492,6 @@ def test_fq_batch_invariant(rng, batch_invariant, scheme, x_dtype, K, N):
 
 
 FQ_VALUES_SCHEMES = [  # weight blockings along K that the decode tiles can't take (no multiple of 16)
-    qd.QuantScheme("q8s", axis=1),                          # a scale per input channel (stored [N, K])
     qd.QuantScheme("q8f", block=8),
     qd.QuantScheme("q8s", block=(4, 24)),                   # four rows to a scale
     qd.QuantScheme("q4s", block=8, store="packed_u32"),
@@ -531,6 +530,49 @@ def test_fq_blockings_too_fine_for_the_tiles_run_on_the_gpu(monkeypatch, rng, sc
             qd.set_batch_invariant(False)
         if M <= 64:
             np.testing.assert_array_equal(whole, out.numpy())
+
+
+@pytest.mark.parametrize("scheme,stored_kn", [
+    (qd.QuantScheme("q8s", axis=1), False),                                    # [N, K], a scale per k
+    (qd.QuantScheme("q4f", axis=1, store="packed_u32", scale_dtype="f16"), False),
+    (qd.QuantScheme("q2s", axis=0, store="packed_u32"), True),                 # [K, N], a scale per k
+], ids=repr)
+@pytest.mark.parametrize("M,K", [(1, 960), (16, 960), (17, 37), (65, 960), (300, 960)])
+def test_fq_weight_scaled_per_input_channel_scales_x_for_the_decode_kernel(monkeypatch, rng, scheme,
+                                                                          stored_kn, M, K):
+    """A scale per input channel is too fine for the decode tiles (a block of one value
+    along K), but it is one scale for all of N at each k: x takes it (float32, each
+    product rounded once) and the decode kernel, or from its threshold of rows the
+    GEMM, multiplies the weight's values at a scale of 1. Within fq's tolerance of
+    the reference for every x dtype, never through the float units' kernel or the
+    host, and with batch invariance on a row's bits do not depend on its batch.
+    K = 37 leaves x's scaled rows a tail past a 16-byte piece."""
+    from qdispatch.backends import cuda as cuda_backend
+    N = 200
+    w = rng.standard_normal((K, N) if stored_kn else (N, K)).astype(np.float32)
+    w *= np.exp(rng.uniform(-4, 4, K)).astype(np.float32)[:, None] if stored_kn else \
+        np.exp(rng.uniform(-4, 4, K)).astype(np.float32)  # scales apart by up to e^8
+    wq = qd.quantize(w, scheme, device="cuda")
+    w_ref = ref(wq)
+    operand, w_ref = (wq, w_ref) if stored_kn else (wq.T, w_ref.T)  # [K, N]
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    monkeypatch.setattr(cuda_backend.CudaBackend, "qstorage_to_host",
+                        lambda *a: pytest.fail("the weight went to the host"))
+    monkeypatch.setattr(cuda_backend._cuda, "fq_values", lambda *a: pytest.fail("the float units' kernel ran"))
+    for dtype in ("float32", "float16", "bfloat16"):
+        xt = qd.tensor(x, device="cuda", dtype=dtype)
+        out = qd.q_matmul(xt, operand)
+        expect = qd.q_matmul(qd.tensor(x, device="reference", dtype=dtype), w_ref).numpy()
+        assert out.shape == (M, N) and out.dtype == "float32" and out.device == "cuda:0"
+        assert rel_err(expect, out.numpy()) < FQ_TOL
+        assert_rounded_once(out.numpy(), qd.q_matmul(xt, operand, out_dtype=dtype), dtype)
+        qd.set_batch_invariant(True)
+        try:
+            whole = qd.q_matmul(xt, operand).numpy()
+            np.testing.assert_array_equal(qd.q_matmul(xt[M - 1:], operand).numpy(), whole[M - 1:])
+        finally:
+            qd.set_batch_invariant(False)
+        assert rel_err(expect, whole) < FQ_TOL
 
 
 @pytest.mark.parametrize("scheme,transposed", [

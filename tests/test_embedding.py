@@ -598,6 +598,10 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
             qd_cuda_split_bf16((float *)d, 2, 4, 4, d + 16, 8, NULL),
             qd_cuda_sum3_f32((float *)d, huge, e, f32, NULL),
             qd_cuda_sum3_f32((float *)d, 16, d + 64, f32, NULL),
+            qd_cuda_scale_columns(d, bf, huge, 4, 4, (float *)e, (float *)f, 4, NULL),
+            qd_cuda_scale_columns(d, f32, 2, 8, 8, (float *)e, (float *)(d + 16), 8, NULL),
+            qd_cuda_scale_columns(d, f32, 2, 8, 8, (float *)e, (float *)(e + 16), 8, NULL),
+            qd_cuda_scale_columns(d, QD_CUDA_S8, 2, 8, 8, (float *)e, (float *)f, 8, NULL),
             qd_cuda_add_bias_f32((float *)d, huge, 4, (float *)e, (float *)f, NULL),
             qd_cuda_add_bias_f32((float *)d, 2, 8, (float *)e, (float *)(d + 16), NULL),
             qd_cuda_add_bias_f32((float *)d, 2, 8, (float *)e, (float *)e, NULL),
@@ -659,12 +663,13 @@ def test_cuda_entry_points_refuse_overflowing_sizes_and_overlaps(c_compiler, she
             qd_cuda_int_matmul_s8((int8_t *)d, (int8_t *)(d + 32), 2, 4, 16, 16, (int32_t *)(d + 96), NULL),
             qd_cuda_fq_matmul(d, bf, 2, 64, e, f, 4, 16, 64, 64, d + 256, bf, NULL),
             qd_cuda_fq_values(d, bf, 2, 64, (int8_t *)e, 16, 64, 64, (float *)f, 1, 1, d + 256, bf, NULL),
+            qd_cuda_scale_columns(d, bf, 2, 8, 8, (float *)e, (float *)(d + 32), 8, NULL),
         };
         for (size_t i = 0; i < sizeof side_by_side / sizeof side_by_side[0]; i++)
             printf("%d ", side_by_side[i]);
     """)
-    assert out[:out.index("|")] == ["3"] * 45 + ["2"] * 2
-    assert out[out.index("|") + 1:] in ([], ["11"] * 8)
+    assert out[:out.index("|")] == ["3"] * 49 + ["2"] * 2
+    assert out[out.index("|") + 1:] in ([], ["11"] * 9)
 
 
 @pytest.mark.skipif(not built_with_cuda(), reason="the library was built without CUDA kernels")
@@ -687,6 +692,7 @@ def test_cuda_entry_points_give_the_headers_status_for_each_fault(c_compiler, sh
             qd_cuda_fq_tile_weights((int8_t *)d, 16, 64, 32, 4, e, NULL),
             qd_cuda_fq_expand_weights(d, 16, 64, 4, bf, e, 32, NULL),
             qd_cuda_split_bf16((float *)d, 2, 8, 4, e, 8, NULL),
+            qd_cuda_scale_columns(d, bf, 2, 8, 4, (float *)e, (float *)f, 8, NULL),
             qd_cuda_pad_s8((int8_t *)d, 4, 16, (int8_t *)e, 8, NULL),
         };
         qd_status scheme[] = {
@@ -710,7 +716,7 @@ def test_cuda_entry_points_give_the_headers_status_for_each_fault(c_compiler, sh
         for (size_t i = 0; i < sizeof shape / sizeof shape[0]; i++)
             printf("%d ", shape[i]);
     """)
-    assert out == ["3"] * 7 + ["|"] + ["4"] * 5 + ["|"] + ["2"] * 3
+    assert out == ["3"] * 8 + ["|"] + ["4"] * 5 + ["|"] + ["2"] * 3
 
 
 def test_converting_nothing_takes_no_arrays(c_compiler, shell_env, tmp_path):

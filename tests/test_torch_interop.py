@@ -1429,7 +1429,8 @@ def test_cuda_model_built_empty_loads_float_and_quantized_checkpoints(tmp_path):
 GRAPH_SCHEMES = {"int8 per channel": QuantScheme("q8s", axis=0),
                  "int4 block 128": QuantScheme("q4s", block=(1, 128), store="packed_u32"),
                  "int4 block 32": QuantScheme("q4f", block=(1, 32), store="packed_u32"),
-                 "int8 blocks of 8": QuantScheme("q8f", block=(1, 8))}  # on the float units: too fine for tiles
+                 "int8 blocks of 8": QuantScheme("q8f", block=(1, 8)),  # on the float units: too fine for tiles
+                 "int8 per input channel": QuantScheme("q8s", axis=1)}  # x scaled first, into the graph's pool
 
 
 def _cuda_qlinear(K, N, scheme, seed=0):

@@ -443,6 +443,8 @@ class CudaBackend(Backend):
         call = self.fq_prepared(w)
         if isinstance(call[0], _ValuesOperands):
             return _cuda.fq_values(x, *call[0], out_dtype)
+        if call[4] is not None:  # w's scale per input channel goes into x (see _fq_call)
+            x = _cuda.scale_columns(x, call[4])
         if self.fq_runs_as_gemm(call, x.shape[0], x.dtype):
             if x.dtype != "float32":
                 x = _cuda.aligned_rows(x)  # the GEMM reads whole 16-byte pieces of rows
@@ -473,18 +475,25 @@ class CudaBackend(Backend):
         order).  Nothing here allocates or waits, so a CUDA graph can capture it; it
         takes the decode kernel or the GEMM as fq_matmul does, so the two agree bit
         for bit."""
+        out_dtype = x_dtype
         if isinstance(call[0], _ValuesOperands):
-            _cuda.fq_values_into(x, x_dtype, rows, ldx, *call[0], out, x_dtype, stream)
-        elif self.fq_runs_as_gemm(call, rows, x_dtype):
-            self._fq_gemm_into(call, x, x_dtype, rows, ldx, out, x_dtype, stream, scratch)
+            _cuda.fq_values_into(x, x_dtype, rows, ldx, *call[0], out, out_dtype, stream)
+            return
+        if call[4] is not None:  # w's scale per input channel goes into x (see _fq_call)
+            K, ld = call[0][4], _round_up(call[0][4], 4)
+            scaled = scratch(rows * ld * 4)
+            _cuda.scale_columns_into(x, x_dtype, rows, K, ldx, call[4], scaled, ld, stream)
+            x, x_dtype, ldx = scaled, "float32", ld
+        if self.fq_runs_as_gemm(call, rows, x_dtype):
+            self._fq_gemm_into(call, x, x_dtype, rows, ldx, out, out_dtype, stream, scratch)
         else:
-            _cuda.fq_matmul_into(x, x_dtype, rows, ldx, *call[0], out, x_dtype, stream)
+            _cuda.fq_matmul_into(x, x_dtype, rows, ldx, *call[0], out, out_dtype, stream)
 
     def _fq_gemm_into(self, call, x, x_dtype, rows, ldx, out, out_dtype, stream, scratch):
         """fq as a GEMM on the weight's values expanded to 16 bits (a temporary: the
         weight keeps its quantized size); float32 x as its hi, mid and lo bf16 parts
         stacked as rows, their products added."""
-        (tiles, _, bits, N, K, bk), _, scales, bn = call
+        (tiles, _, bits, N, K, bk), _, scales, bn, _ = call
         ld = _round_up(K, 8)
         dtype = "bfloat16" if x_dtype == "float32" else x_dtype
         w16 = scratch(N * ld * 2)
@@ -502,16 +511,26 @@ class CudaBackend(Backend):
     def _fq_call(self, w):
         """fq_matmul's weight arguments for w: those of the decode kernel (the tiled
         weights are laid out here, once), the rows from which the GEMM takes over,
-        and its scales [N/bn, K/bk] with bn.  A blocking along K that the tiles can't
-        take (no multiple of 16 values) gets the int8 values and scales that
-        _cuda.fq_values reads instead, and never the GEMM."""
+        its scales [N/bn, K/bk] with bn, and scales that x takes first (or None).
+        A blocking along K that the tiles can't take (no multiple of 16 values) gets
+        the int8 values and scales that _cuda.fq_values reads instead, and never the
+        GEMM; except a scale per input channel (one for all of N at each k), which
+        goes into x instead: sum_k x[k] * (q[k] * s[k]) as sum_k (x[k] * s[k]) * q[k],
+        a float32 x (three exact bf16 parts) times the weight's values at a scale of 1,
+        each term rounded once either way."""
         K, N = w.shape
         bk, bn = w.layout.logical_block(w.transposed)
         bits = w.layout.bits
+        x_scales = None
         if not _cuda.fq_supported(bits, K, bk):
-            values, scales = self._k_rows(w, k_last=False)
-            return _ValuesOperands(values, scales, K, bn, bk), (float("inf"), float("inf")), scales, bn
-        values, scales = self._k_major(w, k_last=False, cache=False)
+            if bk != 1 or bn != N:
+                values, scales = self._k_rows(w, k_last=False)
+                return _ValuesOperands(values, scales, K, bn, bk), (float("inf"), float("inf")), scales, bn, None
+            values, x_scales = self._k_major(w, k_last=False, cache=False)
+            x_scales = x_scales.view((K,))
+            scales, bk = _cuda.from_host(np.ones((1, 1), np.float32), "float32", values.device), K
+        else:
+            values, scales = self._k_major(w, k_last=False, cache=False)
         tiles = _cuda.fq_tile_weights(values, K, bits)
         # The tiles hold every value: the store can go (see the module's docstring).
         # _k_major turned the store's [K, N] into [N, K] unless w is a transposed view.
@@ -521,7 +540,9 @@ class CudaBackend(Backend):
         # for (16-bit x, float32 x)
         gemm_rows = tuple(float("inf") if rows is None else rows
                           for rows in (fq_gemm_min_rows(bk, K, bits, wide), fq_gemm_min_rows(bk, K, bits)))
-        return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), gemm_rows, scales, bn)
+        if x_scales is not None:  # x comes as float32 whatever its dtype
+            gemm_rows = (gemm_rows[1], gemm_rows[1])
+        return ((tiles, _cuda.fq_tile_scales(scales, N, K, bn, bk), bits, N, K, bk), gemm_rows, scales, bn, x_scales)
 
     # ---- dense helpers the dispatcher uses ----
     def cast(self, payload, src, dst):

@@ -67,6 +67,8 @@ qd_status qd_cuda_fq_matmul(const void *x, int x_dtype, int64_t M, int64_t ldx,
                             int64_t K, int64_t block_k, void *out, int out_dtype, void *stream) UNAVAILABLE
 qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t ldx, void *parts,
                              int64_t ld, void *stream) UNAVAILABLE
+qd_status qd_cuda_scale_columns(const void *x, int x_dtype, int64_t rows, int64_t cols, int64_t ldx,
+                                const float *scales, float *out, int64_t ld, void *stream) UNAVAILABLE
 qd_status qd_cuda_sum3_f32(const float *a, int64_t n, void *out, int out_dtype, void *stream) UNAVAILABLE
 qd_status qd_cuda_fq_expand_weights(const void *tiles, int64_t N, int64_t K, int bits, int dtype,
                                     void *w16, int64_t ld, void *stream) UNAVAILABLE

@@ -1,6 +1,6 @@
 // Memory-bound helpers: casts, bias, transposes, padding, the packed_u32 store,
-// dequantization, float32 cut into bfloat16 parts and added back, and the sums of
-// splits of K added.  All are grid-stride loops over the output.
+// dequantization, columns scaled, float32 cut into bfloat16 parts and added back,
+// and the sums of splits of K added.  All are grid-stride loops over the output.
 #include <algorithm>
 #include <atomic>
 
@@ -41,6 +41,17 @@ __global__ void split_bf16_kernel(const float *x, int64_t rows, int64_t cols, in
             v -= __bfloat162float(p);
             if (!isfinite(v)) v = 0.0f;
         }
+    }
+}
+
+// out = x * scales[c] per column, rounded once in float32 (x widened exactly first).
+__global__ void scale_columns_kernel(const void *x, int x_dtype, int64_t rows, int64_t cols, int64_t ldx,
+                                     const float *scales, float *out, int64_t ld) {
+    const int64_t n = rows * ld;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / ld, c = i - r * ld;
+        out[i] = c < cols ? __fmul_rn(load_as_f32(x, x_dtype, r * ldx + c), scales[c]) : 0.0f;
     }
 }
 
@@ -341,6 +352,22 @@ extern "C" qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t co
     if (rows * ld == 0) return QD_OK;
     split_bf16_kernel<<<grid_for(rows * ld, kThreads), kThreads, 0, as_stream(stream)>>>(
         x, rows, cols, ldx, static_cast<__nv_bfloat16 *>(parts), ld);
+    return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_scale_columns(const void *x, int x_dtype, int64_t rows, int64_t cols, int64_t ldx,
+                                           const float *scales, float *out, int64_t ld, void *stream) {
+    if (!x || !scales || !out) return QD_ERR_NULL;
+    if (!float_dtype(x_dtype)) return QD_ERR_ARGUMENT;
+    if (rows < 0 || cols < 0) return QD_ERR_SHAPE;
+    if (ldx < cols || ld < cols) return QD_ERR_ARGUMENT;
+    if (!qd_dims_fit(rows, ldx, dtype_bytes(x_dtype)) || !qd_dims_fit(rows, ld, sizeof(float)) ||
+        overlaps_any({out, (size_t)(rows * ld) * sizeof(float)},
+                     {{x, span_bytes(rows, cols, ldx, dtype_bytes(x_dtype))}, {scales, cols * sizeof(float)}}))
+        return QD_ERR_ARGUMENT;
+    if (rows * ld == 0) return QD_OK;
+    scale_columns_kernel<<<grid_for(rows * ld, kThreads), kThreads, 0, as_stream(stream)>>>(
+        x, x_dtype, rows, cols, ldx, scales, out, ld);
     return qd::launched();
 }
 
