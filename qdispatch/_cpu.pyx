@@ -151,6 +151,14 @@ _FLOAT_DTYPES = {"float32": (QD_FLOAT32, np.float32), "float16": (QD_FLOAT16, np
                  "bfloat16": (QD_BFLOAT16, np.uint16)}
 
 
+def _float_dtype(dtype, what):
+    """_FLOAT_DTYPES[dtype], or an error saying that `what` can't take dtype."""
+    try:
+        return _FLOAT_DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise ArgumentError(f"Can't {what} dtype {dtype!r}: use one of {list(_FLOAT_DTYPES)}") from None
+
+
 def _float32_values(x, dtype):
     """The float32 values of an array of float dtype `dtype` (for a few, in errors)."""
     if dtype == "bfloat16":
@@ -165,9 +173,7 @@ def quantize(x, value, block_rows, block_cols, scale_dtype="f32", shape=None, gr
     float32 values, which C reads in place (no float32 copy).  x may be a tensor of
     `shape` seen as [R, C], its scales a grid of `grid`: errors then name positions in
     those shapes."""
-    if dtype not in _FLOAT_DTYPES:
-        raise ArgumentError(f"Can't quantize dtype {dtype!r}: use one of {list(_FLOAT_DTYPES)}")
-    x_dtype, np_dtype = _FLOAT_DTYPES[dtype]
+    x_dtype, np_dtype = _float_dtype(dtype, "quantize")
     x = _array(x, np_dtype, 2, "x")
     if value not in _VALUE_KINDS:
         raise _error_class(QD_ERR_SCHEME)(f"Unknown value kind {value!r}: use one of {list(_VALUE_KINDS)}")
@@ -264,7 +270,7 @@ def dequantize_rows(values, int bits, int64_t rows, int64_t cols, scales, int64_
             or scales.shape[1] != cols // block_cols:
         raise _shape_error(f"values {values.shape} and scales {scales.shape} are not the store of a "
                            f"[{rows}, {cols}] matrix of {bits or 8}-bit values in blocks ({block_rows}, {block_cols})")
-    code, np_dtype = _FLOAT_DTYPES[dtype]
+    code, np_dtype = _float_dtype(dtype, "dequantize to")
     cdef int64_t n = rows
     cdef const int64_t *pid = NULL
     cdef const int64_t[::1] idv
@@ -341,7 +347,7 @@ cdef class PackedWeights:
     def dequantize(self, dtype="float32"):
         """-> w * its scales [N, K] in dtype (bfloat16 as uint16 bits), read from the
         panels a few rows at a time: unpack()'s values scaled as dequantize_rows does."""
-        code, np_dtype = _FLOAT_DTYPES[dtype]
+        code, np_dtype = _float_dtype(dtype, "dequantize to")
         out = np.empty(self.shape, dtype=np_dtype)
         cdef uint8_t[:, ::1] ov = out.view(np.uint8)
         cdef int c_dtype = code

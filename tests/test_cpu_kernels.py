@@ -220,6 +220,17 @@ def test_packed_weights_dequantize_as_their_rows_do_on_every_isa(isa, rng, bits,
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "f16", None, np.float16])
+def test_dequantizing_to_a_dtype_with_no_kernel_names_the_ones_there_are(dtype):
+    """A dtype other than float32, float16 or bfloat16 (by name) was a bare KeyError."""
+    w, scales = np.ones((16, 8), np.int8), np.ones((16, 1), np.float32)
+    for call in (lambda: _cpu.PackedWeights(w, scales, 1, 8, 8).dequantize(dtype),
+                 lambda: _cpu.dequantize_rows(w, 0, 16, 8, scales, 1, 8, dtype=dtype)):
+        with pytest.raises(qd.ArgumentError, match=r"Can't dequantize to dtype .*: use one of "
+                                                   r"\['float32', 'float16', 'bfloat16'\]"):
+            call()
+
+
 def test_pack_rejects_out_of_range_values_and_bad_blocks():
     with pytest.raises(ValueError, match=r"must lie in \[-8, 7\] for bits=4: got \[8, 8\]"):
         _cpu.PackedWeights(np.full((2, 4), 8, np.int8), np.ones((2, 1), np.float32), 1, 4, 4)
