@@ -204,8 +204,9 @@ qd_status qd_unpack_weights(const qd_packed_weights *pw, int8_t *w_out, float *s
  * scales and blocks, every row): out[n, k] = w[n, k] * scale, the float32 product,
  * written as out_dtype (16-bit dtypes rounded to nearest even).  The panels are read
  * in place, a few rows at a time, so no int8 copy of the matrix is made (what
- * qd_unpack_weights then qd_dequantize_rows would take).  An out not aligned to its
- * dtype's size is QD_ERR_ARGUMENT. */
+ * qd_unpack_weights then qd_dequantize_rows would take).  out holds N x K values of
+ * out_dtype (N and K from qd_packed_weights_info); an out not aligned to its dtype's
+ * size is QD_ERR_ARGUMENT. */
 qd_status qd_dequantize_packed(const qd_packed_weights *pw, void *out, int out_dtype);
 
 /* ---- integer matmul (exact) ---- */
