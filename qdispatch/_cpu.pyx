@@ -448,6 +448,19 @@ def fq_matmul(x, pw):
     return out
 
 
+def fq_fold_scales(scales):
+    """(x's scales s * 2^-e, 2^e) for fq of a weight with one row of float32 `scales`
+    along K (qd_fq_fold_scales), or None where they can't be folded into x."""
+    cdef const float[::1] sv = _array(np.ravel(scales), np.float32, 1, "scales")
+    x_scales = np.empty(sv.shape[0], np.float32)
+    cdef float[::1] xv = x_scales
+    cdef float power = 1.0
+    cdef int folded
+    with nogil:
+        folded = qd_fq_fold_scales(&sv[0], sv.shape[0], &xv[0], &power)
+    return (x_scales, power) if folded else None
+
+
 def w8a8_matmul(x, act_value, act_block_k, pw):
     """float32 x quantized per row in blocks of act_block_k (f32 scales), then qq."""
     cdef PackedWeights w

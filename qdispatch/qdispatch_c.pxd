@@ -106,6 +106,7 @@ cdef extern from "qdispatch.h" nogil:
                            float *out) noexcept
     qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed_weights *w,
                                float *out) noexcept
+    int qd_fq_fold_scales(const float *scales, int64_t n, float *x_scales, float *power) noexcept
     qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value_kind,
                                  int64_t act_block_k, const qd_packed_weights *w, float *out) noexcept
 

@@ -290,7 +290,9 @@ def test_qq_matmul_rejects_mismatched_scales(rng):
 FQ_CASES = [(1, 64, 33, (1, 64)), (5, 96, 17, (17, 96)), (17, 128, 31, (1, 32)),
             (3, 30, 7, (7, 6)), (20, 65, 16, (1, 65)), (2, 256, 40, (4, 128)),
             # scale groups that are no whole panel units (a [K, N] weight scaled per row of K)
-            (4, 9, 20, (5, 1)), (7, 21, 36, (36, 3)), (1, 50, 17, (17, 2))]
+            (4, 9, 20, (5, 1)), (7, 21, 36, (36, 3)), (1, 50, 17, (17, 2)),
+            # one row of scales for all of N (a scale per input channel): x takes them
+            (3, 40, 33, (33, 1)), (2, 48, 20, (20, 6))]
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -303,6 +305,43 @@ def test_fq_matmul_matches_float64(isa, rng, bits, case):
     out = _cpu.fq_matmul(x, pw)
     ref = x.astype(np.float64) @ (w * expand(w_scales, w.shape, wblock).astype(np.float64)).T
     assert_close(out, ref)
+
+
+def test_fq_fold_scales_keeps_every_scale_at_most_one():
+    """x[k] * s[k] * 2^-e with 2^e the least power (e >= 0) at or above every |s|; none
+    where a scale is not finite or 2^e would not be a float32."""
+    for scales, power in (([0.5, 3.0, -7.0], 8.0), ([0.01, 0.02], 1.0), ([0.0, 0.0], 1.0), ([4.0], 8.0),
+                          ([2.0 ** 126 * 1.5], 2.0 ** 127), ([1e-45, 1.0], 2.0)):
+        scales = np.array(scales, np.float32)
+        x_scales, got = _cpu.fq_fold_scales(scales)
+        assert got == power and x_scales.dtype == np.float32
+        np.testing.assert_array_equal(x_scales, scales / np.float32(power))
+        assert np.abs(x_scales).max() <= 1
+    for scales in ([np.inf], [1.0, np.nan], [2.0 ** 127], [np.finfo(np.float32).max]):
+        assert _cpu.fq_fold_scales(np.array(scales, np.float32)) is None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fq_with_x_taking_the_scales_stays_finite_where_the_reference_does(isa, rng, bits):
+    """A scale per input channel goes into x. Where every weight value at k is 0, x[k]
+    up to 2^120 times a scale of 2^40 would overflow (x * s * 0: NaN) though the
+    reference's terms there are 0: x takes s * 2^-e instead (2^e at or above every
+    scale), every such product finite. Each row's bits are the same whatever rows it
+    comes with."""
+    M, K, N = 5, 64, 40
+    w, _ = random_weights(rng, N, K, bits, (N, 1))
+    w[:, ::3] = 0
+    scales = np.ldexp(np.float32(1), rng.integers(-20, 41, (1, K))).astype(np.float32)
+    scales[0, ::3] = 2.0 ** 40
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[:, ::3] = np.ldexp(x[:, ::3], 120)
+    pw = _cpu.PackedWeights(w, scales, N, 1, bits)
+    out = _cpu.fq_matmul(x, pw)
+    ref = x.astype(np.float64) @ (w * scales.astype(np.float64)).T
+    assert np.isfinite(ref).all() and np.isfinite(out).all()
+    assert_close(out, ref)
+    for m in range(M):
+        np.testing.assert_array_equal(_cpu.fq_matmul(x[m:m + 1], pw), out[m:m + 1])
 
 
 @pytest.mark.parametrize("M", [1, 3])

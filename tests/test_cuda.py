@@ -536,6 +536,7 @@ def test_fq_blockings_too_fine_for_the_tiles_run_on_the_gpu(monkeypatch, rng, sc
     (qd.QuantScheme("q8s", axis=1), False),                                    # [N, K], a scale per k
     (qd.QuantScheme("q4f", axis=1, store="packed_u32", scale_dtype="f16"), False),
     (qd.QuantScheme("q2s", axis=0, store="packed_u32"), True),                 # [K, N], a scale per k
+    (qd.QuantScheme("q8f", block=(200, 8)), False),                            # blocks of 8 along K only
 ], ids=repr)
 @pytest.mark.parametrize("M,K", [(1, 960), (16, 960), (17, 37), (65, 960), (300, 960)])
 def test_fq_weight_scaled_per_input_channel_scales_x_for_the_decode_kernel(monkeypatch, rng, scheme,
@@ -543,12 +544,14 @@ def test_fq_weight_scaled_per_input_channel_scales_x_for_the_decode_kernel(monke
     """A scale per input channel is too fine for the decode tiles (a block of one value
     along K), but it is one scale for all of N at each k: x takes it (float32, each
     product rounded once) and the decode kernel, or from its threshold of rows the
-    GEMM, multiplies the weight's values at a scale of 1. Within fq's tolerance of
-    the reference for every x dtype, never through the float units' kernel or the
-    host, and with batch invariance on a row's bits do not depend on its batch.
-    K = 37 leaves x's scaled rows a tail past a 16-byte piece."""
+    GEMM, multiplies the weight's values at one scale. Within fq's tolerance of the
+    reference for every x dtype, never through the float units' kernel or the host,
+    and with batch invariance on a row's bits do not depend on its batch. K = 37
+    leaves x's scaled rows a tail past a 16-byte piece."""
     from qdispatch.backends import cuda as cuda_backend
     N = 200
+    if scheme.block and K % scheme.block[-1]:
+        pytest.skip("K is no multiple of the block")
     w = rng.standard_normal((K, N) if stored_kn else (N, K)).astype(np.float32)
     w *= np.exp(rng.uniform(-4, 4, K)).astype(np.float32)[:, None] if stored_kn else \
         np.exp(rng.uniform(-4, 4, K)).astype(np.float32)  # scales apart by up to e^8
@@ -573,6 +576,27 @@ def test_fq_weight_scaled_per_input_channel_scales_x_for_the_decode_kernel(monke
         finally:
             qd.set_batch_invariant(False)
         assert rel_err(expect, whole) < FQ_TOL
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fq_with_x_taking_the_scales_stays_finite_where_the_reference_does(rng, dtype):
+    """Where every weight value at k is 0, x[k] of 2^120 times a scale of 2^40 would
+    overflow (x * s * 0: NaN) though the reference's terms there are 0: x takes s * 2^-e
+    (2^e at or above every scale) and the tiles' one scale is 2^e, so every such
+    product stays finite (as qd_fq_matmul_f32 folds them on the cpu)."""
+    M, K, N = 3, 64, 40
+    q = rng.integers(-127, 128, (N, K)).astype(np.int8)
+    q[:, ::3] = 0
+    scales = np.ldexp(np.float32(1), rng.integers(-20, 41, (1, K))).astype(np.float32)
+    scales[0, ::3] = 2.0 ** 40
+    wq = qd.qtensor_from_parts(q, scales, qd.QuantScheme("q8s", axis=1), device="cuda")
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[:, ::3] = np.ldexp(x[:, ::3], 120)
+    xt = qd.tensor(x, device="cuda", dtype=dtype)
+    out = qd.q_matmul(xt, wq.T).numpy()
+    expect = qd.q_matmul(xt.to("reference"), ref(wq).T).numpy()
+    assert np.isfinite(expect).all() and np.isfinite(out).all()
+    assert rel_err(expect, out) < FQ_TOL
 
 
 @pytest.mark.parametrize("scheme,transposed", [

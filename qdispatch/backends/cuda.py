@@ -514,23 +514,25 @@ class CudaBackend(Backend):
         its scales [N/bn, K/bk] with bn, and scales that x takes first (or None).
         A blocking along K that the tiles can't take (no multiple of 16 values) gets
         the int8 values and scales that _cuda.fq_values reads instead, and never the
-        GEMM; except a scale per input channel (one for all of N at each k), which
-        goes into x instead: sum_k x[k] * (q[k] * s[k]) as sum_k (x[k] * s[k]) * q[k],
-        a float32 x (three exact bf16 parts) times the weight's values at a scale of 1,
-        each term rounded once either way."""
+        GEMM; except one row of scales for all of N (a scale per input channel, say),
+        which goes into x instead (_cpu.fq_fold_scales): sum_k x[k] * (q[k] * s[k]) as
+        sum_k (x[k] * s'[k]) * q[k] * 2^e, a float32 x (three exact bf16 parts) times
+        the weight's values at a scale of 2^e, each term rounded once either way."""
         K, N = w.shape
         bk, bn = w.layout.logical_block(w.transposed)
         bits = w.layout.bits
         x_scales = None
         if not _cuda.fq_supported(bits, K, bk):
-            if bk != 1 or bn != N:
+            from .. import _cpu  # built beside _cuda: the rule qd_fq_matmul_f32 folds by
+            folded = _cpu.fq_fold_scales(_cuda.to_host(w.storage.scales)) if bn == N else None
+            if folded is None:
                 values, scales = self._k_rows(w, k_last=False)
                 return _ValuesOperands(values, scales, K, bn, bk), (float("inf"), float("inf")), scales, bn, None
-            values, x_scales = self._k_major(w, k_last=False, cache=False)
-            x_scales = x_scales.view((K,))
-            scales, bk = _cuda.from_host(np.ones((1, 1), np.float32), "float32", values.device), K
-        else:
-            values, scales = self._k_major(w, k_last=False, cache=False)
+            x_scales, power = folded
+        values, scales = self._k_major(w, k_last=False, cache=False)
+        if x_scales is not None:  # one scale row: its order along K whatever the orientation
+            x_scales = _cuda.from_host(np.repeat(x_scales, bk), "float32", values.device)
+            scales, bk = _cuda.from_host(np.full((1, 1), power, np.float32), "float32", values.device), K
         tiles = _cuda.fq_tile_weights(values, K, bits)
         # The tiles hold every value: the store can go (see the module's docstring).
         # _k_major turned the store's [K, N] into [N, K] unless w is a transposed view.
