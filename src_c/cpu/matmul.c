@@ -409,8 +409,9 @@ int qd_fq_fold_scales(const float *scales, int64_t n, float *x_scales, float *po
     e = e > 0 ? e : 0;
     if (e > 127)
         return 0;
+    const float down = ldexpf(1.0f, -e);  /* 2^-e, a float32 down to 2^-127: each product exact or rounded as ldexpf's */
     for (int64_t i = 0; i < n; i++)
-        x_scales[i] = ldexpf(scales[i], -e);
+        x_scales[i] = scales[i] * down;
     *power = ldexpf(1.0f, e);
     return 1;
 }
@@ -458,6 +459,9 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
             free(x_scales);
             return QD_ERR_NO_MEMORY;
         }
+        /* x scaled on the product's threads: on one, 16 x 4096 x 4096 took 0.2-0.6 ms
+         * more on two Zen 4 threads than with weights scaled per output channel */
+        QD_PARALLEL_FOR(scaled ? qd_threads_for(M) : 1, M, ,
         for (int64_t m = 0; m < M; m++) {
             float *row = xp + m * kp;
             if (scaled)
@@ -467,7 +471,7 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
             else
                 memcpy(row, x + m * K, (size_t)K * sizeof(float));
             memset(row + K, 0, (size_t)(kp - K) * sizeof(float));
-        }
+        });
     }
     free(x_scales);
     const float *xs = xp ? xp : x;
