@@ -1001,7 +1001,7 @@ def scale_columns_into(uintptr_t x, str x_dtype, int64_t rows, int64_t cols, int
 def scale_columns(DeviceArray x, DeviceArray scales):
     """float32 [M, ld] = x [M, K] times scales[k] per column, ld = K rounded up to 4
     (rows of whole 16-byte pieces, zeros past K)."""
-    cdef int64_t M = x.shape[0], K = x.shape[1], ld = -(-K // 4) * 4
+    cdef int64_t M = x.shape[0], K = x.shape[1], ld = (K + 3) // 4 * 4
     out = empty((M, ld), "float32", x.device)
     scale_columns_into(<uintptr_t>P(x), x.dtype, M, K, K, scales, <uintptr_t>P(out), ld, 0)
     return out

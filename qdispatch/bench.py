@@ -399,8 +399,8 @@ def _qd_quantize(case, x, w):
     return (lambda: qd.quantize(wt, WEIGHT_SCHEMES[case.path])), w.nbytes
 
 
-_PATH_BUILDERS = {"qq_int8": _qd_qq, "fq_int8": _qd_fq, "fq_int8_in": _qd_fq, "w8a8": _qd_w8a8, "int4": _qd_fq, "qq_int4": _qd_qq,
-                  "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
+_PATH_BUILDERS = {"qq_int8": _qd_qq, "fq_int8": _qd_fq, "fq_int8_in": _qd_fq, "w8a8": _qd_w8a8, "int4": _qd_fq,
+                  "qq_int4": _qd_qq, "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
 
 
 def np_quantize_rows(x, lo=-127, hi=127):

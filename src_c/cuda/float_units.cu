@@ -10,8 +10,8 @@
 // - fq whose weight blocks along K are no multiple of 16 values (the decode
 //   tiles' scale steps): each weight value is dequantized as it loads (q * scale,
 //   rounded, as dequantize gives it) and the products are summed in float32.
-//   (The cuda backend sends a scale per input channel to the decode kernel
-//   instead, with x scaled by it.)
+//   (The cuda backend sends one row of scales for all of N, a scale per input
+//   channel say, to the decode kernel instead, with x scaled by it.)
 // A block of 256 threads computes 64 x 64 outputs, 4 x 4 a thread, from slices of
 // K in shared memory as floats; the next slice is loaded into registers while
 // this one is summed.  Each output's sum runs in order of K whatever M.

@@ -276,7 +276,8 @@ qd_status qd_cuda_split_bf16(const float *x, int64_t rows, int64_t cols, int64_t
                              int64_t ld, void *stream);
 /* float32 out [rows, ld] = x [rows, cols] (float32/float16/bfloat16, rows ldx apart) times
  * scales[c] per column, each product rounded once to nearest even; zero in columns
- * cols..ld.  fq of a weight with a scale per input channel multiplies x scaled so. */
+ * cols..ld.  fq of a weight with one row of scales for all of N multiplies x scaled so
+ * (by qd_fq_fold_scales's x_scales). */
 qd_status qd_cuda_scale_columns(const void *x, int x_dtype, int64_t rows, int64_t cols, int64_t ldx,
                                 const float *scales, float *out, int64_t ld, void *stream);
 /* out[i] = (a[i] + a[n + i]) + a[2n + i] for float32 a [3][n], written as out_dtype. */
@@ -418,13 +419,14 @@ qd_status qd_cuda_fq_gemm(const void *x, const void *w16, int dtype, int64_t M, 
 /* Weight-only product for any blocking along K, from the weight's int8 values as
  * stored: out[M, N] = x[M, K] @ (w * scales)^T, each weight value dequantized as
  * qd_cuda_dequantize gives it, float32 sums on the float units (not the tensor cores).
- * For blockings qd_cuda_fq_matmul does not take (blocks of 8, of 24; a scale per input
- * channel can also go to it, through qd_cuda_scale_columns).  Up to 64 rows, and any M with batch invariance on, run in launches of 16 rows
- * whose results do not depend on the rows they come with.  x: [M, ldx] of x_dtype
- * (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16); w [N, ldw] int8, K-contiguous, 16-byte
- * aligned, ldw % 16 == 0; scales [N/block_n, K/block_k] float32 (row-major);
- * out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Nothing is allocated, so a CUDA
- * graph can capture the call. */
+ * For blockings qd_cuda_fq_matmul does not take (blocks of 8, of 24; one row of scales
+ * for all of N can go to it instead, through qd_fq_fold_scales and
+ * qd_cuda_scale_columns).  Up to 64 rows, and any M with batch invariance on, run in
+ * launches of 16 rows whose results do not depend on the rows they come with.
+ * x: [M, ldx] of x_dtype (QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16); w [N, ldw] int8,
+ * K-contiguous, 16-byte aligned, ldw % 16 == 0; scales [N/block_n, K/block_k] float32
+ * (row-major); out_dtype QD_CUDA_F32, QD_CUDA_F16 or QD_CUDA_BF16.  Nothing is
+ * allocated, so a CUDA graph can capture the call. */
 qd_status qd_cuda_fq_values(const void *x, int x_dtype, int64_t M, int64_t ldx, const int8_t *w, int64_t N,
                             int64_t K, int64_t ldw, const float *scales, int64_t block_n, int64_t block_k,
                             void *out, int out_dtype, void *stream);
