@@ -450,7 +450,11 @@ def fq_matmul(x, pw):
 
 def fq_fold_scales(scales):
     """(x's scales s * 2^-e, 2^e) for fq of a weight with one row of float32 `scales`
-    along K (qd_fq_fold_scales), or None where they can't be folded into x."""
+    along K (1-D, or a grid of one row or one column; qd_fq_fold_scales), or None
+    where they can't be folded into x."""
+    _array(scales, np.float32, np.ndim(scales), "scales")  # the type checks
+    if scales.ndim > 2 or (scales.ndim == 2 and min(scales.shape) != 1):
+        raise _shape_error(f"scales must be one row or one column, got shape {scales.shape}")
     cdef const float[::1] sv = _array(np.ravel(scales), np.float32, 1, "scales")
     x_scales = np.empty(sv.shape[0], np.float32)
     cdef float[::1] xv = x_scales

@@ -307,32 +307,53 @@ def test_fq_matmul_matches_float64(isa, rng, bits, case):
     assert_close(out, ref)
 
 
-def test_fq_fold_scales_keeps_every_scale_at_most_one():
-    """x[k] * s[k] * 2^-e with 2^e the least power (e >= 0) at or above every |s|; none
-    where a scale is not finite or 2^e would not be a float32."""
+def test_fq_fold_scales_takes_the_least_power_above_every_scale():
+    """x[k] * s[k] * 2^-e with 2^e the least power (e >= 0) above every |s|; none where a
+    scale is not finite or 2^e would pass 2^16 (it would take small scales' bits: a
+    weight scaled from 2^93 down to 2^-72 came out 0). One row or column of scales."""
     for scales, power in (([0.5, 3.0, -7.0], 8.0), ([0.01, 0.02], 1.0), ([0.0, 0.0], 1.0), ([4.0], 8.0),
-                          ([2.0 ** 126 * 1.5], 2.0 ** 127), ([1e-45, 1.0], 2.0)):
+                          ([2.0 ** 15 * 1.5], 2.0 ** 16), ([1e-45, 1.0], 2.0)):
         scales = np.array(scales, np.float32)
-        x_scales, got = _cpu.fq_fold_scales(scales)
-        assert got == power and x_scales.dtype == np.float32
-        np.testing.assert_array_equal(x_scales, scales / np.float32(power))
-        assert np.abs(x_scales).max() <= 1
-    for scales in ([np.inf], [1.0, np.nan], [2.0 ** 127], [np.finfo(np.float32).max]):
+        for grid in (scales, scales[None, :], scales[:, None]):
+            x_scales, got = _cpu.fq_fold_scales(grid)
+            assert got == power and x_scales.dtype == np.float32
+            np.testing.assert_array_equal(x_scales, scales / np.float32(power))
+            assert np.abs(x_scales).max() < 1
+    for scales in ([np.inf], [1.0, np.nan], [2.0 ** 16], [1e30, 1e-20], [np.finfo(np.float32).max]):
         assert _cpu.fq_fold_scales(np.array(scales, np.float32)) is None
+    with pytest.raises(qd.ShapeError, match=r"one row or one column, got shape \(2, 3\)"):
+        _cpu.fq_fold_scales(np.ones((2, 3), np.float32))
+    with pytest.raises(qd.ArgumentTypeError, match="float32"):
+        _cpu.fq_fold_scales(np.ones(3))
+    with pytest.raises(qd.ArgumentError, match="C-contiguous"):
+        _cpu.fq_fold_scales(np.ones(6, np.float32)[::2])
+
+
+def test_fq_with_scales_far_apart_keeps_the_small_ones(isa):
+    """Scales per input channel from 2^93 down to 2^-72, the large channel's x at 0: its
+    terms vanish and the small ones are the result. Folded by 2^93 the small scales were
+    0 in float32 and so was the product; they stay in the kernels' groups now."""
+    w = np.array([[1e30, 1e-20, 2e-20], [1e30, 3e-20, -1e-20]], np.float32)
+    wq = qd.quantize(w, qd.QuantScheme("q8s", axis=1), device="cpu")
+    x = np.array([[0.0, 1.0, 1.0]], np.float32)
+    got = qd.q_matmul(qd.tensor(x, device="cpu"), wq.T).numpy()
+    want = qd.q_matmul(qd.tensor(x, device="reference"), wq.to("reference").T).numpy()
+    assert (want != 0).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_fq_with_x_taking_the_scales_stays_finite_where_the_reference_does(isa, rng, bits):
     """A scale per input channel goes into x. Where every weight value at k is 0, x[k]
-    up to 2^120 times a scale of 2^40 would overflow (x * s * 0: NaN) though the
-    reference's terms there are 0: x takes s * 2^-e instead (2^e at or above every
-    scale), every such product finite. Each row's bits are the same whatever rows it
-    comes with."""
+    up to 2^121 times a scale of 2^15 would overflow (x * s * 0: NaN) though the
+    reference's terms there are 0: x takes s * 2^-e instead (2^e above every scale),
+    every such product finite. Each row's bits are the same whatever rows it comes
+    with."""
     M, K, N = 5, 64, 40
     w, _ = random_weights(rng, N, K, bits, (N, 1))
     w[:, ::3] = 0
-    scales = np.ldexp(np.float32(1), rng.integers(-20, 41, (1, K))).astype(np.float32)
-    scales[0, ::3] = 2.0 ** 40
+    scales = np.ldexp(np.float32(1), rng.integers(-20, 16, (1, K))).astype(np.float32)
+    scales[0, ::3] = 2.0 ** 15
     x = rng.standard_normal((M, K)).astype(np.float32)
     x[:, ::3] = np.ldexp(x[:, ::3], 120)
     pw = _cpu.PackedWeights(w, scales, N, 1, bits)

@@ -580,15 +580,16 @@ def test_fq_weight_scaled_per_input_channel_scales_x_for_the_decode_kernel(monke
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fq_with_x_taking_the_scales_stays_finite_where_the_reference_does(rng, dtype):
-    """Where every weight value at k is 0, x[k] of 2^120 times a scale of 2^40 would
+    """Where every weight value at k is 0, x[k] of 2^120 times a scale of 2^15 would
     overflow (x * s * 0: NaN) though the reference's terms there are 0: x takes s * 2^-e
-    (2^e at or above every scale) and the tiles' one scale is 2^e, so every such
-    product stays finite (as qd_fq_matmul_f32 folds them on the cpu)."""
+    (2^e above every scale) and the tiles' one scale is 2^e, so every such product
+    stays finite (as qd_fq_matmul_f32 folds them on the cpu). Scales from 2^93 down to
+    2^-72 are not folded (the small ones would be 0): the float units take them."""
     M, K, N = 3, 64, 40
     q = rng.integers(-127, 128, (N, K)).astype(np.int8)
     q[:, ::3] = 0
-    scales = np.ldexp(np.float32(1), rng.integers(-20, 41, (1, K))).astype(np.float32)
-    scales[0, ::3] = 2.0 ** 40
+    scales = np.ldexp(np.float32(1), rng.integers(-20, 16, (1, K))).astype(np.float32)
+    scales[0, ::3] = 2.0 ** 15
     wq = qd.qtensor_from_parts(q, scales, qd.QuantScheme("q8s", axis=1), device="cuda")
     x = rng.standard_normal((M, K)).astype(np.float32)
     x[:, ::3] = np.ldexp(x[:, ::3], 120)
@@ -597,6 +598,12 @@ def test_fq_with_x_taking_the_scales_stays_finite_where_the_reference_does(rng, 
     expect = qd.q_matmul(xt.to("reference"), ref(wq).T).numpy()
     assert np.isfinite(expect).all() and np.isfinite(out).all()
     assert rel_err(expect, out) < FQ_TOL
+    far = qd.quantize(np.array([[1e30, 1e-20, 2e-20], [1e30, 3e-20, -1e-20]], np.float32),
+                      qd.QuantScheme("q8s", axis=1), device="cuda")
+    x_far = qd.tensor(np.array([[0.0, 1.0, 1.0]], np.float32), device="cuda", dtype=dtype)
+    got, want = qd.q_matmul(x_far, far.T).numpy(), qd.q_matmul(x_far.to("reference"), ref(far).T).numpy()
+    assert (want != 0).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("scheme,transposed", [

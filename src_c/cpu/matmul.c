@@ -395,6 +395,12 @@ qd_status qd_w8a8_matmul_f32(const float *x, int64_t M, int64_t K, int act_value
     return st;
 }
 
+/* The most 2^e that qd_fq_fold_scales divides the scales by: x * s * 2^-e keeps
+ * float32's precision wherever |x * s| >= 2^(e - 126), so terms above 2^-110 (as the
+ * cuda kernels' float32 x holds them) keep it whatever the scales.  A larger e put
+ * the small scales of a weight whose scales span 2^93 to 2^-72 at 0. */
+#define FOLD_MOST_E 16
+
 int qd_fq_fold_scales(const float *scales, int64_t n, float *x_scales, float *power)
 {
     float most = 0.0f;
@@ -407,7 +413,7 @@ int qd_fq_fold_scales(const float *scales, int64_t n, float *x_scales, float *po
     int e = 0;
     frexpf(most, &e);  /* most < 2^e */
     e = e > 0 ? e : 0;
-    if (e > 127)
+    if (e > FOLD_MOST_E)
         return 0;
     const float down = ldexpf(1.0f, -e);  /* a float32 down to 2^-127: the bits of ldexpf(s, -e) */
     for (int64_t i = 0; i < n; i++)

@@ -232,10 +232,11 @@ qd_status qd_fq_matmul_f32(const float *x, int64_t M, int64_t K, const qd_packed
 /* fq of a weight with one row of scales for all of N (a scale per input channel, or
  * blocks along K alone): x can take the scales.  x[k] * x_scales[k / block_k], each
  * product rounded once, times the weight's values as one group scaled by *power, is
- * x @ dequantize(w).T within fq's float32 rounding.  x_scales[i] = scales[i] * 2^-e
- * and *power = 2^e, e >= 0 the least that puts every |x_scales[i]| <= 1, so that no
- * finite x overflows where a weight value of 0 leaves its term at 0.  Returns 1, or 0
- * with nothing written where a scale is not finite or is 2^127 or more.
+ * x @ dequantize(w).T within fq's float32 rounding for terms above 2^-110 in
+ * magnitude.  x_scales[i] = scales[i] * 2^-e and *power = 2^e, e the least >= 0 with
+ * every |scales[i]| < 2^e, so that no finite x overflows where a weight value of 0
+ * leaves its term at 0.  Returns 1, or 0 with nothing written where a scale is not
+ * finite or is 2^16 or more (dividing by more would take small scales' bits).
  * qd_fq_matmul_f32 does this itself where it pays (groups of no whole SIMD unit). */
 int qd_fq_fold_scales(const float *scales, int64_t n, float *x_scales, float *power);
 /* W8A8: quantizes x in blocks of [1, act_block_k] (float32 scales, same math as
