@@ -415,7 +415,7 @@ int qd_fq_fold_scales(const float *scales, int64_t n, float *x_scales, float *po
     e = e > 0 ? e : 0;
     if (e > FOLD_MOST_E)
         return 0;
-    const float down = ldexpf(1.0f, -e);  /* a float32 down to 2^-127: the bits of ldexpf(s, -e) */
+    const float down = ldexpf(1.0f, -e);  /* 2^-e (e <= 16): each product has the bits of ldexpf(s, -e) */
     for (int64_t i = 0; i < n; i++)
         x_scales[i] = scales[i] * down;
     *power = ldexpf(1.0f, e);
