@@ -192,8 +192,10 @@ def test_qq_with_short_scale_groups_matches_the_reference(isa, rng, shape, w_sch
     try:
         for m in (1, 2, 3, 5, 33):
             x = rng.standard_normal((m, shape[1])).astype(np.float32)
+            # activation blocks of 2 values, finer than the weights' blocks of 3, 4 and 10:
+            # each of those weight scales then holds for several groups
             for a_scheme in (qd.QuantScheme("q8s", axis=0), qd.QuantScheme("q8f"),
-                             qd.QuantScheme("q8s", block=(1, shape[1] // 2))):
+                             qd.QuantScheme("q8s", block=(1, shape[1] // 2)), qd.QuantScheme("q8s", block=(1, 2))):
                 xq, xr = both(x, a_scheme)
                 np.testing.assert_array_equal(qd.q_matmul(xq, wq.T).numpy(), qd.q_matmul(xr, wr.T).numpy())
             np.testing.assert_array_equal(qd.linear(x, wq, activation_scheme="q8s").numpy(),

@@ -108,7 +108,8 @@ QD_INLINE void short_groups(const qd_fq_tile *ft, const qd_qq_tile *qt, const in
     for (int r = 0; r < mr; r++)
         for (int h = 0; h < 2; h++)
             acc[r][h] = part[r][h] = a_unit[r][h] = _mm256_setzero_ps();
-    int64_t g = 0, left = group_k;
+    qd_group_scales sc = qd_group_scales_start(ft ? ft->w_scale : qt->w_scale, qt);
+    int64_t left = group_k;  /* k-steps of the group still to come */
     for (int64_t k0 = 0; k0 < K; k0 += ku, wp += QD_UNIT_BYTES) {
         __m256i v_lo, v_hi;
         load_unit(wp, bits, &v_lo, &v_hi);
@@ -127,11 +128,10 @@ QD_INLINE void short_groups(const qd_fq_tile *ft, const qd_qq_tile *qt, const in
             }
             if (--left)
                 continue;
-            const float *w_scale = qt ? qt->w_scale + (g / qt->w_ratio) * QD_NR : ft->w_scale + g * QD_NR;
-            const __m256 s_lo = _mm256_loadu_ps(w_scale), s_hi = _mm256_loadu_ps(w_scale + 8);
+            const __m256 s_lo = _mm256_loadu_ps(sc.w), s_hi = _mm256_loadu_ps(sc.w + 8);
             for (int r = 0; r < mr; r++) {
                 if (qt) {
-                    const __m256 a_scale = _mm256_set1_ps(qt->a_scale[r * qt->a_scale_ld + g / qt->a_ratio]);
+                    const __m256 a_scale = _mm256_set1_ps(qt->a_scale[r * qt->a_scale_ld + sc.a_at]);
                     acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(part[r][0], _mm256_mul_ps(a_scale, s_lo)));
                     acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(part[r][1], _mm256_mul_ps(a_scale, s_hi)));
                 } else {
@@ -140,7 +140,7 @@ QD_INLINE void short_groups(const qd_fq_tile *ft, const qd_qq_tile *qt, const in
                 }
                 part[r][0] = part[r][1] = _mm256_setzero_ps();
             }
-            g++;
+            qd_group_scales_next(&sc);
             left = group_k;
         }
     }

@@ -9,6 +9,7 @@ static void qq_tile_scalar(const qd_qq_tile *t)
         const int8_t *a = t->a + r * t->lda;
         for (int n = 0; n < t->nr; n++) {
             float acc = 0.0f;
+            qd_group_scales sc = qd_group_scales_start(t->w_scale, t);
             for (int64_t g = 0; g < t->ngroups; g++) {
                 /* Wrapping unsigned arithmetic: the true group sum fits int32. */
                 uint32_t dot = 0;
@@ -19,9 +20,9 @@ static void qq_tile_scalar(const qd_qq_tile *t)
                     t->out_i32[r * t->ldo + n] = (int32_t)dot;
                     continue;
                 }
-                const float s = t->a_scale[r * t->a_scale_ld + g / t->a_ratio] *
-                                t->w_scale[(g / t->w_ratio) * QD_NR + n];
+                const float s = t->a_scale[r * t->a_scale_ld + sc.a_at] * sc.w[n];
                 acc += (float)(int32_t)dot * s;
+                qd_group_scales_next(&sc);
             }
             if (!t->out_i32)
                 t->out[r * t->ldo + n] = acc;
