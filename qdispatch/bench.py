@@ -41,9 +41,11 @@ from qdispatch.errors import byte_size
 # ---- what is measured ------------------------------------------------------------
 
 DEFAULT_SHAPES = "1x4096x4096,16x4096x4096,128x4096x4096,512x4096x4096,64x4096x11008"
-PATHS = ("qq_int8", "fq_int8", "fq_int8_in", "w8a8", "int4", "qq_int4", "int_matmul", "quantize")
+PATHS = ("qq_int8", "qq_int8_in", "fq_int8", "fq_int8_in", "w8a8", "int4", "qq_int4", "int_matmul", "quantize")
 PATH_HELP = {
     "qq_int8": "q8s activations (per row) x q8s weights (per channel), float32 out",
+    "qq_int8_in": "q8s activations (per row) x q8s weights with a scale per input channel, float32 out "
+                  "(each k-step's product scaled as the reference scales it)",
     "fq_int8": "float32 activations x q8s weights, dequantized in registers (weight-only)",
     "fq_int8_in": "float32 activations x q8s weights with a scale per input channel (weight-only: "
                   "x takes the scales)",
@@ -74,6 +76,7 @@ CONTENDERS = {
 # fq_int8, fq_int8_in and int4 are weight-only: no contender here keeps float activations.
 PATH_CONTENDERS = {
     "qq_int8": ("numpy_f32", "ort_qq_u8u8", "ort_qq_s8s8"),
+    "qq_int8_in": ("numpy_f32",),
     "fq_int8": ("numpy_f32",),
     "fq_int8_in": ("numpy_f32",),
     "w8a8": ("numpy_f32", "fbgemm", "ort_w8a8"),
@@ -96,8 +99,8 @@ A8 = qd.QuantScheme("q8s", axis=0)  # [M, K] activation: one scale per row (toke
 W4 = qd.QuantScheme("q4s", block=(1, 32), store="packed_u32")
 W8_IN = qd.QuantScheme("q8s", axis=1)  # [N, K] weight: one scale per input channel
 # The weight scheme of each qdispatch path (int_matmul takes raw int8 values).
-WEIGHT_SCHEMES = {"qq_int8": W8, "fq_int8": W8, "fq_int8_in": W8_IN, "w8a8": W8, "int4": W4, "qq_int4": W4,
-                  "quantize": W8}
+WEIGHT_SCHEMES = {"qq_int8": W8, "qq_int8_in": W8_IN, "fq_int8": W8, "fq_int8_in": W8_IN, "w8a8": W8, "int4": W4,
+                  "qq_int4": W4, "quantize": W8}
 # Paths whose weight is quantized in blocks along K: K must be a multiple of the block.
 K_BLOCKS = {"int4": W4.block[-1], "qq_int4": W4.block[-1]}
 
@@ -399,8 +402,8 @@ def _qd_quantize(case, x, w):
     return (lambda: qd.quantize(wt, WEIGHT_SCHEMES[case.path])), w.nbytes
 
 
-_PATH_BUILDERS = {"qq_int8": _qd_qq, "fq_int8": _qd_fq, "fq_int8_in": _qd_fq, "w8a8": _qd_w8a8, "int4": _qd_fq,
-                  "qq_int4": _qd_qq, "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
+_PATH_BUILDERS = {"qq_int8": _qd_qq, "qq_int8_in": _qd_qq, "fq_int8": _qd_fq, "fq_int8_in": _qd_fq, "w8a8": _qd_w8a8,
+                  "int4": _qd_fq, "qq_int4": _qd_qq, "int_matmul": _qd_int_matmul, "quantize": _qd_quantize}
 
 
 def np_quantize_rows(x, lo=-127, hi=127):
@@ -688,9 +691,9 @@ def _expected_fbgemm(case, x, w, rows):
     return float_product(x, w, rows, "float64 x @ w.T", x_step=per_tensor_step(x, 127), w_step=w_step)
 
 
-_PATH_EXPECTED = {"qq_int8": _expected_qq, "w8a8": _expected_qq, "qq_int4": _expected_qq,
-                  "fq_int8": _expected_fq, "fq_int8_in": _expected_fq, "int4": _expected_fq,
-                  "int_matmul": _expected_int}
+_PATH_EXPECTED = {"qq_int8": _expected_qq, "qq_int8_in": _expected_qq, "w8a8": _expected_qq,
+                  "qq_int4": _expected_qq, "fq_int8": _expected_fq, "fq_int8_in": _expected_fq,
+                  "int4": _expected_fq, "int_matmul": _expected_int}
 _CONTENDER_EXPECTED = {"numpy_f32": _expected_numpy_f32, "fbgemm": _expected_fbgemm,
                        "ort_qq_u8u8": _expected_ort_qq, "ort_qq_s8s8": _expected_ort_qq,
                        "ort_w8a8": _expected_ort_w8a8,
