@@ -73,7 +73,8 @@ CONTENDERS = {
                     "s8: int32 out",
 }
 # The contenders that do each path's job (numpy float32 first: every ratio is to it).
-# fq_int8, fq_int8_in and int4 are weight-only: no contender here keeps float activations.
+# fq_int8, fq_int8_in and int4 are weight-only: no contender here keeps float activations;
+# nor does any take qq_int8_in's weight, scaled per input channel.
 PATH_CONTENDERS = {
     "qq_int8": ("numpy_f32", "ort_qq_u8u8", "ort_qq_s8s8"),
     "qq_int8_in": ("numpy_f32",),
