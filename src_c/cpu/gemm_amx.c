@@ -147,6 +147,7 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const 
     uint8_t buf[AMX_NP][B_ROWS * B_ROW_BYTES] __attribute__((aligned(64)));
     memset(acc, 0, sizeof acc);
     const uint8_t *b = t->panel, *b0, *b1;
+    qd_group_scales sc = qd_group_scales_start(t->w_scale, t);
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
         _tile_zero(C00);
@@ -183,7 +184,8 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int two_row_tiles, const 
             _tile_release();
             return;
         }
-        qd_zmm_add_group(t, g, mr, np, acc, sums);
+        qd_zmm_add_group(t, &sc, mr, np, acc, sums);
+        qd_group_scales_next(&sc);
     }
     _tile_release();
     qd_zmm_store_out(t, mr, np, acc);

@@ -19,6 +19,7 @@ QD_INLINE __m256i pairs_to_columns(__m256i p0, __m256i p1)
 QD_INLINE void qq8_rows(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int r0, const int rows)
 {
     const uint8_t *wp = t->panel;
+    qd_group_scales sc = qd_group_scales_start(t->w_scale, t);
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
         __m256i pacc[PAIR_ROWS][4];
@@ -37,8 +38,9 @@ QD_INLINE void qq8_rows(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int r0, const i
             }
         }
         for (int r = 0; r < rows; r++)
-            qd_ymm_qq_group_end(t, acc, r0 + r, g, pairs_to_columns(pacc[r][0], pacc[r][1]),
+            qd_ymm_qq_group_end(t, acc, r0 + r, g, &sc, pairs_to_columns(pacc[r][0], pacc[r][1]),
                                 pairs_to_columns(pacc[r][2], pacc[r][3]), 8, 0);
+        qd_group_scales_next(&sc);
     }
 }
 

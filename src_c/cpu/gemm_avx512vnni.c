@@ -37,6 +37,7 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, c
     for (int r = 0; r < mr; r++)
         for (int p = 0; p < np; p++)
             facc[r][p] = _mm512_setzero_ps();
+    qd_group_scales sc = qd_group_scales_start(t->w_scale, t);
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
         __m512i iacc[QQ_MR][QQ_NP];
@@ -68,7 +69,8 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr, c
             qd_zmm_store_sums(t, mr, np, iacc);
             return;
         }
-        qd_zmm_add_group(t, g, mr, np, facc, iacc);
+        qd_zmm_add_group(t, &sc, mr, np, facc, iacc);
+        qd_group_scales_next(&sc);
     }
     qd_zmm_store_out(t, mr, np, facc);
 }

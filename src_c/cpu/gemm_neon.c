@@ -22,6 +22,7 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
     const int ku = QD_KU(bits), substeps = 8 / bits;
     const uint8_t *wp = t->panel;
     float facc[QQ_MR][QD_NR] = {{0}};
+    qd_group_scales sc = qd_group_scales_start(t->w_scale, t);
     int64_t k0 = 0;
     for (int64_t g = 0; g < t->ngroups; g++) {
         int32x4_t iacc[QQ_MR][4];
@@ -51,14 +52,15 @@ QD_INLINE void qq_tile_impl(const qd_qq_tile *t, const int bits, const int mr)
                 memcpy(t->out_i32 + r * t->ldo, tmp, (size_t)t->nr * sizeof(int32_t));
                 continue;
             }
-            const float *ws = t->w_scale + (g / t->w_ratio) * QD_NR;
-            const float32x4_t as = vdupq_n_f32(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+            const float *ws = sc.w;
+            const float32x4_t as = vdupq_n_f32(t->a_scale[r * t->a_scale_ld + sc.a_at]);
             for (int q = 0; q < 4; q++) {
                 const float32x4_t s = vmulq_f32(vld1q_f32(ws + 4 * q), as);
                 /* product and add rounded apart, as the reference rounds them */
                 vst1q_f32(facc[r] + 4 * q, vaddq_f32(vld1q_f32(facc[r] + 4 * q), vmulq_f32(vcvtq_f32_s32(iacc[r][q]), s)));
             }
         }
+        qd_group_scales_next(&sc);
     }
     if (!t->out_i32)
         for (int r = 0; r < mr; r++)

@@ -15,18 +15,6 @@ QD_INLINE __mmask16 qd_zmm_panel_cols(const qd_qq_tile *t, int p)
     return n >= QD_NR ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
 }
 
-/* Group g's weight scales of panel p's columns. */
-QD_INLINE __m512 qd_zmm_w_scales(const qd_qq_tile *t, int p, int64_t g)
-{
-    return _mm512_load_ps(t->w_scale + p * t->w_scale_ld + (g / t->w_ratio) * QD_NR);
-}
-
-/* Group g's activation scale of row r, in every lane. */
-QD_INLINE __m512 qd_zmm_a_scale(const qd_qq_tile *t, int r, int64_t g)
-{
-    return _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
-}
-
 /* acc + sum * (w_scale * a_scale): one scale product per output and group, then a
  * product and an add, each rounded as the reference rounds them (not fused). */
 QD_INLINE __m512 qd_zmm_add_scaled(__m512 acc, __m512i sum, __m512 w_scale, __m512 a_scale)
@@ -45,15 +33,15 @@ QD_INLINE void qd_zmm_store_sums(const qd_qq_tile *t, int mr, int np, const __m5
             _mm512_mask_storeu_epi32(t->out_i32 + r * t->ldo + p * QD_NR, qd_zmm_panel_cols(t, p), sums[r][p]);
 }
 
-/* acc[r][p] += group g's sums[r][p], scaled (qd_zmm_add_scaled). */
-QD_INLINE void qd_zmm_add_group(const qd_qq_tile *t, int64_t g, int mr, int np, __m512 acc[][QD_ZMM_NP],
-                                const __m512i sums[][QD_ZMM_NP])
+/* acc[r][p] += the group's sums[r][p], scaled (qd_zmm_add_scaled) by its scales, sc. */
+QD_INLINE void qd_zmm_add_group(const qd_qq_tile *t, const qd_group_scales *sc, int mr, int np,
+                                __m512 acc[][QD_ZMM_NP], const __m512i sums[][QD_ZMM_NP])
 {
     __m512 ws[QD_ZMM_NP];
     for (int p = 0; p < np; p++)
-        ws[p] = qd_zmm_w_scales(t, p, g);
+        ws[p] = _mm512_load_ps(sc->w + p * t->w_scale_ld);
     for (int r = 0; r < mr; r++) {
-        const __m512 as = qd_zmm_a_scale(t, r, g);
+        const __m512 as = _mm512_set1_ps(t->a_scale[r * t->a_scale_ld + sc->a_at]);
         for (int p = 0; p < np; p++)
             acc[r][p] = qd_zmm_add_scaled(acc[r][p], sums[r][p], ws[p], as);
     }

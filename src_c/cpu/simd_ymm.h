@@ -24,9 +24,6 @@ typedef struct {
     float v[QD_YMM_QQ_MR][QD_NR];
 } qd_ymm_qq_acc;
 
-/* End of group g for row r: idot holds the per-column int32 dots (columns 0..7,
- * 8..15), biased by `bias` if nonzero.  Integer mode stores; float mode scales
- * by a_scale * w_scale and accumulates. */
 /* acc + idot * (ws * as), rounded after each step as the reference rounds it
  * (a fused multiply-add would round once and differ in the last bit). */
 QD_INLINE __m256 qd_ymm_add_scaled(__m256 acc, __m256i idot, __m256 ws, __m256 as)
@@ -34,8 +31,12 @@ QD_INLINE __m256 qd_ymm_add_scaled(__m256 acc, __m256i idot, __m256 ws, __m256 a
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(idot), _mm256_mul_ps(ws, as)));
 }
 
+/* End of group g for row r: idot holds the per-column int32 dots (columns 0..7,
+ * 8..15), biased if `biased`.  Integer mode stores; float mode scales by the
+ * group's scales (sc) and accumulates. */
 QD_INLINE void qd_ymm_qq_group_end(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int r, int64_t g,
-                                   __m256i idot_lo, __m256i idot_hi, int bits, int biased)
+                                   const qd_group_scales *sc, __m256i idot_lo, __m256i idot_hi, int bits,
+                                   int biased)
 {
     if (biased) {
         const __m256i corr = _mm256_set1_epi32(qd_bias_correction(bits, t->a_rowsum[r * t->rowsum_ld + g]));
@@ -49,8 +50,8 @@ QD_INLINE void qd_ymm_qq_group_end(const qd_qq_tile *t, qd_ymm_qq_acc *acc, int 
         memcpy(t->out_i32 + r * t->ldo, tmp, (size_t)t->nr * sizeof(int32_t));
         return;
     }
-    const float *ws = t->w_scale + (g / t->w_ratio) * QD_NR;
-    const __m256 as = _mm256_set1_ps(t->a_scale[r * t->a_scale_ld + g / t->a_ratio]);
+    const float *ws = sc->w;
+    const __m256 as = _mm256_set1_ps(t->a_scale[r * t->a_scale_ld + sc->a_at]);
     float *row = acc->v[r];
     _mm256_storeu_ps(row, qd_ymm_add_scaled(_mm256_loadu_ps(row), idot_lo, _mm256_loadu_ps(ws), as));
     _mm256_storeu_ps(row + 8, qd_ymm_add_scaled(_mm256_loadu_ps(row + 8), idot_hi, _mm256_loadu_ps(ws + 8), as));
@@ -74,6 +75,7 @@ QD_INLINE void qd_ymm_qq_store(const qd_qq_tile *t, const qd_ymm_qq_acc *acc, in
     {                                                                                 \
         const int ku = QD_KU(bits), substeps = 8 / bits;                              \
         const uint8_t *wp = t->panel;                                                 \
+        qd_group_scales sc = qd_group_scales_start(t->w_scale, t);                    \
         int64_t k0 = 0;                                                               \
         for (int64_t g = 0; g < t->ngroups; g++) {                                    \
             __m256i lo[QD_YMM_QQ_MR], hi[QD_YMM_QQ_MR];                               \
@@ -94,7 +96,8 @@ QD_INLINE void qd_ymm_qq_store(const qd_qq_tile *t, const qd_ymm_qq_acc *acc, in
                 }                                                                     \
             }                                                                         \
             for (int r = 0; r < mr; r++)                                              \
-                qd_ymm_qq_group_end(t, acc, r, g, lo[r], hi[r], bits, 1);             \
+                qd_ymm_qq_group_end(t, acc, r, g, &sc, lo[r], hi[r], bits, 1);        \
+            qd_group_scales_next(&sc);                                                \
         }                                                                             \
     }
 
