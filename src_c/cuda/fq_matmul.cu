@@ -62,8 +62,16 @@ constexpr int WARPS = 8, THREADS = WARPS * 32;
 // M <= 8 and M = 32 took up to 4% more that way (benchmarks/cuda_notes.md,
 // "Copies in groups of two tiles").
 constexpr int group_tiles(int bits, int mt) { return bits == 4 && mt == 2 ? 2 : 1; }
-constexpr int ring_slots(int bits, int mt) { return group_tiles(bits, mt) == 2 ? 4 : ring_tiles(bits); }
-constexpr int ring_bytes(int bits, int mt) { return WARPS * ring_slots(bits, mt) * 512; }
+// A deep ring keeps 8 8-bit tiles in flight: 2-10% less at 1-32 rows of 4096^2
+// and 16 of 4096 x 11008, 15% less at 32 rows of 4096 x 11008, on an H100 ("Deeper
+// rings for 8-bit tiles").  Only with sm_90 code, where half an SM holds
+// DEEP_RING_SMEM: with 100 KB an SM (sm_86, sm_89) its 32 KB a block would leave x
+// room for a few tiles of K, or none at 32 rows.
+constexpr int ring_slots(int bits, int mt, bool deep) {
+    return group_tiles(bits, mt) == 2 ? 4 : bits == 8 && deep ? 8 : ring_tiles(bits);
+}
+constexpr int ring_bytes(int ring) { return WARPS * ring * 512; }
+constexpr int DEEP_RING_SMEM = 96 * 1024;
 constexpr int MAX_M = 32;        // rows of 16-bit x per launch (four n8 mma tiles)
 constexpr int MAX_M_F32 = 16;    // rows of float32 x per launch (two n8 tiles, three parts each)
 constexpr int INVARIANT_M = 16;  // rows per launch, and whose cut every M keeps, when batch-invariant
@@ -476,13 +484,13 @@ struct TileCopy {
     }
 };
 
-// The warp's tiles through its ring slots, copied G at a time, RING ahead of use.
-template <int BITS, int MODE, int MT, int ENDS>
+// The warp's tiles through its ring of RING slots, copied G at a time, RING ahead of use.
+template <int BITS, int MODE, int MT, int RING, int ENDS>
 __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const uint4 *src, uint4 *slots,
                                              const XRows<MT> &xr, int local0, int t, ScaleRun<MT> &run,
                                              const TileCopy<BITS> &copy) {
     using T = Tiling<BITS>;
-    constexpr int G = group_tiles(BITS, MT), RING = ring_slots(BITS, MT), GROUPS = RING / G;
+    constexpr int G = group_tiles(BITS, MT), GROUPS = RING / G;
     const int64_t step = TileOrder<BITS>{op.bands, op.tiles_per_band}.stride() * 32;
     // The next copy's source walks with the tiles (no 64-bit multiply per tile).
     const uint4 *next = src + RING * step, *const last = src + (int64_t)(tiles - 1) * step;
@@ -513,31 +521,36 @@ __device__ __forceinline__ void stream_tiles(const Operand &op, int tiles, const
 }
 
 // The stream for blocks of `steps_per_block` k16 steps that tiles hold whole (K: 1, 2, 4, ...).
-template <int BITS, int MODE, int MT, int K = 1>
+template <int BITS, int MODE, int MT, int RING, int K = 1>
 __device__ __forceinline__ void stream_blocks_within_tiles(unsigned steps_per_block, const Operand &op, int tiles,
                                                            const uint4 *src, uint4 *slots, const XRows<MT> &xr,
                                                            int local0, int t, ScaleRun<MT> &run,
                                                            const TileCopy<BITS> &copy) {
     if constexpr (K < Tiling<BITS>::STEPS) {
-        if (steps_per_block == K) stream_tiles<BITS, MODE, MT, K>(op, tiles, src, slots, xr, local0, t, run, copy);
-        else stream_blocks_within_tiles<BITS, MODE, MT, 2 * K>(steps_per_block, op, tiles, src, slots, xr, local0,
-                                                                   t, run, copy);
+        if (steps_per_block == K)
+            stream_tiles<BITS, MODE, MT, RING, K>(op, tiles, src, slots, xr, local0, t, run, copy);
+        else stream_blocks_within_tiles<BITS, MODE, MT, RING, 2 * K>(steps_per_block, op, tiles, src, slots, xr,
+                                                                         local0, t, run, copy);
     }
 }
 
 // XIN: x's dtype (QD_CUDA_BF16, QD_CUDA_F16 or QD_CUDA_F32).  A block's warps are
 // WARPS / kw bands times kw parts of the block's K range (kw: 1, 2, 4 or 8), of
-// tiles_per_part tiles each (0: the range spread evenly).
-template <int BITS, int XIN, int MT>
+// tiles_per_part tiles each (0: the range spread evenly).  RING: tiles in flight per warp.
+template <int BITS, int XIN, int MT, int RING>
 __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_bytes, void *__restrict__ out,
           int out_dtype, float *__restrict__ partial, unsigned *__restrict__ tickets) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    // never launched: the deep ring goes with sm_90 code (DeviceState::deep_ring); no time compiling it
+    if constexpr (RING != ring_slots(BITS, MT, false)) return;
+#endif
     using T = Tiling<BITS>;
     extern __shared__ __align__(16) unsigned char smem[];
-    constexpr int G = group_tiles(BITS, MT), RING = ring_slots(BITS, MT);
+    constexpr int G = group_tiles(BITS, MT);
     float *received = reinterpret_cast<float *>(smem);                       // [split][share]
     uint4 *ring = reinterpret_cast<uint4 *>(smem + received_bytes(op.M));    // [WARPS][RING][32 lanes]
-    unsigned char *xs = smem + received_bytes(op.M) + ring_bytes(BITS, MT);  // [M][row_bytes]: x slice, zero past K
+    unsigned char *xs = smem + received_bytes(op.M) + ring_bytes(RING);      // [M][row_bytes]: x slice, zero past K
     float2 *scales = reinterpret_cast<float2 *>(xs + op.M * row_bytes);      // [band][block][8 pairs]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int bands_per_block = WARPS / kw, part = warp % kw;
@@ -632,14 +645,14 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
     const XRows<MT> xr(xs, row_bytes, g, op.M);
     // A warp's run starts on a tile: when blocks hold whole tiles they end on one.
     if (op.blocks == 1)
-        stream_tiles<BITS, MODE, MT, NONE>(op, tiles, src, slots, xr, local0, t, run, copy);
+        stream_tiles<BITS, MODE, MT, RING, NONE>(op, tiles, src, slots, xr, local0, t, run, copy);
     else if (op.steps_per_block % T::STEPS == 0)
-        stream_tiles<BITS, MODE, MT, EACH_TILE>(op, tiles, src, slots, xr, local0, t, run, copy);
+        stream_tiles<BITS, MODE, MT, RING, EACH_TILE>(op, tiles, src, slots, xr, local0, t, run, copy);
     else if (T::STEPS % op.steps_per_block == 0)
-        stream_blocks_within_tiles<BITS, MODE, MT>(op.steps_per_block, op, tiles, src, slots, xr, local0, t, run,
+        stream_blocks_within_tiles<BITS, MODE, MT, RING>(op.steps_per_block, op, tiles, src, slots, xr, local0, t, run,
                                                    copy);
     else
-        stream_tiles<BITS, MODE, MT, EACH_STEP>(op, tiles, src, slots, xr, local0, t, run, copy);
+        stream_tiles<BITS, MODE, MT, RING, EACH_STEP>(op, tiles, src, slots, xr, local0, t, run, copy);
     qd::cp_async_wait<0>();
     run.flush();  // the block the stream ends in
     const auto &acc = run.acc;
@@ -723,6 +736,7 @@ struct DeviceState {
     std::atomic<int> sms{0};  // set last: nonzero once the rest is
     int device = 0;           // its index
     int block_smem = 0;       // dynamic shared memory per block: half an SM's
+    bool deep_ring = false;   // 8-bit tiles take the deep ring (ring_slots)
     bool early = false;
     std::vector<StreamScratch> scratch;
     std::vector<float *> kept;  // outgrown partial sums that graphs still hold
@@ -752,7 +766,8 @@ qd_status device_state(DeviceState **out) {
             return st;
         // less the runtime's reserve and room for the kernel's static shared memory
         d.block_smem = std::min(per_sm / BLOCKS_PER_SM - reserved - 1024, per_block);
-        d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1>);
+        d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1, 4>);
+        d.deep_ring = d.early && d.block_smem >= DEEP_RING_SMEM;  // measured on sm_90 only
         d.device = dev;
         d.sms.store(sms, std::memory_order_release);
     }
@@ -835,15 +850,23 @@ struct Plan {
     unsigned *tickets;
 };
 
-template <int BITS, int XIN, int MT>
-qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d, cudaStream_t s) {
+template <int BITS, int XIN, int MT, int RING>
+qd_status launch_ring(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d, cudaStream_t s) {
     static unsigned long long configured = 0;
-    auto kernel = fq_kernel<BITS, XIN, MT>;
+    auto kernel = fq_kernel<BITS, XIN, MT, RING>;
     qd_status st = qd::allow_dynamic_smem((const void *)kernel, d.block_smem, &configured);
     if (st != QD_OK) return st;
     const dim3 cluster(1, p.cluster ? p.grid.y : 1);
     return qd::launch(kernel, p.grid, THREADS, d.block_smem, s, d.early, cluster, op, p.tiles_per_split,
                       p.tiles_per_part, p.kw, p.row_bytes, out, out_dtype, p.partial, p.tickets);
+}
+
+template <int BITS, int XIN, int MT>
+qd_status launch(const Plan &p, const Operand &op, void *out, int out_dtype, DeviceState &d, cudaStream_t s) {
+    constexpr int SHALLOW = ring_slots(BITS, MT, false), DEEP = ring_slots(BITS, MT, true);
+    if constexpr (DEEP != SHALLOW)
+        if (d.deep_ring) return launch_ring<BITS, XIN, MT, DEEP>(p, op, out, out_dtype, d, s);
+    return launch_ring<BITS, XIN, MT, SHALLOW>(p, op, out, out_dtype, d, s);
 }
 
 template <int BITS, int XIN>
@@ -877,7 +900,8 @@ int64_t slice_tiles(const Operand &op, int rows, int bits, const DeviceState &d)
     const int64_t kt = tile_k(bits), x_size = (int64_t)qd::dtype_bytes(op.x_dtype);
     auto smem_for = [&](int64_t tiles) {
         const int64_t blocks = std::min<int64_t>(op.blocks, ceil_div(tiles * kt, op.bk) + 1);
-        return ring_bytes(bits, x_tiles(rows)) + received_bytes(rows) + rows * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
+        return ring_bytes(ring_slots(bits, x_tiles(rows), d.deep_ring)) + received_bytes(rows) +
+               rows * (tiles * kt * x_size + 191) + WARPS * 64 * blocks;
     };
     int64_t fit = 0;
     for (int64_t step = int64_t(1) << 40; step; step >>= 1)
