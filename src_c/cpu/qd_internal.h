@@ -132,8 +132,9 @@ static inline int qd_qq_short_groups(int64_t ngroups, int64_t group_k, int bits)
  * scales (QD_NR columns) and, for qq, the column of the activations' scales.
  * Counted down as groups end, not divided out of the group's index: at groups of
  * one value (a weight scaled per input channel) the divisions set qq's pace, 1.5-1.7x
- * the time of the AVX2 kernel at 16 and 64 x 4096 x 4096 on Zen 4.  `qt` NULL: fq's
- * scales, a block per group. */
+ * the time of the AVX2 kernel at 16 and 64 x 4096 x 4096 on Zen 4, and at qq int4's
+ * blocks of 32 they cost the AVX2 kernel 1.2-1.3x.  `qt` NULL: fq's scales, a block
+ * per group. */
 typedef struct {
     const float *w;
     int64_t w_ratio, w_left;         /* groups per block of weight scales, and to its end */
