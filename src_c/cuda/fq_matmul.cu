@@ -649,8 +649,8 @@ fq_kernel(Operand op, int tiles_per_split, int tiles_per_part, int kw, int row_b
     else if (op.steps_per_block % T::STEPS == 0)
         stream_tiles<BITS, MODE, MT, RING, EACH_TILE>(op, tiles, src, slots, xr, local0, t, run, copy);
     else if (T::STEPS % op.steps_per_block == 0)
-        stream_blocks_within_tiles<BITS, MODE, MT, RING>(op.steps_per_block, op, tiles, src, slots, xr, local0, t, run,
-                                                   copy);
+        stream_blocks_within_tiles<BITS, MODE, MT, RING>(op.steps_per_block, op, tiles, src, slots, xr, local0, t,
+                                                         run, copy);
     else
         stream_tiles<BITS, MODE, MT, RING, EACH_STEP>(op, tiles, src, slots, xr, local0, t, run, copy);
     qd::cp_async_wait<0>();
