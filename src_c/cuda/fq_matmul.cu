@@ -766,7 +766,7 @@ qd_status device_state(DeviceState **out) {
             return st;
         // less the runtime's reserve and room for the kernel's static shared memory
         d.block_smem = std::min(per_sm / BLOCKS_PER_SM - reserved - 1024, per_block);
-        d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1, 4>);
+        d.early = qd::runs_sm90_code((const void *)fq_kernel<8, QD_CUDA_BF16, 1, ring_slots(8, 1, false)>);
         d.deep_ring = d.early && d.block_smem >= DEEP_RING_SMEM;  // measured on sm_90 only
         d.device = dev;
         d.sms.store(sms, std::memory_order_release);
