@@ -36,7 +36,8 @@ class NonFiniteError(QDispatchError, ValueError):
 
 
 class ScaleOverflowError(QuantSchemeError):
-    """A scale does not fit in the scheme's scale dtype."""
+    """A scale does not fit in the scheme's scale dtype, or times a value of its
+    block lies past float32's range (dequantize would give inf)."""
 
 
 class ScaleUnderflowWarning(UserWarning):

@@ -104,6 +104,39 @@ def scale_overflow_error(block, scale_dtype, value=None):
                               f"{scale_overflow_advice(scale_dtype)}")
 
 
+def first_block_past_float32(scales: np.ndarray, values, shape, qrange, block):
+    """The first block (its position in the scale grid) holding a value that,
+    times the block's scale, lies past float32's range, where `dequantize` would
+    give an infinity, as (position, the value's magnitude, scale); None where
+    there is none.  `values` gives the int8 values of `shape` when called: only
+    when some scale times the range's widest value overflows, so the common case
+    reads the scales alone."""
+    lo, hi = qrange
+    grid = np.asarray(scales, dtype=np.float32).reshape(grid_shape(shape, block))
+    widest = np.float32(max(-lo, hi))
+    with np.errstate(over="ignore"):  # overflow is what is looked for
+        if not np.isinf(widest * max(grid.max(), -grid.min())):  # two passes, no temporaries
+            return None
+        q = np.asarray(values())
+        blocked = _blocked(np.abs(q.astype(np.int16)), block)  # int16: |-128| fits
+        largest = blocked.max(axis=tuple(range(1, blocked.ndim, 2))).reshape(grid.shape)
+        past = np.isinf(largest.astype(np.float32) * grid)
+    if not past.any():
+        return None
+    flat = int(np.argmax(past.reshape(-1)))
+    position = tuple(int(i) for i in np.unravel_index(flat, grid.shape))
+    return position, int(largest[position]), float(grid[position])
+
+
+def dequantize_overflow_error(found, advice):
+    """The error for a block found by first_block_past_float32."""
+    position, magnitude, scale = found
+    return ScaleOverflowError(
+        f"Block {position} dequantizes past float32's range: a value of magnitude {magnitude} times the block's "
+        f"scale {np.float32(scale)!s} overflows float32 (its largest is {np.finfo(np.float32).max}), so "
+        f"dequantize would give inf there and products with it could differ by backend; {advice}")
+
+
 def non_finite_error(value, position):
     """The error for a NaN or Inf `value` at `position` in data to quantize."""
     return NonFiniteError(f"Can't quantize a tensor holding {float(value)!r} at position {position}: "
@@ -221,10 +254,8 @@ def quantize_array(x, scheme: QuantScheme):
 
 
 def dequantize_array(values: np.ndarray, scales: np.ndarray, block) -> np.ndarray:
-    # q * scale past float32's range is inf (q8f's -128 for -amax near float32's
-    # max), as IEEE and every backend give it, without numpy's warning
-    with np.errstate(over="ignore"):
-        return values.astype(np.float32) * expand_scales(scales, values.shape, block)
+    # finite: QTensors whose q * scale would overflow are refused when made (first_block_past_float32)
+    return values.astype(np.float32) * expand_scales(scales, values.shape, block)
 
 
 # ---- qq: integer sums per K-group, then the scales ----------------------------

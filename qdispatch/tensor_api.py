@@ -627,10 +627,16 @@ def quantize(x, scheme="q8s", device=None):
 
     Without `device`, a Tensor stays on its device and host data goes to the
     default backend.  float16 scales that rounding up may have enlarged by 1/15
-    or more give a ScaleUnderflowWarning."""
+    or more give a ScaleUnderflowWarning.  Data whose values would dequantize
+    past float32's range (a q8f block whose largest magnitude is within 0.4% of
+    float32's largest, say) is a ScaleOverflowError."""
     q = _quantize(x, scheme, device, weight=True)
+    scales = q.scales
+    _check_dequantizable(scales, lambda: q.values, q.shape, q.layout.logical_block(q.transposed), q.scheme,
+                         "scale the data down first (values this close to float32's largest leave the rest of "
+                         "their block next to nothing anyway)")
     if q.scheme.scale_dtype == "f16":
-        warning = quantmath.f16_scale_underflow_warning(q.scales)
+        warning = quantmath.f16_scale_underflow_warning(scales)
         if warning is not None:
             warnings.warn(warning, stacklevel=2)
     return q
@@ -897,7 +903,8 @@ def qtensor_from_parts(values, scales, scheme, device=None, shape=None):
     come in any shape holding its elements in order (flat, as read from a file),
     as scales may.  `device` is where the QTensor goes (default: the default
     backend).  The QTensor keeps copies: later edits to the arrays passed can't
-    reach it, nor get past the range check."""
+    reach it, nor get past the range check.  A value whose product with its
+    scale is past float32's range is a ScaleOverflowError."""
     values = np.array(values)
     if shape is not None:
         shape = _shape_arg(shape)
@@ -942,9 +949,21 @@ def _qtensor_keeping(values, scales, scheme, device):
             f"values outside {scheme.value}'s range [{lo}, {hi}]: {int(values[first])} at position "
             f"{tuple(int(i) for i in first)}; clip them to the range, or pick a scheme whose range holds them")
     scales = _scale_grid(scales, scheme, layout)
+    _check_dequantizable(scales, lambda: values, layout.shape, layout.block, scheme,
+                         "pass smaller scales, or values of smaller magnitude there")
     dev, backend = backend_for(device if device is not None else policy.default_device())
     return QTensor(backend.qstorage_from_host(values, scales, layout, dev.index),
                    layout, False, dev.kind, dev.index)
+
+
+def _check_dequantizable(scales, values, shape, block, scheme, advice):
+    """ScaleOverflowError where a value times its scale is past float32's range:
+    dequantize would hold inf, which the reference backend's products would carry
+    and the kernels' (x * q summed, then scaled) need not.  `values` gives the
+    values when called (only where a scale is that large)."""
+    found = quantmath.first_block_past_float32(scales, values, shape, scheme.qrange, block)
+    if found is not None:
+        raise quantmath.dequantize_overflow_error(found, advice)
 
 
 def _scale_grid(scales, scheme, layout):

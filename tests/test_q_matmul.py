@@ -460,20 +460,37 @@ def test_fq_non_finite_activations_propagate_without_warnings(device, rng):
 
 
 def test_products_past_float32s_range_give_inf_without_warnings(device):
-    """A product past float32's range is inf on every backend, and none warns: the
-    qq sum of scaled groups, and fq against a q8f weight whose -128 * scale lies
-    past float32's max (the value -amax rounds to -128)."""
+    """A qq sum of scaled groups past float32's range is inf on every backend, and
+    none warns."""
     xq = qd.quantize(np.full((2, 4), 3e38, np.float32), "q8s", device=device)
     wq = qd.quantize(np.ones((3, 4), np.float32), "q8s", device=device)
-    big = qd.quantize(np.array([[-3.4e38, 1.0]], np.float32), "q8f", device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qq = qd.q_matmul(xq, wq.T).numpy()
-        fq = qd.q_matmul(np.ones((1, 1), np.float32), big).numpy()
-        deq = big.dequantize().numpy()
     np.testing.assert_array_equal(qq, np.full((2, 3), np.inf, np.float32))
-    np.testing.assert_array_equal(fq, [[-np.inf, 0.0]])
-    np.testing.assert_array_equal(deq[0, 0], -np.inf)
+
+
+def test_a_weight_that_would_dequantize_to_inf_is_refused_so_backends_agree(device):
+    """A q8f weight whose -amax rounds to -128, with amax near float32's max, would
+    dequantize to -inf: the reference backend's fq would then be inf whatever x,
+    where the kernels (x * q summed, then scaled) give finite sums for small x.
+    Such a weight can't be made, quantized or from parts; one just inside the
+    range gives the same products on every backend."""
+    with pytest.raises(qd.ScaleOverflowError, match=r"^Block \(0, 0\) dequantizes past float32's range: a value "
+                                                    r"of magnitude 128 times the block's scale 2\.66\d+e\+36 "):
+        qd.quantize(np.array([[-3.4e38, 1.0]], np.float32), "q8f", device=device)
+    with pytest.raises(qd.ScaleOverflowError, match=r"^Block \(0, 1\) dequantizes past .* magnitude 100 times the "
+                                                    r"block's scale 4e\+36 .*; pass smaller scales"):
+        qd.qtensor_from_parts(np.array([[1, 100], [2, 3]], np.int8), np.array([1e30, 4e36], np.float32),
+                              qd.QuantScheme("q8s", axis=1), device=device)
+    # the same scale beside small enough values is kept
+    near = qd.qtensor_from_parts(np.array([[1, 80], [2, -3]], np.int8), np.array([1e30, 4e36], np.float32),
+                                 qd.QuantScheme("q8s", axis=1), device=device)
+    x = np.array([[1e-3, 2e-3]], np.float32)
+    got = qd.q_matmul(x, near).numpy()
+    want = qd.q_matmul(x, near.to("reference")).numpy()
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_matmul_operator_with_a_numpy_lhs(device, rng):

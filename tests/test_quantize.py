@@ -120,7 +120,8 @@ def test_nan_and_inf_are_rejected_with_their_position(device, bad, scheme):
 def test_float64_data_past_float32s_range_is_named_as_it_is(device):
     """quantize works in float32: 1e300 would be inf there, and the error named an inf
     the data lacks (after numpy's overflow warning).  Values that round to float32's
-    largest pass, as does NaN or Inf the data really holds, which is named as such."""
+    largest pass that check (and meet the one of what dequantize would give), and
+    NaN or Inf the data really holds is named as such."""
     x = np.ones((3, 8))
     x[1, 4] = -1e300
     with warnings.catch_warnings():
@@ -129,6 +130,9 @@ def test_float64_data_past_float32s_range_is_named_as_it_is(device):
                                                      r"float32, whose range ends at 3\.4028234663852886e\+38; scale the data"):
             qd.quantize(x, "q8s", device=device)
         x[1, 4] = float(np.finfo(np.float32).max) * (1 + 2.0**-30)  # rounds down to float32's largest
+        with pytest.raises(qd.ScaleOverflowError, match=r"magnitude 127 times the block's scale 2\.679\d*e\+36"):
+            qd.quantize(x, "q8s", device=device)  # 127 * scale rounds past float32's largest
+        x[1, 4] = 3.4e38
         assert qd.quantize(x, "q8s", device=device).scales.max() > 1e36
         x[1, 4] = np.inf
         with pytest.raises(qd.NonFiniteError, match=r"holding inf at position \(1, 4\)"):
@@ -298,11 +302,13 @@ def exact_scale(amax, lo, hi):
 
 @pytest.mark.parametrize("value", ALL_VALUES)
 def test_f32_scale_is_2_amax_over_the_range_for_every_finite_amax(device, rng, value):
-    """From subnormals to float32's max, where 2*amax overflows: every f32 scale is
-    the rounding of 2*amax/(hi-lo), the same on every backend."""
+    """From subnormals to where 2*amax overflows: every f32 scale is the rounding
+    of 2*amax/(hi-lo), the same on every backend (up to 0.74 of float32's max,
+    where no range's lo * scale overflows: past it, see the test below)."""
     lo, hi, _ = VALUE_RANGES[value]
-    bits = rng.integers(0, 0x7F7FFFFF, size=2048, dtype=np.uint32, endpoint=True)
-    bits[:4] = [0, 1, 0x7F7FFFFF, 0x7F000000]  # zero, the smallest subnormal, the largest float, 2**127
+    top = int(np.float32(0.74 * float(np.finfo(np.float32).max)).view(np.uint32))
+    bits = rng.integers(0, top, size=2048, dtype=np.uint32, endpoint=True)
+    bits[:4] = [0, 1, top, 0x7F000000]  # zero, the smallest subnormal, the largest here, 2**127
     x = bits.view(np.float32).reshape(-1, 1) * np.where(rng.random((2048, 1)) < 0.5, -1, 1).astype(np.float32)
     scheme = scheme_for(value, axis=0, scale_dtype="f32")
     q = qd.quantize(x, scheme, device=device)
@@ -312,6 +318,33 @@ def test_f32_scale_is_2_amax_over_the_range_for_every_finite_amax(device, rng, v
     ref = qd.quantize(x, scheme, device="reference")
     np.testing.assert_array_equal(q.values, ref.values)
     np.testing.assert_array_equal(q.scales, ref.scales)
+
+
+@pytest.mark.parametrize("value", ALL_VALUES)
+def test_data_at_float32s_max_quantizes_unless_it_would_dequantize_to_inf(device, value):
+    """The scale of float32's largest amax is still 2*amax/(hi-lo) rounded; where
+    a value times it rounds past float32's range (every range but q4s's and q2s's,
+    whose hi * scale rounds back to amax), quantize refuses on every backend alike
+    rather than make a QTensor that dequantizes to inf."""
+    lo, hi, _ = VALUE_RANGES[value]
+    top = np.finfo(np.float32).max
+    scale = quantmath.float32_scales(top, (lo, hi))
+    np.testing.assert_array_equal(scale, exact_scale(top, lo, hi))
+    x = np.array([[-top, top, 1.0]], np.float32).T  # one block per value
+    scheme = scheme_for(value, axis=0, scale_dtype="f32")
+    with np.errstate(over="ignore"):  # the pinned arithmetic: q = clip(rint(x / scale)), then q * scale
+        q_ends = np.clip(np.rint(np.array([-top, top], np.float32) / scale), lo, hi)
+        overflows = np.isinf(q_ends * scale).any()
+    if not overflows:
+        q = qd.quantize(x, scheme, device=device)
+        assert np.isfinite(q.dequantize().numpy()).all()
+        np.testing.assert_array_equal(q.scales[:2], [scale, scale])
+        return
+    with pytest.raises(qd.ScaleOverflowError, match=r"^Block \(0, 0\) dequantizes past float32's range") as info:
+        qd.quantize(x, scheme, device=device)
+    with pytest.raises(qd.ScaleOverflowError) as reference:
+        qd.quantize(x, scheme, device="reference")
+    assert str(info.value) == str(reference.value)
 
 
 def test_data_near_float32s_max_quantizes_with_f32_scales(device):
