@@ -106,3 +106,33 @@ def test_q_matmul_matches_dequantized_math(device, m, kb, n, seed, wvalue, block
     wd = wq.dequantize().numpy().astype(np.float64)
     assert product_err(xq.dequantize().numpy(), wd.T, qd.q_matmul(xq, wq.T).numpy()) < 1e-5
     assert product_err(x, wd.T, qd.q_matmul(x, wq.T).numpy()) < 1e-5
+
+
+@SETTINGS
+@given(value=st.sampled_from(list(VALUE_RANGES)), exponent=st.floats(30.0, 38.54), seed=st.integers(0, 2**31 - 1))
+@example(value="q8f", exponent=38.53, seed=0)  # -128 times 2.66e36 and more: past float32's range
+def test_no_qtensor_dequantizes_past_float32s_range(value, exponent, seed):
+    """Scales up to float32's largest, from parts: a weight is refused by every
+    backend alike with the same message, or dequantizes to finite values and its
+    fq products agree with the reference's (which computes x @ dequantize(w))."""
+    lo, hi, bits = VALUE_RANGES[value]
+    r = np.random.default_rng(seed)
+    values = r.integers(lo, hi + 1, (4, 32)).astype(np.int8)
+    scales = (10.0 ** (exponent - r.random(4) * 4)).astype(np.float32)  # per row, within 10^4 of 10^exponent
+    scheme = qd.QuantScheme(value, axis=0, store="native" if bits == 8 else "packed_u32")
+    made = {}
+    for device in ("reference", "cpu"):
+        try:
+            made[device] = qd.qtensor_from_parts(values, scales, scheme, device=device)
+        except qd.ScaleOverflowError as err:
+            made[device] = str(err)
+    if isinstance(made["reference"], str):
+        assert made["cpu"] == made["reference"]
+        with np.errstate(over="ignore"):
+            assert np.isinf(values.astype(np.float32) * scales[:, None]).any()
+        return
+    x = (r.standard_normal((2, 32)) * 1e-3).astype(np.float32)
+    wd = made["reference"].dequantize().numpy()
+    assert np.isfinite(wd).all()
+    for device in ("reference", "cpu"):
+        assert product_err(x, wd.astype(np.float64).T, qd.linear(x, made[device]).numpy()) < 1e-5
