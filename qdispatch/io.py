@@ -197,8 +197,8 @@ def encode_qtensor(name, q, op="save"):
 
 def decode_qtensor(name, values, raw_scales, scheme, layout):
     """(int8 values, float32 scales) of what encode_qtensor gave, in storage
-    orientation `layout`; stray bits in packed words and scales that are not finite
-    are refused."""
+    orientation `layout`; stray bits in packed words, scales that are not finite
+    and values that times their scale overflow float32 are refused."""
     if scheme.store == "packed_u32":
         words = values
         values = packing.unpack_u32(words, scheme.bits, layout.shape[-1])
@@ -210,6 +210,10 @@ def decode_qtensor(name, values, raw_scales, scheme, layout):
               else raw_scales.astype(np.float32))
     if not np.all(np.isfinite(scales)):
         raise SerializationError(f"Tensor {name!r}: its scales hold NaN or Inf")
+    past = quantmath.first_block_past_float32(scales, lambda: values, layout.shape, scheme.qrange, layout.block)
+    if past is not None:  # such a tensor can't be made: a writer that allowed it, or a damaged file
+        raise SerializationError(f"Tensor {name!r}: " + str(quantmath.dequantize_overflow_error(
+            past, "quantize its float weights again, scaled down")))
     return values, scales
 
 

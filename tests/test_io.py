@@ -13,6 +13,7 @@ import pytest
 import qdispatch as qd
 from qdispatch import QuantScheme, SerializationError
 from qdispatch import io as qio
+from qdispatch.layout import QLayout
 from helpers import transient_bytes
 
 HOST_DEVICES = ["reference"] + (["cpu"] if "cpu" in qd.available_backends() else [])
@@ -888,3 +889,18 @@ def test_big_endian_arrays_are_stored_little_endian(tmp_path, dtype):
     assert loaded.dtype == a.dtype.newbyteorder("=") and loaded.dtype.isnative
     np.testing.assert_array_equal(loaded, a)
     assert path.read_bytes().endswith(a.astype(a.dtype.newbyteorder("<")).tobytes())
+
+
+def test_a_stored_qtensor_that_would_dequantize_past_float32s_range_is_refused():
+    """quantize and qtensor_from_parts refuse such a QTensor, but a file or a pickle
+    may hold one (from a writer that allowed it, or damaged): reading it names the
+    tensor and the block."""
+    scheme = QuantScheme("q8f", axis=0)
+    values, scales = np.array([[1, 2], [-128, 3]], np.int8), np.array([[1.0], [2.7e36]], np.float32)
+    with pytest.raises(SerializationError, match=r"^Tensor 'w': Block \(1, 0\) dequantizes past float32's range: a "
+                                                 r"value of magnitude 128 .*; quantize its float weights again"):
+        qio.decode_qtensor("w", values, scales, scheme, QLayout.for_shape(scheme, (2, 2)))
+    with pytest.raises(SerializationError, match=r"^Tensor 'a pickled QTensor': Block \(1, 0\)"):
+        qio.qtensor_unpickled(values, scales, (2, 2), scheme, False, "cpu")
+    scales[1] = 2.6e36  # 128 x 2.6e36 = 3.33e38: finite
+    assert np.isfinite(qio.qtensor_unpickled(values, scales, (2, 2), scheme, False, "cpu").dequantize().numpy()).all()
