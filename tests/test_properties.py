@@ -109,7 +109,7 @@ def test_q_matmul_matches_dequantized_math(device, m, kb, n, seed, wvalue, block
 
 
 @SETTINGS
-@given(value=st.sampled_from(list(VALUE_RANGES)), exponent=st.floats(30.0, 38.54), seed=st.integers(0, 2**31 - 1))
+@given(value=st.sampled_from(list(VALUE_RANGES)), exponent=st.floats(30.0, 38.53), seed=st.integers(0, 2**31 - 1))
 @example(value="q8f", exponent=38.53, seed=0)  # -128 times 2.66e36 and more: past float32's range
 def test_no_qtensor_dequantizes_past_float32s_range(value, exponent, seed):
     """Scales up to float32's largest, from parts: a weight is refused by every
