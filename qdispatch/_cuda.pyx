@@ -802,6 +802,28 @@ def quantize(DeviceArray x, str value, int64_t block_rows, int64_t block_cols, s
     return q, scales
 
 
+def largest_magnitude(DeviceArray a):
+    """The largest |value| of a float32 device array (0.0 for an empty one), found on
+    the device: 4 bytes come to the host, not the array."""
+    if a.dtype != "float32":
+        raise ArgumentTypeError(f"largest_magnitude takes float32, got {a.dtype}")
+    cdef int64_t n = a.size
+    if n == 0:
+        return 0.0
+    scratch = empty((QD_CUDA_QUANTIZE_SCRATCH,), "int8", a.device)
+    cdef float largest = 0.0
+    cdef void *pa = P(a)
+    cdef void *pw = P(scratch)
+    cdef qd_status st
+    with on_device(a.device):
+        with nogil:
+            st = qd_cuda_largest_magnitude(<const float *>pa, n, &largest, pw, NULL)
+    if st == QD_ERR_NOT_FINITE:
+        raise NonFiniteError("a NaN or an infinity among the values")
+    _status(st, "largest_magnitude")
+    return float(largest)
+
+
 def dequantize(DeviceArray values, int bits, int64_t rows, int64_t cols, DeviceArray scales,
                int64_t block_rows, int64_t block_cols, str dtype="float32", bint tiled=False):
     """dtype [rows, cols] = values * scales (the float32 product, rounded once to a

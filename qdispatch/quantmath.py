@@ -104,6 +104,14 @@ def scale_overflow_error(block, scale_dtype, value=None):
                               f"{scale_overflow_advice(scale_dtype)}")
 
 
+def may_pass_float32(largest_scale, qrange):
+    """Whether the range's widest value times the largest scale's magnitude is past
+    float32's range: only then can a block dequantize to an infinity."""
+    lo, hi = qrange
+    with np.errstate(over="ignore"):  # overflow is what is looked for
+        return bool(np.isinf(np.float32(max(-lo, hi)) * np.float32(largest_scale)))
+
+
 def first_block_past_float32(scales: np.ndarray, values, shape, qrange, block):
     """The first block (its position in the scale grid) holding a value that,
     times the block's scale, lies past float32's range, where `dequantize` would
@@ -111,12 +119,10 @@ def first_block_past_float32(scales: np.ndarray, values, shape, qrange, block):
     there is none.  `values` gives the int8 values of `shape` when called: only
     when some scale times the range's widest value overflows, so the common case
     reads the scales alone."""
-    lo, hi = qrange
     grid = np.asarray(scales, dtype=np.float32).reshape(grid_shape(shape, block))
-    widest = np.float32(max(-lo, hi))
+    if not may_pass_float32(max(grid.max(), -grid.min()), qrange):  # two passes, no temporaries
+        return None
     with np.errstate(over="ignore"):  # overflow is what is looked for
-        if not np.isinf(widest * max(grid.max(), -grid.min())):  # two passes, no temporaries
-            return None
         q = np.asarray(values())
         blocked = _blocked(np.abs(q.astype(np.int16)), block)  # int16: |-128| fits
         largest = blocked.max(axis=tuple(range(1, blocked.ndim, 2))).reshape(grid.shape)

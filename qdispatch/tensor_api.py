@@ -631,12 +631,13 @@ def quantize(x, scheme="q8s", device=None):
     past float32's range (a q8f block whose largest magnitude is within 0.4% of
     float32's largest, say) is a ScaleOverflowError."""
     q = _quantize(x, scheme, device, weight=True)
-    scales = q.scales
-    _check_dequantizable(scales, lambda: q.values, q.shape, q.layout.logical_block(q.transposed), q.scheme,
-                         "scale the data down first (values this close to float32's largest leave the rest of "
-                         "their block next to nothing anyway)")
+    # the largest scale first: on a GPU that is 4 bytes to the host, not the scale grid
+    if quantmath.may_pass_float32(get_backend(q.kind).qstorage_largest_scale(q.storage), q.scheme.qrange):
+        _check_dequantizable(q.scales, lambda: q.values, q.shape, q.layout.logical_block(q.transposed), q.scheme,
+                             "scale the data down first (values this close to float32's largest leave the rest "
+                             "of their block next to nothing anyway)")
     if q.scheme.scale_dtype == "f16":
-        warning = quantmath.f16_scale_underflow_warning(scales)
+        warning = quantmath.f16_scale_underflow_warning(q.scales)
         if warning is not None:
             warnings.warn(warning, stacklevel=2)
     return q

@@ -180,6 +180,25 @@ def test_quantize_scale_overflow():
     assert qd.quantize(np.ones((2, 32), np.float32), "q8s", device="cuda").values.sum() == 64 * 127
 
 
+@pytest.mark.parametrize("n", [1, 31, 1024, 1025, 5000, 352256])
+def test_largest_magnitude_of_a_scale_grid(rng, n):
+    """What quantize's check of the scales against float32's range reads on a GPU
+    (4 bytes, not the grid): the largest |value|, of either sign, anywhere."""
+    from qdispatch import _cuda
+    x = rng.standard_normal(n).astype(np.float32)
+    for where, sign in ((0, -1), (n - 1, 1), (n // 2, -1)):
+        y = x.copy()
+        y[where] = sign * 3.0e38
+        assert _cuda.largest_magnitude(_cuda.from_host(y, "float32", 0)) == float(np.float32(3.0e38))
+    got = _cuda.largest_magnitude(_cuda.from_host(x.reshape(1, n), "float32", 0))
+    assert got == float(np.abs(x).max())
+    assert _cuda.largest_magnitude(_cuda.from_host(np.zeros(n, np.float32), "float32", 0)) == 0.0
+    bad = x.copy()
+    bad[n - 1] = np.nan
+    with pytest.raises(qd.NonFiniteError):
+        _cuda.largest_magnitude(_cuda.from_host(bad, "float32", 0))
+
+
 # ---- qq: fused scale epilogue --------------------------------------------------
 
 QQ_PAIRS = [  # (lhs scheme for [M, K], rhs scheme for w [N, K])

@@ -73,6 +73,11 @@ class Backend:
         """(int8 values, float32 scale grid) exactly as they were stored."""
         raise NotImplementedError
 
+    def qstorage_largest_scale(self, storage):
+        """The largest magnitude among `storage`'s scales, a Python float."""
+        scales = self.qstorage_scales_to_host(storage)
+        return float(max(scales.max(), -scales.min()))  # two passes, no temporary
+
     # dtypes whose payloads quantize reads as they are; others come as a float32 copy
     quantize_dtypes = ("float32",)
 

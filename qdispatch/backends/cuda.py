@@ -244,6 +244,9 @@ class CudaBackend(Backend):
     def qstorage_scales_to_host(self, storage):
         return _cuda.to_host(storage.scales)
 
+    def qstorage_largest_scale(self, storage):
+        return _cuda.largest_magnitude(storage.scales)  # 4 bytes to the host, not the grid
+
     def qstorage_to_host(self, storage, layout):
         values = _cuda.to_host(storage.values)
         if layout.scheme.store == "packed_u32":

@@ -39,6 +39,8 @@ qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int v
 qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, int value_kind,
                            int64_t block_rows, int64_t block_cols, int scale_dtype, float *scales,
                            int8_t *q, void *scratch, int64_t *bad_index, void *stream) UNAVAILABLE
+qd_status qd_cuda_largest_magnitude(const float *x, int64_t n, float *largest, void *scratch,
+                                    void *stream) UNAVAILABLE
 qd_status qd_cuda_dequantize(const void *values, int bits, int64_t rows, int64_t cols,
                              const float *scales, int64_t block_rows, int64_t block_cols,
                              float *out, void *stream) UNAVAILABLE

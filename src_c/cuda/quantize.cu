@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
+
 #include "common.cuh"
 
 namespace {
@@ -165,6 +167,34 @@ extern "C" qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, 
     quantize_kernel<<<grid, block, 0, s>>>(
         x, x_dtype, b, scales, (float)lo, (float)hi, q);
     return qd::launched();
+}
+
+extern "C" qd_status qd_cuda_largest_magnitude(const float *x, int64_t n, float *largest, void *scratch,
+                                               void *stream) {
+    if (!x || !largest || !scratch) return QD_ERR_NULL;
+    if (reinterpret_cast<uintptr_t>(scratch) % 8) return QD_ERR_ARGUMENT;
+    if (n <= 0) return QD_ERR_SHAPE;
+    if (!qd_dims_fit(1, n, sizeof(float))) return QD_ERR_ARGUMENT;
+    if (qd::overlaps_any(qd::Bytes{scratch, QD_CUDA_QUANTIZE_SCRATCH}, {qd::Bytes{x, (size_t)n * sizeof(float)}}))
+        return QD_ERR_ARGUMENT;
+    auto *amax = static_cast<float *>(scratch);  // [0]: the largest, [1]: the first non-finite value
+    auto *bad = static_cast<unsigned long long *>(scratch) + 1;
+    cudaStream_t s = qd::as_stream(stream);
+    qd_status st;
+    if ((st = qd::check(cudaMemsetAsync(amax, 0, sizeof(float), s))) != QD_OK) return st;
+    if ((st = qd::check(cudaMemsetAsync(bad, 0x7F, sizeof *bad, s))) != QD_OK) return st;
+    // x as one row in one block: the amax kernel's warps each take a segment of it
+    const Blocking b{1, n, 1, n};
+    const int64_t segs = qd::ceil_div(n, kSegment), blocks = qd::ceil_div(segs * 32, kThreads);
+    if (blocks > 0x7FFFFFFF) return QD_ERR_SHAPE;
+    amax_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(x, QD_CUDA_F32, b, segs, amax, bad);
+    if ((st = qd::launched()) != QD_OK) return st;
+    unsigned long long found[2];
+    if ((st = qd::check(cudaMemcpyAsync(found, scratch, sizeof found, cudaMemcpyDeviceToHost, s))) != QD_OK) return st;
+    if ((st = qd::check(cudaStreamSynchronize(s))) != QD_OK) return st;
+    if (found[1] != kNone) return QD_ERR_NOT_FINITE;
+    std::memcpy(largest, found, sizeof(float));  // scratch's first 4 bytes, as copied
+    return QD_OK;
 }
 
 extern "C" qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols,

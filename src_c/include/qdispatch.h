@@ -254,7 +254,8 @@ qd_status qd_convert_f32_to_bf16(const float *src, int64_t n, uint16_t *dst);
 /* ---- CUDA entry points (see qd_cuda_available) ---- */
 /* All pointers are device pointers unless said otherwise; `stream` is a
  * cudaStream_t (NULL: the legacy default stream).  Work is queued on the
- * stream; only the qd_cuda_quantize functions wait for it (to report bad input).
+ * stream; only the qd_cuda_quantize functions and qd_cuda_largest_magnitude wait for it
+ * (to report bad input, or their result).
  * Built without CUDA, every function returns QD_ERR_CUDA_UNAVAILABLE. */
 typedef enum qd_cuda_dtype {
     QD_CUDA_F32 = 0, QD_CUDA_F16 = 1, QD_CUDA_BF16 = 2, QD_CUDA_S8 = 3, QD_CUDA_S32 = 4
@@ -311,6 +312,13 @@ qd_status qd_cuda_quantize_f32(const float *x, int64_t rows, int64_t cols, int v
 qd_status qd_cuda_quantize(const void *x, int x_dtype, int64_t rows, int64_t cols, int value_kind,
                            int64_t block_rows, int64_t block_cols, int scale_dtype, float *scales,
                            int8_t *q, void *scratch, int64_t *bad_index, void *stream);
+/* The largest magnitude of x's n float32 values, written to the host's *largest: one
+ * reduction on the device, so that a check of a scale grid (quantize's, against
+ * dequantizing past float32's range) copies 4 bytes to the host, not the grid.  Waits
+ * for the stream.  A NaN or an infinity in x is QD_ERR_NOT_FINITE.  scratch:
+ * QD_CUDA_QUANTIZE_SCRATCH device bytes, 8-byte aligned. */
+qd_status qd_cuda_largest_magnitude(const float *x, int64_t n, float *largest, void *scratch,
+                                    void *stream);
 /* out[r, c] = value(r, c) * scales[r / block_rows, c / block_cols] (float32).  values:
  * int8 [rows, cols] when bits == 0, else packed_u32 words of `bits`-bit values.  In a
  * 16-bit dtype: qd_cuda_dequantize_rows without ids. */
