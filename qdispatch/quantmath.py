@@ -104,6 +104,11 @@ def scale_overflow_error(block, scale_dtype, value=None):
                               f"{scale_overflow_advice(scale_dtype)}")
 
 
+def largest_magnitude(a: np.ndarray) -> float:
+    """The largest |value| of a float array: two passes, no temporary."""
+    return float(max(a.max(), -a.min()))
+
+
 def may_pass_float32(largest_scale, qrange):
     """Whether the range's widest value times the largest scale's magnitude is past
     float32's range: only then can a block dequantize to an infinity."""
@@ -120,7 +125,7 @@ def first_block_past_float32(scales: np.ndarray, values, shape, qrange, block):
     when some scale times the range's widest value overflows, so the common case
     reads the scales alone."""
     grid = np.asarray(scales, dtype=np.float32).reshape(grid_shape(shape, block))
-    if not may_pass_float32(max(grid.max(), -grid.min()), qrange):  # two passes, no temporaries
+    if not may_pass_float32(largest_magnitude(grid), qrange):
         return None
     with np.errstate(over="ignore"):  # overflow is what is looked for
         q = np.asarray(values())

@@ -5,6 +5,8 @@ shapes, dtypes and schemes, and reduced batched calls to 2-D ones; a backend
 only moves data and runs kernels.  Payloads (dense data) and storages
 (quantized data) are the backend's own objects."""
 
+from .. import quantmath
+
 
 class QStorage:
     """Values in the scheme's store plus a float32 scale grid; `cache` holds what a
@@ -75,8 +77,7 @@ class Backend:
 
     def qstorage_largest_scale(self, storage):
         """The largest magnitude among `storage`'s scales, a Python float."""
-        scales = self.qstorage_scales_to_host(storage)
-        return float(max(scales.max(), -scales.min()))  # two passes, no temporary
+        return quantmath.largest_magnitude(self.qstorage_scales_to_host(storage))
 
     # dtypes whose payloads quantize reads as they are; others come as a float32 copy
     quantize_dtypes = ("float32",)
